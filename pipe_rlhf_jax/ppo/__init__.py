@@ -1,0 +1,17 @@
+"""PPO mathematics: advantages, KL regularisation, losses; importing fills the registries."""
+
+from pipe_rlhf_jax.ppo.advantages import gae, masked_mean, whiten
+from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef, kl_penalty, shape_rewards
+from pipe_rlhf_jax.ppo.losses import entropy_from_logits, policy_loss, value_loss
+
+__all__ = [
+    "adaptive_kl_coef",
+    "entropy_from_logits",
+    "gae",
+    "kl_penalty",
+    "masked_mean",
+    "policy_loss",
+    "shape_rewards",
+    "value_loss",
+    "whiten",
+]

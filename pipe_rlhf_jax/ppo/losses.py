@@ -1,0 +1,261 @@
+"""PPO training objectives: clipped policy surrogate, clipped value loss, entropy.
+
+Owns the per-token losses the train stage differentiates, their diagnostics, and the
+log-prob / entropy helpers that turn model logits into the quantities the losses need.
+Losses are token-level means over all valid tokens of the batch (every token weighs the
+same regardless of its sequence's length).
+
+Policy losses registered in `POLICY_LOSSES` share one signature:
+  fn(logprobs, old_logprobs, advantages, mask, *, clip_eps, behaviour_logprobs=None,
+     behaviour_weight_cap=None) -> (loss, aux)
+"ppo_clip" is the standard PPO objective and ignores behaviour log-probs, so a caller
+may always pass them; "decoupled_ppo_clip" requires them (Hilton et al. 2022).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pipe_rlhf_jax.ppo.advantages import (
+    _as_f32_mask,
+    _check_2d,
+    masked_mean,
+    masked_var,
+)
+from pipe_rlhf_jax.ppo.registry import POLICY_LOSSES
+
+
+def _masked_max(x: jax.Array, valid: jax.Array) -> jax.Array:
+  """Max over valid positions, 0 when none is valid."""
+  return jnp.where(jnp.any(valid), jnp.max(jnp.where(valid, x, -jnp.inf)), 0.0)
+
+
+def _same_shape(ref_name: str, ref: jax.Array, **arrays: jax.Array) -> None:
+  for name, x in arrays.items():
+    if x.shape != ref.shape:
+      raise ValueError(
+          f"`{name}` has shape {x.shape} but `{ref_name}` has {ref.shape}; all "
+          "per-token inputs must be [batch, length]."
+      )
+
+
+def policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+    behaviour_logprobs: jax.Array | None = None,
+    behaviour_weight_cap: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO clipped surrogate, optionally decoupled from the behaviour policy.
+
+  Per token, with ratio r = exp(logprobs - old_logprobs):
+    loss_t = max(-A_t * r, -A_t * clip(r, 1 - clip_eps, 1 + clip_eps))
+  In the decoupled objective (Hilton et al. 2022, batch size-invariance), `old_logprobs`
+  is the proximal policy and `behaviour_logprobs` the policy that sampled the tokens;
+  each token's loss is multiplied by the constant importance weight
+  w_t = exp(old_logprobs - behaviour_logprobs), capped above at `behaviour_weight_cap`.
+
+  Args:
+    logprobs: f32 [batch, length] current policy log-probs (differentiated).
+    old_logprobs: f32 [batch, length] log-probs the ratio is taken against (constant).
+    advantages: f32 [batch, length] advantages (constant).
+    mask: bool/0-1 [batch, length], True on valid tokens.
+    clip_eps: PPO clip range, > 0.
+    behaviour_logprobs: f32 [batch, length] sampling-policy log-probs; None for plain
+      PPO.
+    behaviour_weight_cap: upper bound on w_t (None: uncapped); only with
+      `behaviour_logprobs`.
+
+  Returns:
+    (loss scalar, aux) with aux scalars:
+      clip_frac: fraction of valid tokens on which the clipped branch is active.
+      approx_kl: mean over valid tokens of (r - 1) - log r, the non-negative k3
+        estimate of KL(old || current) from tokens sampled under the old policy.
+      ratio_mean, ratio_max: of r over valid tokens.
+      iw_mean, iw_max: of the uncapped weights w_t (decoupled only).
+      iw_clip_frac: fraction of valid tokens whose w_t hit the cap (decoupled only).
+  """
+  if isinstance(clip_eps, (int, float)) and not clip_eps > 0:
+    raise ValueError(f"`clip_eps` must be > 0, got {clip_eps}.")
+  if behaviour_weight_cap is not None and behaviour_logprobs is None:
+    raise ValueError(
+        "`behaviour_weight_cap` was given without `behaviour_logprobs`; pass the "
+        "behaviour log-probs or drop the cap."
+    )
+  logprobs = _check_2d("logprobs", logprobs)
+  old_logprobs = jax.lax.stop_gradient(_check_2d("old_logprobs", old_logprobs))
+  advantages = jax.lax.stop_gradient(_check_2d("advantages", advantages))
+  _same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages)
+  valid = _as_f32_mask(mask, logprobs) > 0
+
+  # Zero the log-ratio on padding before exp so garbage there cannot overflow or send
+  # NaN gradients back through the `where`.
+  log_ratio = jnp.where(valid, logprobs - old_logprobs, 0.0)  # [batch, length]
+  ratio = jnp.exp(log_ratio)
+  unclipped = -advantages * ratio
+  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+  per_token = jnp.maximum(unclipped, clipped)  # [batch, length]
+
+  aux = {
+      "clip_frac": masked_mean((clipped > unclipped).astype(jnp.float32), valid),
+      "approx_kl": masked_mean(jnp.expm1(log_ratio) - log_ratio, valid),
+      "ratio_mean": masked_mean(ratio, valid),
+      "ratio_max": _masked_max(ratio, valid),
+  }
+
+  if behaviour_logprobs is not None:
+    behaviour_logprobs = jax.lax.stop_gradient(
+        _check_2d("behaviour_logprobs", behaviour_logprobs)
+    )
+    _same_shape("logprobs", logprobs, behaviour_logprobs=behaviour_logprobs)
+    weight = jnp.exp(jnp.where(valid, old_logprobs - behaviour_logprobs, 0.0))
+    aux["iw_mean"] = masked_mean(weight, valid)
+    aux["iw_max"] = _masked_max(weight, valid)
+    if behaviour_weight_cap is not None:
+      aux["iw_clip_frac"] = masked_mean(
+          (weight > behaviour_weight_cap).astype(jnp.float32), valid
+      )
+      weight = jnp.minimum(weight, behaviour_weight_cap)
+    else:
+      aux["iw_clip_frac"] = jnp.zeros((), jnp.float32)
+    per_token = per_token * weight
+
+  return masked_mean(per_token, valid), aux
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logprobs, old_logprobs, advantages, mask, *, clip_eps,
+    behaviour_logprobs=None, behaviour_weight_cap=None,
+):
+  """Standard PPO clipped surrogate; behaviour log-probs and cap are ignored."""
+  del behaviour_logprobs, behaviour_weight_cap  # The ratio is against old_logprobs.
+  return policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps)
+
+
+@POLICY_LOSSES.register("decoupled_ppo_clip")
+def decoupled_ppo_clip_loss(
+    logprobs, old_logprobs, advantages, mask, *, clip_eps,
+    behaviour_logprobs=None, behaviour_weight_cap=None,
+):
+  """Decoupled PPO (proximal = `old_logprobs`); requires `behaviour_logprobs`."""
+  if behaviour_logprobs is None:
+    raise ValueError(
+        "policy loss 'decoupled_ppo_clip' needs `behaviour_logprobs` (the sampling "
+        "policy's log-probs); use 'ppo_clip' for on-policy training."
+    )
+  return policy_loss(
+      logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps,
+      behaviour_logprobs=behaviour_logprobs,
+      behaviour_weight_cap=behaviour_weight_cap,
+  )
+
+
+def explained_variance(
+    values: jax.Array, returns: jax.Array, mask: jax.Array
+) -> jax.Array:
+  """1 - Var(returns - values) / Var(returns) over valid tokens.
+
+  Args:
+    values: f32 [batch, length] value predictions.
+    returns: f32 [batch, length] value targets.
+    mask: bool/0-1 [batch, length].
+
+  Returns:
+    Scalar float32; 1 is a perfect fit, <= 0 no better than a constant. Returns 0 when
+    the returns have zero variance (the ratio is undefined there).
+  """
+  values = jnp.asarray(values, jnp.float32)
+  returns = jnp.asarray(returns, jnp.float32)
+  var_returns = masked_var(returns, mask)
+  var_resid = masked_var(returns - values, mask)
+  safe = jnp.where(var_returns > 0, var_returns, 1.0)
+  return jnp.where(var_returns > 0, 1.0 - var_resid / safe, 0.0)
+
+
+def value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    mask: jax.Array,
+    *,
+    clip_eps: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped value loss, token mean of 0.5 * max((v - R)^2, (v_clipped - R)^2).
+
+  v_clipped = old_values + clip(values - old_values, -clip_eps, clip_eps) keeps the
+  critic from moving further than `clip_eps` per update on tokens where that would
+  lower the loss.
+
+  Args:
+    values: f32 [batch, length] current critic values (differentiated).
+    old_values: f32 [batch, length] critic values at rollout time (constant).
+    returns: f32 [batch, length] value targets (constant).
+    mask: bool/0-1 [batch, length].
+    clip_eps: value clip range, > 0.
+
+  Returns:
+    (loss scalar, aux) with aux scalars "value_clip_frac" (fraction of valid tokens on
+    which the clipped term is the larger one) and "explained_variance" (of `values`).
+  """
+  if isinstance(clip_eps, (int, float)) and not clip_eps > 0:
+    raise ValueError(f"value `clip_eps` must be > 0, got {clip_eps}.")
+  values = _check_2d("values", values)
+  old_values = jax.lax.stop_gradient(_check_2d("old_values", old_values))
+  returns = jax.lax.stop_gradient(_check_2d("returns", returns))
+  _same_shape("values", values, old_values=old_values, returns=returns)
+  valid = _as_f32_mask(mask, values) > 0
+
+  clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+  err_unclipped = jnp.square(values - returns)
+  err_clipped = jnp.square(clipped_values - returns)
+  per_token = 0.5 * jnp.maximum(err_unclipped, err_clipped)  # [batch, length]
+  aux = {
+      "value_clip_frac": masked_mean(
+          (err_clipped > err_unclipped).astype(jnp.float32), valid
+      ),
+      "explained_variance": explained_variance(values, returns, valid),
+  }
+  return masked_mean(per_token, valid), aux
+
+
+def logprobs_from_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Log-probabilities of `tokens` under `logits`, computed in float32.
+
+  Args:
+    logits: [batch, length, vocab] (any float dtype; upcast to f32).
+    tokens: int [batch, length] token ids.
+
+  Returns:
+    f32 [batch, length].
+  """
+  if logits.ndim != tokens.ndim + 1 or logits.shape[:-1] != tokens.shape:
+    raise ValueError(
+        f"`logits` {logits.shape} must be `tokens` {tokens.shape} plus a vocab axis."
+    )
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[
+      ..., 0
+  ]
+
+
+def entropy_from_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean per-token entropy of the softmax of `logits` over valid positions.
+
+  Args:
+    logits: [batch, length, vocab]; -inf entries (masked-out vocabulary) are allowed.
+    mask: bool/0-1 [batch, length].
+
+  Returns:
+    Scalar float32 entropy in nats.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  p = jnp.exp(logp)
+  # 0 * log 0 = 0 for vocabulary entries excluded with -inf logits.
+  plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0)
+  entropy = -jnp.sum(plogp, axis=-1)  # [batch, length]
+  return masked_mean(entropy, mask)

@@ -1,0 +1,73 @@
+"""The data that flows between PPO stages: rollouts and experience.
+
+Layout convention shared by every stage (and by the SFT / reward-model data): a prompt is
+left-padded to a fixed length P, its completion right-padded to a fixed length T, so the
+full sequence `[prompt | completion]` has the prompt's last token at index P-1 and the
+completion's token i at index P+i for every row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Rollout:
+  """What generation produces for one batch.
+
+  Attributes:
+    prompt_tokens: int32 [batch, prompt_len], left-padded.
+    prompt_mask: bool [batch, prompt_len], True on real prompt tokens.
+    completion_tokens: int32 [batch, completion_len], right-padded; EOS included.
+    completion_mask: bool [batch, completion_len], True up to and including EOS.
+    behaviour_logprobs: f32 [batch, completion_len], log-probs of the sampled tokens under
+      the sampling distribution (temperature/top-k/top-p applied), 0 on padding.
+    policy_version: int32 [], version of the actor weights that generated the batch.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_tokens: jax.Array
+  completion_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  policy_version: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.prompt_tokens.shape[0]
+
+  def sequence(self) -> tuple[jax.Array, jax.Array]:
+    """Returns the full `[prompt | completion]` tokens and mask, [batch, P + T]."""
+    tokens = jnp.concatenate([self.prompt_tokens, self.completion_tokens], axis=1)
+    mask = jnp.concatenate([self.prompt_mask, self.completion_mask], axis=1)
+    return tokens, mask
+
+
+@struct.dataclass
+class Experience:
+  """A rollout scored by the inference stage and turned into PPO targets.
+
+  Attributes:
+    rollout: the generating batch.
+    old_logprobs: f32 [batch, completion_len], actor log-probs the PPO ratio is taken
+      against (the behaviour log-probs, or the proximal policy's in the decoupled mode).
+    ref_logprobs: f32 [batch, completion_len], frozen reference policy log-probs.
+    values: f32 [batch, completion_len], critic values V(s_t) before token t.
+    scores: f32 [batch], reward-model (or rule) score of each completion.
+    rewards: f32 [batch, completion_len], KL-shaped per-token rewards.
+    advantages: f32 [batch, completion_len], whitened GAE advantages (0 on padding).
+    returns: f32 [batch, completion_len], value targets.
+    kl: f32 [batch, completion_len], per-token KL estimate against the reference.
+  """
+
+  rollout: Rollout
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array
+  values: jax.Array
+  scores: jax.Array
+  rewards: jax.Array
+  advantages: jax.Array
+  returns: jax.Array
+  kl: jax.Array
