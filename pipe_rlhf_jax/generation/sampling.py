@@ -1,0 +1,72 @@
+"""The sampling distribution and its randomness, shared by every decoder and by PPO.
+
+This module owns three things that must agree bit for bit wherever they are used:
+- `sampling_logprobs`: how raw logits become the distribution tokens are drawn from
+  (temperature, top-k, top-p). The PPO trainer calls the same function on a full forward
+  pass, so the behaviour log-probs recorded at generation equal the trainer's log-probs
+  on the same weights and the first PPO ratio is exactly 1.
+- `token_keys`: the random key of (sample, position). Keys depend only on the sample's
+  global id and the token index, never on batch or micro-batch placement, so the plain
+  and the pipelined decoders draw identical tokens.
+- `sample`: the draw itself (Gumbel-max over the processed log-probs; argmax when greedy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so that excluded tokens never turn sums into NaN
+
+
+def sampling_logprobs(logits: jax.Array, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0) -> jax.Array:
+  """Log-probabilities of the distribution that tokens are sampled from.
+
+  Args:
+    logits: [..., vocab] raw model logits.
+    temperature: > 0 divides the logits; 0 means greedy decoding, for which the
+      untempered distribution is reported (the argmax token is what gets chosen).
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = all).
+
+  Returns:
+    [..., vocab] f32 log-probs; tokens outside the top-k / top-p set get NEG_INF.
+  """
+  logits = logits.astype(jnp.float32)
+  if temperature > 0:
+    logits = logits / temperature
+  if top_k and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, NEG_INF, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # Keep a token if the mass strictly before it is below top_p (the top token always).
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = before < top_p
+    keep = jnp.zeros_like(keep_sorted).at[
+        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    logits = jnp.where(keep, logits, NEG_INF)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def token_keys(rng: jax.Array, sample_ids: jax.Array, position: jax.Array | int
+               ) -> jax.Array:
+  """Keys [batch] for drawing token `position` of each sample in `sample_ids` [batch]."""
+  fold = lambda sid: jax.random.fold_in(jax.random.fold_in(rng, sid), position)
+  return jax.vmap(fold)(sample_ids)
+
+
+def sample(logprobs: jax.Array, keys: jax.Array, greedy: bool) -> jax.Array:
+  """Draws one token per row: logprobs [batch, vocab], keys [batch] -> int32 [batch]."""
+  if greedy:
+    return jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logprobs.shape[-1:], jnp.float32))(keys)
+  return jnp.argmax(logprobs + gumbel, axis=-1).astype(jnp.int32)
+
+
+def token_logprob(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Gathers logprobs [..., vocab] at tokens [...] -> [...]."""
+  return jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]

@@ -1,0 +1,137 @@
+"""Transformer hyper-parameters: one frozen dataclass for the LLaMA 2/3 and Qwen2 family.
+
+This module owns the description of a model's shape and numerics, its validation, and the
+embedded default sizes. Conversion from and to Hugging Face `config.json` lives in
+`models/hf.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+ARCHITECTURES = ("llama", "qwen2")
+HEADS = ("lm", "value", "score")
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Shape and numerics of a decoder-only transformer.
+
+  Attributes:
+    vocab_size: rows of the embedding table (and columns of the LM head).
+    embed_dim: width of the residual stream.
+    num_layers: transformer blocks, stored stacked along a leading `layers` axis.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (grouped-query attention when < num_heads).
+    head_dim: width of one attention head.
+    mlp_dim: hidden width of the SwiGLU MLP.
+    norm_eps: RMSNorm epsilon.
+    rope_theta: RoPE base frequency.
+    rope_scaling: None, or a dict with "rope_type" in ROPE_TYPES and its parameters
+      ("factor"; for llama3 also "low_freq_factor", "high_freq_factor",
+      "original_max_position_embeddings").
+    tie_embeddings: the LM head reuses the embedding table.
+    qkv_bias: biases on the q/k/v projections (Qwen2).
+    out_bias: bias on the attention output projection (LLaMA `attention_bias=True`).
+    architecture: "llama" or "qwen2"; decides the Hugging Face export class.
+    head: "lm" (logits over the vocabulary), "value" (critic: one scalar per token) or
+      "score" (reward model: one scalar per token, read at the last valid token).
+    dtype: compute dtype name ("float32" / "bfloat16").
+    param_dtype: storage dtype name of the parameters.
+    max_position_embeddings: the context length the model was trained for (recorded for
+      export; RoPE itself has no table to outgrow).
+    bos_token_id, eos_token_id, pad_token_id: recorded for export and generation defaults.
+  """
+
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: Mapping[str, Any] | None = None
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  out_bias: bool = False
+  architecture: str = "llama"
+  head: str = "lm"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  max_position_embeddings: int = 2048
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+  pad_token_id: int | None = None
+
+  def __post_init__(self):
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ValueError naming the first inconsistent field."""
+    for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"model.num_heads={self.num_heads} must be a multiple of "
+          f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+    if self.architecture not in ARCHITECTURES:
+      raise ValueError(
+          f"model.architecture={self.architecture!r}; choose one of {ARCHITECTURES}.")
+    if self.head not in HEADS:
+      raise ValueError(f"model.head={self.head!r}; choose one of {HEADS}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(
+            f"model.{name}={getattr(self, name)!r}; choose one of {sorted(DTYPES)}.")
+    if self.rope_scaling is not None:
+      kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+      if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"model.rope_scaling rope_type={kind!r} is not supported; supported: "
+            f"{ROPE_TYPES}. Other scalings change the math and are refused, not ignored.")
+    if self.norm_eps <= 0:
+      raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> "TransformerConfig":
+    return dataclasses.replace(self, **changes)
+
+  def num_params(self) -> int:
+    """Parameter count (for the planner and for logging)."""
+    e, f, h, k, d = (self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads,
+                     self.head_dim)
+    per_layer = e * d * (h + 2 * k) + h * d * e + 3 * e * f + 2 * e
+    per_layer += d * (h + 2 * k) if self.qkv_bias else 0
+    per_layer += e if self.out_bias else 0
+    total = self.vocab_size * e + self.num_layers * per_layer + e
+    if self.head == "lm" and not self.tie_embeddings:
+      total += e * self.vocab_size
+    elif self.head != "lm":
+      total += e
+    return total
+
+
+def tiny_config(vocab_size: int = 264, **overrides) -> TransformerConfig:
+  """The embedded default: a 4-layer GQA model that trains in minutes on 2 CPU cores."""
+  base = dict(vocab_size=vocab_size, embed_dim=128, num_layers=4, num_heads=4,
+              num_kv_heads=2, head_dim=32, mlp_dim=384, rope_theta=10000.0,
+              max_position_embeddings=256)
+  base.update(overrides)
+  return TransformerConfig(**base)
