@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+from flax.core import FrozenDict
 
 ARCHITECTURES = ("llama", "qwen2")
 HEADS = ("lm", "value", "score")
@@ -71,6 +72,9 @@ class TransformerConfig:
   pad_token_id: int | None = None
 
   def __post_init__(self):
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
+      # Hashable, so the config (part of every graphdef) can key jit caches.
+      object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
     self.validate()
 
   def validate(self) -> None:

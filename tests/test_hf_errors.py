@@ -1,0 +1,148 @@
+"""models/hf.py refuses checkpoints it cannot reproduce exactly, naming the culprit."""
+
+import json
+import warnings
+
+import pytest
+
+from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models.transformer import init_model
+
+BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40,
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _config(**changes):
+  config = dict(BASE)
+  config.update(changes)
+  return config
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+  """A valid tiny LLaMA checkpoint written by save_pretrained."""
+  config = TransformerConfig(vocab_size=40, embed_dim=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8, mlp_dim=48)
+  hf.save_pretrained(init_model(config), tmp_path)
+  return tmp_path
+
+
+def _edit_tensors(path, edit):
+  tensors = hf.read_safetensors(path / "model.safetensors")
+  edit(tensors)
+  hf.write_safetensors(path / "model.safetensors", tensors)
+
+
+def test_valid_checkpoint_loads(ckpt):
+  assert hf.from_pretrained(ckpt).config.num_layers == 2
+
+
+def test_unsupported_architecture():
+  with pytest.raises(ValueError, match="MistralForCausalLM") as err:
+    hf.config_from_hf(_config(architectures=["MistralForCausalLM"]))
+  for name in hf.SUPPORTED_ARCHITECTURES:
+    assert name in str(err.value)
+
+
+def test_missing_tensor(ckpt):
+  _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+  with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj"
+                                       r"\.weight' \(expected shape \(48, 32\)\)"):
+    hf.from_pretrained(ckpt)
+
+
+def test_misshapen_tensor(ckpt):
+  def edit(t):
+    t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"]
+  _edit_tensors(ckpt, edit)
+  with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight': "
+                                       r"expected shape \(16, 32\), got \(32, 32\)"):
+    hf.from_pretrained(ckpt)
+
+
+def test_unexpected_tensor(ckpt):
+  def edit(t):
+    t["model.layers.0.self_attn.o_proj.bias"] = t["model.norm.weight"]
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = t["model.norm.weight"][:4]
+  _edit_tensors(ckpt, edit)
+  with pytest.raises(ValueError) as err:
+    hf.from_pretrained(ckpt)
+  assert "unexpected tensor 'model.layers.0.self_attn.o_proj.bias'" in str(err.value)
+  assert "inv_freq" not in str(err.value)  # rotary buffers are ignored
+
+
+def test_tied_head_that_differs(ckpt):
+  config = json.loads((ckpt / "config.json").read_text())
+  config["tie_word_embeddings"] = True
+  (ckpt / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="lm_head.weight differs"):
+    hf.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("rope_field", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+def test_unsupported_rope_type(rope_field, kind):
+  with pytest.raises(ValueError, match=rf"{rope_field}\.rope_type='{kind}'"):
+    hf.config_from_hf(_config(**{rope_field: {"rope_type": kind, "factor": 2.0}}))
+
+
+def test_llama3_rope_missing_parameter():
+  with pytest.raises(ValueError, match="low_freq_factor"):
+    hf.config_from_hf(_config(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                            "high_freq_factor": 4.0}))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mlp_bias", True), ("hidden_act", "gelu"), ("partial_rotary_factor", 0.5),
+    ("quantization_config", {"quant_method": "gptq"})])
+def test_math_changing_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    hf.config_from_hf(_config(**{field: value}))
+
+
+def test_neutral_values_of_math_fields_load():
+  config = hf.config_from_hf(_config(mlp_bias=False, hidden_act="silu",
+                                     pretraining_tp=4, attention_dropout=0.0))
+  assert config.mlp_dim == 48
+
+
+def test_sliding_window():
+  qwen = _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                 max_position_embeddings=4096, use_sliding_window=True,
+                 sliding_window=1024, max_window_layers=1)
+  with pytest.raises(ValueError, match="use_sliding_window"):
+    hf.config_from_hf(qwen)
+  # No layer slides, or the window covers the whole context: full attention, accepted.
+  assert hf.config_from_hf({**qwen, "max_window_layers": 2}).qkv_bias
+  assert hf.config_from_hf({**qwen, "sliding_window": 4096}).qkv_bias
+
+
+def test_score_head_needs_one_label():
+  with pytest.raises(ValueError, match="num_labels=2"):
+    hf.config_from_hf(_config(architectures=["LlamaForSequenceClassification"],
+                              num_labels=2))
+
+
+def test_unknown_field_and_dropout_warn():
+  with pytest.warns(UserWarning, match="frobnicate"):
+    hf.config_from_hf(_config(frobnicate=3))
+  with pytest.warns(UserWarning, match="attention_dropout"):
+    hf.config_from_hf(_config(attention_dropout=0.1))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    hf.config_from_hf(_config(transformers_version="4.44.0", use_cache=True))
+
+
+def test_export_refuses_unrepresentable_bias(tmp_path):
+  config = TransformerConfig(vocab_size=40, embed_dim=32, num_layers=1, num_heads=4,
+                             num_kv_heads=2, head_dim=8, mlp_dim=48, qkv_bias=True)
+  with pytest.raises(ValueError, match="qkv_bias=True != out_bias=False"):
+    hf.save_pretrained(init_model(config), tmp_path)
+
+
+def test_missing_weights_file(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(BASE))
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    hf.from_pretrained(tmp_path)
