@@ -1,0 +1,179 @@
+"""Tests for the plain KV-cache sampler (generation/sampler.py) on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pipe_rlhf_jax.generation import sampler
+from pipe_rlhf_jax.generation.sampler import generate
+from pipe_rlhf_jax.generation.sampling import sampling_logprobs, token_logprob
+from pipe_rlhf_jax.models.config import tiny_config
+from pipe_rlhf_jax.models.transformer import init_model
+
+VOCAB = 64
+SAMPLED = dict(temperature=0.7, top_k=12, top_p=0.9)
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+  config = tiny_config(vocab_size=VOCAB, embed_dim=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, mlp_dim=64)
+  return init_model(config, seed=3)
+
+
+def make_prompts(lengths, width, seed=0):
+  """Left-padded random prompts: int32 [B, width], bool [B, width]."""
+  rs = np.random.RandomState(seed)
+  tokens = np.zeros((len(lengths), width), np.int32)
+  mask = np.zeros((len(lengths), width), bool)
+  for row, n in enumerate(lengths):
+    tokens[row, width - n:] = rs.randint(1, VOCAB, n)
+    mask[row, width - n:] = True
+  return tokens, mask
+
+
+def reference_logprobs(model, prompt, prompt_mask, out, sampling):
+  """Log-probs of the generated tokens from ONE full forward pass over the sequence."""
+  tokens = jnp.concatenate([jnp.asarray(prompt), out.tokens], axis=1)
+  mask = jnp.concatenate([jnp.asarray(prompt_mask), out.mask], axis=1)
+  graphdef, state = nnx.split(model)
+  # Default positions (count of real tokens), as in training.
+  logits = jax.jit(lambda s, t, m: nnx.merge(graphdef, s)(t, m))(state, tokens, mask)
+  plen = prompt.shape[1]
+  # Completion token i is predicted from the logits at sequence index P + i - 1.
+  lp = sampling_logprobs(logits[:, plen - 1:-1], sampling.get("temperature", 1.0),
+                         sampling.get("top_k", 0), sampling.get("top_p", 1.0))
+  return lp, token_logprob(lp, out.tokens)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_logprobs_match_full_forward(model, sampling):
+  prompt, mask = make_prompts([6, 4, 2, 5], 6)
+  out = generate(model, prompt, mask, 6, rng=jax.random.key(1), eos_id=None, **sampling)
+  assert out.tokens.shape == (4, 6) and out.tokens.dtype == jnp.int32
+  assert out.logprobs.dtype == jnp.float32 and out.mask.dtype == jnp.bool_
+  assert bool(out.mask.all()) and int(out.num_steps) == 6
+  full_lp, want = reference_logprobs(model, prompt, mask, out, sampling)
+  np.testing.assert_allclose(out.logprobs, want, atol=1e-5, rtol=0)
+  if sampling is GREEDY:
+    np.testing.assert_array_equal(out.tokens, jnp.argmax(full_lp, axis=-1))
+  else:
+    # Every drawn token lies inside the top-k / top-p set.
+    assert bool((want > -1e29).all())
+
+
+def test_per_sample_keys_independent_of_batch_position(model):
+  prompt, mask = make_prompts([6, 3, 5, 6], 6, seed=1)
+  ids = np.array([10, 11, 12, 13], np.int32)
+  rng = jax.random.key(7)
+  full = generate(model, prompt, mask, 6, rng=rng, eos_id=None, sample_ids=ids,
+                  **SAMPLED)
+  order = np.array([3, 1])
+  part = generate(model, prompt[order], mask[order], 6, rng=rng, eos_id=None,
+                  sample_ids=ids[order], **SAMPLED)
+  np.testing.assert_array_equal(part.tokens, full.tokens[order])
+  np.testing.assert_allclose(part.logprobs, full.logprobs[order], atol=1e-5, rtol=0)
+  # The key really depends on the id: the same prompt under other ids samples differently.
+  other = generate(model, prompt, mask, 6, rng=rng, eos_id=None,
+                   sample_ids=ids + 100, **SAMPLED)
+  assert not np.array_equal(other.tokens, full.tokens)
+
+
+def test_default_sample_ids_are_batch_rows(model):
+  prompt, mask = make_prompts([4, 6], 6, seed=2)
+  rng = jax.random.key(0)
+  a = generate(model, prompt, mask, 6, rng=rng, eos_id=None, **SAMPLED)
+  b = generate(model, prompt, mask, 6, rng=rng, eos_id=None, sample_ids=[0, 1], **SAMPLED)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_eos_masks_and_pads_after_eos(model):
+  prompt, mask = make_prompts([6, 3, 5, 6], 6, seed=4)
+  rng = jax.random.key(3)
+  free = generate(model, prompt, mask, 6, rng=rng, eos_id=None, **SAMPLED)
+  eos = int(free.tokens[0, 3])
+  out = generate(model, prompt, mask, 6, rng=rng, eos_id=eos, pad_id=VOCAB - 1, **SAMPLED)
+  free_tokens = np.asarray(free.tokens)
+  for row in range(4):
+    hits = np.nonzero(free_tokens[row] == eos)[0]
+    end = hits[0] + 1 if hits.size else 6  # tokens kept, EOS included
+    np.testing.assert_array_equal(out.tokens[row, :end], free_tokens[row, :end])
+    np.testing.assert_allclose(out.logprobs[row, :end], free.logprobs[row, :end],
+                               atol=1e-6)
+    assert out.mask[row, :end].all() and not out.mask[row, end:].any()
+    assert (np.asarray(out.tokens[row, end:]) == VOCAB - 1).all()
+    assert (np.asarray(out.logprobs[row, end:]) == 0).all()
+  assert int(out.num_steps) == max(int(out.mask[r].sum()) for r in range(4))
+
+
+def test_early_stop_when_every_row_is_done(model):
+  # Identical prompts under greedy decoding produce identical rows; making their third
+  # token EOS ends every row at once, so the loop must stop well before T.
+  prompt, mask = make_prompts([5], 6, seed=5)
+  prompt, mask = np.repeat(prompt, 4, 0), np.repeat(mask, 4, 0)
+  steps = 6
+  free = generate(model, prompt, mask, steps, rng=jax.random.key(0), eos_id=None, **GREEDY)
+  eos = int(free.tokens[0, 2])
+  first = int(np.nonzero(np.asarray(free.tokens[0]) == eos)[0][0])
+  out = generate(model, prompt, mask, steps, rng=jax.random.key(0), eos_id=eos, **GREEDY)
+  assert int(out.num_steps) == first + 1 < steps
+  assert (np.asarray(out.mask.sum(axis=1)) == first + 1).all()
+  assert (np.asarray(out.tokens[:, first + 1:]) == 0).all()
+  np.testing.assert_array_equal(out.tokens[:, :first + 1], free.tokens[:, :first + 1])
+
+
+@pytest.mark.parametrize("sampling, rows", [(GREEDY, [0]), (SAMPLED, [0, 2])],
+                         ids=["greedy", "sampled"])
+def test_left_padding_matches_each_prompt_alone(model, sampling, rows):
+  lengths = [3, 6, 5, 6]
+  prompt, mask = make_prompts(lengths, 6, seed=6)
+  rng = jax.random.key(11)
+  batch = generate(model, prompt, mask, 6, rng=rng, eos_id=None, **sampling)
+  for row in rows:
+    n = lengths[row]
+    alone = generate(model, prompt[row:row + 1, 6 - n:], mask[row:row + 1, 6 - n:], 6,
+                     rng=rng, eos_id=None, sample_ids=[row], **sampling)
+    np.testing.assert_array_equal(alone.tokens[0], batch.tokens[row])
+    np.testing.assert_allclose(alone.logprobs[0], batch.logprobs[row], atol=1e-5, rtol=0)
+
+
+def test_building_blocks_donate_and_loop_on_device(model):
+  prompt, mask = make_prompts([4, 4], 4, seed=8)
+  params = sampler.SamplingParams(max_new_tokens=5, temperature=0.0, eos_id=None)
+  graphdef, state = nnx.split(model)
+  prefill, decode = sampler.make_generate_fns(graphdef, params)
+  ids = jnp.arange(2, dtype=jnp.int32)
+  rng = jax.random.key(0)
+  first = prefill(state, jnp.asarray(prompt), jnp.asarray(mask), rng, ids)
+  assert first.cache.k.shape[2] == 4 + 5  # P + T slots
+  assert int(first.step) == 1
+  # The decode is one while loop, not a Python loop per token.
+  jaxpr = jax.make_jaxpr(lambda *a: sampler.decode_fn(graphdef, *a, params))(
+      state, first, jnp.asarray(mask), rng, ids)
+  assert "while" in str(jaxpr)
+  final = decode(state, first, jnp.asarray(mask), rng, ids)
+  assert first.cache.k.is_deleted()  # donated into the loop
+  want = generate(model, prompt, mask, 5, rng=rng, eos_id=None, **GREEDY)
+  np.testing.assert_array_equal(final.output().tokens, want.tokens)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_bad_sampling_settings_raise(model, kwargs, field):
+  prompt, mask = make_prompts([3], 3)
+  with pytest.raises(ValueError, match=field):
+    generate(model, prompt, mask, 2, rng=jax.random.key(0), eos_id=None, **kwargs)
+
+
+def test_right_padded_prompt_is_refused(model):
+  prompt, mask = make_prompts([2, 3], 3)
+  with pytest.raises(ValueError, match="(?i)left-padded"):
+    generate(model, prompt, mask[:, ::-1], 2, rng=jax.random.key(0), eos_id=None)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(model, prompt, mask, 0, rng=jax.random.key(0), eos_id=None)
