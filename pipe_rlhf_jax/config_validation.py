@@ -1,0 +1,104 @@
+"""Validation of an experiment config, once, before anything is built or compiled.
+
+Each check names the field, the value it got, and what is allowed, so a typo on the
+command line (`--config.ppo.kl_estimator=k4`) fails in a second with a readable message
+instead of deep inside a jitted function. Checks that need the devices (mesh sizes,
+divisibility of parameters over mesh axes) happen when the stage layouts are built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS
+
+REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
+                     "mesh", "stages", "checkpoint", "log")
+
+
+def _get(config, path: str) -> Any:
+  node = config
+  for part in path.split("."):
+    if part not in node:
+      raise ValueError(f"Config field {path} is missing; add it (see configs/quickstart.py).")
+    node = node[part]
+  return node
+
+
+def _positive_int(config, path: str, allow_zero: bool = False) -> int:
+  value = _get(config, path)
+  low = 0 if allow_zero else 1
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{path}={value!r} must be an integer >= {low}.")
+  return value
+
+
+def _positive_float(config, path: str, allow_zero: bool = False) -> float:
+  value = _get(config, path)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+      value < 0 or (value == 0 and not allow_zero):
+    raise ValueError(f"{path}={value!r} must be a number {'>=' if allow_zero else '>'} 0.")
+  return float(value)
+
+
+def _choice(config, path: str, choices) -> str:
+  value = _get(config, path)
+  if value not in choices:
+    raise ValueError(f"{path}={value!r}; choose one of {sorted(choices)}.")
+  return value
+
+
+def validate_config(config) -> None:
+  """Raises ValueError naming the first bad field of `config`."""
+  for section in REQUIRED_SECTIONS:
+    _get(config, section)
+  for path in ("sft.steps", "reward_model.steps", "ppo.steps"):
+    _positive_int(config, path, allow_zero=path != "ppo.steps")
+  for path in ("sft.batch_size", "reward_model.batch_size", "ppo.batch_size",
+               "ppo.minibatch_size", "ppo.epochs", "data.prompt_len", "data.completion_len",
+               "checkpoint.every", "checkpoint.keep", "ppo.max_bad_steps",
+               "runtime.queue_size", "model.num_layers", "model.embed_dim",
+               "model.num_heads", "model.num_kv_heads", "model.head_dim", "model.mlp_dim"):
+    _positive_int(config, path)
+  for path in ("sft.learning_rate", "reward_model.learning_rate", "ppo.actor_lr",
+               "ppo.critic_lr", "ppo.max_grad_norm", "ppo.clip_eps", "ppo.value_clip_eps",
+               "ppo.kl_target", "ppo.kl_horizon"):
+    _positive_float(config, path)
+  for path in ("ppo.kl_coef", "ppo.entropy_coef", "ppo.temperature"):
+    _positive_float(config, path, allow_zero=True)
+  for path in ("ppo.gamma", "ppo.lam"):
+    value = _positive_float(config, path, allow_zero=True)
+    if value > 1:
+      raise ValueError(f"{path}={value} must be in [0, 1].")
+  top_p = _positive_float(config, "ppo.top_p")
+  if top_p > 1:
+    raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
+  _positive_int(config, "ppo.top_k", allow_zero=True)
+  _positive_int(config, "runtime.max_staleness", allow_zero=True)
+  _choice(config, "ppo.kl_estimator", KL_ESTIMATORS.names())
+  _choice(config, "ppo.loss", POLICY_LOSSES.names())
+  _choice(config, "ppo.lr_schedule", ("constant", "cosine"))
+  _choice(config, "ppo.critic_init", ("reward_model", "sft"))
+  _choice(config, "runtime.mode", ("sequential", "per_stage", "pipe"))
+  _choice(config, "data.on_invalid", ("skip", "error"))
+  _choice(config, "data.on_overlong", ("truncate", "skip", "error"))
+  _choice(config, "model.dtype", ("float32", "bfloat16"))
+  _choice(config, "model.param_dtype", ("float32", "bfloat16"))
+  _choice(config, "reward.fn", ["model"] + REWARD_FUNCTIONS.names())
+  if config.reward.eval_fn:
+    _choice(config, "reward.eval_fn", REWARD_FUNCTIONS.names())
+  if config.ppo.temperature == 0:
+    raise ValueError("ppo.temperature=0 (greedy) gives PPO no exploration; use a value > 0.")
+  ppo = config.ppo
+  if ppo.batch_size % ppo.minibatch_size:
+    raise ValueError(f"ppo.batch_size={ppo.batch_size} must be a multiple of "
+                     f"ppo.minibatch_size={ppo.minibatch_size}.")
+  num_mb = config.stages.generate.get("num_microbatches", 1)
+  if isinstance(num_mb, bool) or not isinstance(num_mb, int) or num_mb < 1:
+    raise ValueError(f"stages.generate.num_microbatches={num_mb!r} must be an integer >= 1.")
+  if ppo.batch_size % num_mb:
+    raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
+                     f"stages.generate.num_microbatches={num_mb}; choose a divisor.")
+  if config.model.num_heads % config.model.num_kv_heads:
+    raise ValueError(f"model.num_heads={config.model.num_heads} must be a multiple of "
+                     f"model.num_kv_heads={config.model.num_kv_heads}.")

@@ -1,0 +1,1 @@
+"""The supervised warm-start phases (SFT, reward model) that precede PPO."""

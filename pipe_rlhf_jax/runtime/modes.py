@@ -1,0 +1,180 @@
+"""The three PPO schedules over one `PPOSystem`: sequential, per_stage and pipe.
+
+`run_serial` (modes `sequential` and `per_stage`) calls generate -> infer -> train one
+after another; the two modes differ only in the layouts `build_layouts` gives the stages.
+
+`run_pipe` runs one worker thread per stage on disjoint device subsets, linked by bounded
+queues (back-pressure), with versioned weights: generation of batch k waits until the
+actor has at least version k - max_staleness (0 = on-policy, which reproduces the serial
+schedule). The first exception in any worker stops every worker and is re-raised here.
+
+Both record a span per stage per batch in the tracer and call `on_step(step, metrics)`
+after each training update from the thread that owns the trainer state, which is where
+checkpoints are written: a checkpoint holds the trainer state after update k and the
+data position of batch k + 1. Rollouts in flight are not saved; on resume they are
+re-generated from the restored policy (so no rollout is lost or trained on twice).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterator
+
+from pipe_rlhf_jax.runtime.queues import BoundedQueue
+from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.runtime.weights import StalenessGate, VersionedWeights
+from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.runtime.system import PPOSystem, np_batch
+
+OnStep = Callable[[int, dict], None]
+
+
+class DataFeed:
+  """Prompt batches by step index, remembering the iterator state before each one.
+
+  The checkpoint of step k stores the state before batch k + 1 even when the generator
+  has already read further ahead.
+  """
+
+  def __init__(self, pipeline):
+    self.pipeline = pipeline
+    self._states: dict[int, dict] = {}
+    self._lock = threading.Lock()
+
+  def next(self, step: int) -> dict:
+    with self._lock:
+      self._states[step] = self.pipeline.get_state()
+      return np_batch(next(self.pipeline))
+
+  def state_before(self, step: int) -> dict:
+    with self._lock:
+      for old in [k for k in self._states if k < step - 8]:
+        del self._states[old]
+      return self._states.get(step, self.pipeline.get_state())
+
+
+class BadStepGuard:
+  """Stops the run after `limit` consecutive PPO steps with a skipped update."""
+
+  def __init__(self, limit: int):
+    self.limit = limit
+    self.streak = 0
+    self.total = 0
+
+  def check(self, step: int, metrics: dict) -> None:
+    bad = metrics.get("bad_updates", 0.0) > 0
+    self.total += int(bad)
+    self.streak = self.streak + 1 if bad else 0
+    metrics["bad_steps_total"] = float(self.total)
+    if self.streak >= self.limit:
+      raise FloatingPointError(
+          f"PPO step {step}: {self.streak} consecutive steps had non-finite losses or "
+          f"gradients (updates skipped); stopping. Lower ppo.actor_lr / ppo.critic_lr, or "
+          f"raise ppo.max_bad_steps to tolerate more.")
+
+
+def _finish_step(system: PPOSystem, step: int, metrics: dict, guard: BadStepGuard,
+                 on_step: OnStep) -> None:
+  guard.check(step, metrics)
+  system.update_kl(metrics.get("kl/mean", 0.0))
+  metrics["kl_coef"] = system.kl_coef
+  on_step(step, metrics)
+
+
+def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
+               tracer: Tracer) -> None:
+  """sequential / per_stage: the stages one after another on shared devices."""
+  guard = BadStepGuard(system.config.ppo.max_bad_steps)
+  for step in range(start, end):
+    t0 = time.perf_counter()
+    batch = feed.next(step)
+    with tracer.span("sync", batch=step, version=system.version):
+      actor, actor_stats = system.actor_for_generation()
+      critic, critic_stats = system.critic_for_inference()
+    with tracer.span("generate", batch=step, version=system.version):
+      rollout, gen_m = system.generate(actor, batch, step, system.version)
+    with tracer.span("infer", batch=step, version=system.version):
+      exp, inf_m = system.infer(rollout, critic)
+    with tracer.span("train", batch=step, version=system.version):
+      train_m = system.train(exp, step)
+    metrics = {**gen_m, **inf_m, **train_m, **actor_stats.as_metrics("transfer/actor_sync"),
+               **critic_stats.as_metrics("transfer/critic_sync"), "staleness/mean": 0.0,
+               "time/step_s": time.perf_counter() - t0}
+    _finish_step(system, step, metrics, guard, on_step)
+
+
+def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
+             tracer: Tracer, on_interrupt: Callable | None = None,
+             timeout: float | None = None) -> None:
+  """pipe: generate / infer / train workers running concurrently on disjoint devices."""
+  cfg = system.config.runtime
+  guard = BadStepGuard(system.config.ppo.max_bad_steps)
+  actor, actor_stats = system.actor_for_generation()
+  critic, _ = system.critic_for_inference()
+  actor_store = VersionedWeights(actor, version=system.version)
+  critic_store = VersionedWeights(critic, version=system.version)
+  gate = StalenessGate(actor_store, cfg.max_staleness)
+  rollouts = BoundedQueue(cfg.queue_size, "rollouts")
+  experience = BoundedQueue(cfg.queue_size, "experience")
+  group = WorkerGroup(on_interrupt=on_interrupt)
+  for obj in (rollouts, experience, actor_store, critic_store):
+    group.register_queue(obj)
+  step_start: dict[int, float] = {}
+
+  def generate_worker(stop: threading.Event) -> None:
+    for step in range(start, end):
+      batch = feed.next(step)
+      step_start[step] = time.perf_counter()
+      params, version = gate.acquire(step, stop_event=stop)
+      with tracer.span("generate", batch=step, version=version):
+        rollout, metrics = system.generate(params, batch, step, version)
+      metrics["staleness/mean"] = float(step - version)
+      rollouts.put((step, rollout, metrics), stop_event=stop)
+    rollouts.close()
+
+  def infer_worker(stop: threading.Event) -> None:
+    for step, rollout, metrics in rollouts:
+      critic, version = critic_store.latest()
+      with tracer.span("infer", batch=step, version=version):
+        exp, inf_metrics = system.infer(rollout, critic)
+      experience.put((step, exp, {**metrics, **inf_metrics}), stop_event=stop)
+    experience.close()
+
+  def train_worker(stop: threading.Event) -> None:
+    for step, exp, metrics in experience:
+      with tracer.span("train", batch=step, version=system.version):
+        metrics.update(system.train(exp, step))
+      with tracer.span("sync", batch=step, version=system.version):
+        # The critic first: an on-policy generator released by the actor's version
+        # must find the matching critic when its batch reaches inference.
+        critic, critic_stats = system.critic_for_inference()
+        critic_store.publish(critic, system.version)
+        actor, actor_stats = system.actor_for_generation()
+        actor_store.publish(actor, system.version)
+      metrics.update(actor_stats.as_metrics("transfer/actor_sync"))
+      metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
+      metrics.update(rollouts.metrics())
+      metrics.update(experience.metrics())
+      metrics["time/step_s"] = time.perf_counter() - step_start.get(step, time.perf_counter())
+      _finish_step(system, step, metrics, guard, on_step)
+
+  group.add("generate", generate_worker)
+  group.add("infer", infer_worker)
+  group.add("train", train_worker)
+  group.start()
+  group.join(timeout=timeout)
+
+
+def run(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
+        tracer: Tracer, on_interrupt: Callable | None = None) -> None:
+  """Runs PPO steps [start, end) in `system.mode`."""
+  if system.mode == "pipe":
+    run_pipe(system, feed, start, end, on_step, tracer, on_interrupt=on_interrupt)
+  else:
+    try:
+      run_serial(system, feed, start, end, on_step, tracer)
+    except KeyboardInterrupt:
+      if on_interrupt is not None:
+        on_interrupt()
+      raise

@@ -1,0 +1,77 @@
+"""The generation stage: sampling rollouts with behaviour log-probs on its own mesh.
+
+When the stage's mesh has a `pipe` axis larger than one, decoding runs the delayed
+inter-batch pipeline (`generation/pipelined.py`) with `num_microbatches`; otherwise the
+plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules.
+Either way the output is a `Rollout` in the shared `[prompt | completion]` layout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipe_rlhf_jax.generation import sampler
+from pipe_rlhf_jax.ppo.types import Rollout
+from pipe_rlhf_jax.stages.common import StageLayout
+
+
+class GenerateStage:
+  """Samples completions for prompt batches.
+
+  Args:
+    layout: the generation stage's mesh and rules.
+    graphdef: the actor's structure.
+    params: static sampling settings (length, temperature, top-k/p, EOS, pad).
+    num_microbatches: micro-batches of the pipelined decoder (used when pipe > 1).
+  """
+
+  def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
+               params: sampler.SamplingParams, num_microbatches: int = 1):
+    self.layout = layout
+    self.graphdef = graphdef
+    self.params = params
+    self.num_microbatches = num_microbatches
+    self.pipe = layout.mesh.shape.get("pipe", 1)
+    if self.pipe == 1:
+      self._prefill, self._decode = sampler.make_generate_fns(graphdef, params)
+    self.last_schedule = None
+
+  def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
+               ) -> tuple[Rollout, dict]:
+    """Generates one rollout batch.
+
+    Args:
+      actor: actor parameters, already in this stage's layout.
+      batch: host prompt batch with "prompt_tokens", "prompt_mask" and "index".
+      rng: key of this PPO step; token keys fold in each sample's global index.
+      version: policy version of `actor`.
+
+    Returns:
+      The Rollout (on this stage's mesh) and timing metrics.
+    """
+    start = time.perf_counter()
+    prompts = self.layout.put_batch({k: batch[k] for k in ("prompt_tokens", "prompt_mask")})
+    tokens, mask = prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool)
+    sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
+    if self.pipe > 1:
+      from pipe_rlhf_jax.generation import pipelined
+      out, self.last_schedule = pipelined.pipelined_generate(
+          self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
+          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids)
+    else:
+      with self.layout.rules_context():
+        state = self._prefill(actor, tokens, mask, rng, sample_ids)
+        out = self._decode(actor, state, mask, rng, sample_ids).output()
+    rollout = Rollout(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=out.tokens,
+                      completion_mask=out.mask, behaviour_logprobs=out.logprobs,
+                      policy_version=jnp.asarray(version, jnp.int32))
+    jax.block_until_ready(rollout.completion_tokens)
+    seconds = time.perf_counter() - start
+    new_tokens = float(jnp.sum(out.mask))
+    return rollout, {"time/generate_s": seconds,
+                     "generate/tokens_per_s": new_tokens / max(seconds, 1e-9)}

@@ -1,0 +1,328 @@
+"""The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
+
+Everything a run writes goes under `workdir`: data/ (generated task and TFDS datasets),
+warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.jsonl,
+tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
+export/ (the final policy in Hugging Face format) and summary.txt.
+
+Resume: the warm-start phases are checkpointed once, when both are done; PPO is
+checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
+from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
+plus a resumed N give identical metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.config_validation import validate_config
+from pipe_rlhf_jax.data import builders, pipeline
+from pipe_rlhf_jax.data.records import RecordValidator
+from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
+from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+from pipe_rlhf_jax.models.transformer import Transformer, init_model
+from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.runtime import modes
+from pipe_rlhf_jax.runtime.system import Models, PPOSystem, build_layouts
+from pipe_rlhf_jax.runtime.tracing import Tracer
+
+log = logging.getLogger(__name__)
+
+
+def say(message: str) -> None:
+  """A milestone the user should see, whatever the logging verbosity."""
+  print(f"[pipe_rlhf_jax] {message}", flush=True)
+
+
+def default_workdir(config) -> str:
+  return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
+  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint."""
+  m = config.model
+  if m.path:
+    with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
+      base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)
+    base = base.replace(head="lm")
+  else:
+    # A vocabulary padded to a multiple of 8 splits evenly over tensor axes of 2, 4, 8.
+    base = tiny_config(vocab_size=_round_up(tokenizer.vocab_size, 8), embed_dim=m.embed_dim,
+                       num_layers=m.num_layers, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim,
+                       dtype=m.dtype, param_dtype=m.param_dtype,
+                       eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
+                       pad_token_id=tokenizer.pad_id)
+  return {"actor": base, "critic": base.replace(head="value"),
+          "reward": base.replace(head="score")}
+
+
+def graphdef_of(cfg: TransformerConfig) -> nnx.GraphDef:
+  """The static structure of a model, without allocating its parameters."""
+  return nnx.split(nnx.eval_shape(lambda: init_model(cfg)))[0]
+
+
+def init_policy(config, cfg: TransformerConfig) -> Transformer:
+  if config.model.path:
+    return hf.from_pretrained(config.model.path, dtype=config.model.dtype,
+                              param_dtype=config.model.param_dtype)
+  return init_model(cfg, seed=config.seed)
+
+
+def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -> nnx.State:
+  """A scalar-head model whose backbone is copied from `source` (head freshly initialised)."""
+  _, state = nnx.split(init_model(target_cfg, seed=seed))
+  for key in ("embedding", "layers", "final_norm"):
+    state[key] = jax.tree.map(lambda x: x, source[key])
+  return state
+
+
+def make_data(config, workdir: str, tokenizer) -> dict[str, Any]:
+  d = config.data
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
+  data_dir = d.dir or os.path.join(workdir, "data")
+  built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
+                                      num_demos=d.num_demos, num_pairs=d.num_pairs)
+
+  def validator(kind: str):
+    return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
+
+  seed = config.seed
+  return {
+      "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
+                                     config.sft.batch_size, d.prompt_len, d.completion_len,
+                                     seed, validator=validator("demos")),
+      "prefs": pipeline.PreferencePipeline(built["prefs"].source("train"), tokenizer,
+                                           config.reward_model.batch_size, d.prompt_len,
+                                           d.completion_len, seed, validator=validator("prefs")),
+      "prefs_eval": pipeline.PreferencePipeline(built["prefs"].source("eval"), tokenizer,
+                                                config.reward_model.batch_size, d.prompt_len,
+                                                d.completion_len, seed, shuffle=False,
+                                                validator=validator("prefs")),
+      "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
+                                         config.ppo.batch_size, d.prompt_len, seed,
+                                         validator=validator("prompts")),
+      "prompts_eval": pipeline.PromptPipeline(built["prompts"].source("eval"), tokenizer,
+                                              max(config.log.samples, 1), d.prompt_len, seed,
+                                              shuffle=False, validator=validator("prompts")),
+  }
+
+
+def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -> list[str]:
+  """Greedy completions of a few eval prompts, as 'prompt -> completion' lines."""
+  model = nnx.merge(graphdef, params)
+  out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
+                 rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
+                 pad_id=sampling.pad_id)
+  tokens, mask = jax.device_get((out.tokens, out.mask))
+  lines = []
+  for p, pm, c, cm in zip(batch["prompt_tokens"], batch["prompt_mask"], tokens, mask):
+    lines.append(f"{tokenizer.decode(p[pm])!r} -> {tokenizer.decode(c[cm])!r}")
+  return lines
+
+
+def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
+               ) -> dict[str, nnx.State]:
+  """SFT and reward-model phases, or their checkpoint when it exists."""
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
+                               async_save=False)
+  policy = init_policy(config, cfgs["actor"])
+  actor_gd, actor = nnx.split(policy)
+  reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
+  if config.model.path:
+    reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+  fingerprint = ckpt_lib.config_fingerprint(
+      {k: config[k].to_dict() for k in ("model", "data", "sft", "reward_model")})
+  if ckpt.latest_step() is not None:
+    target = {"actor": actor, "reward": reward}
+    state, meta = ckpt.restore(target=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
+        expect_metadata={"fingerprint": fingerprint})
+    say(f"warm start restored from {ckpt.directory}")
+    return {**state, "rm_eval": meta["rm_eval"]}
+  t0 = time.perf_counter()
+  actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
+                            steps=config.sft.steps, learning_rate=config.sft.learning_rate,
+                            warmup_steps=config.sft.warmup_steps, phase="sft", writer=writer,
+                            progress=progress)
+  say(f"SFT done in {time.perf_counter() - t0:.1f}s")
+  rm = config.reward_model
+  reward, _ = supervised.fit(supervised.reward_model_loss(reward_gd), reward, layout,
+                             iter(data["prefs"]), steps=rm.steps, learning_rate=rm.learning_rate,
+                             warmup_steps=rm.warmup_steps, phase="reward_model", writer=writer,
+                             progress=progress)
+  rm_eval = supervised.evaluate_reward_model(reward_gd, reward, layout, iter(data["prefs_eval"]),
+                                             rm.eval_batches)
+  writer.write(rm.steps, rm_eval, phase="reward_model_eval")
+  say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
+      f"on {rm_eval['eval_pairs']} pairs")
+  ckpt.save(0, {"actor": actor, "reward": reward},
+            metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
+  ckpt.close()
+  return {"actor": actor, "reward": reward, "rm_eval": rm_eval}
+
+
+def train(config, workdir: str | None = None, *, resume: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
+  """Runs the whole RLHF pipeline; returns a summary dict.
+
+  Args:
+    config: a validated-on-entry ConfigDict (see configs/quickstart.py).
+    workdir: output directory (default `runs/<name>-<time>`).
+    resume: continue from the newest PPO checkpoint in `workdir`.
+    stop_after: stop after this many PPO steps in total (for resume tests / preemption
+      drills); the schedule still assumes `ppo.steps`.
+    progress: show progress bars.
+  """
+  validate_config(config)
+  workdir = workdir or config.workdir or default_workdir(config)
+  os.makedirs(workdir, exist_ok=True)
+  start_time = time.perf_counter()
+  ppo_dir = os.path.join(workdir, "checkpoints")
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep)
+  if checkpointer.latest_step() is not None and not resume:
+    raise FileExistsError(
+        f"{ppo_dir} already holds PPO checkpoints (latest step "
+        f"{checkpointer.latest_step()}); pass --resume to continue, or choose a new "
+        f"--workdir. Nothing was changed.")
+  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
+  cfgs = build_model_configs(config, tokenizer)
+  data = make_data(config, workdir, tokenizer)
+  writer = metrics_lib.MetricsWriter(workdir, use_tensorboard=config.log.tensorboard,
+                                     use_wandb=config.log.wandb,
+                                     wandb_project=config.log.wandb_project,
+                                     config=config.to_dict())
+  layouts = build_layouts(config)
+  warm = warm_start(config, workdir, tokenizer, data, cfgs, writer, layouts["train"], progress)
+
+  actor_gd = graphdef_of(cfgs["actor"])
+  critic_gd = graphdef_of(cfgs["critic"])
+  critic_source = warm["reward"] if config.ppo.critic_init == "reward_model" else warm["actor"]
+  critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
+  use_rm = config.reward.fn == "model"
+  reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
+  models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
+                  actor=warm["actor"], reference=warm["actor"], critic=critic,
+                  reward=warm["reward"] if use_rm else None)
+  sampling = SamplingParams(max_new_tokens=config.data.completion_len,
+                            temperature=config.ppo.temperature, top_k=config.ppo.top_k,
+                            top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
+                            pad_id=tokenizer.pad_id)
+  decode = lambda ids: tokenizer.decode(ids)
+  reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
+  eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
+             if config.reward.eval_fn else None)
+  system = PPOSystem(config, models, sampling, reward_fn=reward_fn, decode=decode,
+                     eval_fn=eval_fn)
+  for layout in system.layouts.values():
+    say(f"stage {layout}")
+
+  fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
+  prompts = data["prompts"]
+  start = 0
+  if resume and checkpointer.latest_step() is not None:
+    state, meta = checkpointer.restore(target=system.abstract_checkpoint_state(),
+                                       expect_metadata={"config_fingerprint": fingerprint})
+    system.restore(state, meta)
+    prompts.set_state(meta["data_state"])
+    start = int(meta["step"]) + 1
+    say(f"resumed PPO at step {start} from {ppo_dir}")
+
+  eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
+  samples_before = show_samples(actor_gd, system.actor_for_generation()[0], eval_batch,
+                                tokenizer, sampling)
+  end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+  feed = modes.DataFeed(prompts)
+  tracer = Tracer()
+  bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
+                                keys=("reward/mean", "rule_reward/mean", "kl/mean"),
+                                disable=not progress)
+
+  def save(step: int) -> None:
+    checkpointer.save(step, system.checkpoint_state(), metadata={
+        **system.checkpoint_metadata(), "step": step, "config_fingerprint": fingerprint,
+        "data_state": feed.state_before(step + 1)})
+
+  last_saved = [-1]
+
+  def on_step(step: int, metrics: dict) -> None:
+    metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
+                                             if k.startswith("skipped")))
+    writer.write(step, metrics, phase="ppo")
+    bar.update(metrics)
+    if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
+      say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, "
+          f"kl {metrics['kl/mean']:.4f}, {metrics['time/step_s']:.2f}s/step")
+    if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+      save(step)
+      last_saved[0] = step
+
+  def on_interrupt() -> None:
+    step = system.version - 1
+    if step >= 0 and step != last_saved[0]:
+      log.warning("Interrupted: writing a final checkpoint at PPO step %d", step)
+      save(step)
+    checkpointer.wait()
+
+  try:
+    modes.run(system, feed, start, end, on_step, tracer, on_interrupt=on_interrupt)
+  finally:
+    bar.close()
+    checkpointer.wait()
+    if tracer.spans():
+      tracer.to_chrome_trace(os.path.join(workdir, "trace.json"))
+      tracer.gantt(os.path.join(workdir, "gantt.png"), title=f"PPO stages ({system.mode})")
+    writer.flush()
+
+  samples_after = show_samples(actor_gd, system.actor_for_generation()[0], eval_batch,
+                               tokenizer, sampling)
+  export_dir = os.path.join(workdir, "export")
+  hf.save_pretrained(nnx.merge(actor_gd, jax.device_get(system.state.actor)), export_dir)
+  plot = None
+  records = metrics_lib.read_metrics(writer.metrics_path)
+  if any(r.get("phase") == "ppo" for r in records):
+    plot = metrics_lib.plot_reward_curve(writer.metrics_path,
+                                         os.path.join(workdir, "reward_curve.png"))
+  wall = time.perf_counter() - start_time
+  with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
+    f.write("before PPO:\n  " + "\n  ".join(samples_before) + "\n")
+    f.write("after PPO:\n  " + "\n  ".join(samples_after) + "\n")
+  summary_text = metrics_lib.format_summary(
+      records, wall_time_s=wall, metrics_path=writer.metrics_path,
+      tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=ppo_dir, plot_path=plot,
+      export_dir=export_dir,
+      extra={"mode": system.mode, "reward model held-out accuracy":
+             f"{warm['rm_eval']['eval_accuracy']:.3f}",
+             "busy fraction": json.dumps({k: round(v, 3) for k, v in
+                                          tracer.busy_fraction().items()})})
+  with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
+    f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
+            + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
+  writer.close()
+  checkpointer.close()
+  ppo_records = [r for r in records if r.get("phase") == "ppo"]
+  return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
+          "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
+          "samples_before": samples_before, "samples_after": samples_after,
+          "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
