@@ -10,3 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (must follow the XLA_FLAGS assignment)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests build the same small programs (every `train()` call re-jits its stages):
+# a persistent compilation cache turns the repeats from seconds into milliseconds.
+import tempfile  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(tempfile.gettempdir(), "pipe_rlhf_jax_jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
