@@ -59,7 +59,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.sft.warmup_steps = 20
 
   config.reward_model = ml_collections.ConfigDict()
-  config.reward_model.steps = 300
+  config.reward_model.steps = 400
   config.reward_model.batch_size = 64
   config.reward_model.learning_rate = 1e-3
   config.reward_model.warmup_steps = 20
@@ -84,7 +84,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.entropy_coef = 0.0
   config.ppo.gamma = 1.0
   config.ppo.lam = 0.95
-  config.ppo.kl_coef = 0.02
+  config.ppo.kl_coef = 0.2
   config.ppo.kl_estimator = "k1"
   config.ppo.adaptive_kl = False
   config.ppo.kl_target = 0.5

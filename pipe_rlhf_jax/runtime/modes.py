@@ -146,18 +146,20 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
       with tracer.span("train", batch=step, version=system.version):
         metrics.update(system.train(exp, step))
       with tracer.span("sync", batch=step, version=system.version):
-        # The critic first: an on-policy generator released by the actor's version
-        # must find the matching critic when its batch reaches inference.
         critic, critic_stats = system.critic_for_inference()
-        critic_store.publish(critic, system.version)
         actor, actor_stats = system.actor_for_generation()
-        actor_store.publish(actor, system.version)
       metrics.update(actor_stats.as_metrics("transfer/actor_sync"))
       metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
       metrics.update(rollouts.metrics())
       metrics.update(experience.metrics())
       metrics["time/step_s"] = time.perf_counter() - step_start.get(step, time.perf_counter())
+      # Record (metrics, checkpoint) before publishing: publishing fails once a shutdown
+      # has begun, and a trained step must never go unrecorded.
       _finish_step(system, step, metrics, guard, on_step)
+      # The critic first: an on-policy generator released by the actor's version must
+      # find the matching critic when its batch reaches inference.
+      critic_store.publish(critic, system.version)
+      actor_store.publish(actor, system.version)
 
   group.add("generate", generate_worker)
   group.add("infer", infer_worker)
