@@ -141,6 +141,8 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.sft.update(steps=4, batch_size=16, warmup_steps=1)
   config.reward_model.update(steps=4, batch_size=16, warmup_steps=1, eval_batches=1)
   config.ppo.update(steps=4, batch_size=16, minibatch_size=8, epochs=1, warmup_steps=1)
+  # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.
+  config.runtime.placement.update(generate=2, infer=2, train=4)
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2

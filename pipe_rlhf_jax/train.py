@@ -36,7 +36,7 @@ from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.runtime import modes
-from pipe_rlhf_jax.runtime.system import Models, PPOSystem, build_layouts
+from pipe_rlhf_jax.runtime.system import Models, PPOSystem, build_layouts, check_fits
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,9 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                      wandb_project=config.log.wandb_project,
                                      config=config.to_dict())
   layouts = build_layouts(config)
+  abstract = {name: nnx.state(nnx.eval_shape(lambda c=c: init_model(c)))
+              for name, c in cfgs.items()}
+  check_fits(layouts, abstract["actor"], abstract["critic"])  # before anything compiles
   warm = warm_start(config, workdir, tokenizer, data, cfgs, writer, layouts["train"], progress)
 
   actor_gd = graphdef_of(cfgs["actor"])

@@ -75,6 +75,27 @@ def build_layouts(config, devices=None) -> dict[str, StageLayout]:
   return layouts
 
 
+def check_fits(layouts: dict[str, StageLayout], actor, critic) -> None:
+  """Raises naming the stage's mesh field when a model cannot be split over it.
+
+  Works on abstract parameters (`nnx.eval_shape`), so a run can check before it
+  trains or compiles anything.
+  """
+  layouts["generate"].check_params(actor, "stages.generate.mesh")
+  layouts["infer"].check_params(actor, "stages.infer.mesh")
+  layouts["infer"].check_params(critic, "stages.infer.mesh")
+  layouts["train"].check_params(actor, "stages.train.mesh")
+  layouts["train"].check_params(critic, "stages.train.mesh")
+  pipe = layouts["generate"].mesh.shape.get("pipe", 1)
+  if pipe > 1:
+    others = {k: v for k, v in layouts["generate"].mesh.shape.items()
+              if k not in ("pipe", "tensor") and v > 1}
+    if others:
+      raise ValueError(f"stages.generate.mesh: with pipe={pipe} only 'pipe' and 'tensor' "
+                       f"may exceed 1, got {others}; give the other devices to another "
+                       "stage (runtime.placement).")
+
+
 @dataclasses.dataclass
 class Models:
   """The graph definitions and initial parameters of the four PPO models."""
@@ -108,9 +129,7 @@ class PPOSystem:
     self.layouts = build_layouts(config, devices)
     self.mode = config.runtime.mode
     gen, inf, trn = (self.layouts[s] for s in STAGES)
-    gen.check_params(models.actor, "stages.generate.mesh")
-    inf.check_params(models.critic, "stages.infer.mesh")
-    trn.check_params(models.actor, "stages.train.mesh")
+    check_fits(self.layouts, models.actor, models.critic)
     num_mb = config.stages.generate.get("num_microbatches", 1) if self.mode != "sequential" else 1
     self.generate_stage = GenerateStage(gen, models.actor_graphdef, sampling, num_mb)
     self.infer_stage = InferStage(inf, models.actor_graphdef, models.critic_graphdef,

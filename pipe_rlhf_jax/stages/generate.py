@@ -62,7 +62,8 @@ class GenerateStage:
       from pipe_rlhf_jax.generation import pipelined
       out, self.last_schedule = pipelined.pipelined_generate(
           self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
-          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids)
+          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
+          rules=self.layout.rules)
     else:
       with self.layout.rules_context():
         state = self._prefill(actor, tokens, mask, rng, sample_ids)

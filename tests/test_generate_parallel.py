@@ -1,0 +1,72 @@
+"""The plain sampler under data / fsdp / tensor parallelism equals one device (8 CPUs)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pipe_rlhf_jax.generation.sampler import generate
+from pipe_rlhf_jax.models.config import tiny_config
+from pipe_rlhf_jax.models.transformer import init_model, param_axes
+from pipe_rlhf_jax.parallel.logical import DEFAULT_RULES, axis_rules, tree_shardings
+from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+
+VOCAB = 64
+SAMPLED = dict(temperature=0.8, top_k=16, top_p=0.95)
+MESHES = {
+    "data8": MeshShape(data=8),
+    "fsdp2_tensor2_data2": MeshShape(data=2, fsdp=2, tensor=2),
+    "tensor2": MeshShape(tensor=2),
+    "fsdp4": MeshShape(fsdp=4),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+  config = tiny_config(vocab_size=VOCAB, embed_dim=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, mlp_dim=64)
+  model = init_model(config, seed=5)
+  rs = np.random.RandomState(0)
+  lengths = [6, 2, 5, 6, 3, 4, 6, 1]
+  prompt = np.zeros((8, 6), np.int32)
+  mask = np.zeros((8, 6), bool)
+  for row, n in enumerate(lengths):
+    prompt[row, 6 - n:] = rs.randint(1, VOCAB, n)
+    mask[row, 6 - n:] = True
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda s, t, m: nnx.merge(graphdef, s)(t, m))
+  ref = dict(
+      logits=forward(state, prompt, mask),
+      greedy=generate(model, prompt, mask, 5, rng=jax.random.key(0), temperature=0.0,
+                      eos_id=None),
+      sampled=generate(model, prompt, mask, 5, rng=jax.random.key(4), eos_id=None,
+                       **SAMPLED),
+  )
+  return model, prompt, mask, ref
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_matches_single_device(setup, name):
+  model, prompt, mask, ref = setup
+  shape = MESHES[name]
+  mesh = make_mesh(shape, jax.devices()[:shape.size])
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, tree_shardings(mesh, param_axes(model), DEFAULT_RULES))
+  sharded = nnx.merge(graphdef, state)
+  if shape.tensor > 1:  # the params really are split
+    assert not sharded.layers.q_proj.value.sharding.is_fully_replicated
+
+  with axis_rules(mesh, DEFAULT_RULES):
+    forward = jax.jit(lambda s, t, m: nnx.merge(graphdef, s)(t, m))
+    logits = forward(state, prompt, mask)
+    greedy = generate(sharded, prompt, mask, 5, rng=jax.random.key(0), temperature=0.0,
+                      eos_id=None)
+    sampled = generate(sharded, prompt, mask, 5, rng=jax.random.key(4), eos_id=None,
+                       **SAMPLED)
+  np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+  for got, want in ((greedy, ref["greedy"]), (sampled, ref["sampled"])):
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.mask, want.mask)
+  if shape.data * shape.fsdp > 1:  # activations were constrained onto the batch axes
+    assert not greedy.tokens.sharding.is_fully_replicated
