@@ -108,10 +108,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   # The one strategy of `sequential` mode (all devices, every stage).
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, pipe=1))
-  # Per-stage strategies (`per_stage` and `pipe` modes). -1 = the remaining devices.
+  # Per-stage strategies (`per_stage` and `pipe` modes). -1 = the remaining devices, so
+  # generation is a 4-stage pipeline with tensor=2 inside each stage on all 8 devices
+  # (per_stage), and a plain 4-stage pipeline on its 4 devices (pipe).
   config.stages = ml_collections.ConfigDict()
   config.stages.generate = ml_collections.ConfigDict(
-      dict(mesh=dict(data=1, fsdp=1, tensor=1, pipe=-1), num_microbatches=8))
+      dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=4), num_microbatches=8))
   config.stages.infer = ml_collections.ConfigDict(
       dict(mesh=dict(data=-1, fsdp=1, tensor=1, pipe=1)))
   config.stages.train = ml_collections.ConfigDict(
@@ -143,6 +145,7 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.ppo.update(steps=4, batch_size=16, minibatch_size=8, epochs=1, warmup_steps=1)
   # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.
   config.runtime.placement.update(generate=2, infer=2, train=4)
+  config.stages.generate.mesh = dict(pipe=2, tensor=1)
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2
