@@ -31,6 +31,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()
   config.model.path = ""  # a local Hugging Face directory; empty = embedded tiny model
+  config.model.require_path = False
   config.model.tokenizer = "byte"
   config.model.embed_dim = 128
   config.model.num_layers = 4

@@ -8,6 +8,7 @@ divisibility of parameters over mesh axes) happen when the stage layouts are bui
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS
@@ -87,6 +88,12 @@ def validate_config(config) -> None:
   _choice(config, "reward.fn", ["model"] + REWARD_FUNCTIONS.names())
   if config.reward.eval_fn:
     _choice(config, "reward.eval_fn", REWARD_FUNCTIONS.names())
+  if config.model.get("require_path") and not config.model.path:
+    raise ValueError("model.path is required by this config: pass "
+                     "--config.model.path=/path/to/a/local/huggingface/model/dir.")
+  if config.model.path and not os.path.isfile(os.path.join(config.model.path, "config.json")):
+    raise ValueError(f"model.path={config.model.path!r} has no config.json; give a local "
+                     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json).")
   if config.ppo.temperature == 0:
     raise ValueError("ppo.temperature=0 (greedy) gives PPO no exploration; use a value > 0.")
   ppo = config.ppo
