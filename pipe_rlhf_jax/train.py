@@ -213,6 +213,9 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                      use_wandb=config.log.wandb,
                                      wandb_project=config.log.wandb_project,
                                      config=config.to_dict())
+  # Malformed-record decisions of every input pipeline, counted once up front.
+  writer.write(0, {f"{name}/{key}": float(value) for name, pipe in data.items()
+                   for key, value in pipe.stats().items()}, phase="data")
   layouts = build_layouts(config)
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=c: init_model(c)))
               for name, c in cfgs.items()}

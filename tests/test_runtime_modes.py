@@ -61,12 +61,15 @@ def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
 def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path):
   config = tiny("pipe", max_staleness=1)
   config.ppo.steps = 6
+  config.ppo.loss = "decoupled_ppo_clip"  # the off-policy objective stale rollouts need
   result = train(config, str(tmp_path), progress=False)
   tracer = result["tracer"]
   # Generation of batch k+1 ran while batch k was in inference or training.
   assert tracer.overlap("generate", "train") + tracer.overlap("generate", "infer") > 0
   lags = [r["staleness/mean"] for r in result["ppo_metrics"]]
   assert max(lags) <= 1 and min(lags) >= 0
+  # Decoupled objective: behaviour importance weights are reported and capped.
+  assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result["ppo_metrics"])
   trace = json.load(open(os.path.join(str(tmp_path), "trace.json")))
   stages = {e["args"].get("batch") for e in trace["traceEvents"] if e.get("ph") == "X"}
   assert set(range(6)) <= stages

@@ -31,14 +31,15 @@ def make_optimizer(learning_rate: float, *, total_steps: int, warmup_steps: int 
   """AdamW with global-norm clipping and a warmup + constant/cosine schedule."""
   warmup_steps = max(0, min(warmup_steps, total_steps - 1))
   if schedule == "constant":
-    lr = optax.join_schedules(
-        [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-         optax.constant_schedule(learning_rate)], [max(warmup_steps, 1)])
+    lr = optax.constant_schedule(learning_rate)
   elif schedule == "cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
-                                            max(total_steps, warmup_steps + 1))
+    lr = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1))
   else:
     raise ValueError(f"lr_schedule={schedule!r}; choose 'constant' or 'cosine'.")
+  if warmup_steps:
+    # Linear from 0: step 0 takes no step, step `warmup_steps` the full rate.
+    lr = optax.join_schedules(
+        [optax.linear_schedule(0.0, learning_rate, warmup_steps), lr], [warmup_steps])
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(lr, weight_decay=weight_decay))
 

@@ -1,0 +1,44 @@
+"""Non-finite updates are skipped inside the jitted step and stop the run when repeated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from pipe_rlhf_jax.runtime.modes import BadStepGuard
+from pipe_rlhf_jax.stages.train import apply_if_finite, make_optimizer
+
+
+def test_nan_gradient_leaves_params_and_optimizer_untouched():
+  tx = make_optimizer(1e-2, total_steps=10)
+  params = {"w": jnp.ones((3,)), "b": jnp.zeros(())}
+  opt = tx.init(params)
+  grads = {"w": jnp.array([1.0, jnp.nan, 0.0]), "b": jnp.ones(())}
+  new_params, new_opt, ok = jax.jit(apply_if_finite, static_argnums=0)(
+      tx, params, opt, grads, jnp.float32(0.5))
+  assert not bool(ok)
+  jax.tree.map(np.testing.assert_array_equal, new_params, params)
+  jax.tree.map(np.testing.assert_array_equal, new_opt, opt)
+  # A finite step does move the parameters.
+  grads = {"w": jnp.ones((3,)), "b": jnp.ones(())}
+  new_params, _, ok = apply_if_finite(tx, params, opt, grads, jnp.float32(0.5))
+  assert bool(ok) and not np.allclose(new_params["w"], params["w"])
+
+
+def test_infinite_loss_is_a_bad_step_too():
+  tx = optax.sgd(0.1)
+  params = {"w": jnp.ones((2,))}
+  _, _, ok = apply_if_finite(tx, params, tx.init(params), {"w": jnp.ones((2,))},
+                             jnp.float32(jnp.inf))
+  assert not bool(ok)
+
+
+def test_guard_stops_after_k_consecutive_bad_steps_and_counts_them():
+  guard = BadStepGuard(limit=3)
+  metrics = [{"bad_updates": b} for b in (1.0, 0.0, 2.0, 1.0)]
+  for step, m in enumerate(metrics):
+    guard.check(step, m)
+  assert metrics[-1]["bad_steps_total"] == 3.0
+  with pytest.raises(FloatingPointError, match="3 consecutive steps.*ppo.max_bad_steps"):
+    guard.check(4, {"bad_updates": 1.0})
