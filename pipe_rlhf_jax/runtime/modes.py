@@ -125,11 +125,13 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   def generate_worker(stop: threading.Event) -> None:
     for step in range(start, end):
       batch = feed.next(step)
-      step_start[step] = time.perf_counter()
+      waited = time.perf_counter()
       params, version = gate.acquire(step, stop_event=stop)
+      step_start[step] = time.perf_counter()
       with tracer.span("generate", batch=step, version=version):
         rollout, metrics = system.generate(params, batch, step, version)
       metrics["staleness/mean"] = float(step - version)
+      metrics["time/weights_wait_s"] = step_start[step] - waited
       rollouts.put((step, rollout, metrics), stop_event=stop)
     rollouts.close()
 

@@ -71,8 +71,9 @@ class GenerateStage:
     rollout = Rollout(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=out.tokens,
                       completion_mask=out.mask, behaviour_logprobs=out.logprobs,
                       policy_version=jnp.asarray(version, jnp.int32))
-    jax.block_until_ready(rollout.completion_tokens)
+    # Counted on the host: a device reduction here could queue behind another stage's
+    # program and pollute the timing (seen on virtual CPU devices sharing cores).
+    new_tokens = float(np.asarray(jax.device_get(out.mask)).sum())
     seconds = time.perf_counter() - start
-    new_tokens = float(jnp.sum(out.mask))
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9)}
