@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib

@@ -16,7 +16,7 @@ from pipe_rlhf_jax.train import train  # noqa: E402
 def _write_char_tokenizer(path):
   """A character-level tokenizer.json covering the reverse task's text."""
   tokenizers = pytest.importorskip("tokenizers")
-  from tokenizers import decoders, pre_tokenizers, trainers
+  from tokenizers import decoders, pre_tokenizers
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
   tok.decoder = decoders.Fuse()

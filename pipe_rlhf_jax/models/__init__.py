@@ -6,3 +6,7 @@ from pipe_rlhf_jax.models.transformer import (KVCache, Transformer, default_posi
 from pipe_rlhf_jax.models.hf import (config_from_hf, config_to_hf, from_pretrained,
                                      save_pretrained)
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "KVCache", "Transformer", "TransformerConfig",
+           "config_from_hf", "config_to_hf", "default_positions", "from_pretrained",
+           "init_model", "load_tokenizer", "param_axes", "save_pretrained", "tiny_config"]

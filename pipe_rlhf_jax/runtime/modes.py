@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer

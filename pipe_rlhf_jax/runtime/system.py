@@ -13,7 +13,6 @@ seconds are counted in the metrics.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Any, Callable
 
@@ -152,7 +151,6 @@ class PPOSystem:
     self.gen_key = jax.random.fold_in(root, 1)
     self.train_key = jax.random.fold_in(root, 2)
     self.version = 0  # number of PPO updates applied to the actor
-    self._lock = threading.Lock()
 
   # ---- weight sync -------------------------------------------------------------------
   def actor_for_generation(self) -> tuple[nnx.State, TransferStats]:
