@@ -145,6 +145,8 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.reward_model.update(steps=4, batch_size=16, warmup_steps=1, eval_batches=1)
   config.ppo.update(steps=4, batch_size=16, minibatch_size=8, epochs=1, warmup_steps=1)
   # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.
+  # (In per_stage mode every stage spans all 8 devices, where a 2-layer, 1-kv-head model
+  # has no pipe x tensor layout: give generation e.g. mesh=dict(data=-1) there.)
   config.runtime.placement.update(generate=2, infer=2, train=4)
   config.stages.generate.mesh = dict(pipe=2, tensor=1)
   config.stages.generate.num_microbatches = 4

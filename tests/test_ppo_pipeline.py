@@ -82,6 +82,7 @@ def test_bad_config_names_the_field(tmp_path):
   with pytest.raises(ValueError, match="ppo.minibatch_size"):
     train(config, str(tmp_path), progress=False)
   config = tiny(mode="per_stage")
+  config.stages.generate.mesh = dict(data=-1)
   config.stages.infer.mesh = dict(data=3)
   with pytest.raises(ValueError, match="stages.infer.mesh"):
     train(config, str(tmp_path / "mesh"), progress=False)
