@@ -73,7 +73,6 @@ from configs import quickstart  # noqa: E402
 from pipe_rlhf_jax.runtime.system import MODES, STAGES, build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
-Interval = tuple[float, float]
 BUSY_STAGES = (*STAGES, "sync")
 
 
@@ -113,40 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error(f"--ppo-steps ({args.ppo_steps}) must exceed --warmup-steps-excluded "
                  f"({args.warmup_steps_excluded}) to leave steps to measure")
   return args
-
-
-# ---- interval arithmetic on tracer spans (the Tracer's overlap() has no window) --------
-def _union(intervals) -> list[Interval]:
-  merged: list[list[float]] = []
-  for lo, hi in sorted(intervals):
-    if hi <= lo:
-      continue
-    if merged and lo <= merged[-1][1]:
-      merged[-1][1] = max(merged[-1][1], hi)
-    else:
-      merged.append([lo, hi])
-  return [(lo, hi) for lo, hi in merged]
-
-
-def _clip(intervals: list[Interval], window: Interval) -> list[Interval]:
-  lo, hi = window
-  return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
-
-
-def _overlap_s(a: list[Interval], b: list[Interval]) -> float:
-  """Total length of the intersection of two disjoint sorted interval lists."""
-  total, i, j = 0.0, 0, 0
-  while i < len(a) and j < len(b):
-    total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-    if a[i][1] < b[j][1]:
-      i += 1
-    else:
-      j += 1
-  return total
-
-
-def busy_intervals(tracer, stage: str, window: Interval) -> list[Interval]:
-  return _clip(_union([(s.start, s.end) for s in tracer.spans(stage)]), window)
 
 
 # ---- one mode --------------------------------------------------------------------------
@@ -206,7 +171,7 @@ def measure(result: dict, config, warmup: int) -> dict:
   s_per_step = sum(intervals) / len(intervals)
   window = (ends[warmup - 1], ends[-1])  # from the last warm-up update to the last update
   length = window[1] - window[0]
-  busy = {s: busy_intervals(tracer, s, window) for s in BUSY_STAGES}
+  busy = tracer.busy_fraction(window)
   steady = [r for r in records if r["step"] >= warmup]
   # Latency from the trace: start of a batch's generate span to the end of its train span.
   # (The pipe mode's `time/step_s` starts before the staleness gate, so it also counts
@@ -233,9 +198,9 @@ def measure(result: dict, config, warmup: int) -> dict:
       "infer_s": mean("time/infer_s"),
       "train_s": mean("time/train_s"),
       "window_s": length,
-      **{f"busy/{s}": sum(b - a for a, b in busy[s]) / length for s in BUSY_STAGES},
-      "overlap/generate_train_s": _overlap_s(busy["generate"], busy["train"]),
-      "overlap/generate_infer_s": _overlap_s(busy["generate"], busy["infer"]),
+      **{f"busy/{s}": busy.get(s, 0.0) for s in BUSY_STAGES},
+      "overlap/generate_train_s": tracer.overlap("generate", "train", window),
+      "overlap/generate_infer_s": tracer.overlap("generate", "infer", window),
       "staleness_mean": mean("staleness/mean"),
       "sync_bytes_total": sync_total,
       "sync_bytes_per_step": sync_total / len(records),

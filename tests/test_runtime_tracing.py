@@ -144,3 +144,14 @@ def test_serial_stages_do_not_overlap():
   assert tr.overlap("generate", "train") == 0.0
   frac = tr.busy_fraction()
   assert frac["generate"] + frac["train"] <= 1.0 + 1e-9
+
+
+def test_overlap_restricted_to_a_window():
+  from pipe_rlhf_jax.runtime.tracing import Tracer
+  tracer = Tracer()
+  tracer.add("generate", 0.0, 4.0, batch=0)
+  tracer.add("train", 1.0, 3.0, batch=0)
+  tracer.add("train", 5.0, 6.0, batch=1)
+  assert tracer.overlap("generate", "train") == pytest.approx(2.0)
+  assert tracer.overlap("generate", "train", (2.5, 10.0)) == pytest.approx(0.5)
+  assert tracer.busy_fraction((4.0, 6.0))["train"] == pytest.approx(0.5)

@@ -259,9 +259,9 @@ class Tracer:
         for stage in self.stages()
     }
 
-  def overlap(self, stage_a: str, stage_b: str) -> float:
-    """Seconds during which both stages were busy at the same time."""
-    return _length(_intersect(self._busy(stage_a), self._busy(stage_b)))
+  def overlap(self, stage_a: str, stage_b: str, window: Interval | None = None) -> float:
+    """Seconds during which both stages were busy at the same time (within `window`)."""
+    return _length(_intersect(self._busy(stage_a, window), self._busy(stage_b, window)))
 
   def summary(self) -> dict[str, Any]:
     """Per-stage counts and timing plus pairwise overlaps.
