@@ -37,21 +37,13 @@ logger = logging.getLogger(__name__)
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
 
-# Config fields that do not change the mathematics of a run: where it writes,
-# how often it logs or saves, and which logging backends it uses.
+# Fields that change where or how often things are written, never the mathematics: a run
+# may resume with different values. (Names are matched at any depth, or as dotted paths.)
 DEFAULT_FINGERPRINT_IGNORE = (
     "workdir",
-    "checkpoint_dir",
-    "log_every_steps",
-    "checkpoint_every_steps",
-    "eval_every_steps",
-    "max_to_keep",
-    "async_checkpointing",
-    "use_tensorboard",
-    "use_wandb",
-    "wandb_project",
-    "progress_bar",
-    "trace",
+    "checkpoint",
+    "log",
+    "name",
 )
 
 

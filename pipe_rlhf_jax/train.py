@@ -202,8 +202,6 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
         f"{ppo_dir} already holds PPO checkpoints (latest step "
         f"{checkpointer.latest_step()}); pass --resume to continue, or choose a new "
         f"--workdir. Nothing was changed.")
-  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2))
 
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
@@ -253,6 +251,9 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     prompts.set_state(meta["data_state"])
     start = int(meta["step"]) + 1
     say(f"resumed PPO at step {start} from {ppo_dir}")
+  # Written only once the config is known to match any checkpoint it resumes.
+  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    f.write(config.to_json_best_effort(indent=2))
 
   eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
   samples_before = show_samples(actor_gd, system.actor_for_generation()[0], eval_batch,

@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import quickstart  # noqa: E402
 
+from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
@@ -67,7 +68,12 @@ def test_resume_equals_uninterrupted(tmp_path):
   train(tiny(), part, stop_after=2, progress=False)
   with pytest.raises(FileExistsError, match="--resume"):
     train(tiny(), part, progress=False)
-  resumed = train(tiny(), part, resume=True, progress=False)["ppo_metrics"]
+  changed = tiny(kl_coef=0.5)  # changes the mathematics: the checkpoint must refuse it
+  with pytest.raises(CheckpointError, match="config_fingerprint"):
+    train(changed, part, resume=True, progress=False)
+  config = tiny()
+  config.checkpoint.every = 3  # only where/when things are written: allowed to differ
+  resumed = train(config, part, resume=True, progress=False)["ppo_metrics"]
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert comparable(resumed) == comparable(full)
 
