@@ -19,12 +19,14 @@ from pipe_rlhf_jax.train import train  # noqa: E402
 NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")
 
 
-def tiny(mode, **runtime):
+def tiny(mode, pipelined=False, **runtime):
   config = quickstart.get_config("tiny")
   config.runtime.mode = mode
   config.runtime.update(runtime)
-  # Pipelining is covered by its own tests; here the generate stage is data-parallel.
-  config.stages.generate.mesh = dict(data=-1)
+  if not pipelined:
+    # A data-parallel generate stage; `pipelined=True` keeps the tiny variant's 2-stage
+    # pipelined decoder on devices 0-1.
+    config.stages.generate.mesh = dict(data=-1)
   return config
 
 
@@ -47,19 +49,21 @@ def assert_same_math(expected, actual):
 
 
 def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
-  # Same seed, same data order, on-policy: only the placement differs (8 shared devices vs
-  # 2 + 2 + 4 disjoint ones), so reductions may sum in a different order. Tolerance: see
+  # Same seed, same data order, on-policy: only the placement and layouts differ (8 shared
+  # devices vs 2 + 2 + 4 disjoint ones), so reductions may sum in a different order. Tolerance: see
   # assert_same_math; sampled tokens agree exactly (equal response lengths and rule
   # rewards are among the compared metrics).
+  # The pipe run generates with the delayed pipelined decoder (P=2, M=4), the sequential
+  # run with the plain sampler: the rollouts must still be the same tokens.
   seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False)["ppo_metrics"]
-  pipe = train(tiny("pipe", max_staleness=0), str(tmp_path / "pipe"),
+  pipe = train(tiny("pipe", pipelined=True, max_staleness=0), str(tmp_path / "pipe"),
                progress=False)["ppo_metrics"]
   assert len(seq) == len(pipe) == 4
   assert_same_math(seq, pipe)
 
 
 def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path):
-  config = tiny("pipe", max_staleness=1)
+  config = tiny("pipe", pipelined=True, max_staleness=1)
   config.ppo.steps = 6
   config.ppo.loss = "decoupled_ppo_clip"  # the off-policy objective stale rollouts need
   result = train(config, str(tmp_path), progress=False)
