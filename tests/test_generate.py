@@ -177,3 +177,13 @@ def test_right_padded_prompt_is_refused(model):
     generate(model, prompt, mask[:, ::-1], 2, rng=jax.random.key(0), eos_id=None)
   with pytest.raises(ValueError, match="max_new_tokens"):
     generate(model, prompt, mask, 0, rng=jax.random.key(0), eos_id=None)
+
+
+def test_public_entry_points():
+  import pipe_rlhf_jax.generation as generation
+  import pipe_rlhf_jax.ppo as ppo
+  from pipe_rlhf_jax import models
+  assert generation.generate is generate
+  assert callable(generation.pipelined_generate)
+  assert callable(ppo.gae) and callable(ppo.policy_loss) and callable(ppo.value_loss)
+  assert callable(models.from_pretrained) and callable(models.save_pretrained)
