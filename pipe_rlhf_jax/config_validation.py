@@ -88,6 +88,16 @@ def validate_config(config) -> None:
   _choice(config, "reward.fn", ["model"] + REWARD_FUNCTIONS.names())
   if config.reward.eval_fn:
     _choice(config, "reward.eval_fn", REWARD_FUNCTIONS.names())
+  if _choice(config, "data.task", ("reverse", "jsonl")) == "jsonl":
+    for role in ("prompts", "prompts_eval", "demos", "prefs", "prefs_eval"):
+      path = config.data.jsonl.get(role, "")
+      if not path or not os.path.isfile(path):
+        raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
+                         "all of data.jsonl.{prompts,prompts_eval,demos,prefs,prefs_eval}.")
+    if config.reward.eval_fn.startswith("reverse"):
+      raise ValueError(f"reward.eval_fn={config.reward.eval_fn!r} scores the embedded reverse "
+                       "task only; set --config.reward.eval_fn='' (or a rule registered for "
+                       "your data) when data.task='jsonl'.")
   if config.model.get("require_path") and not config.model.path:
     raise ValueError("model.path is required by this config: pass "
                      "--config.model.path=/path/to/a/local/huggingface/model/dir.")

@@ -93,19 +93,43 @@ def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -
   return state
 
 
-def make_data(config, workdir: str, tokenizer) -> dict[str, Any]:
+def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
+  """Builds the TFDS datasets and their grain pipelines.
+
+  Returns:
+    (counts of records skipped or truncated while building, {role: pipeline}).
+  """
   d = config.data
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
   data_dir = d.dir or os.path.join(workdir, "data")
-  built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
-                                      num_demos=d.num_demos, num_pairs=d.num_pairs)
+  if d.task == "reverse":
+    built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
+                                        num_demos=d.num_demos, num_pairs=d.num_pairs)
+  else:  # "jsonl": the user's own files, one TFDS dataset per kind
+    files = d.jsonl
+    built = {
+        "prompts": builders.build_dataset(
+            "prompts", {"train": files.prompts, "eval": files.prompts_eval}, data_dir,
+            name="user_prompts", on_invalid=d.on_invalid, overwrite=True),
+        "demos": builders.build_dataset("demos", {"train": files.demos}, data_dir,
+                                        name="user_demos", on_invalid=d.on_invalid,
+                                        overwrite=True),
+        "prefs": builders.build_dataset(
+            "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
+            name="user_prefs", on_invalid=d.on_invalid, overwrite=True),
+    }
 
   def validator(kind: str):
     return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
 
   seed = config.seed
-  return {
+  # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
+  build_stats = {f"build/{kind}/{split}/{key}": float(value)
+                 for kind in ("prompts", "demos", "prefs")
+                 for split, counts in built[kind].stats.items()
+                 for key, value in counts.items()}
+  return build_stats, {
       "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
                                      config.sft.batch_size, d.prompt_len, d.completion_len,
                                      seed, validator=validator("demos")),
@@ -205,14 +229,15 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
 
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
-  data = make_data(config, workdir, tokenizer)
+  build_stats, data = make_data(config, workdir, tokenizer)
   writer = metrics_lib.MetricsWriter(workdir, use_tensorboard=config.log.tensorboard,
                                      use_wandb=config.log.wandb,
                                      wandb_project=config.log.wandb_project,
                                      config=config.to_dict())
   # Malformed-record decisions of every input pipeline, counted once up front.
-  writer.write(0, {f"{name}/{key}": float(value) for name, pipe in data.items()
-                   for key, value in pipe.stats().items()}, phase="data")
+  writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
+                                     for name, pipe in data.items()
+                                     for key, value in pipe.stats().items()}}, phase="data")
   layouts = build_layouts(config)
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=c: init_model(c)))
               for name, c in cfgs.items()}

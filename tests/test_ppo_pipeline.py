@@ -111,3 +111,29 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   rewards = [r["reward/mean"] for r in
              train(config, str(tmp_path), progress=False)["ppo_metrics"]]
   assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
+
+
+def test_user_jsonl_data_with_malformed_lines(tmp_path):
+  # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
+  # both are skipped and counted, and the run completes.
+  from pipe_rlhf_jax.data import task
+  paths = task.write_task_jsonl(str(tmp_path / "jsonl"), num_prompts=256, num_demos=256,
+                                num_pairs=256, seed=1, num_eval=32)
+  with open(paths["prompts"], "ab") as f:
+    f.write(b'{"prompt": ""}\n{"prompt": "rev \\xff\\xfe="}\n'.replace(b"\\xff\\xfe", b"\xff\xfe"))
+  config = tiny()
+  config.data.task = "jsonl"
+  config.data.jsonl.update({role: paths[role] for role in
+                            ("prompts", "prompts_eval", "demos", "prefs", "prefs_eval")})
+  config.reward.eval_fn = ""
+  config.ppo.steps = 2
+  workdir = str(tmp_path / "run")
+  result = train(config, workdir, progress=False)
+  assert len(result["ppo_metrics"]) == 2
+  data = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))
+          if '"data"' in line][0]
+  assert data["build/prompts/train/skipped/empty"] == 1
+  assert data["build/prompts/train/skipped/invalid_utf8"] == 1
+  config.data.jsonl.prefs = str(tmp_path / "missing.jsonl")
+  with pytest.raises(ValueError, match="data.jsonl.prefs"):
+    train(config, str(tmp_path / "run2"), progress=False)
