@@ -12,10 +12,15 @@ import jax  # noqa: E402  (must follow the XLA_FLAGS assignment)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Many tests build the same small programs (every `train()` call re-jits its stages):
-# a persistent compilation cache turns the repeats from seconds into milliseconds.
+# a persistent compilation cache turns the repeats from seconds into milliseconds. The
+# cache is private to this process and deleted at exit: a cache shared across runs or
+# pytest-xdist workers was seen to hand a worker an entry that aborted XLA on load.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "pipe_rlhf_jax_jax_cache"))
+_CACHE_DIR = tempfile.mkdtemp(prefix="pipe_rlhf_jax_xla_cache_")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
