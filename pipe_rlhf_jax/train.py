@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
@@ -86,10 +87,14 @@ def init_policy(config, cfg: TransformerConfig) -> Transformer:
 
 
 def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -> nnx.State:
-  """A scalar-head model whose backbone is copied from `source` (head freshly initialised)."""
+  """A scalar-head model whose backbone is a copy of `source`'s (head freshly initialised).
+
+  A real copy, not shared buffers: training steps donate their parameters, and a donated
+  buffer shared with `source` would be deleted under the model that still owns it.
+  """
   _, state = nnx.split(init_model(target_cfg, seed=seed))
   for key in ("embedding", "layers", "final_norm"):
-    state[key] = jax.tree.map(lambda x: x, source[key])
+    state[key] = jax.tree.map(jnp.copy, source[key])
   return state
 
 
@@ -239,8 +244,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                      for name, pipe in data.items()
                                      for key, value in pipe.stats().items()}}, phase="data")
   layouts = build_layouts(config)
-  abstract = {name: nnx.state(nnx.eval_shape(lambda c=c: init_model(c)))
-              for name, c in cfgs.items()}
+  abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
+              for name in ("actor", "critic")}
   check_fits(layouts, abstract["actor"], abstract["critic"])  # before anything compiles
   warm = warm_start(config, workdir, tokenizer, data, cfgs, writer, layouts["train"], progress)
 

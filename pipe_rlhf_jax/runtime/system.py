@@ -29,7 +29,8 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, TrainStage
+from pipe_rlhf_jax.stages.train import (ActorCriticState, PPOHyper, TrainStage,
+                                        make_optimizer)
 
 MODES = ("sequential", "per_stage", "pipe")
 STAGES = ("generate", "infer", "train")
@@ -134,7 +135,6 @@ class PPOSystem:
     self.infer_stage = InferStage(inf, models.actor_graphdef, models.critic_graphdef,
                                   models.reward_graphdef, InferHyper.from_config(ppo),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
-    from pipe_rlhf_jax.stages.train import make_optimizer
     total = ppo.steps
     actor_tx = make_optimizer(ppo.actor_lr, total_steps=total, warmup_steps=ppo.warmup_steps,
                               schedule=ppo.lr_schedule, max_grad_norm=ppo.max_grad_norm)

@@ -104,10 +104,9 @@ class InferStage:
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
     """Rule reward `fn` of each completion, from decoded text."""
-    prompts_np, completions_np, cmask = jax.device_get(
-        (rollout.prompt_tokens * rollout.prompt_mask, rollout.completion_tokens,
-         rollout.completion_mask))
-    pmask = np.asarray(jax.device_get(rollout.prompt_mask))
+    prompts_np, pmask, completions_np, cmask = jax.device_get(
+        (rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens,
+         rollout.completion_mask))  # one host transfer for the whole batch
     prompts = [self.decode(p[m]) for p, m in zip(prompts_np, pmask)]
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
     return np.asarray(fn(prompts, completions), np.float32)
