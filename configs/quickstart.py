@@ -108,6 +108,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.runtime.mode = "pipe"
   config.runtime.max_staleness = 1
   config.runtime.queue_size = 2
+  # How long the other workers may take to finish their current item after one fails.
+  config.runtime.shutdown_timeout_s = 120.0
   # Devices of each stage in `pipe` mode (disjoint, in device order).
   config.runtime.placement = ml_collections.ConfigDict(
       dict(generate=4, infer=2, train=2))

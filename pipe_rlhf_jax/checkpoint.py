@@ -44,6 +44,7 @@ DEFAULT_FINGERPRINT_IGNORE = (
     "checkpoint",
     "log",
     "name",
+    "shutdown_timeout_s",
 )
 
 

@@ -63,7 +63,7 @@ def validate_config(config) -> None:
     _positive_int(config, path)
   for path in ("sft.learning_rate", "reward_model.learning_rate", "ppo.actor_lr",
                "ppo.critic_lr", "ppo.max_grad_norm", "ppo.clip_eps", "ppo.value_clip_eps",
-               "ppo.kl_target", "ppo.kl_horizon"):
+               "ppo.kl_target", "ppo.kl_horizon", "runtime.shutdown_timeout_s"):
     _positive_float(config, path)
   for path in ("ppo.kl_coef", "ppo.entropy_coef", "ppo.temperature"):
     _positive_float(config, path, allow_zero=True)

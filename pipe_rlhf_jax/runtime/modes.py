@@ -117,7 +117,9 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   gate = StalenessGate(actor_store, cfg.max_staleness)
   rollouts = BoundedQueue(cfg.queue_size, "rollouts")
   experience = BoundedQueue(cfg.queue_size, "experience")
-  group = WorkerGroup(on_interrupt=on_interrupt)
+  # A worker is only stopped between items, and an item can be a first call that is
+  # still compiling: the bound is generous, but it is a bound (shutdown never hangs).
+  group = WorkerGroup(on_interrupt=on_interrupt, shutdown_timeout=cfg.shutdown_timeout_s)
   for obj in (rollouts, experience, actor_store, critic_store):
     group.register_queue(obj)
   step_start: dict[int, float] = {}
