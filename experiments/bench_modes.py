@@ -70,7 +70,7 @@ import jax  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from configs import quickstart  # noqa: E402
-from pipe_rlhf_jax.runtime.system import MODES, STAGES, build_layouts  # noqa: E402
+from pipe_rlhf_jax.system.system import MODES, STAGES, build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
 BUSY_STAGES = (*STAGES, "sync")

@@ -35,8 +35,8 @@ from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.runtime import modes
-from pipe_rlhf_jax.runtime.system import Models, PPOSystem, build_layouts, check_fits
+from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.system import Models, PPOSystem, build_layouts, check_fits
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)

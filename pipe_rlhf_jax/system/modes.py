@@ -25,7 +25,7 @@ from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.weights import StalenessGate, VersionedWeights
 from pipe_rlhf_jax.runtime.workers import WorkerGroup
-from pipe_rlhf_jax.runtime.system import PPOSystem, np_batch
+from pipe_rlhf_jax.system.system import PPOSystem, np_batch
 
 OnStep = Callable[[int, dict], None]
 

@@ -2,7 +2,7 @@
 
 This module owns the *what* of one PPO iteration — generate a rollout batch, turn it
 into experience, update actor and critic, move the new weights to the stages that read
-them — as methods that any schedule can call. `runtime/modes.py` owns the *when*: one
+them — as methods that any schedule can call. `system/modes.py` owns the *when*: one
 after another (`sequential`, `per_stage`) or concurrently on disjoint devices (`pipe`).
 
 Every cross-mesh move (rollout gen -> infer, experience infer -> train, actor train ->
