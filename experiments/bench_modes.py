@@ -70,7 +70,8 @@ import jax  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from configs import quickstart  # noqa: E402
-from pipe_rlhf_jax.system.system import MODES, STAGES, build_layouts  # noqa: E402
+from pipe_rlhf_jax.system.settings import MODES, STAGES, RuntimeConfig  # noqa: E402
+from pipe_rlhf_jax.system.system import build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
 BUSY_STAGES = (*STAGES, "sync")
@@ -136,7 +137,7 @@ def make_config(args, mode: str, staleness: int):
 def layout_summary(config) -> tuple[dict, str | None]:
   """{stage: {"devices", "mesh"}} for the config's mode, or the reason it cannot run."""
   try:
-    layouts = build_layouts(config)
+    layouts = build_layouts(RuntimeConfig.from_config(config))
   except ValueError as e:
     return {}, str(e)
   return {s: {"devices": int(layouts[s].mesh.devices.size),
@@ -201,7 +202,7 @@ def measure(result: dict, config, warmup: int) -> dict:
       **{f"busy/{s}": busy.get(s, 0.0) for s in BUSY_STAGES},
       "overlap/generate_train_s": tracer.overlap("generate", "train", window),
       "overlap/generate_infer_s": tracer.overlap("generate", "infer", window),
-      "staleness_mean": mean("staleness/mean"),
+      "staleness_mean": mean("staleness/actor"),
       "sync_bytes_total": sync_total,
       "sync_bytes_per_step": sync_total / len(records),
       "reward_mean_last": records[-1].get("reward/mean", float("nan")),

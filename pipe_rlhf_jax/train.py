@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
@@ -36,7 +35,9 @@ from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import modes
-from pipe_rlhf_jax.system.system import Models, PPOSystem, build_layouts, check_fits
+from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
+                                         graphdef_of, with_backbone)
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -74,28 +75,11 @@ def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
           "reward": base.replace(head="score")}
 
 
-def graphdef_of(cfg: TransformerConfig) -> nnx.GraphDef:
-  """The static structure of a model, without allocating its parameters."""
-  return nnx.split(nnx.eval_shape(lambda: init_model(cfg)))[0]
-
-
 def init_policy(config, cfg: TransformerConfig) -> Transformer:
   if config.model.path:
     return hf.from_pretrained(config.model.path, dtype=config.model.dtype,
                               param_dtype=config.model.param_dtype)
   return init_model(cfg, seed=config.seed)
-
-
-def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -> nnx.State:
-  """A scalar-head model whose backbone is a copy of `source`'s (head freshly initialised).
-
-  A real copy, not shared buffers: training steps donate their parameters, and a donated
-  buffer shared with `source` would be deleted under the model that still owns it.
-  """
-  _, state = nnx.split(init_model(target_cfg, seed=seed))
-  for key in ("embedding", "layers", "final_norm"):
-    state[key] = jax.tree.map(jnp.copy, source[key])
-  return state
 
 
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
@@ -243,7 +227,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
                                      for name, pipe in data.items()
                                      for key, value in pipe.stats().items()}}, phase="data")
-  layouts = build_layouts(config)
+  runtime = RuntimeConfig.from_config(config)
+  layouts = build_layouts(runtime)
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic")}
   check_fits(layouts, abstract["actor"], abstract["critic"])  # before anything compiles
@@ -266,8 +251,9 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
              if config.reward.eval_fn else None)
-  system = PPOSystem(config, models, sampling, reward_fn=reward_fn, decode=decode,
-                     eval_fn=eval_fn)
+  system = PPOSystem(models, ppo=PPOConfig.from_config(config.ppo, seed=config.seed),
+                     sampling=sampling, runtime=runtime, reward_fn=reward_fn,
+                     decode=decode, eval_fn=eval_fn)
   for layout in system.layouts.values():
     say(f"stage {layout}")
 

@@ -70,7 +70,7 @@ def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path):
   tracer = result["tracer"]
   # Generation of batch k+1 ran while batch k was in inference or training.
   assert tracer.overlap("generate", "train") + tracer.overlap("generate", "infer") > 0
-  lags = [r["staleness/mean"] for r in result["ppo_metrics"]]
+  lags = [r["staleness/actor"] for r in result["ppo_metrics"]]
   assert max(lags) <= 1 and min(lags) >= 0
   # Decoupled objective: behaviour importance weights are reported and capped.
   assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result["ppo_metrics"])

@@ -31,27 +31,39 @@ OnStep = Callable[[int, dict], None]
 
 
 class DataFeed:
-  """Prompt batches by step index, remembering the iterator state before each one.
+  """Prompt batches by step index, remembering the source's state before each one.
 
-  The checkpoint of step k stores the state before batch k + 1 even when the generator
-  has already read further ahead.
+  The prompt source is any iterator of batches (the protocol, `system.api.PromptSource`):
+  `next()` gives {"prompt_tokens": int32 [batch, prompt_len] left-padded, "prompt_mask":
+  bool [batch, prompt_len], "index": int [batch] (global sample ids, which key the
+  sampling randomness)}; `get_state()` / `set_state()` are optional and make a run
+  resumable. The checkpoint of step k stores the state before batch k + 1 even when the
+  generator has already read further ahead.
   """
 
-  def __init__(self, pipeline):
-    self.pipeline = pipeline
-    self._states: dict[int, dict] = {}
+  def __init__(self, source):
+    self.source = source
+    self._resumable = hasattr(source, "get_state")
+    self._states: dict[int, dict | None] = {}
     self._lock = threading.Lock()
+
+  def _state(self) -> dict | None:
+    return self.source.get_state() if self._resumable else None
 
   def next(self, step: int) -> dict:
     with self._lock:
-      self._states[step] = self.pipeline.get_state()
-      return np_batch(next(self.pipeline))
+      self._states[step] = self._state()
+      try:
+        return np_batch(next(self.source))
+      except StopIteration:
+        raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
+                           "endless (or long enough) source.") from None
 
-  def state_before(self, step: int) -> dict:
+  def state_before(self, step: int) -> dict | None:
     with self._lock:
       for old in [k for k in self._states if k < step - 8]:
         del self._states[old]
-      return self._states.get(step, self.pipeline.get_state())
+      return self._states.get(step, self._state())
 
 
 class BadStepGuard:
@@ -76,16 +88,20 @@ class BadStepGuard:
 
 def _finish_step(system: PPOSystem, step: int, metrics: dict, guard: BadStepGuard,
                  on_step: OnStep) -> None:
+  """After update `step`: staleness of the batch it trained on, the next version's KL
+  coefficient, the bad-step guard, then the caller's hook (metrics, checkpoint)."""
+  # How many updates the trainer was ahead of the policy / critic that made the batch.
+  metrics["staleness/actor"] = float(system.version - metrics["version/actor"])
+  metrics["staleness/critic"] = float(system.version - metrics["version/critic"])
+  system.advance(metrics.get("kl/mean", 0.0))
   guard.check(step, metrics)
-  system.update_kl(metrics.get("kl/mean", 0.0))
-  metrics["kl_coef"] = system.kl_coef
   on_step(step, metrics)
 
 
 def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
                tracer: Tracer) -> None:
   """sequential / per_stage: the stages one after another on shared devices."""
-  guard = BadStepGuard(system.config.ppo.max_bad_steps)
+  guard = BadStepGuard(system.ppo.max_bad_steps)
   for step in range(start, end):
     t0 = time.perf_counter()
     batch = feed.next(step)
@@ -95,11 +111,12 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
     with tracer.span("generate", batch=step, version=system.version):
       rollout, gen_m = system.generate(actor, batch, step, system.version)
     with tracer.span("infer", batch=step, version=system.version):
-      exp, inf_m = system.infer(rollout, critic)
+      exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
+                                critic_version=system.version)
     with tracer.span("train", batch=step, version=system.version):
       train_m = system.train(exp, step)
     metrics = {**gen_m, **inf_m, **train_m, **actor_stats.as_metrics("transfer/actor_sync"),
-               **critic_stats.as_metrics("transfer/critic_sync"), "staleness/mean": 0.0,
+               **critic_stats.as_metrics("transfer/critic_sync"),
                "time/step_s": time.perf_counter() - t0}
     _finish_step(system, step, metrics, guard, on_step)
 
@@ -108,8 +125,8 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
              tracer: Tracer, on_interrupt: Callable | None = None,
              timeout: float | None = None) -> None:
   """pipe: generate / infer / train workers running concurrently on disjoint devices."""
-  cfg = system.config.runtime
-  guard = BadStepGuard(system.config.ppo.max_bad_steps)
+  cfg = system.runtime
+  guard = BadStepGuard(system.ppo.max_bad_steps)
   actor, actor_stats = system.actor_for_generation()
   critic, _ = system.critic_for_inference()
   actor_store = VersionedWeights(actor, version=system.version)
@@ -132,7 +149,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
       step_start[step] = time.perf_counter()
       with tracer.span("generate", batch=step, version=version):
         rollout, metrics = system.generate(params, batch, step, version)
-      metrics["staleness/mean"] = float(step - version)
+      metrics["generate_version"] = version
       metrics["time/weights_wait_s"] = step_start[step] - waited
       rollouts.put((step, rollout, metrics), stop_event=stop)
     rollouts.close()
@@ -141,7 +158,9 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
     for step, rollout, metrics in rollouts:
       critic, version = critic_store.latest()
       with tracer.span("infer", batch=step, version=version):
-        exp, inf_metrics = system.infer(rollout, critic)
+        exp, inf_metrics = system.infer(rollout, critic,
+                                        actor_version=metrics.pop("generate_version"),
+                                        critic_version=version)
       experience.put((step, exp, {**metrics, **inf_metrics}), stop_event=stop)
     experience.close()
 
@@ -149,7 +168,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
     for step, exp, metrics in experience:
       with tracer.span("train", batch=step, version=system.version):
         metrics.update(system.train(exp, step))
-      with tracer.span("sync", batch=step, version=system.version):
+      with tracer.span("sync", batch=step, version=system.version + 1):
         critic, critic_stats = system.critic_for_inference()
         actor, actor_stats = system.actor_for_generation()
       metrics.update(actor_stats.as_metrics("transfer/actor_sync"))

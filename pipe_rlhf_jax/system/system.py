@@ -17,10 +17,13 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh, split_devices
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
@@ -31,47 +34,38 @@ from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import (ActorCriticState, PPOHyper, TrainStage,
                                         make_optimizer)
-
-MODES = ("sequential", "per_stage", "pipe")
-STAGES = ("generate", "infer", "train")
+from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 
 
-def build_layouts(config, devices=None) -> dict[str, StageLayout]:
-  """Each stage's mesh and rules for `config.runtime.mode`.
+def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout]:
+  """Each stage's mesh and rules under the plan `runtime`.
 
-  sequential: one mesh (`config.mesh`) over all devices, shared by every stage.
-  per_stage: each stage's own `config.stages.<stage>.mesh` over all devices.
-  pipe: devices split by `config.runtime.placement`, each stage's mesh on its subset.
+  sequential: one mesh (`runtime.mesh`) over all devices, shared by every stage.
+  per_stage: each stage's own mesh over all devices.
+  pipe: devices split by `runtime.placement`, each stage's mesh on its block.
   """
   devices = list(devices if devices is not None else jax.devices())
-  mode = config.runtime.mode
-  if mode not in MODES:
-    raise ValueError(f"runtime.mode={mode!r}; choose one of {MODES}.")
-  if mode == "sequential":
-    mesh = make_mesh(MeshShape.from_config(config.mesh, len(devices), field="mesh"), devices)
+  if runtime.mode == "sequential":
+    mesh = make_mesh(MeshShape.from_config(runtime.mesh.as_dict(), len(devices),
+                                           field="mesh"), devices)
     return {s: StageLayout(s, mesh, logical.DEFAULT_RULES) for s in STAGES}
-  if mode == "per_stage":
+  if runtime.mode == "per_stage":
     subsets = {s: devices for s in STAGES}
   else:
-    placement = dict(config.runtime.placement)
-    if set(placement) != set(STAGES):
-      raise ValueError(f"runtime.placement must give device counts for exactly {STAGES}, "
-                       f"got {sorted(placement)}.")
+    placement = dict(zip(STAGES, runtime.placement))
     if sum(placement.values()) > len(devices):
       raise ValueError(
           f"runtime.placement asks for {sum(placement.values())} devices "
           f"({placement}) but only {len(devices)} exist; shrink the counts.")
-    subsets = split_devices(devices, {s: placement[s] for s in STAGES})
+    subsets = split_devices(devices, placement)
   layouts = {}
   for s in STAGES:
-    stage_cfg = config.stages[s]
-    shape = MeshShape.from_config(stage_cfg.mesh, len(subsets[s]), field=f"stages.{s}.mesh")
-    rules = logical.rules_from_config(stage_cfg.get("rules"), logical.STAGE_RULES[s],
+    plan = runtime.stage(s)
+    shape = MeshShape.from_config(plan.mesh.as_dict(), len(subsets[s]),
+                                  field=f"stages.{s}.mesh")
+    rules = logical.rules_from_config(dict(plan.rules), logical.STAGE_RULES[s],
                                       field=f"stages.{s}.rules")
     layouts[s] = StageLayout(s, make_mesh(shape, subsets[s]), rules)
-  if layouts["train"].mesh.shape.get("pipe", 1) > 1:
-    raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
-                     "whole; fold those devices into fsdp or data.")
   return layouts
 
 
@@ -96,9 +90,34 @@ def check_fits(layouts: dict[str, StageLayout], actor, critic) -> None:
                        "stage (runtime.placement).")
 
 
+def graphdef_of(cfg: TransformerConfig) -> nnx.GraphDef:
+  """The static structure of a model, without allocating its parameters."""
+  return nnx.split(nnx.eval_shape(lambda: init_model(cfg)))[0]
+
+
+def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -> nnx.State:
+  """A scalar-head model whose backbone is a copy of `source`'s (head freshly initialised).
+
+  A real copy, not shared buffers: training steps donate their parameters, and a donated
+  buffer shared with `source` would be deleted under the model that still owns it.
+  """
+  _, state = nnx.split(init_model(target_cfg, seed=seed))
+  for key in ("embedding", "layers", "final_norm"):
+    state[key] = jax.tree.map(jnp.copy, source[key])
+  return state
+
+
+def _shapes(state: nnx.State) -> Any:
+  return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
+
+
 @dataclasses.dataclass
 class Models:
-  """The graph definitions and initial parameters of the four PPO models."""
+  """The graph definitions and initial parameters of the PPO models.
+
+  `reward` / `reward_graphdef` are None when the reward is a rule. Use `Models.from_policy`
+  to derive the reference and critic from a policy.
+  """
 
   actor_graphdef: nnx.GraphDef
   critic_graphdef: nnx.GraphDef
@@ -108,49 +127,123 @@ class Models:
   critic: nnx.State
   reward: nnx.State | None
 
+  @classmethod
+  def from_policy(cls, policy: nnx.Module, *, reward_model: nnx.Module | None = None,
+                  critic_from: str = "policy", seed: int = 0) -> "Models":
+    """Actor = reference = `policy`; critic = its backbone with a fresh value head.
+
+    Args:
+      policy: a `models.Transformer` with an LM head (e.g. `hf.from_pretrained(path)`).
+      reward_model: a Transformer with a score head, or None for a rule reward.
+      critic_from: "policy" or "reward_model": whose backbone the critic starts from.
+      seed: seed of the critic's fresh value head.
+    """
+    if policy.config.head != "lm":
+      raise ValueError(f"policy has a {policy.config.head!r} head; the actor needs 'lm'.")
+    actor_gd, actor = nnx.split(policy)
+    reward_gd = reward = None
+    if reward_model is not None:
+      if reward_model.config.head != "score":
+        raise ValueError(f"reward_model has a {reward_model.config.head!r} head; a reward "
+                         "model needs 'score' (models.hf.from_pretrained(path, head='score')).")
+      reward_gd, reward = nnx.split(reward_model)
+    if critic_from not in ("policy", "reward_model"):
+      raise ValueError(f"critic_from={critic_from!r}; choose 'policy' or 'reward_model'.")
+    if critic_from == "reward_model" and reward_model is None:
+      raise ValueError("critic_from='reward_model' needs a reward_model.")
+    source_cfg, source = ((policy.config, actor) if critic_from == "policy"
+                          else (reward_model.config, reward))
+    critic_cfg = source_cfg.replace(head="value")
+    return cls(actor_graphdef=actor_gd, critic_graphdef=graphdef_of(critic_cfg),
+               reward_graphdef=reward_gd, actor=actor,
+               reference=jax.tree.map(jnp.copy, actor),
+               critic=with_backbone(critic_cfg, source, seed), reward=reward)
+
+  def check(self, sampling: SamplingParams) -> None:
+    """Raises when the models disagree with each other or with the sampling settings."""
+    heads = {"actor": (self.actor_graphdef, "lm"), "critic": (self.critic_graphdef, "value")}
+    if self.reward_graphdef is not None:
+      heads["reward"] = (self.reward_graphdef, "score")
+    for name, (graphdef, head) in heads.items():
+      got = nnx.merge(graphdef, getattr(self, name)).config.head
+      if got != head:
+        raise ValueError(f"Models.{name} has a {got!r} head; it needs {head!r}.")
+    if _shapes(self.reference) != _shapes(self.actor):
+      raise ValueError("Models.reference does not have the actor's parameter shapes and "
+                       "dtypes; the reference must be a copy of the initial actor.")
+    if (self.reward is None) != (self.reward_graphdef is None):
+      raise ValueError("Models.reward and Models.reward_graphdef must both be set (a reward "
+                       "model) or both be None (a rule reward).")
+    vocab = nnx.merge(self.actor_graphdef, self.actor).config.vocab_size
+    for name in ("eos_id", "pad_id"):
+      token = getattr(sampling, name)
+      if token is not None and not 0 <= token < vocab:
+        raise ValueError(f"sampling.{name}={token} is outside the actor's vocabulary "
+                         f"(size {vocab}).")
+
 
 class PPOSystem:
   """Holds the stages and the state they own, and runs their steps.
 
   Args:
-    config: the experiment config (ppo, runtime, stages, mesh fields are read).
     models: graph definitions and initial parameters.
-    sampling: static generation settings.
-    reward_fn / decode: the host-side rule reward, when `config.reward.fn` is a rule.
+    ppo: the algorithm settings.
+    sampling: generation settings; the trainer's log-probs use its temperature.
+    runtime: the plan (mode, placement, per-stage meshes); default: sequential on all
+      devices.
+    reward_fn: host-side rule reward `(prompts: list[str], completions: list[str]) ->
+      float32 [batch]`, when `models` has no reward model. Needs `decode`.
+    decode: token ids -> text, for rule rewards.
     eval_fn: a host-side rule reward logged as `rule_reward/mean` (never optimised).
     devices: devices to use (default: all).
   """
 
-  def __init__(self, config, models: Models, sampling: SamplingParams,
-               reward_fn: Callable | None = None, decode: Callable | None = None,
-               eval_fn: Callable | None = None, devices=None):
-    self.config = config
-    ppo = config.ppo
-    self.layouts = build_layouts(config, devices)
-    self.mode = config.runtime.mode
+  def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,
+               runtime: RuntimeConfig = RuntimeConfig(), reward_fn: Callable | None = None,
+               decode: Callable | None = None, eval_fn: Callable | None = None,
+               devices=None):
+    if (reward_fn is None) == (models.reward is None):
+      raise ValueError("Give exactly one reward: a reward model in Models.reward, or a "
+                       "rule reward_fn.")
+    if (reward_fn is not None or eval_fn is not None) and decode is None:
+      raise ValueError("A rule reward (reward_fn / eval_fn) scores decoded text: pass "
+                       "decode=tokenizer.decode.")
+    models.check(sampling)
+    self.ppo = ppo
+    self.sampling = sampling
+    self.runtime = runtime
+    self.layouts = build_layouts(runtime, devices)
+    self.mode = runtime.mode
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
-    num_mb = config.stages.generate.get("num_microbatches", 1) if self.mode != "sequential" else 1
-    self.generate_stage = GenerateStage(gen, models.actor_graphdef, sampling, num_mb)
+    self.generate_stage = GenerateStage(gen, models.actor_graphdef, sampling,
+                                        runtime.num_microbatches)
     self.infer_stage = InferStage(inf, models.actor_graphdef, models.critic_graphdef,
-                                  models.reward_graphdef, InferHyper.from_config(ppo),
+                                  models.reward_graphdef, _infer_hyper(ppo, sampling),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
-    total = ppo.steps
-    actor_tx = make_optimizer(ppo.actor_lr, total_steps=total, warmup_steps=ppo.warmup_steps,
-                              schedule=ppo.lr_schedule, max_grad_norm=ppo.max_grad_norm)
-    critic_tx = make_optimizer(ppo.critic_lr, total_steps=total,
-                               warmup_steps=ppo.warmup_steps, schedule=ppo.lr_schedule,
-                               max_grad_norm=ppo.max_grad_norm)
+    optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
+                                          warmup_steps=ppo.warmup_steps,
+                                          schedule=ppo.lr_schedule,
+                                          max_grad_norm=ppo.max_grad_norm)
     self.train_stage = TrainStage(trn, models.actor_graphdef, models.critic_graphdef,
-                                  PPOHyper.from_config(ppo), actor_tx, critic_tx)
+                                  _train_hyper(ppo, sampling), optimizer(ppo.actor_lr),
+                                  optimizer(ppo.critic_lr))
     self.reference, _ = inf.put_params(models.reference)
     self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
     self.state: ActorCriticState = self.train_stage.init_state(models.actor, models.critic)
-    self.kl_coef = float(ppo.kl_coef)
-    root = jax.random.key(config.seed)
+    root = jax.random.key(ppo.seed)
     self.gen_key = jax.random.fold_in(root, 1)
     self.train_key = jax.random.fold_in(root, 2)
     self.version = 0  # number of PPO updates applied to the actor
+    # The KL coefficient of each policy version: rewards of a rollout sampled by version
+    # v use kl_coefs[v], whichever thread computes them and whenever. Written by the
+    # trainer before it publishes version v, so a reader always finds it.
+    self.kl_coefs: dict[int, float] = {0: float(ppo.kl_coef)}
+
+  @property
+  def kl_coef(self) -> float:
+    """The KL coefficient of the current policy version."""
+    return self.kl_coefs[self.version]
 
   # ---- weight sync -------------------------------------------------------------------
   def actor_for_generation(self) -> tuple[nnx.State, TransferStats]:
@@ -167,32 +260,46 @@ class PPOSystem:
     rng = jax.random.fold_in(self.gen_key, step)
     return self.generate_stage(actor, batch, rng, version)
 
-  def infer(self, rollout: Rollout, critic: nnx.State) -> tuple[Experience, dict]:
+  def infer(self, rollout: Rollout, critic: nnx.State, *, actor_version: int,
+            critic_version: int) -> tuple[Experience, dict]:
+    """Experience of a rollout sampled by policy `actor_version`, valued by that critic.
+
+    Its KL coefficient is the one of `actor_version` (recorded as `kl_coef`).
+    """
     start = time.perf_counter()
+    kl_coef = self.kl_coefs[actor_version]
     rollout, stats = reshard(rollout, self.layouts["infer"].batch_shardings(rollout))
-    exp, metrics = self.infer_stage(self.reference, critic, self.reward, rollout,
-                                    self.kl_coef)
+    exp, metrics = self.infer_stage(self.reference, critic, self.reward, rollout, kl_coef)
     metrics = jax.device_get(metrics)
     return exp, {**{k: float(v) for k, v in metrics.items()},
-                 **stats.as_metrics("transfer/rollout"),
+                 **stats.as_metrics("transfer/rollout"), "kl_coef": kl_coef,
+                 "version/actor": float(actor_version),
+                 "version/critic": float(critic_version),
                  "time/infer_s": time.perf_counter() - start}
 
   def train(self, exp: Experience, step: int) -> dict:
+    """One PPO update; afterwards the new version's KL coefficient is known."""
     start = time.perf_counter()
     exp, stats = reshard(exp, self.layouts["train"].batch_shardings(exp))
     rng = jax.random.fold_in(self.train_key, step)
     self.state, metrics = self.train_stage.update(self.state, exp, rng)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    self.version += 1
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
 
-  def update_kl(self, observed_kl: float) -> None:
-    """Adaptive KL controller step (no-op unless `ppo.adaptive_kl`)."""
-    ppo = self.config.ppo
-    if ppo.adaptive_kl:
-      self.kl_coef = float(adaptive_kl_coef(self.kl_coef, observed_kl, ppo.batch_size,
-                                            ppo.kl_target, ppo.kl_horizon))
+  def advance(self, observed_kl: float) -> None:
+    """Counts the update just applied as a new version and fixes that version's KL
+    coefficient (the adaptive controller's step on the KL observed in the batch that
+    produced it; unchanged unless `ppo.adaptive_kl`)."""
+    coef = self.kl_coefs[self.version]
+    if self.ppo.adaptive_kl:
+      coef = float(adaptive_kl_coef(coef, observed_kl, self.ppo.batch_size,
+                                    self.ppo.kl_target, self.ppo.kl_horizon))
+    self.kl_coefs[self.version + 1] = coef
+    # Older versions can no longer be sampled from (staleness is bounded).
+    for old in [v for v in self.kl_coefs if v < self.version - 64]:
+      del self.kl_coefs[old]
+    self.version += 1
 
   # ---- checkpointed state ------------------------------------------------------------
   def checkpoint_state(self) -> dict[str, Any]:
@@ -206,9 +313,27 @@ class PPOSystem:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)}
 
   def restore(self, state: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """Continues from a checkpoint; rollouts in flight are re-generated from its policy,
+    so only the current version's KL coefficient is needed."""
     self.state = state["trainer"]
     self.version = int(metadata["version"])
-    self.kl_coef = float(metadata["kl_coef"])
+    self.kl_coefs = {self.version: float(metadata["kl_coef"])}
+
+
+def _infer_hyper(ppo: PPOConfig, sampling: SamplingParams) -> InferHyper:
+  return InferHyper(kl_estimator=ppo.kl_estimator, gamma=ppo.gamma, lam=ppo.lam,
+                    whiten_advantages=ppo.whiten_advantages,
+                    temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p)
+
+
+def _train_hyper(ppo: PPOConfig, sampling: SamplingParams) -> PPOHyper:
+  return PPOHyper(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size,
+                  clip_eps=ppo.clip_eps, value_clip_eps=ppo.value_clip_eps,
+                  entropy_coef=ppo.entropy_coef, loss=ppo.loss,
+                  behaviour_weight_cap=ppo.behaviour_weight_cap,
+                  temperature=sampling.temperature, top_k=sampling.top_k,
+                  top_p=sampling.top_p)
 
 
 def np_batch(batch: dict) -> dict:

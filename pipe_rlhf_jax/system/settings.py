@@ -1,0 +1,291 @@
+"""Typed settings of the PPO system: the algorithm (`PPOConfig`) and the plan (`RuntimeConfig`).
+
+The experiment configs are `ml_collections.ConfigDict`s, convenient on a command line; the
+system itself takes these frozen dataclasses, converted once at the edge
+(`PPOConfig.from_config(config.ppo)`, `RuntimeConfig.from_config(config)`). A researcher
+using the library builds them directly. Sampling settings are
+`generation.sampler.SamplingParams`.
+
+Every setting is checked when it is constructed, and an error names the field (with the
+config path it came from, e.g. `ppo.clip_eps`) and what is allowed. Checks that need the
+devices (mesh sizes, divisibility of parameters over mesh axes) happen when the stage
+layouts are built (`system.build_layouts`, `system.check_fits`).
+
+`RuntimeConfig` is the plan: which schedule runs the stages, on which devices, with which
+mesh per stage. It is hashable and prints as one line, so it can key caches and be
+compared across a resume; it changes when and where things are computed, never what
+(except `max_staleness`, which lets a rollout come from an older policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from pipe_rlhf_jax.parallel.mesh import MESH_AXES
+
+MODES = ("sequential", "per_stage", "pipe")
+STAGES = ("generate", "infer", "train")
+
+
+def _plain(node: Any) -> Any:
+  """A ConfigDict / mapping as a plain dict (leaves untouched)."""
+  return node.to_dict() if hasattr(node, "to_dict") else dict(node)
+
+
+def _check_int(value: Any, field: str, low: int = 1) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{field}={value!r} must be an integer >= {low}.")
+
+
+def _check_number(value: Any, field: str, *, allow_zero: bool = False,
+                  at_most: float | None = None) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+      value == 0 and not allow_zero) or (at_most is not None and value > at_most):
+    low = ">= 0" if allow_zero else "> 0"
+    high = f" and <= {at_most}" if at_most is not None else ""
+    raise ValueError(f"{field}={value!r} must be a number {low}{high}.")
+
+
+def _check_choice(value: Any, field: str, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{field}={value!r}; choose one of {sorted(choices)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+  """The PPO algorithm: update sizes, optimisers, loss, KL penalty, advantages.
+
+  Field names equal the keys of an experiment config's `ppo` section, so
+  `PPOConfig.from_config(config.ppo)` is a plain copy (sampling keys excluded).
+
+  Attributes:
+    steps: PPO steps the learning-rate schedules span.
+    batch_size: rollouts per PPO step.
+    minibatch_size: rollouts per gradient step; divides `batch_size`.
+    epochs: passes over each batch.
+    actor_lr / critic_lr: peak learning rates (AdamW).
+    lr_schedule: "constant" or "cosine" (after `warmup_steps` of linear warmup).
+    max_grad_norm: global-norm gradient clipping.
+    clip_eps / value_clip_eps: PPO ratio and value clipping.
+    entropy_coef: weight of the entropy bonus (0: not computed into the loss).
+    gamma / lam: GAE discount and lambda.
+    kl_coef: weight of the per-token KL-to-reference penalty in the reward (the start
+      value when `adaptive_kl`).
+    kl_estimator: registered name ("k1", "k2", "k3", ...; see `ppo/kl.py`).
+    adaptive_kl / kl_target / kl_horizon: the proportional KL controller.
+    whiten_advantages: normalise advantages per batch.
+    advantage_estimator: registered name ("gae").
+    loss: registered policy loss ("ppo_clip", "decoupled_ppo_clip").
+    behaviour_weight_cap: cap of the behaviour importance weight of the decoupled loss.
+    max_bad_steps: stop after this many consecutive steps with a skipped (non-finite)
+      update.
+    seed: root of every random key of the system (generation, minibatch shuffles).
+  """
+
+  steps: int
+  batch_size: int
+  minibatch_size: int
+  epochs: int = 1
+  actor_lr: float = 1e-6
+  critic_lr: float = 1e-5
+  lr_schedule: str = "constant"
+  warmup_steps: int = 0
+  max_grad_norm: float = 1.0
+  clip_eps: float = 0.2
+  value_clip_eps: float = 0.2
+  entropy_coef: float = 0.0
+  gamma: float = 1.0
+  lam: float = 0.95
+  kl_coef: float = 0.05
+  kl_estimator: str = "k1"
+  adaptive_kl: bool = False
+  kl_target: float = 6.0
+  kl_horizon: float = 10000
+  whiten_advantages: bool = True
+  advantage_estimator: str = "gae"
+  loss: str = "ppo_clip"
+  behaviour_weight_cap: float = 2.0
+  max_bad_steps: int = 3
+  seed: int = 0
+
+  # Keys of an experiment config's `ppo` section that belong elsewhere: sampling
+  # (SamplingParams) and the warm start of the critic (the experiment pipeline).
+  _NOT_ALGORITHM = ("temperature", "top_k", "top_p", "critic_init")
+
+  def __post_init__(self):
+    # Importing ppo/ registers the built-in estimators and losses.
+    from pipe_rlhf_jax.ppo import registry
+    f = "ppo."
+    _check_int(self.steps, f + "steps")
+    for name in ("batch_size", "minibatch_size", "epochs", "max_bad_steps"):
+      _check_int(getattr(self, name), f + name)
+    _check_int(self.warmup_steps, f + "warmup_steps", low=0)
+    for name in ("actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
+                 "kl_target", "kl_horizon", "behaviour_weight_cap"):
+      _check_number(getattr(self, name), f + name)
+    for name in ("kl_coef", "entropy_coef"):
+      _check_number(getattr(self, name), f + name, allow_zero=True)
+    for name in ("gamma", "lam"):
+      _check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
+    _check_choice(self.lr_schedule, f + "lr_schedule", ("constant", "cosine"))
+    _check_choice(self.kl_estimator, f + "kl_estimator", registry.KL_ESTIMATORS.names())
+    _check_choice(self.advantage_estimator, f + "advantage_estimator",
+                  registry.ADVANTAGE_ESTIMATORS.names())
+    _check_choice(self.loss, f + "loss", registry.POLICY_LOSSES.names())
+    if self.batch_size % self.minibatch_size:
+      raise ValueError(f"ppo.batch_size={self.batch_size} must be a multiple of "
+                       f"ppo.minibatch_size={self.minibatch_size}.")
+
+  @classmethod
+  def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOConfig":
+    """From an experiment config's `ppo` section; unknown keys are an error."""
+    values = {k: v for k, v in _plain(ppo).items() if k not in cls._NOT_ALGORITHM}
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"ppo has unknown fields {unknown}; known: {sorted(known)}.")
+    return cls(**values, seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Axis sizes of one mesh; -1 (at most one axis) takes the remaining devices."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  pipe: int = 1
+
+  @classmethod
+  def from_config(cls, mesh: Mapping[str, Any], field: str) -> "MeshSpec":
+    values = _plain(mesh)
+    unknown = sorted(set(values) - set(MESH_AXES))
+    if unknown:
+      raise ValueError(f"{field} has unknown mesh axes {unknown}; valid keys are "
+                       f"{list(MESH_AXES)}.")
+    # Axes a config leaves out are 1, not the class defaults (data=-1).
+    return cls(**{axis: values.get(axis, 1) for axis in MESH_AXES})
+
+  def as_dict(self) -> dict[str, int]:
+    return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+  def __str__(self) -> str:
+    return "x".join(f"{a}={v}" for a, v in self.as_dict().items() if v != 1) or "single"
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """One stage's strategy in `per_stage` / `pipe` modes.
+
+  Attributes:
+    mesh: its mesh on its devices.
+    rules: overrides of the stage's logical-axis rules, as ((logical name, mesh axes),
+      ...); empty keeps `parallel.logical.STAGE_RULES[stage]`.
+    num_microbatches: micro-batches of the pipelined decoder (generation with pipe > 1).
+  """
+
+  mesh: MeshSpec = MeshSpec()
+  rules: tuple[tuple[str, Any], ...] = ()
+  num_microbatches: int = 1
+
+  @classmethod
+  def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
+    values = _plain(stage)
+    unknown = sorted(set(values) - {"mesh", "rules", "num_microbatches"})
+    if unknown:
+      raise ValueError(f"{field} has unknown fields {unknown}; known: mesh, rules, "
+                       "num_microbatches.")
+    rules = values.get("rules") or {}
+    rules = tuple((name, tuple(a) if isinstance(a, list) else a)
+                  for name, a in _plain(rules).items())
+    return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
+               rules=rules, num_microbatches=values.get("num_microbatches", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+  """The plan: schedule, placement and each stage's strategy.
+
+  Attributes:
+    mode: "sequential" (one mesh, `mesh`, shared by every stage, one after another),
+      "per_stage" (each stage its own mesh over all devices, one after another) or
+      "pipe" (stages concurrent on disjoint device blocks of `placement`).
+    max_staleness: `pipe` only: a rollout may come from a policy this many updates old
+      (0 reproduces `sequential`).
+    queue_size: `pipe` only: capacity of the rollout and experience queues.
+    shutdown_timeout_s: `pipe` only: how long the other workers may take to finish their
+      current item after one fails.
+    placement: `pipe` only: devices of (generate, infer, train), contiguous blocks in
+      device order.
+    mesh: the one mesh of `sequential` mode.
+    generate / infer / train: each stage's plan in `per_stage` and `pipe` modes.
+  """
+
+  mode: str = "sequential"
+  max_staleness: int = 0
+  queue_size: int = 2
+  shutdown_timeout_s: float = 120.0
+  placement: tuple[int, int, int] | None = None
+  mesh: MeshSpec = MeshSpec()
+  generate: StagePlan = StagePlan()
+  infer: StagePlan = StagePlan()
+  train: StagePlan = StagePlan(mesh=MeshSpec(data=1, fsdp=-1))
+
+  def __post_init__(self):
+    _check_choice(self.mode, "runtime.mode", MODES)
+    _check_int(self.max_staleness, "runtime.max_staleness", low=0)
+    _check_int(self.queue_size, "runtime.queue_size")
+    _check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
+    if self.mode == "pipe":
+      if self.placement is None or len(self.placement) != len(STAGES):
+        raise ValueError(f"runtime.placement must give device counts for {STAGES} in "
+                         f"pipe mode, got {self.placement}.")
+      for stage, count in zip(STAGES, self.placement):
+        _check_int(count, f"runtime.placement.{stage}")
+    for stage in STAGES:
+      _check_int(self.stage(stage).num_microbatches, f"stages.{stage}.num_microbatches")
+    if self.mode != "sequential" and self.train.mesh.pipe not in (1,):
+      raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
+                       "whole; fold those devices into fsdp or data.")
+
+  def stage(self, name: str) -> StagePlan:
+    _check_choice(name, "stage", STAGES)
+    return getattr(self, name)
+
+  @property
+  def num_microbatches(self) -> int:
+    """Micro-batches of generation (1 in `sequential` mode: no pipeline there)."""
+    return 1 if self.mode == "sequential" else self.generate.num_microbatches
+
+  @property
+  def concurrent(self) -> bool:
+    return self.mode == "pipe"
+
+  def __str__(self) -> str:
+    if self.mode == "sequential":
+      return f"sequential[{self.mesh}]"
+    stages = ", ".join(f"{s}: {self.stage(s).mesh}" for s in STAGES)
+    if self.mode == "per_stage":
+      return f"per_stage[{stages}, M={self.generate.num_microbatches}]"
+    placement = "+".join(str(n) for n in self.placement)
+    return (f"pipe[{placement} devices; {stages}, M={self.generate.num_microbatches}, "
+            f"staleness<={self.max_staleness}, queue={self.queue_size}]")
+
+  @classmethod
+  def from_config(cls, config) -> "RuntimeConfig":
+    """From an experiment config's `runtime`, `mesh` and `stages` sections."""
+    rt = _plain(config.runtime)
+    placement = rt.get("placement")
+    if placement is not None:
+      placement = _plain(placement)
+      if set(placement) != set(STAGES):
+        raise ValueError(f"runtime.placement must give device counts for exactly "
+                         f"{STAGES}, got {sorted(placement)}.")
+      placement = tuple(placement[s] for s in STAGES)
+    stages = {s: StagePlan.from_config(config.stages[s], f"stages.{s}") for s in STAGES}
+    return cls(mode=rt["mode"], max_staleness=rt["max_staleness"],
+               queue_size=rt["queue_size"],
+               shutdown_timeout_s=float(rt.get("shutdown_timeout_s", 120.0)),
+               placement=placement, mesh=MeshSpec.from_config(config.mesh, "mesh"),
+               **stages)
