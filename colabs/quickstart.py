@@ -36,11 +36,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 REPO = os.path.abspath(os.path.join(os.getcwd(), "..")) if os.path.basename(
     os.getcwd()) == "colabs" else os.getcwd()
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "configs"))
 
 import jax  # noqa: E402
 
-import quickstart  # noqa: E402
+from configs import quickstart  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
 print(jax.devices())

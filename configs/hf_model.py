@@ -14,13 +14,9 @@ On one accelerator every stage shares it (`sequential`); on a pod slice set
   --config.runtime.placement.infer=2 --config.runtime.placement.train=2
 """
 
-import os
-import sys
-
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(__file__))
-import quickstart  # noqa: E402  (the shared defaults)
+from configs import quickstart  # the shared defaults
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:

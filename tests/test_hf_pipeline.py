@@ -1,31 +1,13 @@
 """The main job on a local Hugging Face model directory (configs/hf_model.py), end to end."""
 
-import json
 import os
-import sys
 
 import pytest
+from hf_helpers import write_char_tokenizer
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
-import hf_model  # noqa: E402
-
-from pipe_rlhf_jax import models  # noqa: E402
-from pipe_rlhf_jax.train import train  # noqa: E402
-
-
-def _write_char_tokenizer(path):
-  """A character-level tokenizer.json covering the reverse task's text."""
-  tokenizers = pytest.importorskip("tokenizers")
-  from tokenizers import decoders, pre_tokenizers
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-  tok.decoder = decoders.Fuse()
-  trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>"])
-  tok.train_from_iterator(["rev abcdefgh= hgfedcba"], trainer)
-  tok.save(os.path.join(path, "tokenizer.json"))
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": "</s>", "bos_token": "<s>", "pad_token": "<pad>"}, f)
-  return tok
+from configs import hf_model
+from pipe_rlhf_jax import models
+from pipe_rlhf_jax.train import train
 
 
 @pytest.mark.slow
@@ -35,7 +17,7 @@ def test_rlhf_on_a_local_hf_llama(tmp_path):
   torch.manual_seed(0)
   model_dir = tmp_path / "tiny-llama"
   model_dir.mkdir()
-  tok = _write_char_tokenizer(str(model_dir))
+  tok = write_char_tokenizer(str(model_dir))
   hf_config = transformers.LlamaConfig(
       vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

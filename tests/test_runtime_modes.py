@@ -3,14 +3,12 @@
 import _thread
 import json
 import os
-import sys
 import time
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
-import quickstart  # noqa: E402
+from configs import quickstart  # noqa: E402
 
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402

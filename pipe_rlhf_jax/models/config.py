@@ -19,6 +19,22 @@ ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def dtype_name(value: Any, field: str = "dtype") -> str:
+  """The canonical name of a supported dtype given as a name or a dtype object.
+
+  Accepts what the JAX ecosystem passes around (`jnp.bfloat16`, `np.dtype("float32")`,
+  `"bfloat16"`), so configs stay plain strings and Python callers need not convert.
+  """
+  try:
+    name = jnp.dtype(value).name if not isinstance(value, str) else value
+  except TypeError:
+    name = repr(value)
+  if name not in DTYPES:
+    raise ValueError(f"{field}={value!r}; choose one of {sorted(DTYPES)} (a name or the "
+                     "jnp dtype).")
+  return name
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Shape and numerics of a decoder-only transformer.
@@ -94,9 +110,8 @@ class TransformerConfig:
     if self.head not in HEADS:
       raise ValueError(f"model.head={self.head!r}; choose one of {HEADS}.")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
-        raise ValueError(
-            f"model.{name}={getattr(self, name)!r}; choose one of {sorted(DTYPES)}.")
+      # Stored as names: hashable, JSON-serialisable, equal whichever form was given.
+      object.__setattr__(self, name, dtype_name(getattr(self, name), f"model.{name}"))
     if self.rope_scaling is not None:
       kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
       if kind not in ROPE_TYPES:

@@ -62,7 +62,7 @@ import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
 
-from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig
+from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
 from pipe_rlhf_jax.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -273,15 +273,15 @@ def hf_eos_token_ids(hf_config: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, head: str | None = None,
-                   dtype: str | None = None,
-                   param_dtype: str | None = None) -> TransformerConfig:
+                   dtype: Any = None,
+                   param_dtype: Any = None) -> TransformerConfig:
   """Maps a Hugging Face `config.json` dict to a TransformerConfig.
 
   Args:
     hf_config: the parsed config.json (a transformers config object also works).
     head: override of the head ("lm", "value", "score"); default: the checkpoint's.
-    dtype: compute dtype name; default "float32".
-    param_dtype: parameter storage dtype name; default: `dtype`.
+    dtype: compute dtype, a name or a dtype object; default "float32".
+    param_dtype: parameter storage dtype, likewise; default: `dtype`.
 
   Returns:
     The TransformerConfig. Raises ValueError on anything that would change the math
@@ -322,7 +322,7 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
   else:
     qkv_bias = out_bias = bool(hf.get("attention_bias", False))
   eos = hf_eos_token_ids(hf)
-  dtype = dtype or "float32"
+  dtype = "float32" if dtype is None else dtype
   config = TransformerConfig(
       vocab_size=hf["vocab_size"], embed_dim=hidden, num_layers=num_layers,
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -330,13 +330,14 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
       out_bias=out_bias, architecture=architecture, head=head or ckpt_head, dtype=dtype,
-      param_dtype=param_dtype or dtype, max_position_embeddings=max_positions,
+      param_dtype=dtype if param_dtype is None else param_dtype,
+      max_position_embeddings=max_positions,
       bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if eos else None,
       pad_token_id=hf.get("pad_token_id"))
   return config, ckpt_head
 
 
-def config_to_hf(config: TransformerConfig, *, dtype: str | None = None) -> dict[str, Any]:
+def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, Any]:
   """A transformers-loadable config.json dict (4.x `rope_scaling` + `rope_theta` format).
 
   "lm" heads export as *ForCausalLM; "value"/"score" heads as *ForSequenceClassification
@@ -354,7 +355,7 @@ def config_to_hf(config: TransformerConfig, *, dtype: str | None = None) -> dict
   if c.architecture == "llama" and c.qkv_bias != c.out_bias:
     raise ValueError(f"architecture='llama' has one attention_bias for q/k/v/o, but "
                      f"qkv_bias={c.qkv_bias} != out_bias={c.out_bias}.")
-  dtype = dtype or c.param_dtype
+  dtype = c.param_dtype if dtype is None else dtype_name(dtype)
   hf: dict[str, Any] = {
       "architectures": [prefix + ("ForCausalLM" if c.head == "lm"
                                   else "ForSequenceClassification")],
@@ -545,16 +546,16 @@ def _validate_tensors(tensors: Mapping[str, np.ndarray],
 # ---------------------------------------------------------------- load and save
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32",
-                    param_dtype: str | None = None, head: str | None = None,
+def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
+                    param_dtype: Any = None, head: str | None = None,
                     seed: int = 0) -> Transformer:
   """Loads a Hugging Face LLaMA / Qwen2 checkpoint directory into a Transformer.
 
   Args:
     path: directory with config.json and model.safetensors (or a sharded index).
-    dtype: compute dtype name.
-    param_dtype: parameter storage dtype name; default `dtype` (a bf16 checkpoint then
-      loads as exact f32 upcasts).
+    dtype: compute dtype, a name or a dtype object (`jnp.bfloat16`, "bfloat16").
+    param_dtype: parameter storage dtype, likewise; default `dtype` (a bf16 checkpoint
+      then loads as exact f32 upcasts).
     head: override of the checkpoint's head. "value"/"score" on an LM checkpoint loads
       the backbone and freshly initialises the scalar head (critic / reward-model init
       from the SFT policy); the LM head tensor is then dropped.
@@ -622,7 +623,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32",
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, *,
-                    dtype: str | None = None) -> Path:
+                    dtype: Any = None) -> Path:
   """Writes config.json and model.safetensors that transformers (4.x and 5.x) loads.
 
   Args:
@@ -634,9 +635,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     The output directory.
   """
   c = model.config
-  dtype = dtype or c.param_dtype
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r}; choose one of {sorted(DTYPES)}.")
+  dtype = c.param_dtype if dtype is None else dtype_name(dtype)
   np_dtype = np.dtype(DTYPES[dtype])
   hf_config = config_to_hf(c, dtype=dtype)
   path = Path(path)

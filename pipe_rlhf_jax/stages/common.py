@@ -57,6 +57,12 @@ class StageLayout:
     spec = logical.logical_to_spec(("batch",) + (None,) * (ndim - 1), self.rules, self.mesh)
     return NamedSharding(self.mesh, spec)
 
+  def batch_ways(self) -> int:
+    """How many shards a [batch, ...] array is split into on this stage."""
+    spec = self.batch_sharding(1).spec[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+
   def batch_shardings(self, tree: Any) -> Any:
     """Batch shardings for every array leaf of `tree` (scalars replicated)."""
     return jax.tree.map(

@@ -25,7 +25,7 @@ from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.parallel import logical
-from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh, split_devices
+from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh, split_devices
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
 from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
@@ -109,6 +109,22 @@ def with_backbone(target_cfg: TransformerConfig, source: nnx.State, seed: int) -
 
 def _shapes(state: nnx.State) -> Any:
   return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
+
+
+def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
+                     runtime: RuntimeConfig) -> None:
+  """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
+  for stage in STAGES:
+    ways = layouts[stage].batch_ways()
+    per_call = batch_size // runtime.num_microbatches if stage == "generate" else batch_size
+    if per_call % ways:
+      field = "mesh" if runtime.mode == "sequential" else f"stages.{stage}.mesh"
+      what = (f"ppo.batch_size={batch_size} / stages.generate.num_microbatches="
+              f"{runtime.num_microbatches}" if per_call != batch_size
+              else f"ppo.batch_size={batch_size}")
+      raise ValueError(f"{what} does not split over the {ways} batch shards of the "
+                       f"{stage} stage ({describe(layouts[stage].mesh)}); make it a "
+                       f"multiple of {ways}, or give {field} fewer data/fsdp devices.")
 
 
 @dataclasses.dataclass
@@ -216,6 +232,7 @@ class PPOSystem:
     self.mode = runtime.mode
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
+    check_batch_fits(self.layouts, ppo.batch_size, runtime)
     self.generate_stage = GenerateStage(gen, models.actor_graphdef, sampling,
                                         runtime.num_microbatches)
     self.infer_stage = InferStage(inf, models.actor_graphdef, models.critic_graphdef,
@@ -257,6 +274,10 @@ class PPOSystem:
   # ---- the three stage steps ---------------------------------------------------------
   def generate(self, actor: nnx.State, batch: dict, step: int, version: int
                ) -> tuple[Rollout, dict]:
+    size = len(batch["prompt_tokens"])
+    if size != self.ppo.batch_size:
+      raise ValueError(f"The prompt source gave a batch of {size} prompts at step {step}; "
+                       f"ppo.batch_size={self.ppo.batch_size}: make them equal.")
     rng = jax.random.fold_in(self.gen_key, step)
     return self.generate_stage(actor, batch, rng, version)
 

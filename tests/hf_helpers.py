@@ -1,0 +1,35 @@
+"""Tiny local Hugging Face model directories for tests (no hub, no torch needed)."""
+
+import json
+import os
+
+import pytest
+
+
+def write_char_tokenizer(path) -> "tokenizers.Tokenizer":
+  """A character-level tokenizer.json (+ tokenizer_config.json) covering the reverse task."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, pre_tokenizers
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>"])
+  tok.train_from_iterator(["rev abcdefgh= hgfedcba"], trainer)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "</s>", "bos_token": "<s>", "pad_token": "<pad>"}, f)
+  return tok
+
+
+def write_tiny_llama(path, seed: int = 0) -> str:
+  """A 2-layer LLaMA (vocab 16) saved in Hugging Face format by this project's exporter."""
+  from pipe_rlhf_jax import models
+  os.makedirs(path, exist_ok=True)
+  tok = write_char_tokenizer(path)
+  cfg = models.tiny_config(vocab_size=16, embed_dim=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8, mlp_dim=64,
+                           eos_token_id=tok.token_to_id("</s>"),
+                           bos_token_id=tok.token_to_id("<s>"),
+                           pad_token_id=tok.token_to_id("<pad>"))
+  models.save_pretrained(models.init_model(cfg, seed=seed), path)
+  return str(path)
