@@ -17,6 +17,15 @@ ARCHITECTURES = ("llama", "qwen2")
 HEADS = ("lm", "value", "score")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# How attention is computed (equal results within float tolerance; see
+# models/attention.py): "auto" picks per backend and length.
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "dot_product")
+# What each layer keeps for the backward pass: everything ("none"), nothing ("full":
+# recompute the layer), or the projection matmul outputs ("save_matmuls").
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+# Execution fields: how the model is computed, never what. They are not exported to
+# Hugging Face and a stage may change them (`with_execution`).
+EXECUTION_FIELDS = ("attention", "attention_block_size", "remat")
 
 
 def dtype_name(value: Any, field: str = "dtype") -> str:
@@ -63,6 +72,10 @@ class TransformerConfig:
     max_position_embeddings: the context length the model was trained for (recorded for
       export; RoPE itself has no table to outgrow).
     bos_token_id, eos_token_id, pad_token_id: recorded for export and generation defaults.
+    attention: one of ATTENTION_IMPLS (execution only).
+    attention_block_size: keys per block of the blockwise attention (execution only).
+    remat: one of REMAT_POLICIES, applied to each layer inside the layer scan (execution
+      only; training wants it at long lengths, generation never needs it).
   """
 
   vocab_size: int
@@ -86,6 +99,9 @@ class TransformerConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
+  attention: str = "auto"
+  attention_block_size: int = 512
+  remat: str = "none"
 
   def __post_init__(self):
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -118,6 +134,14 @@ class TransformerConfig:
         raise ValueError(
             f"model.rope_scaling rope_type={kind!r} is not supported; supported: "
             f"{ROPE_TYPES}. Other scalings change the math and are refused, not ignored.")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"model.attention={self.attention!r}; choose one of {ATTENTION_IMPLS}.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}.")
+    if isinstance(self.attention_block_size, bool) or not isinstance(
+        self.attention_block_size, int) or self.attention_block_size < 1:
+      raise ValueError(f"model.attention_block_size={self.attention_block_size!r} must be "
+                       "an integer >= 1.")
     if self.norm_eps <= 0:
       raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
 

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models import attention as attention_lib
+from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, TransformerConfig
 from pipe_rlhf_jax.parallel.logical import constrain
 
 # Logical axes of each stacked per-layer parameter (leading `layers` axis included).
@@ -181,8 +182,8 @@ class Layers(nnx.Module):
     # [length, keys]: causal in slot order; with left padding, slot order is time order.
     query_slots = slot + jnp.arange(length)
     causal = jnp.arange(keys)[None, :] <= query_slots[:, None]
-    # [batch, 1, 1, length, keys]
-    allowed = (causal[None] & key_mask[:, None, :].astype(bool))[:, None, None]
+    # [batch, length, keys]
+    allowed = causal[None] & key_mask[:, None, :].astype(bool)
 
     def block(carry, xs):
       h, cache_k, cache_v = carry
@@ -190,6 +191,14 @@ class Layers(nnx.Module):
       h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v, index,
                                         slot)
       return (h, cache_k, cache_v), None
+
+    if c.remat != "none":
+      # Each layer's activations are recomputed in the backward pass instead of kept for
+      # all layers at once; "save_matmuls" keeps the projections' outputs (the dots
+      # without batch dimensions) and recomputes attention and elementwise work.
+      policy = (None if c.remat == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+      block = jax.checkpoint(block, policy=policy, prevent_cse=False)
 
     cache_k = cache.k if cache is not None else None
     cache_v = cache.v if cache is not None else None
@@ -225,13 +234,9 @@ class Layers(nnx.Module):
       keys, values = k, v
 
     q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
-    # [batch, kv_heads, groups, length, keys]
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, keys.astype(dt)).astype(jnp.float32)
-    scores = scores / math.sqrt(c.head_dim)
-    # A finite minimum (not -inf) keeps fully padded query rows free of NaN.
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    attn = jnp.einsum("bkgls,bskd->blkgd", probs, values.astype(dt))
+    # [batch, length, kv_heads, groups, head_dim]
+    attn = attention_lib.attention(q, keys.astype(dt), values.astype(dt), allowed,
+                                   impl=c.attention, block_size=c.attention_block_size)
     attn = attn.reshape(batch, length, c.num_heads, c.head_dim)
     out = jnp.einsum("blhd,hde->ble", attn, w["o_proj"])
     if c.out_bias:
@@ -318,6 +323,21 @@ class Transformer(nnx.Module):
 def init_model(config: TransformerConfig, seed: int = 0) -> Transformer:
   """Builds a randomly initialised model (the usual entry point for tests and tiny runs)."""
   return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def with_execution(graphdef: nnx.GraphDef, params: nnx.State, **changes) -> nnx.GraphDef:
+  """The same model computed differently: `changes` of execution fields only.
+
+  A stage uses it to choose its own attention implementation and remat policy for a
+  model it was handed; parameters (and so checkpoints) are unaffected.
+  """
+  bad = sorted(set(changes) - set(EXECUTION_FIELDS))
+  if bad:
+    raise ValueError(f"with_execution changes execution fields {EXECUTION_FIELDS} only, "
+                     f"got {bad}.")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  config = nnx.merge(graphdef, abstract).config.replace(**changes)
+  return nnx.split(nnx.eval_shape(lambda: init_model(config)))[0]
 
 
 def param_axes(model: nnx.Module):
