@@ -127,3 +127,21 @@ def test_models_from_policy_checks_heads_and_reference(tmp_path):
   m.reference = m.critic
   with pytest.raises(ValueError, match="reference"):
     m.check(SamplingParams(max_new_tokens=2))
+
+
+def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
+  results = []
+  for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full")):
+    system, tok = _tiny_system(tmp_path, generate=plan, infer=plan,
+                               train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1),
+                                               attention=plan.attention, remat=plan.remat))
+    prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
+    results.append(run(system, prompts, steps=2).metrics)
+  for want, got in zip(*results):
+    for key in ("reward/mean", "kl/mean", "policy_loss", "value_loss", "entropy"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_stage_plan_names_a_bad_execution_field():
+  with pytest.raises(ValueError, match="stages.train.remat='some'"):
+    StagePlan.from_config({"remat": "some"}, "stages.train")

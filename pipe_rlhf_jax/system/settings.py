@@ -183,24 +183,45 @@ class StagePlan:
     rules: overrides of the stage's logical-axis rules, as ((logical name, mesh axes),
       ...); empty keeps `parallel.logical.STAGE_RULES[stage]`.
     num_microbatches: micro-batches of the pipelined decoder (generation with pipe > 1).
+    attention: how this stage computes attention ("auto", "dense", "blockwise",
+      "dot_product"; see models/attention.py). Applies in every mode.
+    remat: what each layer keeps for the backward pass ("none", "full",
+      "save_matmuls"); only the training stage differentiates. Applies in every mode.
   """
 
   mesh: MeshSpec = MeshSpec()
   rules: tuple[tuple[str, Any], ...] = ()
   num_microbatches: int = 1
+  attention: str = "auto"
+  remat: str = "none"
+
+  def __post_init__(self):
+    from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+    _check_choice(self.attention, "attention", ATTENTION_IMPLS)
+    _check_choice(self.remat, "remat", REMAT_POLICIES)
+
+  def execution(self) -> dict[str, str]:
+    """The model execution fields this stage sets (`models.transformer.with_execution`)."""
+    return {"attention": self.attention, "remat": self.remat}
 
   @classmethod
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
-    unknown = sorted(set(values) - {"mesh", "rules", "num_microbatches"})
+    known = ("mesh", "rules", "num_microbatches", "attention", "remat")
+    unknown = sorted(set(values) - set(known))
     if unknown:
-      raise ValueError(f"{field} has unknown fields {unknown}; known: mesh, rules, "
-                       "num_microbatches.")
+      raise ValueError(f"{field} has unknown fields {unknown}; known: {', '.join(known)}.")
     rules = values.get("rules") or {}
     rules = tuple((name, tuple(a) if isinstance(a, list) else a)
                   for name, a in _plain(rules).items())
-    return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
-               rules=rules, num_microbatches=values.get("num_microbatches", 1))
+    try:
+      return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
+                 rules=rules, num_microbatches=values.get("num_microbatches", 1),
+                 attention=values.get("attention", "auto"),
+                 remat=values.get("remat", "none"))
+    except ValueError as e:
+      raise ValueError(f"{field}.{e}") if str(e).startswith(("attention=", "remat=")) \
+          else e
 
 
 @dataclasses.dataclass(frozen=True)

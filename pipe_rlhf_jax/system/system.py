@@ -23,7 +23,7 @@ from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.models.transformer import init_model, with_execution
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh, split_devices
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
@@ -233,16 +233,25 @@ class PPOSystem:
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
-    self.generate_stage = GenerateStage(gen, models.actor_graphdef, sampling,
-                                        runtime.num_microbatches)
-    self.infer_stage = InferStage(inf, models.actor_graphdef, models.critic_graphdef,
-                                  models.reward_graphdef, _infer_hyper(ppo, sampling),
+    # Each stage computes the same models its own way (attention kernel, remat).
+    def for_stage(stage, graphdef, params):
+      return with_execution(graphdef, params, **runtime.stage(stage).execution())
+
+    reward_graphdef = (for_stage("infer", models.reward_graphdef, models.reward)
+                       if models.reward is not None else None)
+    self.generate_stage = GenerateStage(
+        gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
+        runtime.num_microbatches)
+    self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
+                                  for_stage("infer", models.critic_graphdef, models.critic),
+                                  reward_graphdef, _infer_hyper(ppo, sampling),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
                                           schedule=ppo.lr_schedule,
                                           max_grad_norm=ppo.max_grad_norm)
-    self.train_stage = TrainStage(trn, models.actor_graphdef, models.critic_graphdef,
+    self.train_stage = TrainStage(trn, for_stage("train", models.actor_graphdef, models.actor),
+                                  for_stage("train", models.critic_graphdef, models.critic),
                                   _train_hyper(ppo, sampling), optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr))
     self.reference, _ = inf.put_params(models.reference)
