@@ -145,3 +145,30 @@ def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
 def test_stage_plan_names_a_bad_execution_field():
   with pytest.raises(ValueError, match="stages.train.remat='some'"):
     StagePlan.from_config({"remat": "some"}, "stages.train")
+
+
+def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
+  from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
+  path = write_tiny_llama(tmp_path / "m")
+  tok = models.load_tokenizer(path)
+  ppo = PPOConfig(steps=5, batch_size=8, minibatch_size=8, actor_lr=3e-3, kl_coef=0.1,
+                  adaptive_kl=True, kl_target=1e-4, kl_horizon=8)
+  system = PPOSystem(
+      Models.from_policy(models.from_pretrained(path)), ppo=ppo,
+      sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      runtime=RuntimeConfig(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
+                            generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)),
+      reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
+  metrics = run(system, prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8),
+                steps=5).metrics
+  # The controller's trajectory: version v + 1's coefficient from version v's and the KL
+  # of the batch trained at step v.
+  coefs = [0.1]
+  for m in metrics:
+    coefs.append(float(adaptive_kl_coef(coefs[-1], m["kl/mean"], 8, 1e-4, 8)))
+  for step, m in enumerate(metrics):
+    version = int(m["version/actor"])
+    assert m["staleness/actor"] == step - version
+    np.testing.assert_allclose(m["kl_coef"], coefs[version], rtol=1e-6)
+  assert len(set(coefs)) > 1  # the controller did move
+  np.testing.assert_allclose(system.kl_coef, coefs[-1], rtol=1e-6)
