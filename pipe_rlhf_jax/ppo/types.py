@@ -23,7 +23,8 @@ class Rollout:
     completion_tokens: int32 [batch, completion_len], right-padded; EOS included.
     completion_mask: bool [batch, completion_len], True up to and including EOS.
     behaviour_logprobs: f32 [batch, completion_len], log-probs of the sampled tokens under
-      the sampling distribution (temperature/top-k/top-p applied), 0 on padding.
+      the tempered, untruncated policy softmax(logits / T) of the generating weights
+      (top-k / top-p only filtered the draw; see `generation/sampling.py`), 0 on padding.
     policy_version: int32 [], version of the actor weights that generated the batch.
   """
 

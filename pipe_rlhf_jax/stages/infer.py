@@ -28,22 +28,24 @@ from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
 
 @dataclasses.dataclass(frozen=True)
 class InferHyper:
-  """Static settings of experience making."""
+  """Static settings of experience making.
+
+  `temperature` defines the policy the reference log-probs are taken under; top-k /
+  top-p are deliberately absent: they filter the draw, never a log-prob (see
+  `generation/sampling.py`).
+  """
 
   kl_estimator: str
   gamma: float
   lam: float
   whiten_advantages: bool
   temperature: float
-  top_k: int
-  top_p: float
 
   @classmethod
   def from_config(cls, ppo) -> "InferHyper":
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
     return cls(kl_estimator=ppo.kl_estimator, gamma=ppo.gamma, lam=ppo.lam,
-               whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature,
-               top_k=ppo.top_k, top_p=ppo.top_p)
+               whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature)
 
 
 class InferStage:
@@ -82,9 +84,10 @@ class InferStage:
         r = rollout
         args = (r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask)
         mask = r.completion_mask
+        # Under the untruncated policy: a sampled token outside the reference's own
+        # nucleus still has a finite reference log-prob, so the KL stays finite.
         ref_logprobs = completion_logprobs(policy_graphdef, ref, *args,
-                                           temperature=h.temperature, top_k=h.top_k,
-                                           top_p=h.top_p)
+                                           temperature=h.temperature)
         values = completion_values(critic_graphdef, critic, *args)
         if reward_graphdef is not None:
           scores = sequence_scores(reward_graphdef, reward_model, *args)

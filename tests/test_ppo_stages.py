@@ -1,0 +1,115 @@
+"""The PPO stages composed on a tiny model: generate -> infer -> train on one device.
+
+Covers the mathematics the stages add on top of `ppo/` (tested alone in
+test_ppo_math.py): which distribution every log-prob is taken under, the first-step
+ratio, the decoupled importance weight, and KL shaping + GAE + whitening as the
+inference stage composes them, each against a hand / numpy computation.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.models.config import tiny_config
+from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.parallel.mesh import make_mesh
+from pipe_rlhf_jax.ppo.types import Experience, Rollout
+from pipe_rlhf_jax.stages.common import StageLayout
+from pipe_rlhf_jax.stages.generate import GenerateStage
+from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage, make_optimizer
+
+VOCAB = 64
+BATCH, PROMPT, COMPLETION = 8, 5, 8
+
+
+def ppo_section(**overrides):
+  """The `config.ppo` fields the stage hypers read, quickstart defaults otherwise."""
+  ppo = dict(kl_estimator="k1", advantage_estimator="gae", gamma=1.0, lam=0.95,
+             whiten_advantages=True, temperature=1.0, top_k=0, top_p=1.0, epochs=1,
+             minibatch_size=BATCH, clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.0,
+             loss="ppo_clip", behaviour_weight_cap=2.0)
+  ppo.update(overrides)
+  return types.SimpleNamespace(**ppo)
+
+
+@pytest.fixture(scope="module")
+def layout():
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  return StageLayout("all", mesh, logical.DEFAULT_RULES)
+
+
+@pytest.fixture(scope="module")
+def models():
+  """(graphdef, state) of a tiny actor, critic and reward model."""
+  config = tiny_config(vocab_size=VOCAB, embed_dim=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=8, mlp_dim=64)
+  out = {}
+  for seed, (name, head) in enumerate((("actor", "lm"), ("critic", "value"),
+                                       ("reward", "score"))):
+    out[name] = nnx.split(init_model(config.replace(head=head), seed=seed))
+  return out
+
+
+def prompts(seed=0):
+  """A host prompt batch, left-padded with varied lengths."""
+  rs = np.random.RandomState(seed)
+  tokens = np.zeros((BATCH, PROMPT), np.int32)
+  mask = np.zeros((BATCH, PROMPT), bool)
+  for row in range(BATCH):
+    n = 1 + row % PROMPT
+    tokens[row, PROMPT - n:] = rs.randint(1, VOCAB, n)
+    mask[row, PROMPT - n:] = True
+  return {"prompt_tokens": tokens, "prompt_mask": mask,
+          "index": np.arange(BATCH, dtype=np.int32)}
+
+
+def moved(state, seed, scale=0.5):
+  """A copy of `state` with every parameter perturbed: a policy that has trained."""
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [
+      x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+      for x, k in zip(leaves, keys)])
+
+
+def train_stage(layout, models, ppo):
+  tx = lambda: make_optimizer(1e-3, total_steps=10)
+  return TrainStage(layout, models["actor"][0], models["critic"][0],
+                    PPOHyper.from_config(ppo), tx(), tx())
+
+
+def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, models):
+  # Regression (issue #8): with top-k / top-p, a token outside the REFERENCE's nucleus
+  # got log-prob -1e30, so the KL was ~1e30 and whitening wiped out every other
+  # advantage. All log-probs are now under the tempered, untruncated policy.
+  ppo = ppo_section(top_k=5, top_p=0.9, temperature=0.8)
+  actor_gd, ref = models["actor"]
+  actor = moved(ref, seed=1)  # the policy has moved away from the reference
+  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=ppo.temperature,
+                            top_k=ppo.top_k, top_p=ppo.top_p, eos_id=None)
+  rollout, _ = GenerateStage(layout, actor_gd, sampling)(
+      actor, prompts(), jax.random.key(0), version=1)
+  infer = InferStage(layout, actor_gd, models["critic"][0], models["reward"][0],
+                     InferHyper.from_config(ppo))
+  exp, metrics = infer(ref, models["critic"][1], models["reward"][1], rollout, 0.1)
+  mask = np.asarray(rollout.completion_mask)
+  ref_lp = np.asarray(exp.ref_logprobs)[mask]
+  assert ref_lp.min() > -100.0, f"reference log-prob {ref_lp.min()} of a sampled token"
+  assert np.isfinite(metrics["kl/mean"]) and abs(float(metrics["kl/mean"])) < 100.0
+  assert np.abs(np.asarray(exp.advantages)[mask]).max() < 10.0
+
+  trainer = train_stage(layout, models, ppo)
+  state = trainer.init_state(actor, models["critic"][1])
+  _, train_metrics = trainer.update(state, exp, jax.random.key(2))
+  # One epoch, one minibatch: the ratio is taken on the weights that sampled.
+  assert abs(float(train_metrics["ratio_mean"]) - 1.0) < 1e-6
+  assert abs(float(train_metrics["ratio_max"]) - 1.0) < 1e-6
+  assert float(train_metrics["clip_frac"]) == 0.0
+  assert float(train_metrics["bad_updates"]) == 0.0
