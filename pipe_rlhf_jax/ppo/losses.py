@@ -223,26 +223,6 @@ def value_loss(
   return masked_mean(per_token, valid), aux
 
 
-def logprobs_from_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Log-probabilities of `tokens` under `logits`, computed in float32.
-
-  Args:
-    logits: [batch, length, vocab] (any float dtype; upcast to f32).
-    tokens: int [batch, length] token ids.
-
-  Returns:
-    f32 [batch, length].
-  """
-  if logits.ndim != tokens.ndim + 1 or logits.shape[:-1] != tokens.shape:
-    raise ValueError(
-        f"`logits` {logits.shape} must be `tokens` {tokens.shape} plus a vocab axis."
-    )
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[
-      ..., 0
-  ]
-
-
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
   """Per-position entropy of softmax(logits), in nats, computed in float32.
 

@@ -92,11 +92,6 @@ class StageLayout:
     return logical.axis_rules(self.mesh, self.rules)
 
 
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, parameter State): the pure pytree every jitted function takes."""
-  return nnx.split(model)
-
-
 def completion_logits(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens: jax.Array,
                       prompt_mask: jax.Array, completion_tokens: jax.Array,
                       completion_mask: jax.Array) -> jax.Array:

@@ -151,13 +151,13 @@ class TrainStage:
     shardings = self.state_shardings(actor, critic)
     self._state_shardings = shardings
 
-    @jax.jit
     def init(actor, critic):
       return ActorCriticState(actor=actor, critic=critic, actor_opt=self.actor_tx.init(actor),
                               critic_opt=self.critic_tx.init(critic),
                               step=jnp.zeros((), jnp.int32))
 
-    init = jax.jit(init.__wrapped__, out_shardings=shardings)
+    # out_shardings makes the optimizer moments born in their final layout.
+    init = jax.jit(init, out_shardings=shardings)
     actor = jax.device_put(actor, shardings.actor)
     critic = jax.device_put(critic, shardings.critic)
     return init(actor, critic)
