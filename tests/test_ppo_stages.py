@@ -113,3 +113,60 @@ def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, mo
   assert abs(float(train_metrics["ratio_max"]) - 1.0) < 1e-6
   assert float(train_metrics["clip_frac"]) == 0.0
   assert float(train_metrics["bad_updates"]) == 0.0
+
+
+def hand_rollout(seed=0):
+  """A Rollout with varied completion lengths (one row all padding) and random tokens."""
+  rs = np.random.RandomState(seed)
+  batch = prompts(seed)
+  lengths = np.array([COMPLETION, 1, 5, 0, 3, COMPLETION, 7, 2])  # [BATCH]
+  mask = np.arange(COMPLETION)[None, :] < lengths[:, None]  # [BATCH, COMPLETION]
+  tokens = np.where(mask, rs.randint(1, VOCAB, mask.shape), 0).astype(np.int32)
+  behaviour = np.where(mask, -rs.uniform(0.5, 5.0, mask.shape), 0.0).astype(np.float32)
+  return Rollout(prompt_tokens=jnp.asarray(batch["prompt_tokens"]),
+                 prompt_mask=jnp.asarray(batch["prompt_mask"]),
+                 completion_tokens=jnp.asarray(tokens), completion_mask=jnp.asarray(mask),
+                 behaviour_logprobs=jnp.asarray(behaviour),
+                 policy_version=jnp.asarray(0, jnp.int32))
+
+
+def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
+  from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
+
+  @ADVANTAGE_ESTIMATORS.register("test_monte_carlo")
+  def monte_carlo(rewards, values, mask, gamma, lam):
+    del gamma, lam  # undiscounted return-to-go, no bootstrapping from the critic
+    returns = jnp.where(mask, jnp.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], 0.0)
+    return jnp.where(mask, returns - values, 0.0), returns
+
+  ppo = ppo_section(advantage_estimator="test_monte_carlo", whiten_advantages=False)
+  rollout = hand_rollout()
+  infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
+                     InferHyper.from_config(ppo))
+  exp, _ = infer(models["actor"][1], models["critic"][1], models["reward"][1], rollout, 0.3)
+  rewards, mask = np.asarray(exp.rewards), np.asarray(rollout.completion_mask)
+  want = np.where(mask, np.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], 0.0)
+  np.testing.assert_allclose(exp.returns, want, atol=1e-5)
+  # GAE with gamma = 1, lam = 0.95 bootstraps from the critic: a different answer.
+  gae = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
+                   InferHyper.from_config(ppo_section(whiten_advantages=False)))
+  exp_gae, _ = gae(models["actor"][1], models["critic"][1], models["reward"][1], rollout,
+                   0.3)
+  assert np.abs(np.asarray(exp_gae.advantages) - np.asarray(exp.advantages)).max() > 1e-3
+
+
+def test_unknown_advantage_estimator_names_the_field():
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+  import quickstart
+
+  import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
+  from pipe_rlhf_jax.config_validation import validate_config
+  config = quickstart.get_config("tiny")
+  validate_config(config)
+  config.ppo.advantage_estimator = "vtrace"
+  with pytest.raises(ValueError, match=r"ppo.advantage_estimator='vtrace'.*gae"):
+    validate_config(config)
+  with pytest.raises(ValueError, match=r"advantage estimator 'vtrace'.*ppo.advantage_est"):
+    InferHyper.from_config(config.ppo)

@@ -36,6 +36,7 @@ class InferHyper:
   """
 
   kl_estimator: str
+  advantage_estimator: str
   gamma: float
   lam: float
   whiten_advantages: bool
@@ -44,7 +45,9 @@ class InferHyper:
   @classmethod
   def from_config(cls, ppo) -> "InferHyper":
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
-    return cls(kl_estimator=ppo.kl_estimator, gamma=ppo.gamma, lam=ppo.lam,
+    ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
+    return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
+               gamma=ppo.gamma, lam=ppo.lam,
                whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature)
 
 
@@ -76,7 +79,8 @@ class InferStage:
     self.eval_fn = eval_fn
     self.decode = decode
     h = hyper
-    gae = ADVANTAGE_ESTIMATORS.get("gae")
+    estimate_advantages = ADVANTAGE_ESTIMATORS.get(h.advantage_estimator,
+                                                   field="ppo.advantage_estimator")
 
     def make_experience(ref, critic, reward_model, rollout: Rollout, host_scores,
                         kl_coef):
@@ -95,7 +99,7 @@ class InferStage:
           scores = host_scores
         kl = kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
         rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
-        advantages, returns = gae(rewards, values, mask, h.gamma, h.lam)
+        advantages, returns = estimate_advantages(rewards, values, mask, h.gamma, h.lam)
         if h.whiten_advantages:
           advantages = adv_lib.whiten(advantages, mask)
         exp = Experience(rollout=r, old_logprobs=r.behaviour_logprobs,
