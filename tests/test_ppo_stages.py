@@ -130,6 +130,73 @@ def hand_rollout(seed=0):
                  policy_version=jnp.asarray(0, jnp.int32))
 
 
+def full_forward(graphdef, state, rollout):
+  """The model's outputs on [prompt | completion], as numpy float64."""
+  tokens = jnp.concatenate([rollout.prompt_tokens, rollout.completion_tokens], axis=1)
+  mask = jnp.concatenate([rollout.prompt_mask, rollout.completion_mask], axis=1)
+  return np.asarray(nnx.merge(graphdef, state)(tokens, mask), np.float64)
+
+
+def numpy_experience(ref_logits, values_all, score_all, rollout, ppo, kl_coef):
+  """KL shaping + GAE + whitening written out with loops, from the models' raw outputs.
+
+  Args:
+    ref_logits: [B, P + T, vocab] reference logits; values_all, score_all: [B, P + T].
+  """
+  mask = np.asarray(rollout.completion_mask)
+  tokens = np.asarray(rollout.completion_tokens)
+  behaviour = np.asarray(rollout.behaviour_logprobs, np.float64)
+  batch, length = mask.shape
+  # Position P - 1 + t predicts / evaluates completion token t.
+  z = ref_logits[:, PROMPT - 1:PROMPT - 1 + length] / ppo.temperature
+  logp = z - z.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  ref_lp = np.where(mask, np.take_along_axis(logp, tokens[..., None], -1)[..., 0], 0.0)
+  values = np.where(mask, values_all[:, PROMPT - 1:PROMPT - 1 + length], 0.0)
+  lengths = mask.sum(1)
+  scores = score_all[np.arange(batch), PROMPT - 1 + lengths]
+  d = ref_lp - behaviour
+  kl = {"k1": -d, "k3": np.exp(d) - d - 1}[ppo.kl_estimator]
+  kl = np.where(mask, kl, 0.0)
+  rewards = -kl_coef * kl
+  advantages = np.zeros_like(rewards)
+  for b in range(batch):
+    n = lengths[b]
+    if n:
+      rewards[b, n - 1] += scores[b]
+    next_adv = next_value = 0.0  # the episode ends after the last real token
+    for t in reversed(range(n)):
+      delta = rewards[b, t] + ppo.gamma * next_value - values[b, t]
+      next_adv = delta + ppo.gamma * ppo.lam * next_adv
+      advantages[b, t], next_value = next_adv, values[b, t]
+  returns = np.where(mask, advantages + values, 0.0)
+  valid = advantages[mask]
+  white = (advantages - valid.mean()) / np.sqrt(valid.var() + 1e-8)
+  return dict(ref_logprobs=ref_lp, values=values, scores=scores, kl=kl, rewards=rewards,
+              returns=returns, advantages=np.where(mask, white, 0.0))
+
+
+@pytest.mark.parametrize("kl_estimator", ["k1", "k3"])
+def test_infer_stage_matches_numpy_kl_shaping_gae_whitening(layout, models, kl_estimator):
+  ppo = ppo_section(kl_estimator=kl_estimator, gamma=0.9, lam=0.8, temperature=0.7)
+  rollout = hand_rollout()
+  infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
+                     InferHyper.from_config(ppo))
+  exp, metrics = infer(models["actor"][1], models["critic"][1], models["reward"][1],
+                       rollout, kl_coef=0.3)
+  want = numpy_experience(full_forward(*models["actor"], rollout),
+                          full_forward(*models["critic"], rollout),
+                          full_forward(*models["reward"], rollout), rollout, ppo, 0.3)
+  for name, value in want.items():
+    np.testing.assert_allclose(np.asarray(getattr(exp, name)), value, atol=1e-5, rtol=1e-5,
+                               err_msg=name)
+  np.testing.assert_array_equal(exp.old_logprobs, rollout.behaviour_logprobs)
+  seq_kl = want["kl"].sum(1).mean()
+  np.testing.assert_allclose(float(metrics["kl/mean"]), seq_kl, rtol=1e-5, atol=1e-5)
+  # The comparison is not vacuous: KL and the score both shape the rewards.
+  assert np.abs(want["kl"]).max() > 0.1 and np.abs(want["scores"]).max() > 1e-3
+
+
 def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
   from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 
