@@ -237,3 +237,75 @@ def test_unknown_advantage_estimator_names_the_field():
     validate_config(config)
   with pytest.raises(ValueError, match=r"advantage estimator 'vtrace'.*ppo.advantage_est"):
     InferHyper.from_config(config.ppo)
+
+
+def generated_experience(layout, models, ppo, seed=0):
+  """A rollout sampled by the actor, with random advantages / values / returns."""
+  actor_gd, actor = models["actor"]
+  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=ppo.temperature,
+                            top_k=ppo.top_k, top_p=ppo.top_p, eos_id=None)
+  rollout, _ = GenerateStage(layout, actor_gd, sampling)(
+      actor, prompts(seed), jax.random.key(seed), version=0)
+  # Right-pad some rows so that padding is exercised too.
+  lengths = jnp.asarray([COMPLETION, 3, 6, 1, COMPLETION, 5, 2, 7])
+  mask = rollout.completion_mask & (jnp.arange(COMPLETION)[None] < lengths[:, None])
+  behaviour = jnp.where(mask, rollout.behaviour_logprobs, 0.0)
+  rollout = rollout.replace(completion_mask=mask, behaviour_logprobs=behaviour)
+  rs = np.random.RandomState(seed + 1)
+  rand = lambda: jnp.where(mask, jnp.asarray(rs.normal(size=mask.shape), jnp.float32), 0.)
+  zeros = jnp.zeros(mask.shape, jnp.float32)
+  return Experience(rollout=rollout, old_logprobs=rollout.behaviour_logprobs,
+                    ref_logprobs=zeros, values=rand(), scores=zeros[:, 0], rewards=zeros,
+                    advantages=rand(), returns=rand(), kl=zeros)
+
+
+def test_train_update_on_the_sampling_weights_has_ratio_one(layout, models):
+  ppo = ppo_section(temperature=0.8, entropy_coef=0.01)
+  exp = generated_experience(layout, models, ppo)
+  trainer = train_stage(layout, models, ppo)
+  state = trainer.init_state(models["actor"][1], models["critic"][1])
+  new_state, metrics = trainer.update(state, exp, jax.random.key(3))
+  # Sampler (KV cache) and trainer (full forward) agree on the behaviour log-probs.
+  assert abs(float(metrics["ratio_mean"]) - 1.0) < 1e-6
+  assert abs(float(metrics["ratio_max"]) - 1.0) < 1e-6
+  assert float(metrics["clip_frac"]) == 0.0
+  assert abs(float(metrics["approx_kl"])) < 1e-6
+  # At ratio 1 the surrogate is -mean(A); the entropy is the tempered policy's.
+  mask = np.asarray(exp.rollout.completion_mask)
+  np.testing.assert_allclose(float(metrics["policy_loss"]),
+                             -np.asarray(exp.advantages)[mask].mean(), atol=1e-6)
+  logits = full_forward(*models["actor"], exp.rollout)[:, PROMPT - 1:-1] / ppo.temperature
+  logp = logits - logits.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  entropy = -(np.exp(logp) * logp).sum(-1)
+  np.testing.assert_allclose(float(metrics["entropy"]), entropy[mask].mean(), rtol=1e-5)
+  assert int(new_state.step) == 1 and float(metrics["bad_updates"]) == 0.0
+
+
+def test_decoupled_update_weights_tokens_by_the_capped_behaviour_ratio(layout, models):
+  cap = 1.5
+  ppo = ppo_section(loss="decoupled_ppo_clip", behaviour_weight_cap=cap)
+  exp = generated_experience(layout, models, ppo, seed=1)
+  mask = np.asarray(exp.rollout.completion_mask)
+  # An older behaviour policy: log pi_prox - log pi_behaviour = shift, per token.
+  shift = np.where(mask, np.resize([-0.7, 0.2, 0.6, -0.1, 0.9], mask.shape), 0.0)
+  behaviour = exp.rollout.behaviour_logprobs - jnp.asarray(shift, jnp.float32)
+  # old_logprobs are ignored: the proximal policy is the trainer's current actor.
+  exp = exp.replace(rollout=exp.rollout.replace(behaviour_logprobs=behaviour),
+                    old_logprobs=behaviour)
+  trainer = train_stage(layout, models, ppo)
+  state = trainer.init_state(models["actor"][1], models["critic"][1])
+  _, metrics = trainer.update(state, exp, jax.random.key(4))
+
+  weight = np.exp(shift[mask])
+  capped = np.minimum(weight, cap)
+  advantages = np.asarray(exp.advantages)[mask]
+  assert abs(float(metrics["ratio_mean"]) - 1.0) < 1e-6  # current == proximal
+  np.testing.assert_allclose(float(metrics["policy_loss"]),
+                             np.mean(-advantages * capped), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(metrics["iw_mean"]), weight.mean(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["iw_max"]), weight.max(), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["iw_clip_frac"]), np.mean(weight > cap),
+                             rtol=1e-6)
+  # The cap binds on some tokens and not on others, so the check above is not vacuous.
+  assert 0 < np.mean(weight > cap) < 1
