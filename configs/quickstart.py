@@ -88,6 +88,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.clip_eps = 0.2
   config.ppo.value_clip_eps = 0.2
   config.ppo.entropy_coef = 0.0
+  config.ppo.advantage_estimator = "gae"  # a name in ppo.registry.ADVANTAGE_ESTIMATORS
   config.ppo.gamma = 1.0
   config.ppo.lam = 0.95
   config.ppo.kl_coef = 0.2

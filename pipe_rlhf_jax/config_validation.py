@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS
+from pipe_rlhf_jax.ppo.registry import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES,
+                                        REWARD_FUNCTIONS)
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
@@ -77,6 +78,7 @@ def validate_config(config) -> None:
   _positive_int(config, "ppo.top_k", allow_zero=True)
   _positive_int(config, "runtime.max_staleness", allow_zero=True)
   _choice(config, "ppo.kl_estimator", KL_ESTIMATORS.names())
+  _choice(config, "ppo.advantage_estimator", ADVANTAGE_ESTIMATORS.names())
   _choice(config, "ppo.loss", POLICY_LOSSES.names())
   _choice(config, "ppo.lr_schedule", ("constant", "cosine"))
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))

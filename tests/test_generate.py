@@ -8,7 +8,8 @@ from flax import nnx
 
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.generation.sampler import generate
-from pipe_rlhf_jax.generation.sampling import sampling_logprobs, token_logprob
+from pipe_rlhf_jax.generation.sampling import (policy_logprobs, sampling_logprobs,
+                                               token_logprob)
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 
@@ -35,8 +36,8 @@ def make_prompts(lengths, width, seed=0):
   return tokens, mask
 
 
-def reference_logprobs(model, prompt, prompt_mask, out, sampling):
-  """Log-probs of the generated tokens from ONE full forward pass over the sequence."""
+def full_forward_logits(model, prompt, prompt_mask, out):
+  """Logits [B, T, vocab] predicting each generated token, from ONE full forward pass."""
   tokens = jnp.concatenate([jnp.asarray(prompt), out.tokens], axis=1)
   mask = jnp.concatenate([jnp.asarray(prompt_mask), out.mask], axis=1)
   graphdef, state = nnx.split(model)
@@ -44,9 +45,7 @@ def reference_logprobs(model, prompt, prompt_mask, out, sampling):
   logits = jax.jit(lambda s, t, m: nnx.merge(graphdef, s)(t, m))(state, tokens, mask)
   plen = prompt.shape[1]
   # Completion token i is predicted from the logits at sequence index P + i - 1.
-  lp = sampling_logprobs(logits[:, plen - 1:-1], sampling.get("temperature", 1.0),
-                         sampling.get("top_k", 0), sampling.get("top_p", 1.0))
-  return lp, token_logprob(lp, out.tokens)
+  return logits[:, plen - 1:-1]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -56,13 +55,21 @@ def test_logprobs_match_full_forward(model, sampling):
   assert out.tokens.shape == (4, 6) and out.tokens.dtype == jnp.int32
   assert out.logprobs.dtype == jnp.float32 and out.mask.dtype == jnp.bool_
   assert bool(out.mask.all()) and int(out.num_steps) == 6
-  full_lp, want = reference_logprobs(model, prompt, mask, out, sampling)
-  np.testing.assert_allclose(out.logprobs, want, atol=1e-5, rtol=0)
+  logits = full_forward_logits(model, prompt, mask, out)
+  temperature = sampling.get("temperature", 1.0)
+  # The recorded log-prob is the tempered, UNtruncated policy's (what PPO optimises),
+  # even though the draw itself is filtered by top-k / top-p.
+  policy = policy_logprobs(logits, temperature)
+  np.testing.assert_allclose(out.logprobs, token_logprob(policy, out.tokens), atol=1e-5,
+                             rtol=0)
   if sampling is GREEDY:
-    np.testing.assert_array_equal(out.tokens, jnp.argmax(full_lp, axis=-1))
+    np.testing.assert_array_equal(out.tokens, jnp.argmax(logits, axis=-1))
   else:
-    # Every drawn token lies inside the top-k / top-p set.
-    assert bool((want > -1e29).all())
+    # Every drawn token lies inside the top-k / top-p set...
+    filtered = sampling_logprobs(logits, temperature, sampling["top_k"], sampling["top_p"])
+    assert bool((token_logprob(filtered, out.tokens) > -1e29).all())
+    # ...and the filter changed the numbers, so the check above is not vacuous.
+    assert float(jnp.abs(token_logprob(filtered, out.tokens) - out.logprobs).max()) > 1e-3
 
 
 def test_per_sample_keys_independent_of_batch_position(model):

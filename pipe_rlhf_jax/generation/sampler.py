@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from pipe_rlhf_jax.generation.sampling import (sample, sampling_logprobs, token_keys,
-                                               token_logprob)
+from pipe_rlhf_jax.generation.sampling import draw, token_keys
 from pipe_rlhf_jax.models.transformer import KVCache, default_positions
 from pipe_rlhf_jax.parallel.logical import constrain, current_axis_rules
 
@@ -42,8 +41,9 @@ class GenerationOutput:
 
   Attributes:
     tokens: int32 [B, T]; `pad_id` after a row's EOS (and after an early stop).
-    logprobs: f32 [B, T]; log-prob of the chosen token under the SAMPLING
-      distribution (temperature / top-k / top-p applied); 0 on padding.
+    logprobs: f32 [B, T]; log-prob of the chosen token under the POLICY
+      distribution softmax(logits / temperature), top-k / top-p NOT applied (they
+      only filter the draw; see `sampling.py`); 0 on padding.
     mask: bool [B, T]; True on generated tokens, EOS included.
     num_steps: int32 []; completion positions actually decoded (< T when every row
       emitted EOS early).
@@ -139,11 +139,11 @@ def next_tokens(logits: jax.Array, rng: jax.Array, sample_ids: jax.Array,
     params: sampling settings.
 
   Returns:
-    int32 tokens [B] and their f32 log-probs [B] under the sampling distribution.
+    int32 tokens [B], drawn from the top-k / top-p sampling distribution, and their
+    f32 log-probs [B] under the tempered, untruncated policy (see `sampling.py`).
   """
-  logprobs = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-  tokens = sample(logprobs, token_keys(rng, sample_ids, index), params.greedy)
-  return tokens, token_logprob(logprobs, tokens)
+  return draw(logits, token_keys(rng, sample_ids, index), params.temperature,
+              params.top_k, params.top_p)
 
 
 def record_tokens(tokens_buf: jax.Array, logprobs_buf: jax.Array, mask_buf: jax.Array,

@@ -1,7 +1,7 @@
 """PPO training objectives: clipped policy surrogate, clipped value loss, entropy.
 
 Owns the per-token losses the train stage differentiates, their diagnostics, and the
-log-prob / entropy helpers that turn model logits into the quantities the losses need.
+entropy of a distribution given by logits (the entropy bonus).
 Losses are token-level means over all valid tokens of the batch (every token weighs the
 same regardless of its sequence's length).
 
@@ -223,39 +223,18 @@ def value_loss(
   return masked_mean(per_token, valid), aux
 
 
-def logprobs_from_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Log-probabilities of `tokens` under `logits`, computed in float32.
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+  """Per-position entropy of softmax(logits), in nats, computed in float32.
 
   Args:
-    logits: [batch, length, vocab] (any float dtype; upcast to f32).
-    tokens: int [batch, length] token ids.
+    logits: [..., vocab] (any float dtype); -inf entries (excluded vocabulary) are
+      allowed. Log-probs are valid logits of their own distribution.
 
   Returns:
-    f32 [batch, length].
-  """
-  if logits.ndim != tokens.ndim + 1 or logits.shape[:-1] != tokens.shape:
-    raise ValueError(
-        f"`logits` {logits.shape} must be `tokens` {tokens.shape} plus a vocab axis."
-    )
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[
-      ..., 0
-  ]
-
-
-def entropy_from_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean per-token entropy of the softmax of `logits` over valid positions.
-
-  Args:
-    logits: [batch, length, vocab]; -inf entries (masked-out vocabulary) are allowed.
-    mask: bool/0-1 [batch, length].
-
-  Returns:
-    Scalar float32 entropy in nats.
+    f32 [...]: one entropy per position (mask and average it at the call site).
   """
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   p = jnp.exp(logp)
   # 0 * log 0 = 0 for vocabulary entries excluded with -inf logits.
   plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0)
-  entropy = -jnp.sum(plogp, axis=-1)  # [batch, length]
-  return masked_mean(entropy, mask)
+  return -jnp.sum(plogp, axis=-1)

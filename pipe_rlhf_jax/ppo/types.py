@@ -9,7 +9,6 @@ completion's token i at index P+i for every row.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 
@@ -23,7 +22,8 @@ class Rollout:
     completion_tokens: int32 [batch, completion_len], right-padded; EOS included.
     completion_mask: bool [batch, completion_len], True up to and including EOS.
     behaviour_logprobs: f32 [batch, completion_len], log-probs of the sampled tokens under
-      the sampling distribution (temperature/top-k/top-p applied), 0 on padding.
+      the tempered, untruncated policy softmax(logits / T) of the generating weights
+      (top-k / top-p only filtered the draw; see `generation/sampling.py`), 0 on padding.
     policy_version: int32 [], version of the actor weights that generated the batch.
   """
 
@@ -33,16 +33,6 @@ class Rollout:
   completion_mask: jax.Array
   behaviour_logprobs: jax.Array
   policy_version: jax.Array
-
-  @property
-  def batch_size(self) -> int:
-    return self.prompt_tokens.shape[0]
-
-  def sequence(self) -> tuple[jax.Array, jax.Array]:
-    """Returns the full `[prompt | completion]` tokens and mask, [batch, P + T]."""
-    tokens = jnp.concatenate([self.prompt_tokens, self.completion_tokens], axis=1)
-    mask = jnp.concatenate([self.prompt_mask, self.completion_mask], axis=1)
-    return tokens, mask
 
 
 @struct.dataclass

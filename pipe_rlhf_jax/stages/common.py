@@ -7,7 +7,7 @@ pytrees onto the stage through the one reshard helper, so every cross-mesh move 
 `completion_logprobs` / `completion_values` / `sequence_scores` read a model over the
 shared `[prompt | completion]` layout (see `ppo/types.py`); the SFT, reward-model and
 PPO phases and all three stages use them, so every log-prob in the system is computed
-one way.
+one way: under the tempered, untruncated policy (top-k / top-p never enter).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipe_rlhf_jax.generation.sampling import sampling_logprobs, token_logprob
+from pipe_rlhf_jax.generation.sampling import policy_logprobs, token_logprob
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
+from pipe_rlhf_jax.ppo.losses import entropy_from_logits
 
 
 def _is_variable(x) -> bool:
@@ -97,11 +98,6 @@ class StageLayout:
     return logical.axis_rules(self.mesh, self.rules)
 
 
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-  """(graphdef, parameter State): the pure pytree every jitted function takes."""
-  return nnx.split(model)
-
-
 def completion_logits(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens: jax.Array,
                       prompt_mask: jax.Array, completion_tokens: jax.Array,
                       completion_mask: jax.Array) -> jax.Array:
@@ -120,22 +116,35 @@ def completion_logits(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens: 
 
 
 def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion_tokens,
-                        completion_mask, *, temperature=1.0, top_k=0, top_p=1.0,
-                        return_entropy=False):
-  """Log-probs [batch, completion_len] of the completion under the sampling distribution.
+                        completion_mask, *, temperature=1.0, return_entropy=False):
+  """Log-probs [batch, completion_len] of the completion under the policy distribution.
 
-  The same `sampling_logprobs` as the sampler, so on equal weights these equal the
-  behaviour log-probs recorded at generation. 0 on padding.
+  The policy is the tempered, untruncated softmax(logits / temperature): top-k / top-p
+  only filter what the sampler draws and never enter a log-prob (the convention of
+  verl, OpenRLHF and TRL; see `generation/sampling.py`). So every sampled token has a
+  finite log-prob under every model (actor, reference), and on equal weights these
+  equal the behaviour log-probs the sampler recorded: the first PPO ratio is 1.
+
+  Args:
+    graphdef, params: an LM-head model.
+    prompt_tokens, prompt_mask: [batch, prompt_len], left-padded.
+    completion_tokens, completion_mask: [batch, completion_len], right-padded.
+    temperature: the sampling temperature (0 = greedy: the untempered distribution).
+    return_entropy: also return the per-token entropy of the same distribution.
+
+  Returns:
+    f32 [batch, completion_len] log-probs, 0 on padding; with `return_entropy`, a
+    (log-probs, entropy) pair, the entropy [batch, completion_len] in nats, 0 on padding.
   """
   logits = completion_logits(graphdef, params, prompt_tokens, prompt_mask,
                              completion_tokens, completion_mask)
-  logprobs_all = sampling_logprobs(logits, temperature, top_k, top_p)
+  logprobs_all = policy_logprobs(logits, temperature)  # [batch, completion_len, vocab]
   logprobs = token_logprob(logprobs_all, completion_tokens)
   logprobs = jnp.where(completion_mask, logprobs, 0.0)
   if not return_entropy:
     return logprobs
-  probs = jnp.exp(logprobs_all)
-  entropy = -jnp.sum(probs * logprobs_all, axis=-1)
+  # Log-probs are logits of the same distribution, so no second temperature rule here.
+  entropy = entropy_from_logits(logprobs_all)  # [batch, completion_len]
   return logprobs, jnp.where(completion_mask, entropy, 0.0)
 
 

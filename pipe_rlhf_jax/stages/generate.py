@@ -39,7 +39,6 @@ class GenerateStage:
     self.pipe = layout.mesh.shape.get("pipe", 1)
     if self.pipe == 1:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, params)
-    self.last_schedule = None
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:
@@ -60,7 +59,7 @@ class GenerateStage:
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
     if self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
-      out, self.last_schedule = pipelined.pipelined_generate(
+      out, _ = pipelined.pipelined_generate(
           self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
           num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
           rules=self.layout.rules)

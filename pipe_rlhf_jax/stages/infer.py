@@ -28,22 +28,27 @@ from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
 
 @dataclasses.dataclass(frozen=True)
 class InferHyper:
-  """Static settings of experience making."""
+  """Static settings of experience making.
+
+  `temperature` defines the policy the reference log-probs are taken under; top-k /
+  top-p are deliberately absent: they filter the draw, never a log-prob (see
+  `generation/sampling.py`).
+  """
 
   kl_estimator: str
+  advantage_estimator: str
   gamma: float
   lam: float
   whiten_advantages: bool
   temperature: float
-  top_k: int
-  top_p: float
 
   @classmethod
   def from_config(cls, ppo) -> "InferHyper":
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
-    return cls(kl_estimator=ppo.kl_estimator, gamma=ppo.gamma, lam=ppo.lam,
-               whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature,
-               top_k=ppo.top_k, top_p=ppo.top_p)
+    ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
+    return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
+               gamma=ppo.gamma, lam=ppo.lam,
+               whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature)
 
 
 class InferStage:
@@ -74,7 +79,8 @@ class InferStage:
     self.eval_fn = eval_fn
     self.decode = decode
     h = hyper
-    gae = ADVANTAGE_ESTIMATORS.get("gae")
+    estimate_advantages = ADVANTAGE_ESTIMATORS.get(h.advantage_estimator,
+                                                   field="ppo.advantage_estimator")
 
     def make_experience(ref, critic, reward_model, rollout: Rollout, host_scores,
                         kl_coef):
@@ -82,9 +88,10 @@ class InferStage:
         r = rollout
         args = (r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask)
         mask = r.completion_mask
+        # Under the untruncated policy: a sampled token outside the reference's own
+        # nucleus still has a finite reference log-prob, so the KL stays finite.
         ref_logprobs = completion_logprobs(policy_graphdef, ref, *args,
-                                           temperature=h.temperature, top_k=h.top_k,
-                                           top_p=h.top_p)
+                                           temperature=h.temperature)
         values = completion_values(critic_graphdef, critic, *args)
         if reward_graphdef is not None:
           scores = sequence_scores(reward_graphdef, reward_model, *args)
@@ -92,7 +99,7 @@ class InferStage:
           scores = host_scores
         kl = kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
         rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
-        advantages, returns = gae(rewards, values, mask, h.gamma, h.lam)
+        advantages, returns = estimate_advantages(rewards, values, mask, h.gamma, h.lam)
         if h.whiten_advantages:
           advantages = adv_lib.whiten(advantages, mask)
         exp = Experience(rollout=r, old_logprobs=r.behaviour_logprobs,

@@ -87,7 +87,12 @@ class ActorCriticState:
 
 @dataclasses.dataclass(frozen=True)
 class PPOHyper:
-  """The static PPO settings the jitted update closes over."""
+  """The static PPO settings the jitted update closes over.
+
+  `temperature` defines the policy whose log-probs, ratios and entropy are optimised;
+  top-k / top-p are deliberately absent: they filter the draw, never a log-prob (see
+  `generation/sampling.py`).
+  """
 
   epochs: int
   minibatch_size: int
@@ -97,15 +102,13 @@ class PPOHyper:
   loss: str
   behaviour_weight_cap: float | None
   temperature: float
-  top_k: int
-  top_p: float
 
   @classmethod
   def from_config(cls, ppo) -> "PPOHyper":
     return cls(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size, clip_eps=ppo.clip_eps,
                value_clip_eps=ppo.value_clip_eps, entropy_coef=ppo.entropy_coef,
                loss=ppo.loss, behaviour_weight_cap=ppo.behaviour_weight_cap,
-               temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p)
+               temperature=ppo.temperature)
 
 
 class TrainStage:
@@ -148,13 +151,13 @@ class TrainStage:
     shardings = self.state_shardings(actor, critic)
     self._state_shardings = shardings
 
-    @jax.jit
     def init(actor, critic):
       return ActorCriticState(actor=actor, critic=critic, actor_opt=self.actor_tx.init(actor),
                               critic_opt=self.critic_tx.init(critic),
                               step=jnp.zeros((), jnp.int32))
 
-    init = jax.jit(init.__wrapped__, out_shardings=shardings)
+    # out_shardings makes the optimizer moments born in their final layout.
+    init = jax.jit(init, out_shardings=shardings)
     actor = jax.device_put(actor, shardings.actor)
     critic = jax.device_put(critic, shardings.critic)
     return init(actor, critic)
@@ -172,8 +175,7 @@ class TrainStage:
       def actor_loss(actor):
         logprobs, entropy = completion_logprobs(
             actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-            r.completion_mask, temperature=h.temperature, top_k=h.top_k, top_p=h.top_p,
-            return_entropy=True)
+            r.completion_mask, temperature=h.temperature, return_entropy=True)
         kwargs = {}
         if decoupled:
           kwargs = dict(behaviour_logprobs=r.behaviour_logprobs,
@@ -212,7 +214,7 @@ class TrainStage:
           # versions ahead of the behaviour policy that sampled the rollout.
           old_logprobs = completion_logprobs(
               actor_gd, state.actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-              r.completion_mask, temperature=h.temperature, top_k=h.top_k, top_p=h.top_p)
+              r.completion_mask, temperature=h.temperature)
         # Every leaf is [batch, ...] so minibatches can be gathered uniformly.
         per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version, (
             r.prompt_tokens.shape[0],)))
