@@ -10,7 +10,8 @@ under two settings:
   before   dense attention, no remat, the head on every position and a full f32
            log-softmax over `[batch, length, vocab]` (the code before issue #9);
   after    blockwise attention, full per-layer remat, the head on the completion
-           positions only and the log-softmax in chunks (`Transformer.token_logprobs`).
+           positions only and the log-softmax in chunks of 256 positions
+           (`stages.common.completion_logprobs` with `logits_chunk_size`).
 Peak = arguments + outputs + XLA temporaries - aliased bytes. It also reports, for a
 memory budget (--budget-gib), the longest length of the sweep that fits.
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from pipe_rlhf_jax.models import KVCache, init_model, tiny_config  # noqa: E402
+from pipe_rlhf_jax.stages import common  # noqa: E402
 
 SETTINGS = {
     "before": dict(attention="dense", remat="none", chunk=0, slice_first=False),
@@ -52,8 +54,9 @@ def completion_logprobs(model, tokens, mask, completion_len, setting):
     logits = model(tokens, mask)  # [batch, length, vocab] f32
     logp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  h = model.hidden(tokens, mask)[:, prompt_len - 1:-1]
-  return model.token_logprobs(h, targets, chunk_size=setting["chunk"])
+  graphdef, params = nnx.split(model)
+  return common.completion_logprobs(graphdef, params, tokens[:, :prompt_len],
+                                    mask[:, :prompt_len], targets, mask[:, prompt_len:])
 
 
 def peak_bytes(compiled) -> dict[str, int]:
@@ -65,7 +68,7 @@ def peak_bytes(compiled) -> dict[str, int]:
 
 def measure(cfg, step: str, length: int, batch: int, setting) -> dict[str, int]:
   cfg = cfg.replace(attention=setting["attention"], remat=setting["remat"],
-                    attention_block_size=512)
+                    attention_block_size=512, logits_chunk_size=setting["chunk"])
   graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
   tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
   mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)

@@ -131,10 +131,11 @@ def test_models_from_policy_checks_heads_and_reference(tmp_path):
 
 def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
   results = []
-  for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full")):
+  for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full", logits_chunk=3)):
     system, tok = _tiny_system(tmp_path, generate=plan, infer=plan,
                                train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1),
-                                               attention=plan.attention, remat=plan.remat))
+                                               attention=plan.attention, remat=plan.remat,
+                                               logits_chunk=plan.logits_chunk))
     prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
     results.append(run(system, prompts, steps=2).metrics)
   for want, got in zip(*results):

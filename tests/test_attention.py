@@ -10,6 +10,7 @@ from pipe_rlhf_jax.generation.sampler import generate
 from pipe_rlhf_jax.models import attention as attention_lib
 from pipe_rlhf_jax.models import init_model, tiny_config
 from pipe_rlhf_jax.models.transformer import with_execution
+from pipe_rlhf_jax.stages.common import completion_logprobs
 
 
 def _left_padded_mask(rng, batch, length):
@@ -95,26 +96,28 @@ def test_with_execution_refuses_fields_that_change_the_model():
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 5, 12, 64])
-def test_chunked_token_logprobs_equal_the_full_log_softmax(chunk):
+def test_chunked_completion_logprobs_equal_the_full_log_softmax(chunk):
   model, tokens, mask = _model_and_batch()
   graphdef, params = nnx.split(model)
-  targets = jnp.roll(tokens, -1, axis=1)
+  chunked_gd = with_execution(graphdef, params, logits_chunk_size=chunk)
+  prompt, completion = tokens[:, :7], tokens[:, 7:]
+  prompt_mask, completion_mask = mask[:, :7], jnp.ones_like(completion, bool)
 
-  def full(params):
-    logits = nnx.merge(graphdef, params)(tokens, mask) / 0.7
+  def full(params):  # the whole [batch, length, vocab] log-softmax, then sliced
+    logits = nnx.merge(graphdef, params)(tokens, jnp.concatenate(
+        [prompt_mask, completion_mask], axis=1))[:, 6:-1] / 0.7
     logp = jax.nn.log_softmax(logits)
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], ent
+    return jnp.take_along_axis(logp, completion[..., None], axis=-1)[..., 0], ent
 
   def chunked(params):
-    m = nnx.merge(graphdef, params)
-    return m.token_logprobs(m.hidden(tokens, mask), targets, temperature=0.7,
-                            chunk_size=chunk, return_entropy=True)
+    return completion_logprobs(chunked_gd, params, prompt, prompt_mask, completion,
+                               completion_mask, temperature=0.7, return_entropy=True)
 
   (want, want_ent), (got, got_ent) = full(params), jax.jit(chunked)(params)
   np.testing.assert_allclose(got, want, atol=1e-5)
   np.testing.assert_allclose(got_ent, want_ent, atol=1e-5)
-  loss = lambda f: lambda p: jnp.sum(jnp.where(mask, f(p)[0], 0.0))
+  loss = lambda f: lambda p: jnp.sum(f(p)[0])
   for g_got, g_want in zip(jax.tree.leaves(jax.grad(loss(chunked))(params)),
                            jax.tree.leaves(jax.grad(loss(full))(params))):
     np.testing.assert_allclose(g_got, g_want, rtol=1e-4, atol=1e-5)

@@ -82,7 +82,7 @@ def moved(state, seed, scale=0.5):
 def train_stage(layout, models, ppo):
   tx = lambda: make_optimizer(1e-3, total_steps=10)
   return TrainStage(layout, models["actor"][0], models["critic"][0],
-                    PPOHyper.from_config(ppo), tx(), tx())
+                    PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
 
 
 def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, models):
@@ -97,7 +97,7 @@ def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, mo
   rollout, _ = GenerateStage(layout, actor_gd, sampling)(
       actor, prompts(), jax.random.key(0), version=1)
   infer = InferStage(layout, actor_gd, models["critic"][0], models["reward"][0],
-                     InferHyper.from_config(ppo))
+                     InferHyper.from_settings(ppo, ppo.temperature))
   exp, metrics = infer(ref, models["critic"][1], models["reward"][1], rollout, 0.1)
   mask = np.asarray(rollout.completion_mask)
   ref_lp = np.asarray(exp.ref_logprobs)[mask]
@@ -181,7 +181,7 @@ def test_infer_stage_matches_numpy_kl_shaping_gae_whitening(layout, models, kl_e
   ppo = ppo_section(kl_estimator=kl_estimator, gamma=0.9, lam=0.8, temperature=0.7)
   rollout = hand_rollout()
   infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                     InferHyper.from_config(ppo))
+                     InferHyper.from_settings(ppo, ppo.temperature))
   exp, metrics = infer(models["actor"][1], models["critic"][1], models["reward"][1],
                        rollout, kl_coef=0.3)
   want = numpy_experience(full_forward(*models["actor"], rollout),
@@ -209,14 +209,14 @@ def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
   ppo = ppo_section(advantage_estimator="test_monte_carlo", whiten_advantages=False)
   rollout = hand_rollout()
   infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                     InferHyper.from_config(ppo))
+                     InferHyper.from_settings(ppo, ppo.temperature))
   exp, _ = infer(models["actor"][1], models["critic"][1], models["reward"][1], rollout, 0.3)
   rewards, mask = np.asarray(exp.rewards), np.asarray(rollout.completion_mask)
   want = np.where(mask, np.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], 0.0)
   np.testing.assert_allclose(exp.returns, want, atol=1e-5)
   # GAE with gamma = 1, lam = 0.95 bootstraps from the critic: a different answer.
   gae = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                   InferHyper.from_config(ppo_section(whiten_advantages=False)))
+                   InferHyper.from_settings(ppo_section(whiten_advantages=False), 1.0))
   exp_gae, _ = gae(models["actor"][1], models["critic"][1], models["reward"][1], rollout,
                    0.3)
   assert np.abs(np.asarray(exp_gae.advantages) - np.asarray(exp.advantages)).max() > 1e-3
@@ -236,7 +236,7 @@ def test_unknown_advantage_estimator_names_the_field():
   with pytest.raises(ValueError, match=r"ppo.advantage_estimator='vtrace'.*gae"):
     validate_config(config)
   with pytest.raises(ValueError, match=r"advantage estimator 'vtrace'.*ppo.advantage_est"):
-    InferHyper.from_config(config.ppo)
+    InferHyper.from_settings(config.ppo, config.ppo.temperature)
 
 
 def generated_experience(layout, models, ppo, seed=0):

@@ -25,7 +25,7 @@ ATTENTION_IMPLS = ("auto", "dense", "blockwise", "dot_product")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 # Execution fields: how the model is computed, never what. They are not exported to
 # Hugging Face and a stage may change them (`with_execution`).
-EXECUTION_FIELDS = ("attention", "attention_block_size", "remat")
+EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "logits_chunk_size")
 
 
 def dtype_name(value: Any, field: str = "dtype") -> str:
@@ -76,6 +76,8 @@ class TransformerConfig:
     attention_block_size: keys per block of the blockwise attention (execution only).
     remat: one of REMAT_POLICIES, applied to each layer inside the layer scan (execution
       only; training wants it at long lengths, generation never needs it).
+    logits_chunk_size: positions per chunk when log-probs are read from the LM head
+      (`stages.common.completion_logprobs`); 0 = all at once (execution only).
   """
 
   vocab_size: int
@@ -102,6 +104,7 @@ class TransformerConfig:
   attention: str = "auto"
   attention_block_size: int = 512
   remat: str = "none"
+  logits_chunk_size: int = 0
 
   def __post_init__(self):
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -142,6 +145,10 @@ class TransformerConfig:
         self.attention_block_size, int) or self.attention_block_size < 1:
       raise ValueError(f"model.attention_block_size={self.attention_block_size!r} must be "
                        "an integer >= 1.")
+    if isinstance(self.logits_chunk_size, bool) or not isinstance(
+        self.logits_chunk_size, int) or self.logits_chunk_size < 0:
+      raise ValueError(f"model.logits_chunk_size={self.logits_chunk_size!r} must be an "
+                       "integer >= 0 (0: no chunking).")
     if self.norm_eps <= 0:
       raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
 

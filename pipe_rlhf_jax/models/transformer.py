@@ -305,63 +305,6 @@ class Transformer(nnx.Module):
     h, _ = self.layers(self.embed(tokens), positions, attention_mask)
     return h
 
-  def token_logprobs(self, h: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                     chunk_size: int = 0, return_entropy: bool = False):
-    """log softmax(logits / temperature) at `targets`, never holding all the logits.
-
-    The LM head and the log-softmax run over `chunk_size` positions at a time inside a
-    rematerialised scan, so forward and backward hold `[batch, chunk_size, vocab]` f32
-    logits instead of `[batch, length, vocab]`.
-
-    Args:
-      h: [batch, length, embed] from `hidden` (already sliced to the needed positions).
-      targets: int [batch, length] token whose log-prob each position gives.
-      temperature: > 0 divides the logits; 0 is treated as 1 (greedy has no tempering).
-      chunk_size: positions per chunk; 0 = all at once.
-      return_entropy: also return the entropy [batch, length] of each distribution.
-
-    Returns:
-      f32 [batch, length] log-probs (and entropies).
-    """
-    if self.config.head != "lm":
-      raise ValueError(f"token_logprobs needs an LM head, this model has {self.config.head!r}.")
-    batch, length, embed = h.shape
-    chunk = min(chunk_size or length, length)
-    num_chunks = -(-length // chunk)
-    pad = num_chunks * chunk - length
-    if pad:
-      h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-      targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    scale = 1.0 / temperature if temperature > 0 else 1.0
-    # [chunks, batch, chunk, ...]
-    h_chunks = h.reshape(batch, num_chunks, chunk, embed).swapaxes(0, 1)
-    t_chunks = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1).astype(jnp.int32)
-
-    def one_chunk(_, xs):
-      h_c, t_c = xs
-      logits = self.head(h_c) * scale  # [batch, chunk, vocab] f32
-      normaliser = jax.nn.logsumexp(logits, axis=-1)
-      picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
-      entropy = None
-      if return_entropy:
-        probs = jnp.exp(logits - normaliser[..., None])
-        entropy = normaliser - jnp.sum(probs * logits, axis=-1)
-      return None, (picked - normaliser, entropy)
-
-    if num_chunks == 1:
-      _, (logprobs, entropy) = one_chunk(None, (h_chunks[0], t_chunks[0]))
-    else:
-      # Rematerialised: the backward pass recomputes one chunk's logits at a time.
-      _, (logprobs, entropy) = jax.lax.scan(jax.checkpoint(one_chunk, prevent_cse=False),
-                                            None, (h_chunks, t_chunks))
-      unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)
-      logprobs = unchunk(logprobs)
-      entropy = unchunk(entropy) if return_entropy else None
-    logprobs = logprobs[:, :length]
-    if return_entropy:
-      return logprobs, entropy[:, :length]
-    return logprobs
-
   def forward_cached(self, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,
                      cache: KVCache, slot: jax.Array | int
                      ) -> tuple[jax.Array, KVCache]:

@@ -98,21 +98,16 @@ class StageLayout:
     return logical.axis_rules(self.mesh, self.rules)
 
 
-def completion_logits(graphdef: nnx.GraphDef, params: nnx.State, prompt_tokens: jax.Array,
-                      prompt_mask: jax.Array, completion_tokens: jax.Array,
-                      completion_mask: jax.Array) -> jax.Array:
-  """Head outputs at the positions that predict / evaluate each completion token.
-
-  Returns:
-    [batch, completion_len, ...]: entry t is the head output at sequence position
-    P - 1 + t, i.e. with the prompt and completion tokens < t in context.
-  """
-  model = nnx.merge(graphdef, params)
+def completion_hidden(model, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+                      completion_tokens: jax.Array, completion_mask: jax.Array) -> jax.Array:
+  """The residual stream [batch, completion_len, embed] at the positions that predict /
+  evaluate each completion token: entry t is position P - 1 + t, with the prompt and the
+  completion tokens < t in context. Sliced before any head is applied, so the head (and
+  an LM head's vocabulary) touches only these positions."""
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  out = model(tokens, mask)
   prompt_len, completion_len = prompt_tokens.shape[1], completion_tokens.shape[1]
-  return out[:, prompt_len - 1:prompt_len - 1 + completion_len]
+  return model.hidden(tokens, mask)[:, prompt_len - 1:prompt_len - 1 + completion_len]
 
 
 def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion_tokens,
@@ -125,6 +120,10 @@ def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion
   finite log-prob under every model (actor, reference), and on equal weights these
   equal the behaviour log-probs the sampler recorded: the first PPO ratio is 1.
 
+  Memory: the LM head and the log-softmax run on `model.config.logits_chunk_size`
+  completion positions at a time (0: all), inside a rematerialised scan, so neither the
+  forward nor the backward pass holds `[batch, completion_len, vocab]` f32 logits.
+
   Args:
     graphdef, params: an LM-head model.
     prompt_tokens, prompt_mask: [batch, prompt_len], left-padded.
@@ -136,23 +135,53 @@ def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion
     f32 [batch, completion_len] log-probs, 0 on padding; with `return_entropy`, a
     (log-probs, entropy) pair, the entropy [batch, completion_len] in nats, 0 on padding.
   """
-  logits = completion_logits(graphdef, params, prompt_tokens, prompt_mask,
-                             completion_tokens, completion_mask)
-  logprobs_all = policy_logprobs(logits, temperature)  # [batch, completion_len, vocab]
-  logprobs = token_logprob(logprobs_all, completion_tokens)
+  model = nnx.merge(graphdef, params)
+  h = completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens,
+                        completion_mask)  # [batch, completion_len, embed]
+
+  def one_chunk(_, xs):
+    h_chunk, tokens_chunk = xs
+    logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [b, chunk, vocab]
+    logprobs = token_logprob(logprobs_all, tokens_chunk)
+    # Log-probs are logits of the same distribution, so no second temperature rule here.
+    entropy = entropy_from_logits(logprobs_all) if return_entropy else None
+    return None, (logprobs, entropy)
+
+  logprobs, entropy = _over_position_chunks(one_chunk, h, completion_tokens,
+                                            model.config.logits_chunk_size)
   logprobs = jnp.where(completion_mask, logprobs, 0.0)
   if not return_entropy:
     return logprobs
-  # Log-probs are logits of the same distribution, so no second temperature rule here.
-  entropy = entropy_from_logits(logprobs_all)  # [batch, completion_len]
   return logprobs, jnp.where(completion_mask, entropy, 0.0)
+
+
+def _over_position_chunks(fn, h: jax.Array, tokens: jax.Array, chunk_size: int):
+  """Applies `fn(None, (h_chunk, tokens_chunk)) -> (None, outputs)` over chunks of
+  positions and returns the outputs [batch, length] reassembled. One chunk runs inline;
+  several run in a scan whose body is rematerialised (one chunk's logits alive at a
+  time, in the backward pass too)."""
+  batch, length, embed = h.shape
+  chunk = min(chunk_size or length, length)
+  if chunk == length:
+    return fn(None, (h, tokens))[1]
+  num_chunks = -(-length // chunk)
+  pad = num_chunks * chunk - length
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+  tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+  # [chunks, batch, chunk, ...]
+  xs = (h.reshape(batch, num_chunks, chunk, embed).swapaxes(0, 1),
+        tokens.reshape(batch, num_chunks, chunk).swapaxes(0, 1))
+  _, outs = jax.lax.scan(jax.checkpoint(fn, prevent_cse=False), None, xs)
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]
+  return jax.tree.map(unchunk, outs)
 
 
 def completion_values(graphdef, params, prompt_tokens, prompt_mask, completion_tokens,
                       completion_mask) -> jax.Array:
   """Critic values [batch, completion_len]: V(state before completion token t)."""
-  values = completion_logits(graphdef, params, prompt_tokens, prompt_mask,
-                             completion_tokens, completion_mask)
+  model = nnx.merge(graphdef, params)
+  values = model.head(completion_hidden(model, prompt_tokens, prompt_mask,
+                                        completion_tokens, completion_mask))
   return jnp.where(completion_mask, values, 0.0)
 
 
@@ -162,6 +191,7 @@ def sequence_scores(graphdef, params, prompt_tokens, prompt_mask, completion_tok
   model = nnx.merge(graphdef, params)
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
-  per_token = model(tokens, mask)  # [batch, length]
+  h = model.hidden(tokens, mask)  # [batch, length, embed]
   last = prompt_tokens.shape[1] - 1 + jnp.sum(completion_mask.astype(jnp.int32), axis=1)
-  return jnp.take_along_axis(per_token, last[:, None], axis=1)[:, 0]
+  h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)  # [batch, 1, embed]
+  return model.head(h_last)[:, 0]

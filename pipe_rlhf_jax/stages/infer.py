@@ -43,12 +43,13 @@ class InferHyper:
   temperature: float
 
   @classmethod
-  def from_config(cls, ppo) -> "InferHyper":
+  def from_settings(cls, ppo, temperature: float) -> "InferHyper":
+    """From a `system.settings.PPOConfig` (or any object with its fields)."""
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
     ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
     return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
-               gamma=ppo.gamma, lam=ppo.lam,
-               whiten_advantages=ppo.whiten_advantages, temperature=ppo.temperature)
+               gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
+               temperature=temperature)
 
 
 class InferStage:

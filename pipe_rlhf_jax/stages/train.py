@@ -104,11 +104,12 @@ class PPOHyper:
   temperature: float
 
   @classmethod
-  def from_config(cls, ppo) -> "PPOHyper":
+  def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
+    """From a `system.settings.PPOConfig` (or any object with its fields)."""
     return cls(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size, clip_eps=ppo.clip_eps,
                value_clip_eps=ppo.value_clip_eps, entropy_coef=ppo.entropy_coef,
                loss=ppo.loss, behaviour_weight_cap=ppo.behaviour_weight_cap,
-               temperature=ppo.temperature)
+               temperature=temperature)
 
 
 class TrainStage:

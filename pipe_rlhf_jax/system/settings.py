@@ -187,6 +187,8 @@ class StagePlan:
       "dot_product"; see models/attention.py). Applies in every mode.
     remat: what each layer keeps for the backward pass ("none", "full",
       "save_matmuls"); only the training stage differentiates. Applies in every mode.
+    logits_chunk: completion positions per chunk of the LM head and log-softmax
+      (0: all at once). Applies in every mode.
   """
 
   mesh: MeshSpec = MeshSpec()
@@ -194,20 +196,23 @@ class StagePlan:
   num_microbatches: int = 1
   attention: str = "auto"
   remat: str = "none"
+  logits_chunk: int = 0
 
   def __post_init__(self):
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
     _check_choice(self.attention, "attention", ATTENTION_IMPLS)
     _check_choice(self.remat, "remat", REMAT_POLICIES)
+    _check_int(self.logits_chunk, "logits_chunk", low=0)
 
-  def execution(self) -> dict[str, str]:
+  def execution(self) -> dict[str, Any]:
     """The model execution fields this stage sets (`models.transformer.with_execution`)."""
-    return {"attention": self.attention, "remat": self.remat}
+    return {"attention": self.attention, "remat": self.remat,
+            "logits_chunk_size": self.logits_chunk}
 
   @classmethod
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
-    known = ("mesh", "rules", "num_microbatches", "attention", "remat")
+    known = ("mesh", "rules", "num_microbatches", "attention", "remat", "logits_chunk")
     unknown = sorted(set(values) - set(known))
     if unknown:
       raise ValueError(f"{field} has unknown fields {unknown}; known: {', '.join(known)}.")
@@ -218,10 +223,12 @@ class StagePlan:
       return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
                  rules=rules, num_microbatches=values.get("num_microbatches", 1),
                  attention=values.get("attention", "auto"),
-                 remat=values.get("remat", "none"))
+                 remat=values.get("remat", "none"),
+                 logits_chunk=values.get("logits_chunk", 0))
     except ValueError as e:
-      raise ValueError(f"{field}.{e}") if str(e).startswith(("attention=", "remat=")) \
-          else e
+      if str(e).startswith(("attention=", "remat=", "logits_chunk=")):
+        raise ValueError(f"{field}.{e}") from None
+      raise
 
 
 @dataclasses.dataclass(frozen=True)

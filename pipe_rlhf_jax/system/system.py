@@ -244,7 +244,7 @@ class PPOSystem:
         runtime.num_microbatches)
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
                                   for_stage("infer", models.critic_graphdef, models.critic),
-                                  reward_graphdef, _infer_hyper(ppo, sampling),
+                                  reward_graphdef, InferHyper.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
@@ -252,7 +252,7 @@ class PPOSystem:
                                           max_grad_norm=ppo.max_grad_norm)
     self.train_stage = TrainStage(trn, for_stage("train", models.actor_graphdef, models.actor),
                                   for_stage("train", models.critic_graphdef, models.critic),
-                                  _train_hyper(ppo, sampling), optimizer(ppo.actor_lr),
+                                  PPOHyper.from_settings(ppo, sampling.temperature), optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr))
     self.reference, _ = inf.put_params(models.reference)
     self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
@@ -348,22 +348,6 @@ class PPOSystem:
     self.state = state["trainer"]
     self.version = int(metadata["version"])
     self.kl_coefs = {self.version: float(metadata["kl_coef"])}
-
-
-def _infer_hyper(ppo: PPOConfig, sampling: SamplingParams) -> InferHyper:
-  return InferHyper(kl_estimator=ppo.kl_estimator, gamma=ppo.gamma, lam=ppo.lam,
-                    whiten_advantages=ppo.whiten_advantages,
-                    temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p)
-
-
-def _train_hyper(ppo: PPOConfig, sampling: SamplingParams) -> PPOHyper:
-  return PPOHyper(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size,
-                  clip_eps=ppo.clip_eps, value_clip_eps=ppo.value_clip_eps,
-                  entropy_coef=ppo.entropy_coef, loss=ppo.loss,
-                  behaviour_weight_cap=ppo.behaviour_weight_cap,
-                  temperature=sampling.temperature, top_k=sampling.top_k,
-                  top_p=sampling.top_p)
 
 
 def np_batch(batch: dict) -> dict:
