@@ -1,0 +1,166 @@
+"""Benchmark: seconds per PPO step and per stage, against the machine's own limits.
+
+Owns one measurement: `PPOSystem` (library API, `sequential` mode, one device, f32) at
+three model sizes, each running `--steps` PPO steps of: generate (batch x gen tokens, no
+early EOS, so the work is fixed), inference (reference log-probs + critic values), and one
+actor and one critic update on the whole batch (epochs=1, one minibatch), with a host rule
+reward. The first `--warmup` steps (compilation) are left out.
+
+For each stage it reports the achieved FLOP/s (analytic counts, `models/flops.py`) next to
+the f32 matmul peak measured in the same process (a jitted 2048x2048 matmul, best of 5),
+and for decoding the bytes/s it must read (weights + KV cache per step) next to the
+measured memory bandwidth (a jitted sum over 256 MiB, best of 5).
+
+Usage:
+  python experiments/bench_ppo_step.py
+  python experiments/bench_ppo_step.py --sizes 2 --steps 12
+
+Writes ppo_step.json and ppo_step.md to --out-dir (default experiments/out/bench_ppo_step/).
+Timings on a shared machine are noisy: run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
+from pipe_rlhf_jax.models import flops, init_model, tiny_config  # noqa: E402
+from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem,  # noqa: E402
+                                  RuntimeConfig, run)
+
+# (layers, embed, heads, kv_heads, mlp, vocab; batch, prompt, gen): the first two are the
+# sizes of issue #9's comparison with a peer library, the third a larger one.
+SIZES = {
+    1: (2, 64, 4, 2, 128, 256, 8, 16, 16),
+    2: (4, 256, 8, 4, 512, 512, 16, 32, 32),
+    3: (6, 512, 8, 4, 1024, 1024, 16, 64, 64),
+}
+
+
+def best_of(fn, repeats: int = 5) -> float:
+  fn()  # compile
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def machine_limits() -> dict[str, float]:
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda a: a @ a)
+  t = best_of(lambda: matmul(a).block_until_ready())
+  big = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
+  total = jax.jit(jnp.sum)
+  tb = best_of(lambda: total(big).block_until_ready())
+  return {"matmul_gflops": 2 * n**3 / t / 1e9, "mem_gbps": big.nbytes / tb / 1e9}
+
+
+def bench_size(size: int, steps: int, warmup: int) -> dict:
+  layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = SIZES[size]
+  cfg = tiny_config(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads,
+                    num_kv_heads=kv, head_dim=embed // heads, mlp_dim=mlp)
+  devices = jax.devices()[:1]
+  system = PPOSystem(
+      Models.from_policy(init_model(cfg, seed=0)),
+      ppo=PPOConfig(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
+                    actor_lr=1e-5, critic_lr=1e-5),
+      sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
+      runtime=RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1)),
+      reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
+      decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
+  rng = np.random.default_rng(0)
+
+  def prompts():
+    index = 0
+    while True:
+      yield {"prompt_tokens": rng.integers(3, vocab, (batch, prompt)).astype(np.int32),
+             "prompt_mask": np.ones((batch, prompt), bool),
+             "index": np.arange(index, index + batch)}
+      index += batch
+
+  t0 = time.perf_counter()
+  metrics = run(system, prompts(), steps).metrics
+  wall = time.perf_counter() - t0
+  steady = metrics[warmup:]
+  mean = lambda key: float(np.mean([m[key] for m in steady]))
+  length = prompt + gen
+  actor, critic = cfg, cfg.replace(head="value")
+  work = {
+      "generate": (flops.forward_flops(actor, batch, prompt, head_positions=1)
+                   + sum(flops.forward_flops(actor, batch, 1, context=prompt + t)
+                         for t in range(gen - 1))),
+      "infer": (flops.forward_flops(actor, batch, length, head_positions=gen)
+                + flops.forward_flops(critic, batch, length, head_positions=gen)),
+      "train": (flops.train_flops(actor, batch, length, head_positions=gen)
+                + flops.train_flops(critic, batch, length, head_positions=gen)),
+  }
+  times = {"generate": mean("time/generate_s"), "infer": mean("time/infer_s"),
+           "train": mean("time/train_s")}
+  step_s = mean("time/step_s")
+  decode_bytes = sum(flops.decode_step_bytes(actor, batch, prompt + t) for t in range(gen))
+  return {
+      "size": size, "dims": SIZES[size], "params": cfg.num_params(), "steps": steps,
+      "warmup": warmup, "wall_s": wall, "s_per_step": step_s,
+      **{f"{k}_s": v for k, v in times.items()},
+      "other_s": step_s - sum(times.values()),
+      **{f"{k}_gflops": work[k] / times[k] / 1e9 for k in work},
+      "decode_gbps": decode_bytes / times["generate"] / 1e9,
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sizes", default="1,2,3")
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
+                                                        "bench_ppo_step"))
+  args = parser.parse_args()
+  os.makedirs(args.out_dir, exist_ok=True)
+  limits = machine_limits()
+  print(f"f32 matmul peak {limits['matmul_gflops']:.1f} GFLOP/s, memory "
+        f"{limits['mem_gbps']:.1f} GB/s", flush=True)
+  rows = []
+  for size in [int(s) for s in args.sizes.split(",")]:
+    row = bench_size(size, args.steps, args.warmup)
+    rows.append(row)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                      for k, v in row.items()}), flush=True)
+  command = "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])
+  with open(os.path.join(args.out_dir, "ppo_step.json"), "w", encoding="utf-8") as f:
+    json.dump({"command": command, "backend": jax.default_backend(), "limits": limits,
+               "rows": rows}, f, indent=2)
+  lines = [f"`{command}` ({jax.default_backend()}, 1 device, f32; matmul peak "
+           f"{limits['matmul_gflops']:.0f} GFLOP/s, memory {limits['mem_gbps']:.1f} GB/s)",
+           "", "| dims (layers, d, heads/kv, ffn, vocab; batch, prompt, gen) | s/step | "
+           "generate / infer / train / other s | train GFLOP/s (% of peak) | "
+           "infer GFLOP/s | decode GB/s |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    d = r["dims"]
+    lines.append(
+        f"| {d[0]}, {d[1]}, {d[2]}/{d[3]}, {d[4]}, {d[5]}; {d[6]}, {d[7]}, {d[8]} | "
+        f"{r['s_per_step']:.3f} | {r['generate_s']:.3f} / {r['infer_s']:.3f} / "
+        f"{r['train_s']:.3f} / {r['other_s']:.3f} | {r['train_gflops']:.1f} "
+        f"({100 * r['train_gflops'] / limits['matmul_gflops']:.0f}%) | "
+        f"{r['infer_gflops']:.1f} | {r['decode_gbps']:.2f} |")
+  with open(os.path.join(args.out_dir, "ppo_step.md"), "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
