@@ -37,6 +37,37 @@ from pipe_rlhf_jax.stages.train import (ActorCriticState, PPOHyper, TrainStage,
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 
 
+def stage_mesh_shapes(runtime: RuntimeConfig, num_devices: int
+                      ) -> dict[str, tuple[MeshShape, logical.Rules, list[int]]]:
+  """Each stage's mesh shape, rules and device indices under `runtime`; needs no devices.
+
+  The device-free part of `build_layouts`, shared with the planner (which validates plans
+  for device counts it does not have). Device indices are positions in the device list.
+  """
+  indices = list(range(num_devices))
+  if runtime.mode == "sequential":
+    shape = MeshShape.from_config(runtime.mesh.as_dict(), num_devices, field="mesh")
+    return {s: (shape, logical.DEFAULT_RULES, indices) for s in STAGES}
+  if runtime.mode == "per_stage":
+    subsets = {s: indices for s in STAGES}
+  else:
+    placement = dict(zip(STAGES, runtime.placement))
+    if sum(placement.values()) > num_devices:
+      raise ValueError(
+          f"runtime.placement asks for {sum(placement.values())} devices "
+          f"({placement}) but only {num_devices} exist; shrink the counts.")
+    subsets = split_devices(indices, placement)
+  shapes = {}
+  for s in STAGES:
+    plan = runtime.stage(s)
+    shape = MeshShape.from_config(plan.mesh.as_dict(), len(subsets[s]),
+                                  field=f"stages.{s}.mesh")
+    rules = logical.rules_from_config(dict(plan.rules), logical.STAGE_RULES[s],
+                                      field=f"stages.{s}.rules")
+    shapes[s] = (shape, rules, subsets[s])
+  return shapes
+
+
 def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout]:
   """Each stage's mesh and rules under the plan `runtime`.
 
@@ -45,28 +76,20 @@ def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout
   pipe: devices split by `runtime.placement`, each stage's mesh on its block.
   """
   devices = list(devices if devices is not None else jax.devices())
+  shapes = stage_mesh_shapes(runtime, len(devices))
   if runtime.mode == "sequential":
-    mesh = make_mesh(MeshShape.from_config(runtime.mesh.as_dict(), len(devices),
-                                           field="mesh"), devices)
-    return {s: StageLayout(s, mesh, logical.DEFAULT_RULES) for s in STAGES}
-  if runtime.mode == "per_stage":
-    subsets = {s: devices for s in STAGES}
-  else:
-    placement = dict(zip(STAGES, runtime.placement))
-    if sum(placement.values()) > len(devices):
-      raise ValueError(
-          f"runtime.placement asks for {sum(placement.values())} devices "
-          f"({placement}) but only {len(devices)} exist; shrink the counts.")
-    subsets = split_devices(devices, placement)
-  layouts = {}
-  for s in STAGES:
-    plan = runtime.stage(s)
-    shape = MeshShape.from_config(plan.mesh.as_dict(), len(subsets[s]),
-                                  field=f"stages.{s}.mesh")
-    rules = logical.rules_from_config(dict(plan.rules), logical.STAGE_RULES[s],
-                                      field=f"stages.{s}.rules")
-    layouts[s] = StageLayout(s, make_mesh(shape, subsets[s]), rules)
-  return layouts
+    shape, rules, _ = shapes[STAGES[0]]
+    mesh = make_mesh(shape, devices)
+    return {s: StageLayout(s, mesh, rules) for s in STAGES}
+  return {s: StageLayout(s, make_mesh(shape, [devices[i] for i in subset]), rules)
+          for s, (shape, rules, subset) in shapes.items()}
+
+
+def _describe(mesh) -> str:
+  """`describe(mesh)`, or the axis sizes alone for an abstract mesh (a plan: no devices)."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return " ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  return describe(mesh)
 
 
 def check_fits(layouts: dict[str, StageLayout], actor, critic) -> None:
@@ -123,7 +146,7 @@ def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
               f"{runtime.num_microbatches}" if per_call != batch_size
               else f"ppo.batch_size={batch_size}")
       raise ValueError(f"{what} does not split over the {ways} batch shards of the "
-                       f"{stage} stage ({describe(layouts[stage].mesh)}); make it a "
+                       f"{stage} stage ({_describe(layouts[stage].mesh)}); make it a "
                        f"multiple of {ways}, or give {field} fewer data/fsdp devices.")
 
 
