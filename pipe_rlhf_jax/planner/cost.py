@@ -1,0 +1,357 @@
+"""The cost model: seconds of each stage, collectives and weight sync under a plan.
+
+Analytic work counts (`models/flops.py`: matmul FLOPs, bytes a decode step reads) over the
+hardware's peaks (`planner.hardware`) scaled by efficiency factors (`Efficiency`: fitted
+by `planner.calibrate` on the current backend, or the stated defaults), plus alpha-beta
+collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n devices:
+
+  generate  ticks = schedule.num_ticks(p, M, T) (the delayed schedule's one formula; with
+            p = 1 it is T: one prefill + T-1 decode steps). The first M + p - 1 ticks
+            carry a prefill of one micro-batch [B/(d f M), Lp] through L/p layers, the
+            rest a decode step of it; ticks run in lockstep, so each costs the busiest
+            stage's tick. decode tick >= max(FLOPs / peak, (weights + KV) bytes / HBM BW)
+            per device, + all-gather of the fsdp-sharded weights, + 2 all-reduces per layer
+            over tensor, + one ppermute hop over pipe, + a fixed per-tick overhead.
+  infer     forward passes (reference, critic, reward model) over [B, Lp + T]; layers
+            on a pipe axis run one after another (n / p devices busy).
+  train     epochs x B / minibatch steps of actor and critic: train_flops (3 forwards; 4
+            with full remat), fsdp all-gathers (forward, backward) and reduce-scatter,
+            data all-reduce of gradients, tensor all-reduces (4 per layer), the Adam update
+            (7 parameter-sized reads/writes).
+  sync      after each update the actor moves train -> generate and the critic
+            train -> infer (`sequential`: one layout, nothing moves).
+Collectives on an axis of size k with V bytes per device (alpha = latency, W = link
+bandwidth): all-gather / reduce-scatter alpha + V/W (k-1)/k, all-reduce twice that,
+ppermute alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of
+all devices' work: a stage's time is its total work over the host's rate.
+
+Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from pipe_rlhf_jax.generation import schedule as sched
+from pipe_rlhf_jax.models import flops
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.planner.hardware import Hardware
+from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes
+from pipe_rlhf_jax.planner.space import Workload
+from pipe_rlhf_jax.system.settings import STAGES, RuntimeConfig, StagePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+  """Achieved fractions of peak and fixed overheads (fitted by `planner.calibrate`).
+
+  Defaults (used for hardware not calibrated here) are assumptions, stated as such:
+  forward matmuls at 50% of peak, training at 40% (the MFU range large-model training
+  reports publish), decode at 60% of HBM bandwidth, 30 us per decode tick and 100 us per
+  jitted call.
+
+  Attributes:
+    matmul: achieved / peak FLOP/s of forward passes (prefill, inference).
+    train: achieved / peak FLOP/s of forward + backward.
+    decode_bw: achieved / peak memory bandwidth of a decode step.
+    tick_overhead_s: fixed seconds per decode step / pipeline tick (loop body launch).
+    call_overhead_s: fixed seconds per jitted call (dispatch).
+    host_peak_flops: measured FLOP/s of the whole host (shared hardware), overriding the
+      profile's peak when set (0 = use the profile).
+    device_peak_flops: measured FLOP/s of one device alone (shared hardware: how much of
+      the host one device can use; 0 = the host's).
+    hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
+    link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
+    source: where these numbers come from.
+  """
+
+  matmul: float = 0.5
+  train: float = 0.4
+  decode_bw: float = 0.6
+  tick_overhead_s: float = 30e-6
+  call_overhead_s: float = 100e-6
+  host_peak_flops: float = 0.0
+  device_peak_flops: float = 0.0
+  hbm_bw: float = 0.0
+  link_bw: float = 0.0
+  link_latency: float = 0.0
+  source: str = "assumed defaults (no calibration)"
+
+  @classmethod
+  def load(cls, path: str) -> "Efficiency":
+    """From a `planner.calibrate` JSON file (its "efficiency" section)."""
+    with open(path) as f:
+      data = json.load(f)
+    values = data.get("efficiency", data)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """Hardware + efficiency: the rates the cost model divides by."""
+
+  hw: Hardware
+  eff: Efficiency = Efficiency()
+
+  def peak(self, dtype: str) -> float:
+    """Per-device peak FLOP/s (the host's, on shared hardware)."""
+    if self.hw.shared_host and self.eff.host_peak_flops:
+      return self.eff.host_peak_flops
+    return self.hw.peak(dtype)
+
+  @property
+  def bw(self) -> float:
+    return self.eff.hbm_bw or self.hw.hbm_bw
+
+  def link(self, spans_hosts: bool) -> tuple[float, float]:
+    bw, lat = self.hw.link(spans_hosts)
+    return (self.eff.link_bw or bw, self.eff.link_latency or lat)
+
+  def compute_rate(self, dtype: str, devices: int) -> float:
+    """FLOP/s that `devices` devices working together reach at peak.
+
+    Shared host: at most the host's rate, and one device alone at most its measured share
+    (`device_peak_flops`); otherwise devices x peak.
+    """
+    peak = self.peak(dtype)
+    if not self.hw.shared_host:
+      return devices * peak
+    one = self.eff.device_peak_flops or peak
+    return min(peak, devices * one)
+
+  def bw_rate(self, devices: int) -> float:
+    return self.bw if self.hw.shared_host else devices * self.bw
+
+  def roofline(self, flops_total: float, bytes_total: float, devices: int, dtype: str,
+               eff: float) -> float:
+    """Seconds of work spread evenly over `devices`: compute- or memory-bound."""
+    return max(flops_total / (self.compute_rate(dtype, devices) * eff),
+               bytes_total / (self.bw_rate(devices) * self.eff.decode_bw))
+
+  # ---- collectives (V: bytes per device; k: axis size) ------------------------------
+  def all_gather(self, v: float, k: int, spans_hosts: bool = False) -> float:
+    if k <= 1:
+      return 0.0
+    bw, lat = self.link(spans_hosts)
+    return lat + v / bw * (k - 1) / k
+
+  reduce_scatter = all_gather
+
+  def all_reduce(self, v: float, k: int, spans_hosts: bool = False) -> float:
+    return 2 * self.all_gather(v, k, spans_hosts)
+
+  def ppermute(self, v: float, spans_hosts: bool = False) -> float:
+    bw, lat = self.link(spans_hosts)
+    return lat + v / bw
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+  """Seconds of one stage's step: compute (roofline), communication, fixed overheads."""
+
+  compute: float
+  comm: float
+  overhead: float
+
+  @property
+  def total(self) -> float:
+    return self.compute + self.comm + self.overhead
+
+
+def _sizes(plan_mesh) -> tuple[int, int, int, int]:
+  m = plan_mesh if isinstance(plan_mesh, dict) else plan_mesh.as_dict()
+  return m["data"], m["fsdp"], m["tensor"], m["pipe"]
+
+
+def _spans_hosts(devices: int, machine: Machine) -> bool:
+  return not machine.hw.shared_host and devices > machine.hw.devices_per_host
+
+
+def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  cfg = work.actor
+  d, f, t, p = _sizes(mesh)
+  n = d * f * t * p
+  mb = plan.num_microbatches if p > 1 else 1
+  rows = work.batch_size / (d * f * mb)  # rows of one micro-batch per device group
+  ticks = sched.num_ticks(p, mb, work.gen_len)
+  prefill_ticks = min(ticks, mb + p - 1)
+  decode_ticks = ticks - prefill_ticks
+  act = _BYTES[cfg.dtype]
+  weights = param_bytes(cfg) / (t * p)  # stored per device after the fsdp all-gather
+  w_read = flops.decode_step_bytes(cfg, 0, 0)  # matmul weights one token reads
+  context = work.prompt_len + work.gen_len / 2  # mean keys attended per decode step
+  kv_read = flops.decode_step_bytes(cfg, rows, context) - w_read  # KV of `rows`, all layers
+  shards = d * f  # copies of the pipeline working side by side
+  stage_devices = n // p  # devices of one pipeline stage; the p stages work in parallel
+  # Totals over one pipeline stage's devices for one tick (L/p layers of one micro-batch).
+  dec_flops = shards * flops.forward_flops(cfg, rows, 1, context=context) / p
+  dec_bytes = shards * (w_read + kv_read) / p
+  pre_flops = shards * flops.forward_flops(cfg, rows, work.prompt_len) / p
+  dec = m.roofline(dec_flops, dec_bytes, stage_devices, cfg.dtype, m.eff.matmul)
+  pre = m.roofline(pre_flops, shards * w_read / p, stage_devices, cfg.dtype, m.eff.matmul)
+  hosts = _spans_hosts(n, m)
+  layers = cfg.num_layers / p
+  gather = m.all_gather(weights / f, f, hosts)
+  comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t, hosts)
+  comm_pre = gather + 2 * layers * m.all_reduce(
+      rows * work.prompt_len * cfg.embed_dim * act, t, hosts)
+  if p > 1:
+    comm_tick += m.ppermute(rows * cfg.embed_dim * act, hosts)
+    comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts)
+  return StageCost(compute=prefill_ticks * pre + decode_ticks * dec,
+                   comm=prefill_ticks * comm_pre + decode_ticks * comm_tick,
+                   overhead=ticks * m.eff.tick_overhead_s + 2 * m.eff.call_overhead_s)
+
+
+def _models(work: Workload, stage: str) -> list[TransformerConfig]:
+  if stage == "infer":
+    cfgs = [work.actor, work.critic]
+    return cfgs + [work.actor.replace(head="score")] if work.reward_model else cfgs
+  return [work.actor, work.critic]
+
+
+def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  d, f, t, p = _sizes(mesh)
+  n = d * f * t * p
+  hosts = _spans_hosts(n, m)
+  compute = comm = 0.0
+  rows = work.batch_size / (d * f)
+  for cfg in _models(work, "infer"):
+    act = _BYTES[cfg.dtype]
+    fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
+    # Layers on a pipe axis run one after another: n / p devices busy at a time.
+    compute += m.roofline(fl, d * f * param_bytes(cfg), n // p, cfg.dtype, m.eff.matmul)
+    weights = param_bytes(cfg) / (t * p)
+    comm += m.all_gather(weights / f, f, hosts)
+    comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
+                                              hosts)
+    comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts)
+  overhead = len(_models(work, "infer")) * m.eff.call_overhead_s
+  return StageCost(compute, comm, overhead)
+
+
+def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  d, f, t, p = _sizes(mesh)
+  n = d * f * t * p
+  hosts = _spans_hosts(n, m)
+  steps = work.epochs * (work.batch_size // work.minibatch_size)
+  rows = work.minibatch_size / (d * f)
+  compute = comm = 0.0
+  for cfg in _models(work, "train"):
+    act = _BYTES[cfg.dtype]
+    fl = flops.train_flops(cfg, work.minibatch_size, work.length, remat=plan.remat,
+                           head_positions=work.gen_len)
+    w = param_bytes(cfg)
+    adam_bytes = 7 * w * d  # every replica updates its copy
+    compute += steps * (m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
+                        + adam_bytes / (m.bw_rate(n) * m.eff.decode_bw))
+    shard = w / (t * p)
+    comm_step = 2 * m.all_gather(shard / f, f, hosts) + m.reduce_scatter(shard / f, f, hosts)
+    comm_step += m.all_reduce(shard / f, d, hosts)
+    comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
+                                                   t, hosts)
+    comm += steps * comm_step
+  return StageCost(compute, comm, m.eff.call_overhead_s)
+
+
+STAGE_COSTS = {"generate": generate_cost, "infer": infer_cost, "train": train_cost}
+
+
+def stage_cost(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machine
+               ) -> StageCost:
+  return STAGE_COSTS[stage](plan, mesh, work, m)
+
+
+def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workload,
+              m: Machine) -> float:
+  """Seconds to move the new actor train -> generate and critic train -> infer.
+
+  Each destination device receives its shard (parameters / its fsdp x tensor x pipe
+  ways) and each source device sends its shard to every destination replica; the slower
+  side bounds the transfer. `sequential`: one layout for all stages, nothing moves.
+  Shared hardware: every byte goes through the host's memory, one after another.
+  """
+  if runtime.mode == "sequential":
+    return 0.0
+  total = 0.0
+  src = mesh_sizes["train"]
+  n_src = math.prod(src.values())
+  for dst_stage, cfg in (("generate", work.actor), ("infer", work.critic)):
+    dst = mesh_sizes[dst_stage]
+    n_dst = math.prod(dst.values())
+    w = param_bytes(cfg)
+    dst_ways = dst["fsdp"] * dst["tensor"] * dst["pipe"]
+    replicas = n_dst / dst_ways
+    if m.hw.shared_host:
+      bw, lat = m.link(False)
+      total += lat + w * replicas / bw
+      continue
+    hosts = runtime.mode == "pipe" and (n_src + n_dst > m.hw.devices_per_host)
+    bw, lat = m.link(hosts)
+    total += lat + max(w / dst_ways, w * replicas / n_src) / bw
+  return total + 2 * m.eff.call_overhead_s
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+  """Predicted seconds of each stage per step, the weight sync, and the closed-form step
+  time (the simulator refines it for `pipe`)."""
+
+  stages: tuple[tuple[str, StageCost], ...]
+  sync: float
+  closed_form: float
+  demands: dict[str, float] | None = dataclasses.field(default=None, hash=False)
+
+  def stage(self, name: str) -> float:
+    return dict(self.stages)[name].total
+
+  def as_dict(self) -> dict[str, Any]:
+    return {**{s: c.total for s, c in self.stages}, "sync": self.sync,
+            "closed_form": self.closed_form}
+
+
+def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
+                demands: dict[str, float] | None = None) -> float:
+  """Steady seconds per step without queueing detail.
+
+  Time-shared modes: the stages and the sync one after another. pipe: the slowest worker
+  (the trainer's update includes the sync), and the staleness gate: generation of batch k
+  waits for the update of batch k - s - 1, so (s + 1) periods cover one batch's whole
+  chain. With `demands` (shared hardware: the fraction of the host each stage uses alone),
+  the host's throughput bounds the period from below by the demand-weighted work.
+  """
+  serial = sum(times.values()) + sync
+  if runtime.mode != "pipe":
+    return serial
+  period = max(times["generate"], times["infer"], times["train"] + sync,
+               serial / (runtime.max_staleness + 1))
+  if demands is not None:
+    period = max(period, sum(times[s] * demands[s] for s in times) + sync * demands["sync"])
+  return period
+
+
+def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
+                  dtype: str) -> dict[str, float] | None:
+  """Shared hardware: each stage's share of the host's throughput when alone (None on
+  dedicated hardware). The sync is a host memory copy: all of it."""
+  if not m.hw.shared_host:
+    return None
+  host = m.compute_rate(dtype, 10 ** 9)
+  out = {s: m.compute_rate(dtype, math.prod(shapes[s].values())) / host for s in STAGES}
+  out["sync"] = 1.0
+  return out
+
+
+def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(runtime,
+                                                           work.num_devices).items()}
+  costs = tuple((s, stage_cost(s, runtime.stage(s), shapes[s], work, m)) for s in STAGES)
+  sync = sync_time(runtime, shapes, work, m)
+  times = {s: c.total for s, c in costs}
+  demands = stage_demands(runtime, shapes, m, work.actor.dtype)
+  return PlanCost(costs, sync, closed_form(times, sync, runtime, demands), demands)
