@@ -139,6 +139,11 @@ def plan_memory(runtime: RuntimeConfig, work: Workload) -> dict[str, float]:
   shapes = stage_mesh_shapes(runtime, work.num_devices)
   mems = {s: stage_memory(s, runtime.stage(s), shapes[s][0].as_dict(), work)
           for s in STAGES}
+  return combine(runtime, mems)
+
+
+def combine(runtime: RuntimeConfig, mems: dict[str, StageMemory]) -> dict[str, float]:
+  """Peak bytes per device of each device group from the stages' memories."""
   if runtime.mode == "pipe":
     return {s: m.total for s, m in mems.items()}
   return {"all": sum(m.persistent_bytes for m in mems.values())

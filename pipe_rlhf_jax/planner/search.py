@@ -61,18 +61,46 @@ def simulate_plan(plan: RuntimeConfig, pc: cost_mod.PlanCost, m: cost_mod.Machin
                             demands=pc.demands, steps=steps)
 
 
+@functools.lru_cache(maxsize=200_000)
+def _stage(stage: str, plan: StagePlan, mesh: tuple, work: Workload, m: cost_mod.Machine):
+  """(StageCost, StageMemory) of one stage strategy, memoised (plans share stages)."""
+  sizes = dict(mesh)
+  return (cost_mod.stage_cost(stage, plan, sizes, work, m),
+          mem_mod.stage_memory(stage, plan, sizes, work))
+
+
 def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
           simulate: bool = False) -> Candidate:
-  """Memory check, cost and (optionally) simulation of one valid plan."""
-  reason = mem_mod.memory_error(plan, work, m.hw)
-  if reason is not None:
-    return Candidate(plan, math.inf, None, mem_mod.plan_memory(plan, work), rejected=reason)
-  pc = cost_mod.plan_cost(plan, work, m)
-  mem = mem_mod.plan_memory(plan, work)
+  """Memory check, cost and (optionally) simulation of one valid plan.
+
+  Composes the memoised per-stage cost and memory (the same functions `cost.plan_cost`
+  and `memory.plan_memory` compose).
+  """
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(plan, work.num_devices).items()}
+  parts = {s: _stage(s, plan.stage(s), tuple(shapes[s].items()), work, m) for s in STAGES}
+  mems = {s: p[1] for s, p in parts.items()}
+  memory = mem_mod.combine(plan, mems)
+  if max(memory.values()) > mem_mod.capacity(m.hw):
+    return Candidate(plan, math.inf, None, memory,
+                     rejected=mem_mod.memory_error(plan, work, m.hw))
+  costs = tuple((s, parts[s][0]) for s in STAGES)
+  sync = cost_mod.sync_time(plan, shapes, work, m)
+  demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype)
+  times = {s: c.total for s, c in costs}
+  pc = cost_mod.PlanCost(costs, sync, cost_mod.closed_form(times, sync, plan, demands),
+                         demands)
   if not simulate:
-    return Candidate(plan, pc.closed_form, pc, mem)
+    return Candidate(plan, pc.closed_form, pc, memory)
   sim = simulate_plan(plan, pc, m)
-  return Candidate(plan, sim.step_time, pc, mem, staleness=sim.staleness, busy=sim.busy)
+  return Candidate(plan, sim.step_time, pc, memory, staleness=sim.staleness, busy=sim.busy)
+
+
+def _rank_key(c: Candidate):
+  """Faster first; among equal times the simpler plan (less staleness, fewer devices on
+  pipelines and micro-batches)."""
+  return (round(c.step_time, 12), c.plan.max_staleness, c.plan.generate.num_microbatches,
+          str(c.plan))
 
 
 def _branch_and_bound(candidates: list[Candidate], work, m, k: int) -> list[Candidate]:
@@ -83,7 +111,7 @@ def _branch_and_bound(candidates: list[Candidate], work, m, k: int) -> list[Cand
     if len(best) >= k and c.step_time > best[k - 1].step_time * (1 + 1e-9):
       break
     best.append(price(c.plan, work, m, simulate=True))
-    best.sort(key=lambda c: c.step_time)
+    best.sort(key=_rank_key)
   return best[:k]
 
 
@@ -100,7 +128,7 @@ def exhaustive(work: Workload, m: cost_mod.Machine, options: SpaceOptions = Spac
     c = price(plan, work, m, simulate=simulate_all)
     (rejected if c.rejected else feasible).append(c)
   if simulate_all:
-    return sorted(feasible, key=lambda c: c.step_time)[:k], rejected
+    return sorted(feasible, key=_rank_key)[:k], rejected
   return _branch_and_bound(feasible, work, m, k), rejected
 
 
@@ -195,7 +223,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
   for _, _, plan in sorted(heap, key=lambda x: -x[0]):
     c = price(plan, work, m, simulate=True)
     (rejected if c.rejected else best).append(c)
-  best.sort(key=lambda c: c.step_time)
+  best.sort(key=_rank_key)
   return best[:k], rejected
 
 

@@ -302,11 +302,27 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
 # ---- conversion to and from config overrides ------------------------------------------
 
 
-def to_overrides(runtime: RuntimeConfig) -> dict[str, Any]:
+_STAGE_DEFAULTS = {"num_microbatches": 1, "attention": "auto", "remat": "none",
+                   "logits_chunk": 0}
+
+
+def _has(config, key: str) -> bool:
+  node = config
+  for part in key.split("."):
+    if node is None or not hasattr(node, "keys") or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def to_overrides(runtime: RuntimeConfig, base=None) -> dict[str, Any]:
   """The plan as flat config overrides {"runtime.mode": "pipe", ...}.
 
-  Every field `RuntimeConfig.from_config` reads, so applying them to any experiment
-  config reproduces the plan exactly (`from_overrides`).
+  Every field `RuntimeConfig.from_config` reads, so applying them to an experiment config
+  reproduces the plan (`from_overrides`). With `base` (the experiment ConfigDict), a
+  per-stage field the base lacks is left out when the plan has its default (what
+  `from_config` reads for a missing key), so the flags apply to a locked config. Mesh axes
+  are always given (a missing axis reads as 1).
   """
   out: dict[str, Any] = {"runtime.mode": runtime.mode,
                          "runtime.max_staleness": runtime.max_staleness,
@@ -320,16 +336,16 @@ def to_overrides(runtime: RuntimeConfig) -> dict[str, Any]:
     plan = runtime.stage(s)
     for axis, size in plan.mesh.as_dict().items():
       out[f"stages.{s}.mesh.{axis}"] = size
-    out[f"stages.{s}.num_microbatches"] = plan.num_microbatches
-    out[f"stages.{s}.attention"] = plan.attention
-    out[f"stages.{s}.remat"] = plan.remat
-    out[f"stages.{s}.logits_chunk"] = plan.logits_chunk
+    for name, default in _STAGE_DEFAULTS.items():
+      key, value = f"stages.{s}.{name}", getattr(plan, name)
+      if base is None or _has(base, key) or value != default:
+        out[key] = value
   return out
 
 
-def override_flags(runtime: RuntimeConfig) -> list[str]:
+def override_flags(runtime: RuntimeConfig, base=None) -> list[str]:
   """The plan as command-line flags: `--config.runtime.mode=pipe` ..."""
-  return [f"--config.{k}={v}" for k, v in to_overrides(runtime).items()]
+  return [f"--config.{k}={v}" for k, v in to_overrides(runtime, base).items()]
 
 
 def apply_overrides(config, overrides: dict[str, Any]):

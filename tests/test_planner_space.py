@@ -1,0 +1,159 @@
+"""The plan space: only valid plans, exactly the runtime's validity, overrides round trip."""
+
+import dataclasses
+import itertools
+
+import jax
+import pytest
+from flax import nnx
+
+from configs import quickstart
+from pipe_rlhf_jax.models.config import tiny_config
+from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.planner import space
+from pipe_rlhf_jax.system import system
+from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan
+
+# 2 layers, 2 heads, 1 kv head: tensor > 1 never fits, pipe only 1 or 2.
+SMALL = space.Workload(actor=tiny_config(embed_dim=32, num_layers=2, num_heads=2,
+                                         num_kv_heads=1, head_dim=16, mlp_dim=64),
+                       batch_size=8, minibatch_size=4, epochs=1, prompt_len=8, gen_len=4,
+                       num_devices=4)
+OPTIONS = space.SpaceOptions(staleness=(0, 1), train_remat=("none",))
+
+
+def _all_candidates(work, options):
+  """Every RuntimeConfig the space's levels could name, valid or not (brute force)."""
+  n = work.num_devices
+  for sch in space.schedules(options):
+    common = dict(mode=sch.mode, max_staleness=sch.max_staleness, queue_size=sch.queue_size)
+    if sch.mode == "sequential":
+      for mesh in space.mesh_shapes(n):
+        yield RuntimeConfig(mesh=mesh, **common)
+      continue
+    counts_list = [(n, n, n)] if sch.mode == "per_stage" else [
+        c for c in itertools.product(range(1, n + 1), repeat=3) if sum(c) == n]
+    for counts in counts_list:
+      per_stage = []
+      for s, c in zip(STAGES, counts):
+        plans = []
+        for mesh in space.mesh_shapes(c):
+          if s == "train" and mesh.pipe > 1:
+            continue  # RuntimeConfig itself refuses it
+          for m in ((1, 2, 4, 8) if s == "generate" else (1,)):
+            plans.append(StagePlan(mesh=mesh, num_microbatches=m))
+        per_stage.append(plans)
+      for g, i, t in itertools.product(*per_stage):
+        yield RuntimeConfig(placement=counts if sch.mode == "pipe" else None, generate=g,
+                            infer=i, train=t, **common)
+
+
+def _key(rt):
+  # M only matters with a pipelined generator (the runtime ignores it otherwise).
+  gen = rt.generate
+  if rt.mode == "sequential" or gen.mesh.pipe == 1:
+    gen = dataclasses.replace(gen, num_microbatches=1)
+  return dataclasses.replace(rt, generate=gen)
+
+
+def test_enumeration_is_exactly_the_valid_plans():
+  enumerated = list(space.enumerate_plans(SMALL, OPTIONS))
+  assert len(enumerated) == len(set(enumerated))
+  for rt in enumerated:
+    assert space.plan_error(rt, SMALL) is None, rt
+  valid = {_key(rt) for rt in _all_candidates(SMALL, OPTIONS)
+           if space.plan_error(rt, SMALL) is None}
+  assert {_key(rt) for rt in enumerated} == valid
+  modes = {rt.mode for rt in enumerated}
+  assert modes == {"sequential", "per_stage", "pipe"}
+  # The model's divisibility rules hold: no tensor split of 1 kv head, pipe <= 2 layers.
+  assert all(rt.stage(s).mesh.tensor == 1 for rt in enumerated for s in STAGES)
+  assert max(rt.generate.mesh.pipe for rt in enumerated) == 2
+
+
+def test_validity_agrees_with_the_runtime_on_real_devices():
+  """The planner's verdict equals build_layouts + check_fits + check_batch_fits on the
+  8 virtual devices, for valid and invalid plans alike."""
+  work = dataclasses.replace(SMALL, num_devices=8)
+  devices = jax.devices()[:8]
+  actor = nnx.state(nnx.eval_shape(lambda: init_model(work.actor)))
+  critic = nnx.state(nnx.eval_shape(lambda: init_model(work.critic)))
+  plans = [
+      RuntimeConfig(mode="pipe", placement=(2, 2, 4),
+                    generate=StagePlan(mesh=MeshSpec(data=1, pipe=2), num_microbatches=2),
+                    infer=StagePlan(mesh=MeshSpec(data=2)),
+                    train=StagePlan(mesh=MeshSpec(data=1, fsdp=4))),
+      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
+                    infer=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
+                    train=StagePlan(mesh=MeshSpec(fsdp=8))),
+      # invalid: tensor=2 over 1 kv head
+      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, tensor=2)),
+                    infer=StagePlan(mesh=MeshSpec(data=8)),
+                    train=StagePlan(mesh=MeshSpec(fsdp=8))),
+      # invalid: a pipelined generator may only add tensor to pipe, not data
+      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
+                    infer=StagePlan(mesh=MeshSpec(data=8)),
+                    train=StagePlan(mesh=MeshSpec(fsdp=8))),
+  ]
+  verdicts = []
+  for rt in plans:
+    try:
+      layouts = system.build_layouts(rt, devices)
+      system.check_fits(layouts, actor, critic)
+      system.check_batch_fits(layouts, work.batch_size, rt)
+      runtime_error = None
+    except ValueError as e:
+      runtime_error = str(e)
+    planner_error = space.plan_error(rt, work)
+    assert (runtime_error is None) == (planner_error is None), (rt, runtime_error,
+                                                                planner_error)
+    verdicts.append(planner_error is None)
+    if runtime_error is not None:
+      # Same check, same field named.
+      assert runtime_error.split(":")[0] == planner_error.split(":")[0]
+  assert verdicts == [True, True, False, False]
+
+
+def test_stage_error_names_the_field_and_the_fix():
+  err = space.stage_error("generate", StagePlan(mesh=MeshSpec(data=1, tensor=2)), 2, SMALL)
+  assert err.startswith("stages.generate.mesh") and "kv_heads=1" in err
+  err = space.stage_error("generate", StagePlan(mesh=MeshSpec(data=1, pipe=2),
+                                                num_microbatches=3), 2, SMALL)
+  assert "num_microbatches" in err
+
+
+def test_placements_are_host_aligned():
+  assert (1, 1, 2) in space.placements(4)
+  assert len(space.placements(4)) == 3
+  for counts in space.placements(32, devices_per_host=8):
+    assert sum(counts) == 32 and all(c % 8 == 0 for c in counts)
+  assert len(space.placements(32, devices_per_host=8)) == 3
+  coarse = space.placements(1024, devices_per_host=4, coarse=True)
+  assert (512, 256, 256) in coarse and all(sum(c) == 1024 for c in coarse)
+  with pytest.raises(ValueError, match="whole number of hosts"):
+    space.placements(12, devices_per_host=8)
+
+
+def test_overrides_round_trip_through_a_locked_experiment_config():
+  work = dataclasses.replace(SMALL, num_devices=8)
+  config = quickstart.get_config()
+  plans = list(space.enumerate_plans(work, OPTIONS))
+  sample = [p for p in plans if p.mode == "sequential"][:2] + \
+           [p for p in plans if p.mode == "per_stage"][:3] + \
+           [p for p in plans if p.mode == "pipe"][::97]
+  for plan in sample:
+    overrides = space.to_overrides(plan, config)
+    locked = quickstart.get_config()
+    locked.lock()
+    for key, value in overrides.items():  # as --config.KEY=VALUE would, on a locked config
+      node, parts = locked, key.split(".")
+      for part in parts[:-1]:
+        node = node[part]
+      setattr(node, parts[-1], value)
+    back = RuntimeConfig.from_config(locked)
+    if plan.mode != "pipe":
+      back = dataclasses.replace(back, placement=None)  # ignored outside pipe
+    assert back == plan
+    assert space.from_overrides(space.to_overrides(plan)) == plan
+    flags = space.override_flags(plan, config)
+    assert flags[0] == f"--config.runtime.mode={plan.mode}"
