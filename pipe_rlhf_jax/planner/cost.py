@@ -20,9 +20,9 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             (7 parameter-sized reads/writes).
   sync      after each update the actor moves train -> generate and the critic
             train -> infer (`sequential`: one layout, nothing moves).
-Collectives on an axis of size k with V bytes per device (alpha = latency, W = link
-bandwidth): all-gather / reduce-scatter alpha + V/W (k-1)/k, all-reduce twice that,
-ppermute alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of
+Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
+device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
+alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of
 all devices' work: a stage's time is its total work over the host's rate.
 
 Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
@@ -132,7 +132,7 @@ class Machine:
     return max(flops_total / (self.compute_rate(dtype, devices) * eff),
                bytes_total / (self.bw_rate(devices) * self.eff.decode_bw))
 
-  # ---- collectives (V: bytes per device; k: axis size) ------------------------------
+  # ---- collectives (V: the full buffer's bytes per device; k: axis size) -------------
   def all_gather(self, v: float, k: int, spans_hosts: bool = False) -> float:
     if k <= 1:
       return 0.0
@@ -195,7 +195,7 @@ def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> St
   pre = m.roofline(pre_flops, shards * w_read / p, stage_devices, cfg.dtype, m.eff.matmul)
   hosts = _spans_hosts(n, m)
   layers = cfg.num_layers / p
-  gather = m.all_gather(weights / f, f, hosts)
+  gather = m.all_gather(weights, f, hosts)
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t, hosts)
   comm_pre = gather + 2 * layers * m.all_reduce(
       rows * work.prompt_len * cfg.embed_dim * act, t, hosts)
@@ -226,7 +226,7 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     # Layers on a pipe axis run one after another: n / p devices busy at a time.
     compute += m.roofline(fl, d * f * param_bytes(cfg), n // p, cfg.dtype, m.eff.matmul)
     weights = param_bytes(cfg) / (t * p)
-    comm += m.all_gather(weights / f, f, hosts)
+    comm += m.all_gather(weights, f, hosts)
     comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
                                               hosts)
     comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts)
@@ -250,7 +250,7 @@ def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     compute += steps * (m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
                         + adam_bytes / (m.bw_rate(n) * m.eff.decode_bw))
     shard = w / (t * p)
-    comm_step = 2 * m.all_gather(shard / f, f, hosts) + m.reduce_scatter(shard / f, f, hosts)
+    comm_step = 2 * m.all_gather(shard, f, hosts) + m.reduce_scatter(shard, f, hosts)
     comm_step += m.all_reduce(shard / f, d, hosts)
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts)

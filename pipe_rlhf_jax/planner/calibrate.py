@@ -1,0 +1,244 @@
+"""Calibration: time real pieces on the current backend and fit the cost model's constants.
+
+  python -m pipe_rlhf_jax.planner.calibrate --out calibration.json [--config=configs/quickstart.py]
+
+Measures (median of repeats, after a compile-and-warm-up call):
+  matmul        f32 [n, n] @ [n, n] on one device, n in {256, 512, 1024}: the device peak;
+                and the same batched over all local devices (one per device): the host's
+                (shared hardware: how much more than one device all of them reach).
+  bandwidth     y = 2 x + 1 over 32 Mi f32 (read + write) on one device.
+  forward       the config's model, forward to the last hidden state + LM head, over a few
+                (batch, length) points; forward+backward (value_and_grad) likewise.
+  decode        K = 16 cached decode steps inside one jitted `lax.fori_loop` (as the
+                sampler runs them) over a few (batch, cache slots) points.
+  all-gather    an f32 buffer sharded over all local devices gathered to every device,
+                over a few sizes.
+  dispatch      a trivial jitted call.
+Fits (each printed and saved with how it was obtained):
+  device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
+  hbm_bw                               bandwidth bytes/s
+  matmul, call_overhead_s              forward time = c + FLOPs / (device peak x matmul)
+                                       (least squares; c is the per-call overhead)
+  train                                forward+backward time = c + FLOPs / (peak x train)
+  tick_overhead_s, decode_bw           decode step = tick + bytes / (hbm_bw x decode_bw)
+                                       (least squares over the decode points)
+  link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W
+The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _default_cpu_devices() -> None:
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
+      os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+
+def timeit(fn, *args, repeats: int = 5) -> float:
+  """Median seconds of `fn(*args)` (blocked), after one warm-up (compile) call."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+  """Least-squares (intercept, slope) of y = a + b x; the intercept is clipped at 0."""
+  n = len(xs)
+  mx, my = sum(xs) / n, sum(ys) / n
+  sxx = sum((x - mx) ** 2 for x in xs)
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+  intercept = my - slope * mx
+  if intercept < 0:  # a negative fixed cost is not physical: refit through the origin
+    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    intercept = 0.0
+  return intercept, slope
+
+
+def measure(cfg, quick: bool = False) -> dict:
+  """Raw samples: lists of dicts with the sizes, analytic work and median seconds."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from pipe_rlhf_jax.models import flops
+  from pipe_rlhf_jax.models.transformer import KVCache, init_model
+
+  devices = jax.devices()
+  dev0 = devices[0]
+  out = {"backend": jax.default_backend(), "devices": len(devices),
+         "device_kind": dev0.device_kind}
+  sizes = (256, 512) if quick else (256, 512, 1024)
+
+  # Matmul peak: one device, then one matmul per device at once.
+  out["matmul"] = []
+  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+  for n in sizes:
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev0)
+    t1 = timeit(jax.jit(lambda a: a @ a), a)
+    batch = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32),
+                           NamedSharding(mesh, P("d")))
+    ta = timeit(jax.jit(lambda b: jnp.einsum("bij,bjk->bik", b, b)), batch)
+    out["matmul"].append({"n": n, "flops": 2 * n ** 3, "seconds_one": t1,
+                          "seconds_all": ta})
+
+  # Memory bandwidth: read + write of a 128 MiB f32 array.
+  elems = (8 if quick else 32) * 2 ** 20
+  x = jax.device_put(jnp.ones((elems,), jnp.float32), dev0)
+  tb = timeit(jax.jit(lambda x: 2 * x + 1), x)
+  out["bandwidth"] = {"bytes": 2 * 4 * elems, "seconds": tb}
+
+  # Dispatch: a trivial call.
+  s = jax.device_put(jnp.ones((), jnp.float32), dev0)
+  out["dispatch"] = {"seconds": timeit(jax.jit(lambda s: s + 1), s, repeats=50)}
+
+  graphdef, params = nnx.split(init_model(cfg))
+  params = jax.device_put(params, dev0)
+
+  def forward(params, tokens):
+    model = nnx.merge(graphdef, params)
+    return model.head(model.hidden(tokens)).sum()
+
+  points = [(8, 24), (32, 24), (64, 24), (64, 48)] if not quick else [(8, 24), (64, 24)]
+  out["forward"], out["train"] = [], []
+  for b, length in points:
+    tokens = jax.device_put(jnp.ones((b, length), jnp.int32), dev0)
+    tf = timeit(jax.jit(forward), params, tokens)
+    tt = timeit(jax.jit(jax.value_and_grad(forward)), params, tokens)
+    out["forward"].append({"batch": b, "length": length, "seconds": tf,
+                           "flops": flops.forward_flops(cfg, b, length)})
+    out["train"].append({"batch": b, "length": length, "seconds": tt,
+                         "flops": flops.train_flops(cfg, b, length)})
+
+  # Decode: K steps in one fori_loop, like the sampler's scan.
+  steps = 16
+  out["decode"] = []
+  for b, slots in ([(8, 32), (64, 32), (64, 128), (256, 128)] if not quick
+                   else [(8, 32), (64, 128)]):
+    cache = jax.device_put(KVCache.zeros(cfg, b, slots), dev0)
+    mask = jax.device_put(jnp.ones((b, slots), bool), dev0)
+
+    def run(params, cache, mask, b=b, slots=slots):
+      model = nnx.merge(graphdef, params)
+
+      def body(i, carry):
+        cache, acc = carry
+        tok = jnp.full((b, 1), 1, jnp.int32) + (acc > 1e30).astype(jnp.int32)
+        pos = jnp.full((b, 1), slots - steps, jnp.int32) + i
+        logits, cache = model.forward_cached(tok, pos, mask, cache, slots - steps + i)
+        return cache, acc + logits[:, -1, 0].sum()
+      return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((), jnp.float32)))[1]
+
+    t = timeit(jax.jit(run), params, cache, mask) / steps
+    context = slots - steps / 2
+    out["decode"].append({"batch": b, "slots": slots, "seconds": t,
+                          "bytes": flops.decode_step_bytes(cfg, b, context),
+                          "flops": flops.forward_flops(cfg, b, 1, context=context)})
+
+  # All-gather over all local devices.
+  out["all_gather"] = []
+  k = len(devices)
+  if k > 1:
+    for per_device in ((2 ** 12, 2 ** 16, 2 ** 20) if not quick else (2 ** 12, 2 ** 18)):
+      buf = jax.device_put(jnp.ones((k * per_device,), jnp.float32),
+                           NamedSharding(mesh, P("d")))
+      gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+      t = timeit(gather, buf)
+      out["all_gather"].append({"devices": k, "bytes": 4 * k * per_device, "seconds": t})
+  return out
+
+
+def fit(samples: dict) -> dict:
+  """The efficiency constants from raw samples, each with how it was obtained."""
+  fits = {}
+  device_peak = max(s["flops"] / s["seconds_one"] for s in samples["matmul"])
+  host_peak = max(s["flops"] * samples["devices"] / s["seconds_all"]
+                  for s in samples["matmul"])
+  fits["device_peak_flops"] = (device_peak, "best f32 matmul FLOP/s on one device")
+  fits["host_peak_flops"] = (max(host_peak, device_peak),
+                             "best f32 matmul FLOP/s, one matmul per device at once")
+  bw = samples["bandwidth"]["bytes"] / samples["bandwidth"]["seconds"]
+  fits["hbm_bw"] = (bw, "bytes/s of y = 2x + 1 (read + write)")
+  fits["dispatch_s"] = (samples["dispatch"]["seconds"], "seconds of a trivial jitted call")
+  a, b = fit_line([s["flops"] for s in samples["forward"]],
+                  [s["seconds"] for s in samples["forward"]])
+  fits["matmul"] = (1 / (b * device_peak), "forward: seconds = c + FLOPs / (device peak x "
+                    "matmul), least squares")
+  fits["call_overhead_s"] = (max(a, samples["dispatch"]["seconds"]),
+                             "forward fit's intercept (at least the dispatch time)")
+  _, b = fit_line([s["flops"] for s in samples["train"]],
+                  [s["seconds"] for s in samples["train"]])
+  fits["train"] = (1 / (b * device_peak), "forward+backward: seconds = c + FLOPs / "
+                   "(device peak x train), least squares")
+  a, b = fit_line([s["bytes"] for s in samples["decode"]],
+                  [s["seconds"] for s in samples["decode"]])
+  fits["tick_overhead_s"] = (a, "decode step (in a fori_loop): seconds = tick + bytes / "
+                             "(hbm_bw x decode_bw), least squares intercept")
+  fits["decode_bw"] = (1 / (b * bw) if b > 0 else 1.0, "the same fit's slope vs hbm_bw")
+  if samples["all_gather"]:
+    k = samples["all_gather"][0]["devices"]
+    a, b = fit_line([s["bytes"] * (k - 1) / k for s in samples["all_gather"]],
+                    [s["seconds"] for s in samples["all_gather"]])
+    fits["link_latency"] = (a, "all-gather: seconds = alpha + V (k-1)/k / W; alpha")
+    fits["link_bw"] = (1 / b if b > 0 else 0.0, "the same fit's W (bytes/s)")
+  return fits
+
+
+def efficiency_dict(fits: dict, source: str) -> dict:
+  from pipe_rlhf_jax.planner.cost import Efficiency
+  import dataclasses
+  known = {f.name for f in dataclasses.fields(Efficiency)}
+  values = {k: v for k, (v, _) in fits.items() if k in known}
+  values["source"] = source
+  return values
+
+
+def main(argv=None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True, help="calibration JSON to write")
+  parser.add_argument("--config", default="configs/quickstart.py",
+                      help="experiment config whose model is timed")
+  parser.add_argument("--quick", action="store_true", help="fewer points (tests)")
+  args = parser.parse_args(argv)
+  _default_cpu_devices()
+  from ml_collections import config_flags  # noqa: F401 (config loading below)
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("_calib_config", args.config)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.train import build_model_configs
+  cfg = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
+  start = time.perf_counter()
+  samples = measure(cfg, quick=args.quick)
+  fits = fit(samples)
+  source = (f"calibrated on {samples['backend']} ({samples['device_kind']}, "
+            f"{samples['devices']} devices) by planner.calibrate, {time.strftime('%Y-%m-%d')}")
+  result = {"source": source, "model": str(cfg.num_params()) + " params",
+            "seconds": time.perf_counter() - start, "samples": samples,
+            "fits": {k: {"value": v, "how": how} for k, (v, how) in fits.items()},
+            "efficiency": efficiency_dict(fits, source)}
+  for name, (value, how) in fits.items():
+    print(f"{name:>18} = {value:.4g}   ({how})")
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out} in {result['seconds']:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

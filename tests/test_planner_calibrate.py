@@ -1,0 +1,54 @@
+"""Calibration fits recover known constants; the cost model loads the file."""
+
+import json
+
+import pytest
+
+from pipe_rlhf_jax.planner import calibrate, cost, hardware
+
+
+def _synthetic(peak=1e11, matmul=0.5, train=0.25, overhead=2e-3, tick=1e-4, bw=5e9,
+               decode_bw=0.8, alpha=3e-5, link=2e9, k=8):
+  return {
+      "devices": k,
+      "matmul": [{"n": n, "flops": 2 * n ** 3, "seconds_one": 2 * n ** 3 / peak,
+                  "seconds_all": 2 * n ** 3 * k / peak} for n in (256, 512)],
+      "bandwidth": {"bytes": 1e9, "seconds": 1e9 / bw},
+      "dispatch": {"seconds": 1e-5},
+      "forward": [{"flops": f, "seconds": overhead + f / (peak * matmul)}
+                  for f in (1e8, 1e9, 4e9)],
+      "train": [{"flops": f, "seconds": overhead + f / (peak * train)} for f in (1e8, 1e9)],
+      "decode": [{"bytes": b, "seconds": tick + b / (bw * decode_bw)} for b in (1e6, 1e7)],
+      "all_gather": [{"devices": k, "bytes": v, "seconds": alpha + v * (k - 1) / k / link}
+                     for v in (1e5, 1e7)],
+  }
+
+
+def test_fit_recovers_the_constants():
+  fits = {k: v for k, (v, _) in calibrate.fit(_synthetic()).items()}
+  assert fits["device_peak_flops"] == pytest.approx(1e11)
+  assert fits["host_peak_flops"] == pytest.approx(1e11)  # devices share the host
+  assert fits["matmul"] == pytest.approx(0.5)
+  assert fits["train"] == pytest.approx(0.25)
+  assert fits["call_overhead_s"] == pytest.approx(2e-3)
+  assert fits["tick_overhead_s"] == pytest.approx(1e-4)
+  assert fits["decode_bw"] == pytest.approx(0.8)
+  assert fits["link_latency"] == pytest.approx(3e-5)
+  assert fits["link_bw"] == pytest.approx(2e9)
+
+
+def test_negative_intercept_is_refit_through_the_origin():
+  a, b = calibrate.fit_line([1.0, 2.0, 3.0], [0.5, 2.0, 3.5])
+  assert a == 0.0 and b > 0
+
+
+def test_cost_model_loads_the_calibration(tmp_path):
+  fits = calibrate.fit(_synthetic())
+  path = tmp_path / "cal.json"
+  path.write_text(json.dumps({"efficiency": calibrate.efficiency_dict(fits, "synthetic")}))
+  eff = cost.Efficiency.load(str(path))
+  assert eff.matmul == pytest.approx(0.5) and eff.source == "synthetic"
+  m = cost.Machine(hardware.get("cpu"), eff)
+  assert m.peak("float32") == pytest.approx(1e11)  # the measured host, not the profile
+  assert m.compute_rate("float32", 8) == pytest.approx(1e11)  # 8 devices: no more compute
+  assert m.all_gather(1e7, 8) == pytest.approx(3e-5 + 1e7 * 7 / 8 / 2e9)
