@@ -12,7 +12,8 @@ Per device and stage:
     parameter dtype) and gradients; activations saved for the backward of one
     minibatch [minibatch/(data*fsdp), L] (every layer's intermediates without remat, only
     the layer inputs plus one layer's intermediates with full remat); the head's logits.
-Parameters are split over fsdp x tensor x pipe (data replicates). In `sequential` and
+Parameters are split over fsdp x tensor x pipe (data replicates); with fsdp > 1 one
+model's weights are also held gathered (XLA gathers the scanned layer stack at once). In `sequential` and
 `per_stage` modes the three stages share the devices, so the persistent state of all three
 lives there at once, plus the largest transient. Shares of the host (cpu profile): all
 virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
@@ -91,6 +92,9 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   L = work.length
   vocab_dev = cfg.vocab_size / t
   params = param_bytes(cfg) / param_ways
+  # fsdp: XLA gathers the whole scanned layer stack of a model at once (seen in
+  # memory_analysis), so one model's weights exist unsharded over fsdp while it runs.
+  gathered = param_bytes(cfg) / (t * p) if mesh_sizes["fsdp"] > 1 else 0.0
   if stage == "generate":
     b = work.batch_size / batch_ways
     kv = 2 * cfg.num_layers / p * b * L * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
@@ -99,7 +103,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     logits = b * vocab_dev * 4 * 2
     return StageMemory((("actor params", params),),
                        (("kv cache", kv), ("prefill activations", prefill),
-                        ("logits", logits)))
+                        ("logits", logits), ("fsdp-gathered weights", gathered)))
   if stage == "infer":
     models = 3 if work.reward_model else 2
     b = work.batch_size / batch_ways
@@ -107,7 +111,8 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     positions = plan.logits_chunk or work.gen_len
     logits = b * positions * vocab_dev * 4 * 2
     return StageMemory((("ref/critic/reward params", models * params),),
-                       (("layer activations", layer), ("logits", logits)))
+                       (("layer activations", layer), ("logits", logits),
+                        ("fsdp-gathered weights", gathered)))
   if stage == "train":
     b = work.minibatch_size / batch_ways
     opt = 2 * 2 * params  # Adam m and v of actor and critic, parameter dtype
@@ -121,7 +126,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     logits = b * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
     return StageMemory((("actor+critic params", 2 * params), ("adam moments", opt)),
                        (("gradients", grads), ("saved activations", saved),
-                        ("logits", logits)))
+                        ("logits", logits), ("fsdp-gathered weights", gathered)))
   raise ValueError(f"stage={stage!r}; choose one of {STAGES}.")
 
 
