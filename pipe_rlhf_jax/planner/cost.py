@@ -171,6 +171,19 @@ def _spans_hosts(devices: int, machine: Machine) -> bool:
   return not machine.hw.shared_host and devices > machine.hw.devices_per_host
 
 
+def _axis_hosts(mesh: dict, machine: Machine) -> dict[str, bool]:
+  """Whether a collective over each mesh axis crosses hosts.
+
+  Devices fill the mesh row-major over (data, fsdp, pipe, tensor) (`parallel.mesh`), so
+  an axis's groups span its size times the sizes of the axes inside it.
+  """
+  out, inner = {}, 1
+  for axis in ("tensor", "pipe", "fsdp", "data"):
+    inner *= mesh[axis]
+    out[axis] = _spans_hosts(inner, machine) and mesh[axis] > 1
+  return out
+
+
 def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
   cfg = work.actor
   d, f, t, p = _sizes(mesh)
@@ -193,15 +206,16 @@ def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> St
   pre_flops = shards * flops.forward_flops(cfg, rows, work.prompt_len) / p
   dec = m.roofline(dec_flops, dec_bytes, stage_devices, cfg.dtype, m.eff.matmul)
   pre = m.roofline(pre_flops, shards * w_read / p, stage_devices, cfg.dtype, m.eff.matmul)
-  hosts = _spans_hosts(n, m)
+  hosts = _axis_hosts(mesh, m)
   layers = cfg.num_layers / p
-  gather = m.all_gather(weights, f, hosts)
-  comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t, hosts)
+  gather = m.all_gather(weights, f, hosts["fsdp"])
+  comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
+                                                 hosts["tensor"])
   comm_pre = gather + 2 * layers * m.all_reduce(
-      rows * work.prompt_len * cfg.embed_dim * act, t, hosts)
+      rows * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
   if p > 1:
-    comm_tick += m.ppermute(rows * cfg.embed_dim * act, hosts)
-    comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts)
+    comm_tick += m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"])
+    comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
   return StageCost(compute=prefill_ticks * pre + decode_ticks * dec,
                    comm=prefill_ticks * comm_pre + decode_ticks * comm_tick,
                    overhead=ticks * m.eff.tick_overhead_s + 2 * m.eff.call_overhead_s)
@@ -217,7 +231,7 @@ def _models(work: Workload, stage: str) -> list[TransformerConfig]:
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
-  hosts = _spans_hosts(n, m)
+  hosts = _axis_hosts(mesh, m)
   compute = comm = 0.0
   rows = work.batch_size / (d * f)
   for cfg in _models(work, "infer"):
@@ -226,10 +240,10 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     # Layers on a pipe axis run one after another: n / p devices busy at a time.
     compute += m.roofline(fl, d * f * param_bytes(cfg), n // p, cfg.dtype, m.eff.matmul)
     weights = param_bytes(cfg) / (t * p)
-    comm += m.all_gather(weights, f, hosts)
+    comm += m.all_gather(weights, f, hosts["fsdp"])
     comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
-                                              hosts)
-    comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts)
+                                              hosts["tensor"])
+    comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts["pipe"])
   overhead = len(_models(work, "infer")) * m.eff.call_overhead_s
   return StageCost(compute, comm, overhead)
 
@@ -237,7 +251,7 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
 def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
-  hosts = _spans_hosts(n, m)
+  hosts = _axis_hosts(mesh, m)
   steps = work.epochs * (work.batch_size // work.minibatch_size)
   rows = work.minibatch_size / (d * f)
   compute = comm = 0.0
@@ -250,10 +264,11 @@ def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     compute += steps * (m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
                         + adam_bytes / (m.bw_rate(n) * m.eff.decode_bw))
     shard = w / (t * p)
-    comm_step = 2 * m.all_gather(shard, f, hosts) + m.reduce_scatter(shard, f, hosts)
-    comm_step += m.all_reduce(shard / f, d, hosts)
+    comm_step = (2 * m.all_gather(shard, f, hosts["fsdp"])
+                 + m.reduce_scatter(shard, f, hosts["fsdp"]))
+    comm_step += m.all_reduce(shard / f, d, hosts["data"])
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
-                                                   t, hosts)
+                                                   t, hosts["tensor"])
     comm += steps * comm_step
   return StageCost(compute, comm, m.eff.call_overhead_s)
 

@@ -1,0 +1,100 @@
+"""The cost model: the delayed schedule's tick count, rooflines, shared hosts, collectives,
+and the closed form as a lower bound of the simulator."""
+
+import dataclasses
+import random
+
+import pytest
+
+from pipe_rlhf_jax.generation import schedule
+from pipe_rlhf_jax.models import flops
+from pipe_rlhf_jax.models.config import tiny_config
+from pipe_rlhf_jax.planner import cost, hardware, presets, simulator, space
+from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+
+WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
+                      prompt_len=16, gen_len=8, num_devices=8)
+MESH1 = dict(data=1, fsdp=1, tensor=1, pipe=1)
+
+
+def test_generation_is_priced_with_the_schedule_tick_count():
+  eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
+  m = cost.Machine(hardware.get("h100"), eff)
+  for p, mb in ((1, 1), (2, 2), (4, 1), (4, 8)):
+    mesh = dict(data=1, fsdp=1, tensor=1, pipe=p)
+    c = cost.generate_cost(StagePlan(mesh=MeshSpec(data=1, pipe=p), num_microbatches=mb),
+                           mesh, WORK, m)
+    assert c.overhead == pytest.approx(schedule.num_ticks(p, mb, WORK.gen_len))
+
+
+def test_decode_of_a_large_model_is_memory_bound():
+  work = dataclasses.replace(WORK, actor=presets.model("llama2-7b"), batch_size=8,
+                             prompt_len=128, gen_len=128, num_devices=1)
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(tick_overhead_s=0,
+                                                         call_overhead_s=0))
+  c = cost.generate_cost(StagePlan(), MESH1, work, m)
+  bytes_step = flops.decode_step_bytes(work.actor, 8, 128 + 64)
+  expected_decode = bytes_step / (m.hw.hbm_bw * m.eff.decode_bw)
+  prefill = flops.forward_flops(work.actor, 8, 128) / (m.hw.peak("bfloat16") * 0.5)
+  assert c.compute == pytest.approx(127 * expected_decode + prefill, rel=0.02)
+
+
+def test_shared_host_gets_no_speed_up_from_more_devices():
+  cpu = cost.Machine(hardware.get("cpu"))
+  gpu = cost.Machine(hardware.get("h100"))
+  one = dataclasses.replace(WORK, num_devices=1)
+  for m, speedup in ((cpu, 1.0), (gpu, 8.0)):
+    t1 = cost.train_cost(StagePlan(), MESH1, one, m).compute
+    t8 = cost.train_cost(StagePlan(mesh=MeshSpec(data=1, fsdp=8)), dict(MESH1, fsdp=8),
+                         WORK, m).compute
+    assert t1 / t8 == pytest.approx(speedup, rel=0.05)
+  # Data-parallel replicas on a shared host each run the optimizer: slower than one.
+  t8 = cost.train_cost(StagePlan(mesh=MeshSpec(data=8)), dict(MESH1, data=8), WORK,
+                       cpu).compute
+  assert t8 > cost.train_cost(StagePlan(), MESH1, one, cpu).compute
+
+
+def test_full_remat_adds_a_forward():
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(call_overhead_s=0))
+  base = cost.train_cost(StagePlan(), MESH1, WORK, m).compute
+  remat = cost.train_cost(StagePlan(remat="full"), MESH1, WORK, m).compute
+  assert remat > base * 1.2
+
+
+def test_alpha_beta_collectives():
+  m = cost.Machine(hardware.get("h100"))
+  bw, lat = m.hw.intra_bw, m.hw.intra_latency
+  assert m.all_gather(1e9, 8) == pytest.approx(lat + 1e9 / bw * 7 / 8)
+  assert m.all_reduce(1e9, 8) == pytest.approx(2 * (lat + 1e9 / bw * 7 / 8))
+  assert m.all_gather(1e9, 1) == 0.0
+  assert m.ppermute(1e6, spans_hosts=True) == pytest.approx(
+      m.hw.inter_latency + 1e6 / m.hw.inter_bw)
+  # Tensor groups are innermost: inside a host of 8 unless tensor > 8.
+  hosts = cost._axis_hosts(dict(data=8, fsdp=1, pipe=1, tensor=8), m)
+  assert hosts == {"tensor": False, "pipe": False, "fsdp": False, "data": True}
+
+
+def test_sequential_syncs_nothing_and_pipe_moves_weights():
+  m = cost.Machine(hardware.get("h100"))
+  seq = RuntimeConfig(mode="sequential")
+  pipe = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+                       generate=StagePlan(mesh=MeshSpec(data=4)),
+                       infer=StagePlan(mesh=MeshSpec(data=2)),
+                       train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
+  assert cost.plan_cost(seq, WORK, m).sync == 0.0
+  assert cost.plan_cost(pipe, WORK, m).sync > 0.0
+
+
+def test_closed_form_is_a_lower_bound_of_the_simulator():
+  rng = random.Random(0)
+  for _ in range(40):
+    times = {s: rng.uniform(0.1, 2.0) for s in ("generate", "infer", "train")}
+    sync = rng.uniform(0.0, 0.5)
+    s = rng.choice([0, 1, 2])
+    q = rng.choice([1, 2])
+    rt = RuntimeConfig(mode="pipe", placement=(1, 1, 1), max_staleness=s, queue_size=q)
+    bound = cost.closed_form(times, sync, rt)
+    sim = simulator.simulate(times, sync, "pipe", max_staleness=s, queue_size=q, steps=40)
+    assert sim.step_time >= bound * (1 - 1e-6)
+    if q == 2:
+      assert sim.step_time == pytest.approx(bound, rel=0.05)
