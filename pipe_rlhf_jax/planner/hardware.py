@@ -34,7 +34,7 @@ class Hardware:
     intra_bw / intra_latency: per-device link bandwidth (bytes/s, one direction) and
       per-collective latency (s) between devices of one host / ICI slice.
     inter_bw / inter_latency: the same across hosts (GPU: the NIC share of one GPU;
-      TPU: data-centre network between slices).
+      TPU: ICI, which joins every host of a slice; None = the intra-host values).
     devices_per_host: devices sharing one host (placement blocks align to it).
     shared_host: virtual devices sharing one host's compute (the cpu profile).
     source: where the numbers come from.
@@ -46,8 +46,8 @@ class Hardware:
   hbm_bytes: float
   intra_bw: float
   intra_latency: float
-  inter_bw: float
-  inter_latency: float
+  inter_bw: float | None
+  inter_latency: float | None
   devices_per_host: int
   shared_host: bool = False
   source: str = ""
@@ -61,6 +61,13 @@ class Hardware:
       raise ValueError(f"hardware {self.name!r} has no peak for {dtype}; known: "
                        f"{sorted(table)}.")
     return table[dtype]
+
+  def __post_init__(self):
+    # None: the hosts share the intra-host fabric (TPU ICI across the hosts of a slice).
+    if self.inter_bw is None:
+      object.__setattr__(self, "inter_bw", self.intra_bw)
+    if self.inter_latency is None:
+      object.__setattr__(self, "inter_latency", self.intra_latency)
 
   def link(self, spans_hosts: bool) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of a collective inside one host or across hosts."""
@@ -83,9 +90,10 @@ def _register(hw: Hardware) -> Hardware:
 # several bf16 passes; we take bf16 / 3 (unsure: XLA's default f32 precision on TPU is a
 # single bf16 pass, which would be bf16 speed at reduced precision; calibrate on the chip).
 # ICI figures in the docs are Gbit/s per chip, all links together, both directions: we use
-# a quarter of it as one-direction bandwidth of one ring neighbour (unsure). DCN (across
-# slices): ~ 25 GB/s per host shared by its 4 chips (unsure; Cloud TPU multislice docs).
-# Latencies: ~ 5 us per ICI collective hop, ~ 20 us over DCN (assumed, unsure).
+# a quarter of it as one-direction bandwidth of one ring neighbour (unsure). The hosts of
+# one slice are joined by the same ICI, so "inter-host" links inside a slice are ICI too;
+# plans are for one slice (multislice over the data-centre network is not modelled).
+# Latency: ~ 5 us per ICI collective step (assumed, unsure).
 
 TPU_V4 = _register(Hardware(
     name="tpu-v4",
@@ -94,7 +102,7 @@ TPU_V4 = _register(Hardware(
     hbm_bytes=32 * GIB,               # Cloud TPU v4 docs: 32 GiB HBM2
     intra_bw=2400 / 8 / 4 * GB,       # ICI 2400 Gbps per chip (unsure) / 4 as above
     intra_latency=5e-6,
-    inter_bw=25 / 4 * GB, inter_latency=20e-6,
+    inter_bw=None, inter_latency=None,
     devices_per_host=4,               # Cloud TPU v4 docs: 4 chips per host
     source="Cloud TPU docs, TPU v4 system architecture"))
 
@@ -105,7 +113,7 @@ TPU_V5E = _register(Hardware(
     hbm_bytes=16 * GIB,               # Cloud TPU v5e docs: 16 GiB HBM2
     intra_bw=1600 / 8 / 4 * GB,       # ICI 1600 Gbps per chip
     intra_latency=5e-6,
-    inter_bw=25 / 4 * GB, inter_latency=20e-6,
+    inter_bw=None, inter_latency=None,
     devices_per_host=4,               # ct5lp-hightpu-4t hosts (8t hosts exist too)
     source="Cloud TPU docs, TPU v5e system architecture"))
 
@@ -116,7 +124,7 @@ TPU_V5P = _register(Hardware(
     hbm_bytes=95 * GIB,               # Cloud TPU v5p docs: 95 GiB HBM2e
     intra_bw=4800 / 8 / 4 * GB,       # ICI 4800 Gbps per chip
     intra_latency=5e-6,
-    inter_bw=25 / 4 * GB, inter_latency=20e-6,
+    inter_bw=None, inter_latency=None,
     devices_per_host=4,               # Cloud TPU v5p docs: 4 chips per VM host
     source="Cloud TPU docs, TPU v5p system architecture"))
 
@@ -127,7 +135,7 @@ TPU_V6E = _register(Hardware(
     hbm_bytes=32 * GIB,               # Cloud TPU v6e docs: 32 GiB
     intra_bw=3584 / 8 / 4 * GB,       # ICI 3584 Gbps per chip (unsure: 3200 in some pages)
     intra_latency=5e-6,
-    inter_bw=25 / 4 * GB, inter_latency=20e-6,
+    inter_bw=None, inter_latency=None,
     devices_per_host=4,               # ct6e-standard-4t hosts (unsure; 8t hosts exist)
     source="Cloud TPU docs, TPU v6e system architecture"))
 

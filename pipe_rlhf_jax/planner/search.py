@@ -97,10 +97,11 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
 
 
 def _rank_key(c: Candidate):
-  """Faster first; among equal times the simpler plan (less staleness, fewer devices on
-  pipelines and micro-batches)."""
-  return (round(c.step_time, 12), c.plan.max_staleness, c.plan.generate.num_microbatches,
-          str(c.plan))
+  """Faster first; among equal times the plan with less staleness, then less total work
+  (busy device-seconds outside the bottleneck), then fewer micro-batches."""
+  work = sum(c.cost.as_dict()[s] for s in (*STAGES, "sync")) if c.cost else math.inf
+  return (round(c.step_time, 12), c.plan.max_staleness, round(work, 12),
+          c.plan.generate.num_microbatches, str(c.plan))
 
 
 def _branch_and_bound(candidates: list[Candidate], work, m, k: int) -> list[Candidate]:
