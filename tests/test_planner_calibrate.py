@@ -21,6 +21,8 @@ def _synthetic(peak=1e11, matmul=0.5, train=0.25, overhead=2e-3, tick=1e-4, bw=5
       "decode": [{"bytes": b, "seconds": tick + b / (bw * decode_bw)} for b in (1e6, 1e7)],
       "all_gather": [{"devices": k, "bytes": v, "seconds": alpha + v * (k - 1) / k / link}
                      for v in (1e5, 1e7)],
+      "concurrency": [{"copies": 1, "seconds": 1.0}, {"copies": 2, "seconds": 1.25},
+                      {"copies": 8, "seconds": 5.0}],
   }
 
 
@@ -35,6 +37,7 @@ def test_fit_recovers_the_constants():
   assert fits["decode_bw"] == pytest.approx(0.8)
   assert fits["link_latency"] == pytest.approx(3e-5)
   assert fits["link_bw"] == pytest.approx(2e9)
+  assert fits["host_concurrency"] == pytest.approx(1.6)  # 2 copies in 1.25 x one's time
 
 
 def test_negative_intercept_is_refit_through_the_origin():
@@ -49,6 +52,11 @@ def test_cost_model_loads_the_calibration(tmp_path):
   eff = cost.Efficiency.load(str(path))
   assert eff.matmul == pytest.approx(0.5) and eff.source == "synthetic"
   m = cost.Machine(hardware.get("cpu"), eff)
-  assert m.peak("float32") == pytest.approx(1e11)  # the measured host, not the profile
-  assert m.compute_rate("float32", 8) == pytest.approx(1e11)  # 8 devices: no more compute
+  assert m.compute_rate("float32", 1) == pytest.approx(1e11)  # measured, not the profile
+  # Concurrency 1.6: two devices at once do 1.6 devices' work, eight no more than that.
+  assert m.compute_rate("float32", 2) == pytest.approx(1.6e11)
+  assert m.compute_rate("float32", 8) == pytest.approx(1.6e11)
+  no_concurrency = cost.Machine(hardware.get("cpu"), cost.Efficiency(
+      host_peak_flops=1e11, device_peak_flops=1e11))
+  assert no_concurrency.compute_rate("float32", 8) == pytest.approx(1e11)
   assert m.all_gather(1e7, 8) == pytest.approx(3e-5 + 1e7 * 7 / 8 / 2e9)

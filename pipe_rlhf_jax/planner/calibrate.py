@@ -14,6 +14,8 @@ Measures (median of repeats, after a compile-and-warm-up call):
   all-gather    an f32 buffer sharded over all local devices gathered to every device,
                 over a few sizes.
   dispatch      a trivial jitted call.
+  concurrency   k copies of the forward+backward, one per device, run at once (k = 1, 2,
+                all devices).
 Fits (each printed and saved with how it was obtained):
   device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
   hbm_bw                               bandwidth bytes/s
@@ -23,6 +25,7 @@ Fits (each printed and saved with how it was obtained):
   tick_overhead_s, decode_bw           decode step = tick + bytes / (hbm_bw x decode_bw)
                                        (least squares over the decode points)
   link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W
+  host_concurrency                     best k x t(1 copy) / t(k copies at once)
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
 """
 
@@ -122,6 +125,25 @@ def measure(cfg, quick: bool = False) -> dict:
     out["train"].append({"batch": b, "length": length, "seconds": tt,
                          "flops": flops.train_flops(cfg, b, length)})
 
+  # Concurrency: k copies of the forward+backward, one per device, at once (threads).
+  from concurrent.futures import ThreadPoolExecutor
+  b, length = points[len(points) // 2]
+  step = jax.jit(jax.value_and_grad(forward))
+  out["concurrency"] = []
+  for k in sorted({1, 2, len(devices)}):
+    args = [(jax.device_put(params, d), jax.device_put(jnp.ones((b, length), jnp.int32), d))
+            for d in devices[:k]]
+    with ThreadPoolExecutor(k) as pool:
+      def all_at_once():
+        return list(pool.map(lambda a: jax.block_until_ready(step(*a)), args))
+      all_at_once()
+      times = []
+      for _ in range(3):
+        start = time.perf_counter()
+        all_at_once()
+        times.append(time.perf_counter() - start)
+    out["concurrency"].append({"copies": k, "seconds": statistics.median(times)})
+
   # Decode: K steps in one fori_loop, like the sampler's scan.
   steps = 16
   out["decode"] = []
@@ -182,6 +204,12 @@ def fit(samples: dict) -> dict:
                   [s["seconds"] for s in samples["train"]])
   fits["train"] = (1 / (b * device_peak), "forward+backward: seconds = c + FLOPs / "
                    "(device peak x train), least squares")
+  if samples.get("concurrency"):
+    one = next(s["seconds"] for s in samples["concurrency"] if s["copies"] == 1)
+    fits["host_concurrency"] = (max(s["copies"] * one / s["seconds"]
+                                    for s in samples["concurrency"]),
+                                "throughput of k concurrent single-device forward+backward "
+                                "steps / one alone, best k")
   a, b = fit_line([s["bytes"] for s in samples["decode"]],
                   [s["seconds"] for s in samples["decode"]])
   fits["tick_overhead_s"] = (a, "decode step (in a fori_loop): seconds = tick + bytes / "

@@ -63,6 +63,10 @@ class Efficiency:
       profile's peak when set (0 = use the profile).
     device_peak_flops: measured FLOP/s of one device alone (shared hardware: how much of
       the host one device can use; 0 = the host's).
+    host_concurrency: measured speed-up of running single-device work on several devices
+      of a shared host at once (throughput of k concurrent copies / one copy, best k;
+      0 = not measured). On this cpu a small program on one virtual device uses about one
+      core, so two stages on different devices do overlap.
     hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
     source: where these numbers come from.
@@ -75,6 +79,7 @@ class Efficiency:
   call_overhead_s: float = 100e-6
   host_peak_flops: float = 0.0
   device_peak_flops: float = 0.0
+  host_concurrency: float = 0.0
   hbm_bw: float = 0.0
   link_bw: float = 0.0
   link_latency: float = 0.0
@@ -114,13 +119,16 @@ class Machine:
   def compute_rate(self, dtype: str, devices: int) -> float:
     """FLOP/s that `devices` devices working together reach at peak.
 
-    Shared host: at most the host's rate, and one device alone at most its measured share
-    (`device_peak_flops`); otherwise devices x peak.
+    Shared host: with a measured `host_concurrency` C, one device's rate times
+    min(devices, C) (the host's rate is C devices' worth); otherwise at most the host's
+    peak, one device alone at most `device_peak_flops`. Dedicated devices: devices x peak.
     """
     peak = self.peak(dtype)
     if not self.hw.shared_host:
       return devices * peak
     one = self.eff.device_peak_flops or peak
+    if self.eff.host_concurrency:
+      return one * min(devices, self.eff.host_concurrency)
     return min(peak, devices * one)
 
   def bw_rate(self, devices: int) -> float:
