@@ -60,3 +60,23 @@ def test_cost_model_loads_the_calibration(tmp_path):
       host_peak_flops=1e11, device_peak_flops=1e11))
   assert no_concurrency.compute_rate("float32", 8) == pytest.approx(1e11)
   assert m.all_gather(1e7, 8) == pytest.approx(3e-5 + 1e7 * 7 / 8 / 2e9)
+
+
+def test_device_overhead_is_fitted_and_charged_on_shared_hosts_only():
+  samples = _synthetic()
+  samples["split"] = [{"kind": "train", "devices": 8, "seconds": 1.7, "seconds_one": 1.0}]
+  fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
+  assert fits["train_device_overhead_s"] == pytest.approx(0.1)
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.planner import space
+  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
+  work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
+                        prompt_len=8, gen_len=4, num_devices=8)
+  mesh = dict(data=8, fsdp=1, tensor=1, pipe=1)
+  plan = StagePlan(mesh=MeshSpec(data=8))
+  eff = cost.Efficiency(train_device_overhead_s=0.1, call_overhead_s=0.0)
+  cpu = cost.train_cost(plan, mesh, work, cost.Machine(hardware.get("cpu"), eff))
+  # 2 minibatch steps x 2 models x 7 extra devices x 0.1 s.
+  assert cpu.overhead == pytest.approx(2 * 2 * 7 * 0.1)
+  gpu = cost.train_cost(plan, mesh, work, cost.Machine(hardware.get("h100"), eff))
+  assert gpu.overhead == 0.0

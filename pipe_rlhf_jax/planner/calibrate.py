@@ -16,6 +16,8 @@ Measures (median of repeats, after a compile-and-warm-up call):
   dispatch      a trivial jitted call.
   concurrency   k copies of the forward+backward, one per device, run at once (k = 1, 2,
                 all devices).
+  split         the same forward / forward+backward with the batch split over all local
+                devices (same FLOPs, one program per device).
 Fits (each printed and saved with how it was obtained):
   device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
   hbm_bw                               bandwidth bytes/s
@@ -26,6 +28,7 @@ Fits (each printed and saved with how it was obtained):
                                        (least squares over the decode points)
   link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W
   host_concurrency                     best k x t(1 copy) / t(k copies at once)
+  forward/train_device_overhead_s      (t(split over k) - t(one device)) / (k - 1)
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
 """
 
@@ -144,6 +147,20 @@ def measure(cfg, quick: bool = False) -> dict:
         times.append(time.perf_counter() - start)
     out["concurrency"].append({"copies": k, "seconds": statistics.median(times)})
 
+  # Per-device overhead: the same forward / forward+backward, batch split over all local
+  # devices (params replicated): the same FLOPs, run as one program per device.
+  k = len(devices)
+  out["split"] = []
+  if k > 1 and b % k == 0:
+    rep = NamedSharding(mesh, P())
+    split_params = jax.device_put(params, rep)
+    split_tokens = jax.device_put(jnp.ones((b, length), jnp.int32), NamedSharding(mesh, P("d")))
+    for kind, fn in (("forward", jax.jit(forward)),
+                     ("train", jax.jit(jax.value_and_grad(forward)))):
+      one = next(s["seconds"] for s in out[kind] if (s["batch"], s["length"]) == (b, length))
+      out["split"].append({"kind": kind, "devices": k, "seconds": timeit(
+          fn, split_params, split_tokens), "seconds_one": one})
+
   # Decode: K steps in one fori_loop, like the sampler's scan.
   steps = 16
   out["decode"] = []
@@ -210,6 +227,11 @@ def fit(samples: dict) -> dict:
                                     for s in samples["concurrency"]),
                                 "throughput of k concurrent single-device forward+backward "
                                 "steps / one alone, best k")
+  for s in samples.get("split", []):
+    fits[f"{s['kind']}_device_overhead_s"] = (
+        max(0.0, s["seconds"] - s["seconds_one"]) / (s["devices"] - 1),
+        f"{s['kind']}: (seconds split over {s['devices']} devices - on one) / "
+        f"{s['devices'] - 1}: what each extra device's program adds")
   a, b = fit_line([s["bytes"] for s in samples["decode"]],
                   [s["seconds"] for s in samples["decode"]])
   fits["tick_overhead_s"] = (a, "decode step (in a fori_loop): seconds = tick + bytes / "

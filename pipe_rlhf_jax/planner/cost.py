@@ -67,6 +67,11 @@ class Efficiency:
       of a shared host at once (throughput of k concurrent copies / one copy, best k;
       0 = not measured). On this cpu a small program on one virtual device uses about one
       core, so two stages on different devices do overlap.
+    forward_device_overhead_s / train_device_overhead_s: shared host: seconds each device
+      beyond the first adds to one forward / forward+backward call (its own program on
+      the same cores: launches, synchronisation), measured by splitting one call's batch
+      over all devices (0 = not measured; dedicated devices run their programs in
+      parallel, so it is not applied there).
     hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
     source: where these numbers come from.
@@ -80,6 +85,8 @@ class Efficiency:
   host_peak_flops: float = 0.0
   device_peak_flops: float = 0.0
   host_concurrency: float = 0.0
+  forward_device_overhead_s: float = 0.0
+  train_device_overhead_s: float = 0.0
   hbm_bw: float = 0.0
   link_bw: float = 0.0
   link_latency: float = 0.0
@@ -252,8 +259,17 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
                                               hosts["tensor"])
     comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts["pipe"])
-  overhead = len(_models(work, "infer")) * m.eff.call_overhead_s
+  overhead = len(_models(work, "infer")) * (m.eff.call_overhead_s
+                                            + _device_overhead(m, n, "forward"))
   return StageCost(compute, comm, overhead)
+
+
+def _device_overhead(m: Machine, devices: int, kind: str) -> float:
+  """Shared host: what `devices` - 1 extra device programs add to one call."""
+  if not m.hw.shared_host:
+    return 0.0
+  per = getattr(m.eff, f"{kind}_device_overhead_s")
+  return per * (devices - 1)
 
 
 def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
@@ -278,7 +294,9 @@ def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts["tensor"])
     comm += steps * comm_step
-  return StageCost(compute, comm, m.eff.call_overhead_s)
+  overhead = m.eff.call_overhead_s + steps * len(_models(work, "train")) * _device_overhead(
+      m, n, "train")
+  return StageCost(compute, comm, overhead)
 
 
 STAGE_COSTS = {"generate": generate_cost, "infer": infer_cost, "train": train_cost}
