@@ -420,7 +420,32 @@ def send(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, h_out: jax.
                        rows_done=jnp.where(run, msg.rows_done, True))
   num_stages = stage.plan.num_stages
   ring = [(i, (i + 1) % num_stages) for i in range(num_stages)]
-  return jax.lax.ppermute(msg, PIPE, ring)
+  # One collective per tick, not one per field: every ppermute is a rendezvous of
+  # all stages, so the four fields travel as one byte buffer.
+  return _unpack(jax.lax.ppermute(_pack(msg), PIPE, ring), msg)
+
+
+def _pack(msg: Message) -> jax.Array:
+  """The message's fields, bit for bit, as one flat uint8 buffer."""
+  as_bytes = lambda x: jax.lax.bitcast_convert_type(
+      x.astype(jnp.uint8) if x.dtype == bool else x, jnp.uint8).reshape(-1)
+  return jnp.concatenate([as_bytes(x) for x in msg])
+
+
+def _unpack(buffer: jax.Array, like: Message) -> Message:
+  """Inverse of `_pack`, with `like` giving each field's shape and dtype."""
+  fields, offset = [], 0
+  for x in like:
+    if x.dtype == bool:
+      fields.append(buffer[offset:offset + x.size].reshape(x.shape).astype(bool))
+      offset += x.size
+      continue
+    width = x.dtype.itemsize
+    chunk = buffer[offset:offset + x.size * width]
+    shape = (*x.shape, width) if width > 1 else x.shape
+    fields.append(jax.lax.bitcast_convert_type(chunk.reshape(shape), x.dtype))
+    offset += x.size * width
+  return Message(*fields)
 
 
 def tick(stage: Stage, state: LoopState, length: int, prefill_possible: bool
