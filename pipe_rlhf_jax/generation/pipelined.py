@@ -79,8 +79,7 @@ from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.generation.sampler import (GenerationOutput, SamplingParams,
                                               check_prompts, completion_key_mask,
                                               next_tokens, record_tokens)
-from pipe_rlhf_jax.models.transformer import (KVCache, default_positions, param_axes,
-                                              rope_tables)
+from pipe_rlhf_jax.models.transformer import KVCache, default_positions, param_axes
 from pipe_rlhf_jax.parallel.logical import (STAGE_RULES, check_divisible,
                                             is_logical_leaf, logical_sharding,
                                             logical_to_spec, tree_shardings)
@@ -264,10 +263,9 @@ def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCach
                  microbatch: jax.Array, first_slot) -> tuple[jax.Array, KVCache]:
   """This stage's layers on one micro-batch, its k/v written into the cache in place.
 
-  Same attention masking and per-layer block as `Layers.__call__` (so the numbers are
-  the plain sampler's), but each layer addresses the flat cache at row
-  `layer * M + microbatch`: the model's block writes there with one
-  `dynamic_update_slice` and reads that row as its keys/values.
+  The model's own `Layers.__call__` (so the numbers are the plain sampler's), with each
+  layer addressing the flat cache at row `layer * M + microbatch`: one
+  `dynamic_update_slice` writes there, and that row is read as the keys/values.
 
   Args:
     x: [mb, length, embed] residual stream entering the stage.
@@ -279,29 +277,9 @@ def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCach
   Returns:
     The residual stream after the stage's layers [mb, length, embed], the cache.
   """
-  layers = stage.model.layers
-  config = layers.config
-  num_mb = stage.plan.num_microbatches
-  params = {name: getattr(layers, name).value for name in layers.param_names()}
-  cos, sin = rope_tables(config, positions)
-  key_mask = stage.key_masks[microbatch]  # [mb, slots]
-  length, slots = x.shape[1], key_mask.shape[1]
-  # [length, slots]: causal in slot order (left padding makes that time order).
-  causal = jnp.arange(slots)[None, :] <= (first_slot + jnp.arange(length))[:, None]
-  allowed = (causal[None] & key_mask[:, None, :])[:, None, None]  # [mb, 1, 1, length, slots]
-
-  def block(carry, xs):
-    h, cache_k, cache_v = carry
-    p, layer = xs
-    h, cache_k, cache_v = layers._block(  # pylint: disable=protected-access
-        p, h, cos, sin, allowed, cache_k, cache_v, layer * num_mb + microbatch,
-        first_slot)
-    return (h, cache_k, cache_v), None
-
-  num_local = params["q_proj"].shape[0]
-  (h, cache_k, cache_v), _ = jax.lax.scan(
-      block, (x, cache.k, cache.v), (params, jnp.arange(num_local)))
-  return h, KVCache(cache_k, cache_v)
+  return stage.model.layers(x, positions, stage.key_masks[microbatch], cache, first_slot,
+                            cache_stride=stage.plan.num_microbatches,
+                            cache_offset=microbatch)
 
 
 def compute(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, length: int,

@@ -157,6 +157,7 @@ class Layers(nnx.Module):
 
   def __call__(self, h: jax.Array, positions: jax.Array, key_mask: jax.Array,
                cache: KVCache | None = None, slot: jax.Array | int = 0,
+               cache_stride: int = 1, cache_offset: jax.Array | int = 0,
                ) -> tuple[jax.Array, KVCache | None]:
     """Applies every (local) layer in order.
 
@@ -170,6 +171,10 @@ class Layers(nnx.Module):
       cache: optional KV cache for the local layers, [local_layers, batch, slots, ...].
       slot: the cache slot of the first query token; the queries occupy
         [slot, slot + length).
+      cache_stride, cache_offset: local layer i reads and writes cache row
+        `i * cache_stride + cache_offset` (default: row i). The pipelined decoder keeps
+        all its micro-batches' caches in one array, [local_layers * M, mb, ...], and
+        addresses micro-batch m with stride M and offset m, in place.
 
     Returns:
       The residual stream after the local layers, and the updated cache (or None).
@@ -188,8 +193,8 @@ class Layers(nnx.Module):
     def block(carry, xs):
       h, cache_k, cache_v = carry
       p, index = xs
-      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v, index,
-                                        slot)
+      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v,
+                                        index * cache_stride + cache_offset, slot)
       return (h, cache_k, cache_v), None
 
     if c.remat != "none":
