@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
@@ -27,11 +28,7 @@ def _get(config, path: str) -> Any:
 
 
 def _positive_int(config, path: str, allow_zero: bool = False) -> int:
-  value = _get(config, path)
-  low = 0 if allow_zero else 1
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{path}={value!r} must be an integer >= {low}.")
-  return value
+  return check_int(_get(config, path), path, low=0 if allow_zero else 1)
 
 
 def _positive_float(config, path: str, allow_zero: bool = False) -> float:
@@ -110,9 +107,8 @@ def validate_config(config) -> None:
   if ppo.batch_size % ppo.minibatch_size:
     raise ValueError(f"ppo.batch_size={ppo.batch_size} must be a multiple of "
                      f"ppo.minibatch_size={ppo.minibatch_size}.")
-  num_mb = config.stages.generate.get("num_microbatches", 1)
-  if isinstance(num_mb, bool) or not isinstance(num_mb, int) or num_mb < 1:
-    raise ValueError(f"stages.generate.num_microbatches={num_mb!r} must be an integer >= 1.")
+  num_mb = check_int(config.stages.generate.get("num_microbatches", 1),
+                     "stages.generate.num_microbatches")
   if ppo.batch_size % num_mb:
     raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
                      f"stages.generate.num_microbatches={num_mb}; choose a divisor.")

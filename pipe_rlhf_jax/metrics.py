@@ -32,6 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -330,8 +332,7 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
   Returns:
     Smoothed series of the same length. # [n]
   """
-  if window < 1:
-    raise ValueError(f"window must be >= 1, got {window}")
+  check_int(window, "window")
   values = np.asarray(values, np.float64)
   csum = np.concatenate([[0.0], np.cumsum(values)])
   idx = np.arange(1, len(values) + 1)
@@ -498,8 +499,7 @@ def format_summary(
   Returns:
     Multi-line human-readable summary.
   """
-  if num_avg < 1:
-    raise ValueError(f"num_avg must be >= 1, got {num_avg}")
+  check_int(num_avg, "num_avg")
   if isinstance(metrics, (str, os.PathLike)):
     if metrics_path is None:
       metrics_path = _resolve_metrics_path(metrics)

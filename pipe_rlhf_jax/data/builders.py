@@ -46,6 +46,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data import task as task_lib
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator
 
@@ -291,8 +292,7 @@ def make_task_datasets(
      "demos": BuiltDataset (split "train"),
      "prefs": BuiltDataset (splits "train", "eval")}.
   """
-  if num_eval < 1:
-    raise ValueError(f"num_eval must be >= 1 (the eval splits need records), got {num_eval}.")
+  check_int(num_eval, "num_eval", hint=" The eval splits need records.")
   data_dir = os.fspath(data_dir)
   jsonl_dir = os.path.join(data_dir, f"{prefix}_jsonl")
   config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,

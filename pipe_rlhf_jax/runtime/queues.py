@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from pipe_rlhf_jax.checks import check_int
+
 DEFAULT_POLL_S = 0.05
 
 
@@ -61,10 +63,7 @@ class BoundedQueue:
       stop_event: threading.Event | None = None,
       poll_s: float = DEFAULT_POLL_S,
   ):
-    if not isinstance(maxsize, int) or maxsize < 1:
-      raise ValueError(
-          f"BoundedQueue {name!r}: maxsize must be an int >= 1, got {maxsize!r}."
-      )
+    check_int(maxsize, f"BoundedQueue {name!r}: maxsize")
     if poll_s <= 0:
       raise ValueError(f"BoundedQueue {name!r}: poll_s must be > 0, got {poll_s!r}.")
     self.maxsize = maxsize
