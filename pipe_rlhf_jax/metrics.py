@@ -363,10 +363,10 @@ def plot_reward_curve(
     ValueError: if no record of `phase` has a finite value for `key` (the
       message lists the keys that do exist).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # The Agg canvas directly, not pyplot: no global backend switch (a notebook keeps
+  # plotting inline after a run), no display needed, and safe from any thread.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   records = read_metrics(metrics_jsonl)
   steps, values = _series(records, key, phase)
@@ -384,19 +384,18 @@ def plot_reward_curve(
 
   png_path = pathlib.Path(png_path)
   png_path.parent.mkdir(parents=True, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(7, 4))
-  try:
-    ax.plot(steps, values, alpha=0.35, lw=1, label="raw")
-    ax.plot(steps, smooth, lw=2, label=f"moving average ({window})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{key} ({phase})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-  finally:
-    plt.close(fig)
+  fig = Figure(figsize=(7, 4))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  ax.plot(steps, values, alpha=0.35, lw=1, label="raw")
+  ax.plot(steps, smooth, lw=2, label=f"moving average ({window})")
+  ax.set_xlabel("step")
+  ax.set_ylabel(key)
+  ax.set_title(f"{key} ({phase})")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
   return png_path
 
 

@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import logging
+import os
 import struct
 import threading
 
@@ -236,3 +237,23 @@ def test_progress_bar(disable, monkeypatch):
     assert "reward/mean=0.5" in stream.getvalue()
     assert "kl=0.125" in stream.getvalue()
     assert "3/5" in stream.getvalue()
+
+
+def test_plotting_leaves_the_matplotlib_backend_alone(tmp_path):
+  # A notebook's inline backend must survive a run: the library draws on the Agg canvas
+  # object directly instead of switching the global backend (or touching pyplot). A
+  # fresh process, because the backend is process-global state.
+  import subprocess
+  import sys
+  _write_rewards(tmp_path, [0.1 * i for i in range(5)])
+  code = (
+      "import sys, matplotlib; matplotlib.use('svg')\n"
+      "from pipe_rlhf_jax import metrics\n"
+      f"metrics.plot_reward_curve({str(tmp_path)!r}, {str(tmp_path / 'r.png')!r})\n"
+      "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
+      "assert 'matplotlib.pyplot' not in sys.modules\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        cwd=os.path.join(os.path.dirname(__file__), ".."))
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
