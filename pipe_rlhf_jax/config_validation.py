@@ -12,6 +12,10 @@ import os
 from typing import Any
 
 from pipe_rlhf_jax.checks import check_int
+# Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
+# which is empty in a process that has not imported them yet. (Importing the registry
+# module runs the ppo package, which registers the KL estimators and losses.)
+from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
 from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS, POLICY_LOSSES, REWARD_FUNCTIONS
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
