@@ -10,7 +10,8 @@ Owns everything that turns per-step scalars into something a person reads:
   to Weights & Biases. Non-finite values never crash a run: they are written
   as JSON `null` and listed under `NONFINITE_KEY`.
 * `read_metrics`, `plot_reward_curve`, `format_summary`: reading the log back,
-  the reward-vs-step PNG and the end-of-run text.
+  the reward-vs-step PNG and the end-of-run text; `drop_metrics`: removing the
+  rows a resumed run is about to write again (atomically).
 * `ProgressBar`: a thin tqdm wrapper that shows a few live values.
 
 Metric names are slash separated ("reward/mean"); TensorBoard tags are
@@ -28,7 +29,7 @@ import os
 import pathlib
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -304,6 +305,55 @@ def read_metrics(path: PathLike) -> list[dict[str, Any]]:
         continue
       raise ValueError(f"{p}: line {i + 1} is not valid JSON: {e}") from e
   return records
+
+
+def drop_metrics(path: PathLike, drop: Callable[[Mapping[str, Any]], bool]) -> int:
+  """Removes the records for which `drop(record)` is true from a metrics log, atomically.
+
+  A resumed run rewrites the steps after its checkpoint; their rows from the run that
+  crashed must go first, or the log, the plot and the summary count those steps twice.
+  The kept lines are copied byte for byte into a temporary file beside the log, which
+  then replaces it (`os.replace`): a crash during the rewrite leaves the old log whole.
+  A broken last line (a crash in the middle of a write) is dropped too: appending after
+  it would make it a broken line in the middle of the file.
+
+  Args:
+    path: The `metrics.jsonl` file, or the workdir that contains it; a missing file is
+      nothing to do.
+    drop: Predicate on a parsed record.
+
+  Returns:
+    The number of lines removed.
+
+  Raises:
+    ValueError: if a line other than the last is not valid JSON (nothing is changed).
+  """
+  p = _resolve_metrics_path(path)
+  if not p.exists():
+    return 0
+  lines = p.read_text(encoding="utf-8").splitlines(keepends=True)
+  kept = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        logger.warning("%s: dropping truncated last line %d.", p, i + 1)
+        continue
+      raise ValueError(f"{p}: line {i + 1} is not valid JSON: {e}") from e
+    if not drop(record):
+      kept.append(line if line.endswith("\n") else line + "\n")
+  removed = len([l for l in lines if l.strip()]) - len(kept)
+  if removed:
+    tmp = p.with_name(f".{p.name}.rewrite")
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, p)
+  return removed
 
 
 def _series(
