@@ -58,7 +58,7 @@ def validate_config(config) -> None:
     _positive_int(config, path, allow_zero=path != "ppo.steps")
   for path in ("sft.batch_size", "reward_model.batch_size", "ppo.batch_size",
                "ppo.minibatch_size", "ppo.epochs", "data.prompt_len", "data.completion_len",
-               "checkpoint.every", "checkpoint.keep", "ppo.max_bad_steps",
+               "checkpoint.every", "checkpoint.keep", "log.every", "ppo.max_bad_steps",
                "runtime.queue_size", "model.num_layers", "model.embed_dim",
                "model.num_heads", "model.num_kv_heads", "model.head_dim", "model.mlp_dim"):
     _positive_int(config, path)
@@ -77,6 +77,8 @@ def validate_config(config) -> None:
     raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
   _positive_int(config, "ppo.top_k", allow_zero=True)
   _positive_int(config, "runtime.max_staleness", allow_zero=True)
+  if "num_devices" in config.runtime:  # optional: older configs use all devices
+    _positive_int(config, "runtime.num_devices", allow_zero=True)
   _choice(config, "ppo.kl_estimator", KL_ESTIMATORS.names())
   _choice(config, "ppo.loss", POLICY_LOSSES.names())
   _choice(config, "ppo.lr_schedule", ("constant", "cosine"))
