@@ -5,10 +5,19 @@ warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.j
 tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
 export/ (the final policy in Hugging Face format) and summary.txt.
 
+`train` runs five phases, each a function here: `set_up` (validate, choose devices,
+build and check the stage layouts on abstract parameters, read where a resume starts:
+all before any data are built), `open_metrics` + `make_data` + `warm_start`,
+`build_system` (the one place the PPO system is constructed), `restore_ppo` + `run_ppo`,
+and `report`.
+
 Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
 from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
-plus a resumed N give identical metrics.
+plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
+checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
+mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
+another mode, with a warning where that changes the staleness bound.
 """
 
 from __future__ import annotations
@@ -170,7 +179,12 @@ def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
                ) -> dict[str, nnx.State]:
-  """SFT and reward-model phases, or their checkpoint when it exists."""
+  """SFT and reward-model phases, or their checkpoint when it exists.
+
+  The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
+  wrote it; its fingerprint covers the four sections that decide its result, never the
+  plan (runtime, mesh, stages), so a preempted run may continue on another slice.
+  """
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
                                async_save=False)
   policy = init_policy(config, cfgs["actor"])
@@ -186,6 +200,7 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
         expect_metadata={"fingerprint": fingerprint})
     say(f"warm start restored from {ckpt.directory}")
+    ckpt.close()
     return {**state, "rm_eval": meta["rm_eval"]}
   t0 = time.perf_counter()
   actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
