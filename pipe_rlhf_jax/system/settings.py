@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -34,8 +35,7 @@ def _plain(node: Any) -> Any:
 
 
 def _check_int(value: Any, field: str, low: int = 1) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{field}={value!r} must be an integer >= {low}.")
+  check_int(value, field, low=low)
 
 
 def _check_number(value: Any, field: str, *, allow_zero: bool = False,
