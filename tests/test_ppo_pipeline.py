@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from configs import quickstart  # noqa: E402
+from configs import quickstart
+from metric_helpers import assert_metrics_close  # noqa: E402
 
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
@@ -203,12 +204,7 @@ def test_resume_on_another_mesh_gives_the_uninterrupted_metrics(tmp_path, tiny_r
   full = comparable(tiny_run["ppo_metrics"])
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert resumed[:2] == full[:2]  # written by the first run, on the same mesh
-  for a, b in zip(full[2:], resumed[2:]):
-    assert a.keys() == b.keys()
-    for key in a:
-      if isinstance(a[key], float):
-        atol = 0.02 if key.endswith("clip_frac") else 1e-6
-        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=atol, err_msg=key)
+  assert_metrics_close(full[2:], resumed[2:], rtol=1e-5, atol=1e-6)
 
 
 def test_log_every_writes_every_nth_row_and_the_last(tmp_path):

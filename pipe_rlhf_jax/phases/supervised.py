@@ -19,8 +19,7 @@ from pipe_rlhf_jax.metrics import ProgressBar, to_python
 from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          sequence_scores)
-from pipe_rlhf_jax.stages.train import (apply_if_finite, make_optimizer,
-                                        optimizer_shardings)
+from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 
 
 def sft_loss(graphdef: nnx.GraphDef) -> Callable:

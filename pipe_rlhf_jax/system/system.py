@@ -32,8 +32,8 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import (ActorCriticState, PPOHyper, TrainStage,
-                                        make_optimizer)
+from pipe_rlhf_jax.optim import make_optimizer
+from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 
 
