@@ -180,7 +180,7 @@ class Layers(nnx.Module):
       The residual stream after the local layers, and the updated cache (or None).
     """
     c = self.config
-    params = {name: getattr(self, name).value for name in self.param_names()}
+    params = {name: getattr(self, name).get_value() for name in self.param_names()}
     cos, sin = rope_tables(c, positions)
     length = h.shape[1]
     keys = key_mask.shape[1]
@@ -280,19 +280,19 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """[batch, length] int -> [batch, length, embed] in the compute dtype."""
-    h = jnp.take(self.embedding.value, tokens, axis=0).astype(self.config.compute_dtype)
+    h = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.config.compute_dtype)
     return constrain(h, ("batch", "length", "embed"))
 
   def head(self, h: jax.Array) -> jax.Array:
     """Final norm and head: [batch, length, embed] -> logits [.., vocab] or scalars."""
     c = self.config
-    x = rms_norm(h, self.final_norm.value, c.norm_eps)
+    x = rms_norm(h, self.final_norm.get_value(), c.norm_eps)
     dt = c.compute_dtype
     if c.head == "lm":
-      kernel = (self.embedding.value.T if c.tie_embeddings else self.lm_head.value)
+      kernel = (self.embedding.get_value().T if c.tie_embeddings else self.lm_head.get_value())
       logits = jnp.einsum("ble,ev->blv", x, kernel.astype(dt)).astype(jnp.float32)
       return constrain(logits, ("batch", "length", "vocab"))
-    out = jnp.einsum("ble,eo->blo", x, self.scalar_head.value.astype(dt))
+    out = jnp.einsum("ble,eo->blo", x, self.scalar_head.get_value().astype(dt))
     return out[..., 0].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,

@@ -151,8 +151,8 @@ class TrainStage:
                                                a_grads, a_loss)
       critic, critic_opt, c_ok = apply_if_finite(self.critic_tx, state.critic,
                                                  state.critic_opt, c_grads, c_loss)
-      metrics = {**a_aux, **c_aux, "actor_grad_norm": optax.global_norm(a_grads),
-                 "critic_grad_norm": optax.global_norm(c_grads),
+      metrics = {**a_aux, **c_aux, "actor_grad_norm": optax.tree.norm(a_grads),
+                 "critic_grad_norm": optax.tree.norm(c_grads),
                  "bad_update": 1.0 - (a_ok & c_ok).astype(jnp.float32)}
       new = state.replace(actor=actor, critic=critic, actor_opt=actor_opt,
                           critic_opt=critic_opt)
