@@ -111,6 +111,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.runtime.queue_size = 2
   # How long the other workers may take to finish their current item after one fails.
   config.runtime.shutdown_timeout_s = 120.0
+  # Use the first N of jax.devices() (0 = all): e.g. resume a run on a smaller slice.
+  config.runtime.num_devices = 0
   # Devices of each stage in `pipe` mode (disjoint, in device order).
   config.runtime.placement = ml_collections.ConfigDict(
       dict(generate=4, infer=2, train=2))
@@ -133,7 +135,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.checkpoint.keep = 3
 
   config.log = ml_collections.ConfigDict()
-  config.log.every = 1
+  config.log.every = 1  # a PPO metrics row every N steps and at the last (not the bar)
   config.log.tensorboard = True
   config.log.wandb = False
   config.log.wandb_project = "pipe_rlhf_jax"

@@ -9,7 +9,7 @@ EOS is disabled so every run decodes exactly `new_tokens` positions.
 
 Usage:
   python experiments/bench_generate.py --batch-sizes 1,8,32 --prompt-len 32 \
-      --new-tokens 32 --out /tmp/bench_generate.csv
+      --new-tokens 32   # writes experiments/out/bench_generate.csv (git-ignored)
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,7 +45,10 @@ def parse_args(argv=None):
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--top-k", type=int, default=0)
   parser.add_argument("--top-p", type=float, default=1.0)
-  parser.add_argument("--out", default="bench_generate.csv", help="CSV output path")
+  # Under the repository's git-ignored experiments/out/, not the current directory.
+  parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
+                                                    "bench_generate.csv"),
+                      help="CSV output path")
   return parser.parse_args(argv)
 
 

@@ -92,7 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--sft-steps", type=int, default=20)
   parser.add_argument("--rm-steps", type=int, default=20)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out-dir", default=os.path.join("experiments", "out", "bench_modes"))
+  # Under the repository's git-ignored experiments/out/, wherever the script is run from.
+  parser.add_argument("--out-dir",
+                      default=os.path.join(_ROOT, "experiments", "out", "bench_modes"))
   parser.add_argument("--no-share-warmstart", action="store_true",
                       help="train SFT + reward model in every workdir instead of once")
   args = parser.parse_args(argv)

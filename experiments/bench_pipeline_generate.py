@@ -11,18 +11,21 @@ same model (the embedded tiny_config) and same prompt batch for every variant:
     (how much the prefill/decode split of the message buffer saves)
   delayed P4xT2 M8: pipeline stages that are themselves tensor-parallel
 For each it prints tokens/s (generated tokens / median wall time, compile excluded and
-reported separately), the measured slot utilisation (busy (tick, stage) slots in the
-executed schedule / all slots) next to the schedule's theoretical value, and the peak
-memory per device. CPU devices expose no `memory_stats`, so memory is then XLA's
+reported separately; `vs_single` divides it by the one-device sampler's), the measured
+slot utilisation (busy (tick, stage) slots in the executed schedule / all slots) next
+to the schedule's theoretical value, and the peak memory per device. CPU devices expose no `memory_stats`, so memory is then XLA's
 compiled memory analysis (arguments + outputs + temporaries - aliased, per device),
 which the CSV marks as `xla_estimate`.
 
 On virtual CPU devices all "devices" share the host's cores, so wall-clock speedups
 from pipelining are not expected there; utilisation and memory are the meaningful
-columns. Writes a CSV and one schedule PNG per pipelined variant.
+columns. Writes a CSV and one schedule PNG per pipelined variant under --out-dir
+(default `experiments/out/bench_pipeline_generate/`, git-ignored, wherever the script
+is started from).
 
 Usage:
-  python experiments/bench_pipeline_generate.py --out-dir /tmp/bench_pipe
+  python experiments/bench_pipeline_generate.py
+  python experiments/bench_pipeline_generate.py --variants "single,delayed P4 M4"
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import time
 
 if "jax" not in sys.modules:  # 8 virtual CPU devices unless the caller set XLA_FLAGS
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+DEFAULT_OUT_DIR = os.path.join(REPO, "experiments", "out", "bench_pipeline_generate")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,7 +64,10 @@ def parse_args(argv=None):
   parser.add_argument("--new-tokens", type=int, default=16)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--temperature", type=float, default=1.0)
-  parser.add_argument("--out-dir", default="bench_pipeline_generate")
+  parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+  parser.add_argument("--variants", default="",
+                      help="comma-separated variant names to run (default: all); the "
+                      "first plain variant run is the token reference")
   return parser.parse_args(argv)
 
 
@@ -160,11 +168,13 @@ def main(argv=None):
         f"{args.prompt_len}, new tokens {args.new_tokens}, {n} {jax.default_backend()} "
         "devices")
 
+  wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
+  keep = lambda name: not wanted or name in wanted
   rows, reference = [], None
   plain = [("single", MeshShape()), ("data8", MeshShape(data=8)),
            ("tensor2", MeshShape(tensor=2))]
   for name, shape in plain:
-    if shape.size <= n:
+    if shape.size <= n and keep(name):
       row, out = bench_plain(name, model, prompt, mask, args, shape)
       reference = out.output() if reference is None else reference
       rows.append(row)
@@ -173,14 +183,18 @@ def main(argv=None):
            ("naive P2 M1", 2, 1, 1, True), ("delayed P2 M2", 2, 2, 1, True),
            ("delayed P2 M4", 2, 4, 1, True), ("delayed P4xT2 M8", 4, 8, 2, True)]
   for name, pipe, num_mb, tensor, split in piped:
-    if pipe * tensor > n:
+    if pipe * tensor > n or not keep(name):
       continue
     row, out = bench_pipeline(name, model, prompt, mask, args, pipe, num_mb, tensor,
                               split, args.out_dir)
     # Greedy/sampled results agree token for token with the plain sampler.
-    row["tokens_equal_plain"] = bool(np.array_equal(out.tokens, reference.tokens))
+    row["tokens_equal_plain"] = ("" if reference is None else
+                                 bool(np.array_equal(out.tokens, reference.tokens)))
     rows.append(row)
 
+  single = next((r["tokens_per_s"] for r in rows if r["variant"] == "single"), None)
+  for row in rows:  # throughput relative to the plain sampler on one device
+    row["vs_single"] = round(row["tokens_per_s"] / single, 3) if single else ""
   columns = list(dict.fromkeys(k for row in rows for k in row))
   widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
   print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))

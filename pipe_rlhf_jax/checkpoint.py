@@ -15,8 +15,9 @@ structure problems in its own terms; here every such case raises a
 to do, and nothing on disk is ever modified by a failed save or restore.
 
 Also owns `config_fingerprint`, the stable hash of the config fields that
-change the mathematics, stored in the metadata so that resuming with an
-incompatible config is refused (`restore(..., expect_metadata=...)`).
+change the mathematics (not the run plan: devices, meshes, runtime mode), stored
+in the metadata so that resuming with an incompatible config is refused
+(`restore(..., expect_metadata=...)`) while a different plan is allowed.
 """
 
 from __future__ import annotations
@@ -37,14 +38,22 @@ logger = logging.getLogger(__name__)
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
 
-# Fields that change where or how often things are written, never the mathematics: a run
-# may resume with different values. (Names are matched at any depth, or as dotted paths.)
+# Fields that change where or how often things are written, or where and in which order
+# the same mathematics runs, never the mathematics itself: a run may resume with other
+# values. "runtime", "mesh" and "stages" are the run plan (mode, device count, placement,
+# meshes, queues, staleness bound): a run preempted on one slice continues on another.
+# The staleness bound does change which policy generates a rollout; train.py stores the
+# plan in the checkpoint and warns when a resume changes it. (Names are matched at any
+# depth, or as dotted paths.)
 DEFAULT_FINGERPRINT_IGNORE = (
     "workdir",
     "checkpoint",
     "log",
     "name",
     "shutdown_timeout_s",
+    "runtime",
+    "mesh",
+    "stages",
 )
 
 

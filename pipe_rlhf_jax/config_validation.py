@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipe_rlhf_jax.ppo.registry import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES,
-                                        REWARD_FUNCTIONS)
+from pipe_rlhf_jax.checks import check_int
+# Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
+# which is empty in a process that has not imported them yet. (Importing the registry
+# module runs the ppo package, which registers the KL estimators and losses.)
+from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
@@ -28,11 +32,7 @@ def _get(config, path: str) -> Any:
 
 
 def _positive_int(config, path: str, allow_zero: bool = False) -> int:
-  value = _get(config, path)
-  low = 0 if allow_zero else 1
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{path}={value!r} must be an integer >= {low}.")
-  return value
+  return check_int(_get(config, path), path, low=0 if allow_zero else 1)
 
 
 def _positive_float(config, path: str, allow_zero: bool = False) -> float:
@@ -51,38 +51,34 @@ def _choice(config, path: str, choices) -> str:
 
 
 def validate_config(config) -> None:
-  """Raises ValueError naming the first bad field of `config`."""
+  """Raises ValueError naming the first bad field of `config`.
+
+  The PPO algorithm (`ppo`) and the plan (`runtime`, `mesh`, `stages`) are checked by
+  converting them to their typed settings (`system.settings`), which the library's own
+  users construct directly: one set of checks for both ways in.
+  """
+  from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
   for section in REQUIRED_SECTIONS:
     _get(config, section)
-  for path in ("sft.steps", "reward_model.steps", "ppo.steps"):
-    _positive_int(config, path, allow_zero=path != "ppo.steps")
-  for path in ("sft.batch_size", "reward_model.batch_size", "ppo.batch_size",
-               "ppo.minibatch_size", "ppo.epochs", "data.prompt_len", "data.completion_len",
-               "checkpoint.every", "checkpoint.keep", "ppo.max_bad_steps",
-               "runtime.queue_size", "model.num_layers", "model.embed_dim",
-               "model.num_heads", "model.num_kv_heads", "model.head_dim", "model.mlp_dim"):
+  PPOConfig.from_config(config.ppo, seed=config.get("seed", 0))
+  runtime = RuntimeConfig.from_config(config)
+  for path in ("sft.steps", "reward_model.steps"):
+    _positive_int(config, path, allow_zero=True)
+  for path in ("sft.batch_size", "reward_model.batch_size", "data.prompt_len",
+               "data.completion_len", "checkpoint.every", "checkpoint.keep", "log.every",
+               "model.num_layers", "model.embed_dim", "model.num_heads",
+               "model.num_kv_heads", "model.head_dim", "model.mlp_dim"):
     _positive_int(config, path)
-  for path in ("sft.learning_rate", "reward_model.learning_rate", "ppo.actor_lr",
-               "ppo.critic_lr", "ppo.max_grad_norm", "ppo.clip_eps", "ppo.value_clip_eps",
-               "ppo.kl_target", "ppo.kl_horizon", "runtime.shutdown_timeout_s"):
+  for path in ("sft.learning_rate", "reward_model.learning_rate"):
     _positive_float(config, path)
-  for path in ("ppo.kl_coef", "ppo.entropy_coef", "ppo.temperature"):
-    _positive_float(config, path, allow_zero=True)
-  for path in ("ppo.gamma", "ppo.lam"):
-    value = _positive_float(config, path, allow_zero=True)
-    if value > 1:
-      raise ValueError(f"{path}={value} must be in [0, 1].")
+  _positive_float(config, "ppo.temperature", allow_zero=True)
   top_p = _positive_float(config, "ppo.top_p")
   if top_p > 1:
     raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
   _positive_int(config, "ppo.top_k", allow_zero=True)
-  _positive_int(config, "runtime.max_staleness", allow_zero=True)
-  _choice(config, "ppo.kl_estimator", KL_ESTIMATORS.names())
-  _choice(config, "ppo.advantage_estimator", ADVANTAGE_ESTIMATORS.names())
-  _choice(config, "ppo.loss", POLICY_LOSSES.names())
-  _choice(config, "ppo.lr_schedule", ("constant", "cosine"))
+  if "num_devices" in config.runtime:  # optional: older configs use all devices
+    _positive_int(config, "runtime.num_devices", allow_zero=True)
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))
-  _choice(config, "runtime.mode", ("sequential", "per_stage", "pipe"))
   _choice(config, "data.on_invalid", ("skip", "error"))
   _choice(config, "data.on_overlong", ("truncate", "skip", "error"))
   _choice(config, "model.dtype", ("float32", "bfloat16"))
@@ -109,12 +105,7 @@ def validate_config(config) -> None:
   if config.ppo.temperature == 0:
     raise ValueError("ppo.temperature=0 (greedy) gives PPO no exploration; use a value > 0.")
   ppo = config.ppo
-  if ppo.batch_size % ppo.minibatch_size:
-    raise ValueError(f"ppo.batch_size={ppo.batch_size} must be a multiple of "
-                     f"ppo.minibatch_size={ppo.minibatch_size}.")
-  num_mb = config.stages.generate.get("num_microbatches", 1)
-  if isinstance(num_mb, bool) or not isinstance(num_mb, int) or num_mb < 1:
-    raise ValueError(f"stages.generate.num_microbatches={num_mb!r} must be an integer >= 1.")
+  num_mb = runtime.generate.num_microbatches
   if ppo.batch_size % num_mb:
     raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
                      f"stages.generate.num_microbatches={num_mb}; choose a divisor.")

@@ -10,7 +10,8 @@ Owns everything that turns per-step scalars into something a person reads:
   to Weights & Biases. Non-finite values never crash a run: they are written
   as JSON `null` and listed under `NONFINITE_KEY`.
 * `read_metrics`, `plot_reward_curve`, `format_summary`: reading the log back,
-  the reward-vs-step PNG and the end-of-run text.
+  the reward-vs-step PNG and the end-of-run text; `drop_metrics`: removing the
+  rows a resumed run is about to write again (atomically).
 * `ProgressBar`: a thin tqdm wrapper that shows a few live values.
 
 Metric names are slash separated ("reward/mean"); TensorBoard tags are
@@ -28,9 +29,11 @@ import os
 import pathlib
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from pipe_rlhf_jax.checks import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +307,55 @@ def read_metrics(path: PathLike) -> list[dict[str, Any]]:
   return records
 
 
+def drop_metrics(path: PathLike, drop: Callable[[Mapping[str, Any]], bool]) -> int:
+  """Removes the records for which `drop(record)` is true from a metrics log, atomically.
+
+  A resumed run rewrites the steps after its checkpoint; their rows from the run that
+  crashed must go first, or the log, the plot and the summary count those steps twice.
+  The kept lines are copied byte for byte into a temporary file beside the log, which
+  then replaces it (`os.replace`): a crash during the rewrite leaves the old log whole.
+  A broken last line (a crash in the middle of a write) is dropped too: appending after
+  it would make it a broken line in the middle of the file.
+
+  Args:
+    path: The `metrics.jsonl` file, or the workdir that contains it; a missing file is
+      nothing to do.
+    drop: Predicate on a parsed record.
+
+  Returns:
+    The number of lines removed.
+
+  Raises:
+    ValueError: if a line other than the last is not valid JSON (nothing is changed).
+  """
+  p = _resolve_metrics_path(path)
+  if not p.exists():
+    return 0
+  lines = p.read_text(encoding="utf-8").splitlines(keepends=True)
+  kept = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        logger.warning("%s: dropping truncated last line %d.", p, i + 1)
+        continue
+      raise ValueError(f"{p}: line {i + 1} is not valid JSON: {e}") from e
+    if not drop(record):
+      kept.append(line if line.endswith("\n") else line + "\n")
+  removed = len([l for l in lines if l.strip()]) - len(kept)
+  if removed:
+    tmp = p.with_name(f".{p.name}.rewrite")
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, p)
+  return removed
+
+
 def _series(
     records: Iterable[Mapping[str, Any]], key: str, phase: str | None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -330,8 +382,7 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
   Returns:
     Smoothed series of the same length. # [n]
   """
-  if window < 1:
-    raise ValueError(f"window must be >= 1, got {window}")
+  check_int(window, "window")
   values = np.asarray(values, np.float64)
   csum = np.concatenate([[0.0], np.cumsum(values)])
   idx = np.arange(1, len(values) + 1)
@@ -362,10 +413,10 @@ def plot_reward_curve(
     ValueError: if no record of `phase` has a finite value for `key` (the
       message lists the keys that do exist).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # The Agg canvas directly, not pyplot: no global backend switch (a notebook keeps
+  # plotting inline after a run), no display needed, and safe from any thread.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   records = read_metrics(metrics_jsonl)
   steps, values = _series(records, key, phase)
@@ -383,19 +434,18 @@ def plot_reward_curve(
 
   png_path = pathlib.Path(png_path)
   png_path.parent.mkdir(parents=True, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(7, 4))
-  try:
-    ax.plot(steps, values, alpha=0.35, lw=1, label="raw")
-    ax.plot(steps, smooth, lw=2, label=f"moving average ({window})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{key} ({phase})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-  finally:
-    plt.close(fig)
+  fig = Figure(figsize=(7, 4))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  ax.plot(steps, values, alpha=0.35, lw=1, label="raw")
+  ax.plot(steps, smooth, lw=2, label=f"moving average ({window})")
+  ax.set_xlabel("step")
+  ax.set_ylabel(key)
+  ax.set_title(f"{key} ({phase})")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
   return png_path
 
 
@@ -498,8 +548,7 @@ def format_summary(
   Returns:
     Multi-line human-readable summary.
   """
-  if num_avg < 1:
-    raise ValueError(f"num_avg must be >= 1, got {num_avg}")
+  check_int(num_avg, "num_avg")
   if isinstance(metrics, (str, os.PathLike)):
     if metrics_path is None:
       metrics_path = _resolve_metrics_path(metrics)

@@ -5,14 +5,24 @@ warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.j
 tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
 export/ (the final policy in Hugging Face format) and summary.txt.
 
+`train` runs five phases, each a function here: `set_up` (validate, choose devices,
+build and check the stage layouts on abstract parameters, read where a resume starts:
+all before any data are built), `open_metrics` + `make_data` + `warm_start`,
+`build_system` (the one place the PPO system is constructed), `restore_ppo` + `run_ppo`,
+and `report`.
+
 Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
 from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
-plus a resumed N give identical metrics.
+plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
+checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
+mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
+another mode, with a warning where that changes the staleness bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -153,7 +163,12 @@ def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
                ) -> dict[str, nnx.State]:
-  """SFT and reward-model phases, or their checkpoint when it exists."""
+  """SFT and reward-model phases, or their checkpoint when it exists.
+
+  The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
+  wrote it; its fingerprint covers the four sections that decide its result, never the
+  plan (runtime, mesh, stages), so a preempted run may continue on another slice.
+  """
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
                                async_save=False)
   policy = init_policy(config, cfgs["actor"])
@@ -169,6 +184,7 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
         expect_metadata={"fingerprint": fingerprint})
     say(f"warm start restored from {ckpt.directory}")
+    ckpt.close()
     return {**state, "rm_eval": meta["rm_eval"]}
   t0 = time.perf_counter()
   actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
@@ -192,48 +208,167 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
   return {"actor": actor, "reward": reward, "rm_eval": rm_eval}
 
 
-def train(config, workdir: str | None = None, *, resume: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
-  """Runs the whole RLHF pipeline; returns a summary dict.
+@dataclasses.dataclass
+class RunSetup:
+  """What `set_up` decided before any data is built or model trained."""
 
-  Args:
-    config: a validated-on-entry ConfigDict (see configs/quickstart.py).
-    workdir: output directory (default `runs/<name>-<time>`).
-    resume: continue from the newest PPO checkpoint in `workdir`.
-    stop_after: stop after this many PPO steps in total (for resume tests / preemption
-      drills); the schedule still assumes `ppo.steps`.
-    progress: show progress bars.
+  workdir: str
+  devices: list
+  tokenizer: Any
+  cfgs: dict[str, TransformerConfig]
+  layouts: dict[str, Any]
+  checkpointer: ckpt_lib.Checkpointer
+  fingerprint: str
+  start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+
+
+def select_devices(config) -> list:
+  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them)."""
+  devices = jax.devices()
+  n = config.runtime.get("num_devices", 0)
+  if n > len(devices):
+    raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
+                     f"at most {len(devices)} (0 = all).")
+  return devices[:n] if n else devices
+
+
+def plan_of(config, devices) -> dict[str, Any]:
+  """The fields that decide where and in which order PPO runs (not what it computes):
+  the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
+
+  Stored in each checkpoint so that a resume under another plan can say what changed.
+  """
+  plan = dataclasses.asdict(RuntimeConfig.from_config(config))
+  # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
+  return json.loads(json.dumps({"num_devices": len(devices), **plan}))
+
+
+def effective_staleness(plan: dict[str, Any]) -> int:
+  """How far a rollout may lag the policy: only `pipe` mode generates ahead."""
+  return plan["max_staleness"] if plan["mode"] == "pipe" else 0
+
+
+def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+  """Logs how the resumed run's plan differs from the checkpoint's.
+
+  Meshes, placement, device count and mode change only how the same mathematics is laid
+  out (up to the order of floating-point reductions); the staleness bound changes which
+  policy generates each rollout, i.e. what is computed: that gets its own warning.
+  """
+  if saved is None:
+    log.warning("The checkpoint records no run plan (written by an older version); "
+                "resuming under mode=%s on %d devices.", current["mode"],
+                current["num_devices"])
+    return
+  changed = sorted(k for k in current if saved.get(k) != current[k])
+  if changed:
+    log.warning("Resuming under a different plan (%s): %s.", ", ".join(changed),
+                "; ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed))
+  before, after = effective_staleness(saved), effective_staleness(current)
+  if before != after:
+    log.warning(
+        "The resumed schedule changes what PPO computes: rollouts may now lag the policy "
+        "by up to %d update(s) instead of %d (mode %s -> %s, runtime.max_staleness %s -> "
+        "%s). Metrics after the resume are not those of an uninterrupted run.", after,
+        before, saved["mode"], current["mode"], saved["max_staleness"],
+        current["max_staleness"])
+
+
+def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
+  """Checks everything that can be checked cheaply, before data are built.
+
+  Validates the config, chooses the devices, refuses to overwrite a run unless resuming,
+  builds the stage layouts and checks the models fit them (on abstract parameters), and
+  reads where a resume starts, refusing a checkpoint whose mathematics differs.
   """
   validate_config(config)
+  devices = select_devices(config)
   workdir = workdir or config.workdir or default_workdir(config)
   os.makedirs(workdir, exist_ok=True)
-  start_time = time.perf_counter()
   ppo_dir = os.path.join(workdir, "checkpoints")
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep)
-  if checkpointer.latest_step() is not None and not resume:
+  latest = checkpointer.latest_step()
+  if latest is not None and not resume:
     raise FileExistsError(
-        f"{ppo_dir} already holds PPO checkpoints (latest step "
-        f"{checkpointer.latest_step()}); pass --resume to continue, or choose a new "
-        f"--workdir. Nothing was changed.")
+        f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
+        f"to continue, or choose a new --workdir. Nothing was changed.")
 
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
-  build_stats, data = make_data(config, workdir, tokenizer)
-  writer = metrics_lib.MetricsWriter(workdir, use_tensorboard=config.log.tensorboard,
-                                     use_wandb=config.log.wandb,
-                                     wandb_project=config.log.wandb_project,
-                                     config=config.to_dict())
-  # Malformed-record decisions of every input pipeline, counted once up front.
-  writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
-                                     for name, pipe in data.items()
-                                     for key, value in pipe.stats().items()}}, phase="data")
-  runtime = RuntimeConfig.from_config(config)
-  layouts = build_layouts(runtime)
+  layouts = build_layouts(RuntimeConfig.from_config(config), devices)
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic")}
   check_fits(layouts, abstract["actor"], abstract["critic"])  # before anything compiles
-  warm = warm_start(config, workdir, tokenizer, data, cfgs, writer, layouts["train"], progress)
 
+  # What changes the mathematics; the plan (runtime, meshes) is compared separately.
+  fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
+  start = 0
+  if resume and latest is not None:
+    meta = checkpointer.read_metadata(latest)
+    if meta.get("config_fingerprint") != fingerprint:
+      raise ckpt_lib.CheckpointError(
+          f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
+          f"{meta.get('config_fingerprint')!r} but the current run expects "
+          f"{fingerprint!r}: the config changes the mathematics of the run that wrote it. "
+          "Resume with that run's config (see config.json in the workdir), or use a new "
+          "workdir.")
+    compare_plans(meta.get("plan"), plan_of(config, devices))
+    start = int(meta["step"]) + 1
+  return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
+                  start)
+
+
+WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
+
+
+def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
+  """The metrics writer, after removing the rows this run is about to write again.
+
+  A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
+  their rows from before are dropped and the log holds each step once; the "data" row is
+  written by every run, and the warm-start phases' rows again when their checkpoint is
+  missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
+  the newest value of a step: it keeps every event it reads, so the re-trained steps are
+  plotted twice. (It drops events only after a SessionLog.START event, which tensorboardX
+  writes for `purge_step`; but that drops every tag of the run directory at steps >= the
+  purge step, SFT and reward-model curves included, since all phases share one directory
+  and start at step 0.) metrics.jsonl is the record to trust after a resume.
+  """
+  with ckpt_lib.Checkpointer(os.path.join(setup.workdir, "warmstart"),
+                             async_save=False) as warm_ckpt:
+    warm_restored = warm_ckpt.latest_step() is not None
+
+  def rewritten(record) -> bool:
+    phase = record.get("phase")
+    return ((phase == "ppo" and record.get("step", 0) >= setup.start) or phase == "data"
+            or (phase in WARM_START_PHASES and not warm_restored))
+
+  dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
+  if dropped:
+    say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
+        f"(PPO steps >= {setup.start})")
+  return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=config.log.tensorboard,
+                                   use_wandb=config.log.wandb,
+                                   wandb_project=config.log.wandb_project,
+                                   config=config.to_dict())
+
+
+@dataclasses.dataclass
+class BuiltSystem:
+  """The PPO system and what the before/after samples need from its construction."""
+
+  system: PPOSystem
+  sampling: SamplingParams
+  actor_graphdef: nnx.GraphDef
+
+
+def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
+                 tokenizer, devices) -> BuiltSystem:
+  """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
+
+  The one place that constructs the system from the config (the critic starts from the
+  reward model's or the SFT policy's backbone, per `ppo.critic_init`).
+  """
   actor_gd = graphdef_of(cfgs["actor"])
   critic_gd = graphdef_of(cfgs["critic"])
   critic_source = warm["reward"] if config.ppo.critic_init == "reward_model" else warm["actor"]
@@ -252,46 +387,55 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
              if config.reward.eval_fn else None)
   system = PPOSystem(models, ppo=PPOConfig.from_config(config.ppo, seed=config.seed),
-                     sampling=sampling, runtime=runtime, reward_fn=reward_fn,
-                     decode=decode, eval_fn=eval_fn)
-  for layout in system.layouts.values():
-    say(f"stage {layout}")
+                     sampling=sampling, runtime=RuntimeConfig.from_config(config),
+                     reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices)
+  return BuiltSystem(system, sampling, actor_gd)
 
-  fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
-  prompts = data["prompts"]
-  start = 0
-  if resume and checkpointer.latest_step() is not None:
-    state, meta = checkpointer.restore(target=system.abstract_checkpoint_state(),
-                                       expect_metadata={"config_fingerprint": fingerprint})
-    system.restore(state, meta)
-    prompts.set_state(meta["data_state"])
-    start = int(meta["step"]) + 1
-    say(f"resumed PPO at step {start} from {ppo_dir}")
-  # Written only once the config is known to match any checkpoint it resumes.
-  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2))
 
-  eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-  samples_before = show_samples(actor_gd, system.actor_for_generation()[0], eval_batch,
-                                tokenizer, sampling)
-  end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
+  """Loads the newest PPO checkpoint into `system` and the prompt iterator (on resume).
+
+  The arrays are read straight into the current layouts, whatever mesh wrote them.
+  """
+  if not setup.start:
+    return
+  state, meta = setup.checkpointer.restore(
+      target=system.abstract_checkpoint_state(),
+      expect_metadata={"config_fingerprint": setup.fingerprint})
+  system.restore(state, meta)
+  prompts.set_state(meta["data_state"])
+  say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
+
+
+def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
+            writer: metrics_lib.MetricsWriter, end: int, progress: bool) -> Tracer:
+  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, Ctrl-C handling.
+
+  A metrics row is written every `log.every` steps and at the last step of the schedule;
+  the progress bar and the checkpoints (every `checkpoint.every` steps, at `end`, and on
+  Ctrl-C) do not depend on it.
+  """
+  start, checkpointer = setup.start, setup.checkpointer
   feed = modes.DataFeed(prompts)
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
                                 disable=not progress)
+  plan = plan_of(config, setup.devices)
 
   def save(step: int) -> None:
     checkpointer.save(step, system.checkpoint_state(), metadata={
-        **system.checkpoint_metadata(), "step": step, "config_fingerprint": fingerprint,
-        "data_state": feed.state_before(step + 1)})
+        **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
+        "plan": plan, "data_state": feed.state_before(step + 1)})
 
-  last_saved = [-1]
+  # The newest step on disk: a resumed run starts with its checkpoint already written.
+  last_saved = [start - 1]
 
   def on_step(step: int, metrics: dict) -> None:
     metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
                                              if k.startswith("skipped")))
-    writer.write(step, metrics, phase="ppo")
+    if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
+      writer.write(step, metrics, phase="ppo")
     bar.update(metrics)
     if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
       say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, "
@@ -313,14 +457,23 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     bar.close()
     checkpointer.wait()
     if tracer.spans():
-      tracer.to_chrome_trace(os.path.join(workdir, "trace.json"))
-      tracer.gantt(os.path.join(workdir, "gantt.png"), title=f"PPO stages ({system.mode})")
+      tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
+      tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
+                   title=f"PPO stages ({system.mode})")
     writer.flush()
+  return tracer
 
-  samples_after = show_samples(actor_gd, system.actor_for_generation()[0], eval_batch,
-                               tokenizer, sampling)
+
+def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
+           writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
+           start_time: float) -> dict[str, Any]:
+  """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
+  workdir, system = setup.workdir, built.system
+  samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
+                               eval_batch, setup.tokenizer, built.sampling)
   export_dir = os.path.join(workdir, "export")
-  hf.save_pretrained(nnx.merge(actor_gd, jax.device_get(system.state.actor)), export_dir)
+  hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
+                     export_dir)
   plot = None
   records = metrics_lib.read_metrics(writer.metrics_path)
   if any(r.get("phase") == "ppo" for r in records):
@@ -332,8 +485,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     f.write("after PPO:\n  " + "\n  ".join(samples_after) + "\n")
   summary_text = metrics_lib.format_summary(
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
-      tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=ppo_dir, plot_path=plot,
-      export_dir=export_dir,
+      tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
+      plot_path=plot, export_dir=export_dir,
       extra={"mode": system.mode, "reward model held-out accuracy":
              f"{warm['rm_eval']['eval_accuracy']:.3f}",
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
@@ -341,10 +494,53 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
     f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
             + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
-  writer.close()
-  checkpointer.close()
   ppo_records = [r for r in records if r.get("phase") == "ppo"]
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
+
+
+def train(config, workdir: str | None = None, *, resume: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
+  """Runs the whole RLHF pipeline; returns a summary dict.
+
+  Args:
+    config: a validated-on-entry ConfigDict (see configs/quickstart.py).
+    workdir: output directory (default `runs/<name>-<time>`).
+    resume: continue from the newest PPO checkpoint in `workdir`, under any plan (mode,
+      devices, meshes); the config's mathematics must match the checkpoint's.
+    stop_after: stop after this many PPO steps in total (for resume tests / preemption
+      drills); the schedule still assumes `ppo.steps`.
+    progress: show progress bars.
+  """
+  start_time = time.perf_counter()
+  setup = set_up(config, workdir, resume)
+  writer = open_metrics(config, setup)
+  try:
+    build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    # Malformed-record decisions of every input pipeline, counted once up front.
+    writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
+                                       for name, pipe in data.items()
+                                       for key, value in pipe.stats().items()}}, phase="data")
+    warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
+                      setup.layouts["train"], progress)
+    built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
+    for layout in built.system.layouts.values():
+      say(f"stage {layout}")
+    restore_ppo(setup, built.system, data["prompts"])
+    # Written only once the config is known to match any checkpoint it resumes.
+    with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+    eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
+    samples_before = show_samples(built.actor_graphdef,
+                                  built.system.actor_for_generation()[0], eval_batch,
+                                  setup.tokenizer, built.sampling)
+    end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+    tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
+    return report(setup, built, warm, tracer, writer, samples_before, eval_batch,
+                  start_time)
+  finally:
+    writer.close()
+    setup.checkpointer.close()

@@ -15,7 +15,9 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
   notebook = nbformat.read(path, as_version=4)
   monkeypatch.setenv("NOTEBOOK_SCALE", "tiny")
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  monkeypatch.setenv("MPLBACKEND", "Agg")
+  # No MPLBACKEND: the kernel's own inline backend, as in Colab, so the test sees whether
+  # the notebook's figure is displayed (the library must not switch the backend).
+  monkeypatch.delenv("MPLBACKEND", raising=False)
   workdir = tmp_path / "repo"
   workdir.mkdir()
   # The notebook writes runs/ under the repository it finds from its cwd.
@@ -26,6 +28,14 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
   outputs = "".join(o.get("text", "") for cell in notebook.cells
                     for o in cell.get("outputs", []))
   assert "after PPO:" in outputs and "reward/mean" in outputs
+  # The reward-curve cell displayed its figure inline ...
+  images = [o for cell in notebook.cells for o in cell.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+  assert len(images) == 1
+  # ... and the run saved its own plots.
+  run = workdir / "runs" / "colab-tiny"
+  for name in ("reward_curve.png", "gantt.png"):
+    assert (run / name).read_bytes()[:4] == b"\x89PNG", name
 
 
 def test_notebook_and_script_are_paired():

@@ -105,3 +105,15 @@ def test_make_task_datasets(tmp_path, no_tensorflow):
   prompts = changed["prompts"].source("train")
   first = make_task_records(64, 0, 0, 4, num_eval=16)["prompts"][0]["prompt"]
   assert prompts[0]["prompt"].decode() == first
+
+
+def test_building_leaves_nothing_in_the_system_temp_dir(tmp_path, monkeypatch):
+  # TFDS's first build of a dataset used to leave a `tmp*tfds` folder in the temp dir
+  # (its lookup of metadata published on the TFDS bucket); dozens per test run.
+  import tempfile
+  temp = tmp_path / "system_temp"
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  train = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "rev ab="}).encode()])
+  build_dataset("prompts", train, str(tmp_path / "tfds"), name="toy_prompts_temp")
+  assert os.listdir(temp) == []

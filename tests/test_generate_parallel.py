@@ -54,7 +54,7 @@ def test_sharded_matches_single_device(setup, name):
   state = jax.device_put(state, tree_shardings(mesh, param_axes(model), DEFAULT_RULES))
   sharded = nnx.merge(graphdef, state)
   if shape.tensor > 1:  # the params really are split
-    assert not sharded.layers.q_proj.value.sharding.is_fully_replicated
+    assert not sharded.layers.q_proj.get_value().sharding.is_fully_replicated
 
   with axis_rules(mesh, DEFAULT_RULES):
     forward = jax.jit(lambda s, t, m: nnx.merge(graphdef, s)(t, m))

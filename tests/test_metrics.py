@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import logging
+import os
 import struct
 import threading
 
@@ -236,3 +237,41 @@ def test_progress_bar(disable, monkeypatch):
     assert "reward/mean=0.5" in stream.getvalue()
     assert "kl=0.125" in stream.getvalue()
     assert "3/5" in stream.getvalue()
+
+
+def test_plotting_leaves_the_matplotlib_backend_alone(tmp_path):
+  # A notebook's inline backend must survive a run: the library draws on the Agg canvas
+  # object directly instead of switching the global backend (or touching pyplot). A
+  # fresh process, because the backend is process-global state.
+  import subprocess
+  import sys
+  _write_rewards(tmp_path, [0.1 * i for i in range(5)])
+  code = (
+      "import sys, matplotlib; matplotlib.use('svg')\n"
+      "from pipe_rlhf_jax import metrics\n"
+      f"metrics.plot_reward_curve({str(tmp_path)!r}, {str(tmp_path / 'r.png')!r})\n"
+      "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
+      "assert 'matplotlib.pyplot' not in sys.modules\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        cwd=os.path.join(os.path.dirname(__file__), ".."))
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_drop_metrics_removes_rows_keeps_the_rest_verbatim(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  kept = ['{"step": 0, "phase": "sft", "time": 1.0, "loss": 2.5}\n',
+          '{"step": 1, "phase": "ppo", "time": 2.0, "x": 0.1}\n']
+  path.write_text(kept[0] + kept[1] + '{"step": 2, "phase": "ppo", "time": 3.0}\n'
+                  + '{"step": 3, "phase": "pp')  # a write cut short by a crash
+  removed = metrics_lib.drop_metrics(
+      tmp_path, lambda r: r["phase"] == "ppo" and r["step"] >= 2)
+  assert removed == 2  # step 2, and the broken last line (it would end up mid-file)
+  assert path.read_text() == "".join(kept)
+  assert not [p for p in os.listdir(tmp_path) if p != "metrics.jsonl"]  # no temp left
+  assert metrics_lib.drop_metrics(tmp_path / "missing", lambda r: True) == 0
+  path.write_text('not json\n{"step": 0, "phase": "ppo", "time": 1.0}\n')
+  with pytest.raises(ValueError, match="line 1"):
+    metrics_lib.drop_metrics(path, lambda r: True)
+  assert path.read_text().startswith("not json")  # nothing changed

@@ -57,7 +57,7 @@ def test_heads(head, shape):
 def test_tied_embeddings_and_qkv_bias_have_expected_params():
   model = init_model(tiny_config(**SMALL, tie_embeddings=True, qkv_bias=True))
   assert model.lm_head is None
-  assert model.layers.q_bias.value.shape == (3, 4, 8)
+  assert model.layers.q_bias.get_value().shape == (3, 4, 8)
   state = nnx.state(model, nnx.Param)
   n = sum(x.size for x in jax.tree.leaves(state))
   assert n == model.config.num_params()

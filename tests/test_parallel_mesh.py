@@ -71,7 +71,7 @@ def test_split_devices():
   assert [d.id for d in partial["a"]] == [0, 1, 2]
   with pytest.raises(ValueError, match=r"generate=4 \+ infer=4 \+ train=2 = 10 exceeds the 8"):
     mesh_lib.split_devices(devices, {"generate": 4, "infer": 4, "train": 2})
-  with pytest.raises(ValueError, match="'infer' must be a positive int"):
+  with pytest.raises(ValueError, match="device count for 'infer'=0 must be an integer >= 1"):
     mesh_lib.split_devices(devices, {"generate": 4, "infer": 0})
 
 

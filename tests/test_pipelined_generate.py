@@ -188,3 +188,20 @@ def test_mesh_without_pipe_axis_is_refused(setup, no_compile):
   with pytest.raises(ValueError, match="'pipe' axis"):
     pipelined_generate(model, prompt, mask, STEPS, mesh=mesh, num_microbatches=2,
                        rng=jax.random.key(0), eos_id=None)
+
+
+def test_compiled_program_is_reused_across_calls(setup):
+  # Equal static settings (model structure, plan, mesh, rules) must find the same
+  # jitted program, traced and compiled once, even with new rng / prompt values.
+  model, prompt, mask, ids, refs = setup
+  mesh = mesh_for(2)
+  kw = dict(mesh=mesh, num_microbatches=2, eos_id=None, sample_ids=ids, **SAMPLED)
+  first = pipelined.prepare_pipelined(model, prompt, mask, STEPS,
+                                      rng=jax.random.key(RNG_SEED), **kw)
+  out, _ = first.fn(*first.args)
+  assert_same(out, refs["sampled"])
+  second = pipelined.prepare_pipelined(model, prompt[::-1], mask[::-1], STEPS,
+                                       rng=jax.random.key(RNG_SEED + 1), **kw)
+  assert second.fn is first.fn and second.plan == first.plan
+  second.fn(*second.args)
+  assert first.fn._cache_size() == 1  # pylint: disable=protected-access

@@ -1,12 +1,19 @@
-"""End-to-end PPO on tiny configs: one step of every phase, resume, bad input, learning."""
+"""End-to-end PPO on tiny configs: every phase, resume (after Ctrl-C, a crash, onto another
+plan), bad input, learning."""
 
+import _thread
 import json
+import logging
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from configs import quickstart  # noqa: E402
+from configs import quickstart
+from metric_helpers import assert_metrics_close  # noqa: E402
 
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
@@ -60,8 +67,8 @@ def test_first_ppo_ratio_is_one(tiny_run):
   assert abs(first["ratio_mean"] - 1.0) < 0.05
 
 
-def test_resume_equals_uninterrupted(tmp_path):
-  full = train(tiny(), str(tmp_path / "full"), progress=False)["ppo_metrics"]
+def test_resume_equals_uninterrupted(tmp_path, tiny_run):
+  full = tiny_run["ppo_metrics"]
   part = str(tmp_path / "part")
   train(tiny(), part, stop_after=2, progress=False)
   with pytest.raises(FileExistsError, match="--resume"):
@@ -74,6 +81,139 @@ def test_resume_equals_uninterrupted(tmp_path):
   resumed = train(config, part, resume=True, progress=False)["ppo_metrics"]
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert comparable(resumed) == comparable(full)
+
+
+def ppo_rows(workdir):
+  return [r for r in (json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")))
+          if r["phase"] == "ppo"]
+
+
+_ARMED = {"interrupt": False}
+
+
+@REWARD_FUNCTIONS.register("test_ctrl_c_when_armed")
+def _ctrl_c_when_armed(prompts, completions):
+  del prompts
+  if _ARMED["interrupt"]:
+    _ARMED["interrupt"] = False
+    _thread.interrupt_main()  # Ctrl-C, in the middle of the step's inference
+  return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
+
+
+def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
+  # The restored checkpoint is the newest on disk: an interrupt before the first resumed
+  # step has nothing to save (it used to re-save that step: CheckpointExistsError).
+  config = tiny()
+  config.reward.fn = "test_ctrl_c_when_armed"
+  workdir = str(tmp_path)
+  train(config, workdir, stop_after=2, progress=False)
+  _ARMED["interrupt"] = True
+  with pytest.raises(KeyboardInterrupt):
+    train(config, workdir, resume=True, progress=False)
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
+                if s.isdigit()) == [1]
+  resumed = train(config, workdir, resume=True, progress=False)
+  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
+
+
+def test_crash_and_resume_leave_each_step_once_in_the_metrics(tmp_path, tiny_run):
+  # A real `kill -9` right after step 3's row is written (checkpoints every 2 steps: the
+  # newest is step 1, so steps 2 and 3 are trained again on resume). Their rows from the
+  # killed run must be replaced, not kept beside the new ones.
+  workdir = str(tmp_path / "run")
+  code = f"""
+import os, signal, sys, time
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
+from configs import quickstart
+from pipe_rlhf_jax import metrics
+from pipe_rlhf_jax.train import train
+
+write = metrics.MetricsWriter.write
+
+def write_then_die(self, step, values, phase="ppo"):
+  record = write(self, step, values, phase)
+  if phase == "ppo" and step == 3:
+    # Step 1's checkpoint is written in the background: let it land first, so that the
+    # resume starts at step 2 (step 3's save has not begun: it follows this row).
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(os.path.join({workdir!r}, "checkpoints", "1")):
+      assert time.monotonic() < deadline, "step 1's checkpoint never appeared"
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return record
+
+metrics.MetricsWriter.write = write_then_die
+config = quickstart.get_config("tiny")
+config.runtime.mode = "sequential"
+assert config.checkpoint.every == 2
+train(config, {workdir!r}, progress=False)
+"""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=600, env=env, cwd=os.path.join(os.path.dirname(__file__), ".."))
+  assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+  assert [r["step"] for r in ppo_rows(workdir)] == [0, 1, 2, 3]
+  assert [d for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()] == ["1"]
+  resumed = train(tiny(), workdir, resume=True, progress=False)
+  # The log, and what is computed from it, hold each step once, equal to a run that was
+  # never killed (the same programs on the same devices: equal to the last bit).
+  assert comparable(ppo_rows(workdir)) == comparable(tiny_run["ppo_metrics"])
+  assert comparable(resumed["ppo_metrics"]) == comparable(tiny_run["ppo_metrics"])
+  assert [r["phase"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
+          ].count("data") == 1
+
+
+def test_resume_on_fewer_devices_in_another_mode(tmp_path, caplog):
+  # Preempted on 8 devices in `pipe` mode, continued on 4 in `sequential` mode on another
+  # mesh: the plan is not part of the fingerprint, but changing the staleness bound
+  # (pipe with max_staleness=1 -> sequential) changes what is computed, which is logged.
+  workdir = str(tmp_path)
+  config = tiny(mode="pipe")
+  config.stages.generate.mesh = dict(data=-1)  # the plain sampler: less to compile
+  train(config, workdir, stop_after=2, progress=False)
+  config = tiny(mode="sequential")
+  config.runtime.num_devices = 4
+  config.mesh.update(data=2, fsdp=2)
+  with caplog.at_level(logging.WARNING, logger="pipe_rlhf_jax.train"):
+    resumed = train(config, workdir, resume=True, progress=False)
+  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
+  assert "num_devices: 8 -> 4" in caplog.text and "mode: 'pipe' -> 'sequential'" in caplog.text
+  assert "changes what PPO computes" in caplog.text
+  from pipe_rlhf_jax.checkpoint import Checkpointer
+  with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    plan = ckpt.read_metadata(3)["plan"]
+  assert plan["num_devices"] == 4 and plan["mode"] == "sequential"
+
+
+def test_resume_on_another_mesh_gives_the_uninterrupted_metrics(tmp_path, tiny_run):
+  # 2 steps on data=8, then 2 on data=2 x fsdp=4, against 4 steps on data=8. (Not
+  # tensor=2: the tiny model has one kv head.) The same mathematics; only the order of
+  # floating-point reductions (gradients summed over 8 data shards vs over 2 data shards
+  # of parameters split 4 ways) differs, which moves float32 results in their last bits
+  # and, through the optimizer steps, to relative differences ~1e-6.
+  # Tolerance rtol 1e-5 / atol 1e-6; clip fractions count tokens past a threshold, so
+  # they may differ by one token's worth (0.02).
+  part = str(tmp_path)
+  train(tiny(), part, stop_after=2, progress=False)
+  config = tiny()
+  config.mesh.update(data=2, fsdp=4)
+  resumed = comparable(train(config, part, resume=True, progress=False)["ppo_metrics"])
+  full = comparable(tiny_run["ppo_metrics"])
+  assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+  assert resumed[:2] == full[:2]  # written by the first run, on the same mesh
+  assert_metrics_close(full[2:], resumed[2:], rtol=1e-5, atol=1e-6)
+
+
+def test_log_every_writes_every_nth_row_and_the_last(tmp_path):
+  config = tiny(steps=3)
+  config.log.every = 2
+  result = train(config, str(tmp_path), progress=False)
+  assert [r["step"] for r in result["ppo_metrics"]] == [1, 2]
+  assert sorted(int(s) for s in os.listdir(os.path.join(str(tmp_path), "checkpoints"))
+                if s.isdigit()) == [1, 2]  # checkpoints do not depend on log.every
 
 
 def test_bad_config_names_the_field(tmp_path):
@@ -90,6 +230,12 @@ def test_bad_config_names_the_field(tmp_path):
   config.stages.infer.mesh = dict(data=3)
   with pytest.raises(ValueError, match="stages.infer.mesh"):
     train(config, str(tmp_path / "mesh"), progress=False)
+  config = tiny()
+  config.runtime.num_devices = 9
+  with pytest.raises(ValueError, match=r"runtime.num_devices=9 but only 8 devices"):
+    train(config, str(tmp_path / "devices"), progress=False)
+  # All of these fail before any data are built.
+  assert not os.path.exists(os.path.join(str(tmp_path), "mesh", "data"))
 
 
 @REWARD_FUNCTIONS.register("test_letter_a_fraction")

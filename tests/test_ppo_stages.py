@@ -23,7 +23,8 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage, make_optimizer
+from pipe_rlhf_jax.optim import make_optimizer
+from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage
 
 VOCAB = 64
 BATCH, PROMPT, COMPLETION = 8, 5, 8

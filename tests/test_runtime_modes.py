@@ -3,14 +3,17 @@
 import _thread
 import json
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from configs import quickstart  # noqa: E402
+from metric_helpers import assert_metrics_close  # noqa: E402
 
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
+from pipe_rlhf_jax.runtime.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
 # Quantities whose value depends on wall time or on the schedule, not on the mathematics.
@@ -34,16 +37,8 @@ def math_metrics(records):
 
 
 def assert_same_math(expected, actual):
-  """Continuous metrics at rtol 1e-4 / atol 1e-5. Clip fractions count tokens past a
-  threshold, so a rounding-level difference can move one token across it: they may
-  differ by up to 2 tokens' worth (0.02 of ~100 tokens per minibatch)."""
-  assert len(expected) == len(actual)
-  for a, b in zip(math_metrics(expected), math_metrics(actual)):
-    assert a.keys() == b.keys()
-    for key in a:
-      if isinstance(a[key], float):
-        atol = 0.02 if key.endswith("clip_frac") else 1e-5
-        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=atol, err_msg=key)
+  """Continuous metrics at rtol 1e-4 / atol 1e-5 (clip fractions: see the helper)."""
+  assert_metrics_close(math_metrics(expected), math_metrics(actual), rtol=1e-4, atol=1e-5)
 
 
 def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
@@ -60,16 +55,39 @@ def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
   assert_same_math(seq, pipe)
 
 
-def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path):
+_BATCH_1_HAS_WEIGHTS = threading.Event()
+
+
+@REWARD_FUNCTIONS.register("test_slow_until_batch_1_has_weights")
+def _slow_until_batch_1_has_weights(prompts, completions):
+  # A slow first reward: batch 0 cannot be trained (so version 1 cannot exist) before the
+  # generator has taken its weights for batch 1, which must therefore be version 0.
+  _BATCH_1_HAS_WEIGHTS.wait(timeout=300)
+  return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
+
+
+def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypatch):
+  _BATCH_1_HAS_WEIGHTS.clear()
+  acquire = StalenessGate.acquire
+
+  def acquire_and_tell(self, batch_index, *args, **kwargs):
+    out = acquire(self, batch_index, *args, **kwargs)
+    if batch_index == 1:
+      _BATCH_1_HAS_WEIGHTS.set()
+    return out
+
+  monkeypatch.setattr(StalenessGate, "acquire", acquire_and_tell)
   config = tiny("pipe", pipelined=True, max_staleness=1)
   config.ppo.steps = 6
   config.ppo.loss = "decoupled_ppo_clip"  # the off-policy objective stale rollouts need
+  config.reward.fn = "test_slow_until_batch_1_has_weights"
   result = train(config, str(tmp_path), progress=False)
   tracer = result["tracer"]
   # Generation of batch k+1 ran while batch k was in inference or training.
   assert tracer.overlap("generate", "train") + tracer.overlap("generate", "infer") > 0
   lags = [r["staleness/actor"] for r in result["ppo_metrics"]]
   assert max(lags) <= 1 and min(lags) >= 0
+  assert lags[0] == 0 and lags[1] == 1  # a lag of 1 was used, not only allowed
   # Decoupled objective: behaviour importance weights are reported and capped.
   assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result["ppo_metrics"])
   trace = json.load(open(os.path.join(str(tmp_path), "trace.json")))

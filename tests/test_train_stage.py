@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from pipe_rlhf_jax.system.modes import BadStepGuard
-from pipe_rlhf_jax.stages.train import apply_if_finite, make_optimizer
+from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer
 
 
 def test_nan_gradient_leaves_params_and_optimizer_untouched():

@@ -11,10 +11,11 @@ split=...)` (random access, what grain consumes) or `BuiltDataset.source(split)`
 How, and why this way: TFDS 4.9.10 prepares `GeneratorBasedBuilder`s without
 TensorFlow when every feature is numpy-encodable (Text and Scalar are) and the file
 format is array_record; we checked this with `import tensorflow` failing in the venv.
-Two details make it work outside a TFDS dataset package:
+Three details make it work outside a TFDS dataset package:
 
-* `_info` returns `tfds.core.DatasetInfo(builder=self, ...)` directly, because
-  `dataset_info_from_configs` wants the package's metadata files;
+* `_info` returns a `tfds.core.DatasetInfo(builder=self, ...)` directly, because
+  `dataset_info_from_configs` wants the package's metadata files; its subclass skips
+  the lookup of published metadata on the TFDS bucket (which leaves a temp folder);
 * builder classes are made per dataset name with `skip_registration=True`, so any
   number of names can be built in one process. Readers do not need the class: TFDS
   rebuilds a read-only builder from the files in the dataset directory;
@@ -46,6 +47,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data import task as task_lib
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator
 
@@ -104,6 +106,18 @@ def _builder_class(name: str, kind: str):
   """A GeneratorBasedBuilder subclass writing pre-validated records of one dataset."""
   import tensorflow_datasets as tfds
 
+  class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """DatasetInfo of a dataset that exists only locally.
+
+    Before a dataset's first build TFDS calls `initialize_from_bucket`, which makes a
+    `tempfile.mkdtemp("tfds")` folder for metadata published on the TFDS GCS bucket and
+    never deletes it: one `tmp*tfds` folder in the system temp dir per build (dozens
+    per test run). Our datasets are never published there, so there is nothing to fetch.
+    """
+
+    def initialize_from_bucket(self) -> None:
+      pass
+
   class _JsonlBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     VERSION = tfds.core.Version(VERSION)
     # The base class derives a checksums path from the defining package; for a class
@@ -119,7 +133,7 @@ def _builder_class(name: str, kind: str):
       super().__init__(**kwargs)
 
     def _info(self):
-      return tfds.core.DatasetInfo(
+      return _LocalDatasetInfo(
           builder=self,
           description=f"RLHF {kind} records from JSONL (pipe_rlhf_jax.data.builders).",
           features=_features(kind),
@@ -291,8 +305,7 @@ def make_task_datasets(
      "demos": BuiltDataset (split "train"),
      "prefs": BuiltDataset (splits "train", "eval")}.
   """
-  if num_eval < 1:
-    raise ValueError(f"num_eval must be >= 1 (the eval splits need records), got {num_eval}.")
+  check_int(num_eval, "num_eval", hint=" The eval splits need records.")
   data_dir = os.fspath(data_dir)
   jsonl_dir = os.path.join(data_dir, f"{prefix}_jsonl")
   config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data.builders import load_source, make_task_datasets
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, PROMPT_FIELDS, RecordValidator
 
@@ -92,13 +93,10 @@ class _Pipeline:
   ):
     import grain
 
-    for arg, value in (("batch_size", batch_size), ("prompt_len", prompt_len)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{arg} must be a positive int, got {value!r}.")
-    if completion_len is not None and completion_len < 1:
-      raise ValueError(f"completion_len must be a positive int, got {completion_len!r}.")
-    if num_epochs is not None and num_epochs < 1:
-      raise ValueError(f"num_epochs must be >= 1 or None (forever), got {num_epochs}.")
+    check_int(batch_size, "batch_size")
+    check_int(prompt_len, "prompt_len")
+    check_int(completion_len, "completion_len", allow_none=True)
+    check_int(num_epochs, "num_epochs", allow_none=True, hint=" None repeats forever.")
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
     self.tokenizer = tokenizer

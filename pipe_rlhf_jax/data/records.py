@@ -27,6 +27,8 @@ import json
 import logging
 from typing import Any, Iterator, Mapping, Sequence
 
+from pipe_rlhf_jax.checks import check_int
+
 _log = logging.getLogger(__name__)
 
 # Fields holding prompt text; every other required field is a completion.
@@ -77,8 +79,7 @@ class RecordValidator:
       raise ValueError(f"on_overlong must be one of {_OVERLONG_POLICIES}, got {on_overlong!r}.")
     for name, value in (("max_prompt_tokens", max_prompt_tokens),
                         ("max_completion_tokens", max_completion_tokens)):
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1 or None, got {value}.")
+      check_int(value, name, allow_none=True)
     self.required_fields = tuple(required_fields)
     self.max_prompt_tokens = max_prompt_tokens
     self.max_completion_tokens = max_completion_tokens

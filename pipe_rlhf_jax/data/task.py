@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
+
 DEFAULT_ALPHABET = "abcdefgh"
 PROMPT_PREFIX = "rev "
 PROMPT_SUFFIX = "="
@@ -144,8 +146,7 @@ def make_task_records(
   _check_args(alphabet, min_len, max_len, demo_noise, length_noise)
   for name, n in (("num_prompts", num_prompts), ("num_demos", num_demos),
                   ("num_pairs", num_pairs), ("num_eval", num_eval)):
-    if n < 0:
-      raise ValueError(f"{name} must be >= 0, got {n}.")
+    check_int(n, name, low=0)
   space = sum(len(alphabet) ** n for n in range(min_len, max_len + 1))
   if num_eval > space // 2:
     raise ValueError(

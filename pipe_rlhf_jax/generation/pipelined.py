@@ -9,20 +9,30 @@ stage in lock-step ticks. The work of stage s at tick t is the closed form of
 micro-batch (t - s) % W in pass (t - s) // W; pass 0 is the prefill of the whole
 prompt, passes 1..T-1 are one-token decode steps, micro-batch ids >= M are bubbles.
 
-Per tick, each stage:
-  1. stage 0 absorbs the ring message from stage P-1 (the token just sampled for some
-     micro-batch and which of its rows are done) into a per-micro-batch buffer;
-  2. runs its layers on (micro-batch, pass) under `lax.cond` (bubbles, finished
-     micro-batches and ticks outside the stage's window skip all compute): stage 0
-     embeds the prompt (pass 0) or the micro-batch's latest token, every stage updates
-     its own KV cache `[M, local_layers, mb, P + T, kv_heads, head_dim]`, and stage
-     P-1 applies the head, `sampling_logprobs`, and draws with
-     `token_keys(rng, sample_ids_of_mb, pass)` (via `sampler.next_tokens`), so tokens
-     equal the plain sampler's for the same rng;
-  3. sends one message round the ring with `lax.ppermute`: activations to s + 1, and
-     from P-1 the new token (plus row-done flags) back to stage 0. A `valid` flag in the
-     message says whether the sender really ran; receivers never use invalid payloads,
-     which the NaN-poisoning test checks.
+Per tick, each stage runs five documented functions over an explicit `LoopState`
+(`tick` composes them; `Stage` holds what is read-only for the whole call):
+  1. `absorb`: stage 0 takes in the ring message from stage P-1 (the token just
+     sampled for some micro-batch and which of its rows are done);
+  2. `compute`: the stage's layers on (micro-batch, pass) under `lax.cond` (bubbles,
+     finished micro-batches and ticks outside the stage's window skip all compute):
+     stage 0 embeds the prompt (pass 0) or the micro-batch's latest token, and every
+     layer writes its k/v straight into the stage's cache (`stage_layers`);
+  3. `sample`: stage P-1 applies the head and draws (`draw_token`: the plain
+     sampler's `next_tokens`, i.e. `sampling_logprobs` and
+     `token_keys(rng, sample_ids_of_mb, pass)`), so tokens equal the plain sampler's
+     for the same rng;
+  4. `record`: stage P-1 writes the token, its log-prob and mask with the plain
+     sampler's EOS rules (`record_tokens`); every stage logs what it ran;
+  5. `send`: one message round the ring with `lax.ppermute`: activations to s + 1,
+     and from P-1 the new token (plus row-done flags) back to stage 0. A `valid` flag
+     in the message says whether the sender really ran; receivers never use invalid
+     payloads, which the NaN-poisoning test checks.
+
+KV cache: `[layers, M, mb, P_len + T, kv_heads, head_dim]` on the logical axes
+`CACHE_AXES` (layers -> 'pipe', kv_heads -> 'tensor' under the generate rules). Inside
+a stage it is viewed as `[local_layers * M, mb, ...]` (a free reshape), so layer l of
+micro-batch m is row `l * M + m`: the model's per-layer block updates that row in
+place, and no tick copies a micro-batch's cache out or back.
 
 Prefill vs decode shapes: the prefill passes all happen in the first M + P - 1 ticks
 (stage s prefills at ticks s .. s + M - 1). Those ticks run in a first segment whose
@@ -43,14 +53,15 @@ copies of a pipeline belong on separate meshes. Parameters are placed with the
 generate stage's rules ('layers' -> 'pipe'); the batch must divide into M
 micro-batches (ValueError otherwise, no implicit padding).
 
-Known cost: each tick slices its micro-batch's local cache out of the `[M, ...]` cache
-and writes it back (the model's `Layers` takes a per-batch cache), i.e. about two extra
-passes over that micro-batch's cache per tick, the same order as attention's own read.
-
 The executed schedule (which (micro-batch, pass) each stage really ran per tick; -1
 where it idled, -2 on ticks the loop never reached after an early exit) is returned
 alongside the output so it can be compared with `schedule.delayed_schedule` and its
 utilisation.
+
+Entry point: `pipelined_generate` (`prepare_pipelined` is its validate-and-look-up
+half, for callers that time compilation). Everything that depends only on the model
+structure, mesh and rules (config, parameter shardings and shard_map specs) and on the
+static plan (the jitted shard_map program) is built once and cached under those keys.
 """
 
 from __future__ import annotations
@@ -62,21 +73,27 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.generation.sampler import (GenerationOutput, SamplingParams,
                                               check_prompts, completion_key_mask,
                                               next_tokens, record_tokens)
-from pipe_rlhf_jax.models.transformer import (KVCache, default_positions, param_axes)
+from pipe_rlhf_jax.models.transformer import KVCache, default_positions, param_axes
 from pipe_rlhf_jax.parallel.logical import (STAGE_RULES, check_divisible,
-                                            is_logical_leaf, tree_shardings)
+                                            is_logical_leaf, logical_sharding,
+                                            logical_to_spec, tree_shardings)
 
 PIPE = "pipe"
 # Executed-schedule marker for ticks the decode loop never reached because every
 # micro-batch had already finished (idle ticks that did run are sched.BUBBLE = -1).
 NOT_REACHED = -2
+# Logical axes of the pipeline's KV cache (k and v alike), resolved by the same rules
+# as the parameters: 'layers' -> 'pipe' keeps each stage's cache with its layers and
+# 'kv_heads' -> 'tensor' splits it like the k/v projections.
+# [layers, M, mb, slots, kv_heads, head_dim]
+CACHE_AXES = ("layers", "microbatches", "cache_batch", "cache_length", "kv_heads",
+              "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +125,11 @@ class PipelinePlan:
     return self.batch // self.num_microbatches
 
   @property
+  def slots(self) -> int:
+    """KV cache slots: the prompt then one per completion token."""
+    return self.prompt_len + self.params.max_new_tokens
+
+  @property
   def width(self) -> int:
     return sched.ring_width(self.num_stages, self.num_microbatches)
 
@@ -137,11 +159,15 @@ class Message(NamedTuple):
   valid: jax.Array
 
 
-class Carry(NamedTuple):
-  """Per-stage loop state (all arrays are the stage's local blocks)."""
+class LoopState(NamedTuple):
+  """Everything one stage carries from tick to tick (its local blocks).
 
-  cache_k: jax.Array  # [M, local_layers, mb, slots, kv_heads, head_dim]
-  cache_v: jax.Array
+  The cache is kept flat over (local layer, micro-batch) so a layer's k/v update for
+  one micro-batch is a single in-place `dynamic_update_slice` at row
+  `layer * M + microbatch`, never a copy of the micro-batch's slice.
+  """
+
+  cache: KVCache  # k, v: [local_layers * M, mb, slots, kv_heads, head_dim]
   msg: Message  # received at the end of the previous tick
   last_token: jax.Array  # int32 [M, mb]: stage 0's next input token per micro-batch
   done_rows: jax.Array  # bool [M, mb]: rows that emitted EOS (as this stage knows)
@@ -153,156 +179,324 @@ class Carry(NamedTuple):
   all_done: jax.Array  # bool []: every micro-batch finished (psum'd per chunk)
 
 
-def _stage_body(graphdef, plan: PipelinePlan, state, prompt_tokens, prompt_mask,
-                sample_ids, rng, cache_k, cache_v):
-  """The per-stage program run under shard_map (manual over 'pipe')."""
-  model = nnx.merge(graphdef, state)
-  config = model.config
-  params = plan.params
-  num_stages, num_mb, mb = plan.num_stages, plan.num_microbatches, plan.microbatch
-  steps, plen = params.max_new_tokens, plan.prompt_len
-  stage = jax.lax.axis_index(PIPE)
-  is_first, is_last = stage == 0, stage == num_stages - 1
+class Slot(NamedTuple):
+  """One stage's scheduled work at one tick (`schedule.delayed_slot`)."""
 
-  prompts = prompt_tokens.reshape(num_mb, mb, plen)
-  pmask = prompt_mask.reshape(num_mb, mb, plen)
-  ids = sample_ids.reshape(num_mb, mb)
-  key_masks = completion_key_mask(prompt_mask, steps).reshape(num_mb, mb, plen + steps)
-  prompt_positions = default_positions(pmask)  # [M, mb, P_len]
-  num_real = jnp.sum(pmask.astype(jnp.int32), axis=-1)  # [M, mb]
-  embed_dim = config.embed_dim
-  dtype = config.compute_dtype
-  poison = plan.poison_bubbles
+  microbatch: jax.Array  # int32 [], clipped into [0, M) (meaningless unless active)
+  step: jax.Array  # int32 [] pass: 0 = prefill, k >= 1 = decode of token k
+  active: jax.Array  # bool []: not a bubble / fill / drain tick
 
-  def idle_message(length):
-    fill = jnp.nan if poison else 0.0
-    return Message(h=jnp.full((mb, length, embed_dim), fill, dtype),
-                   token=jnp.full((mb,), -1 if poison else 0, jnp.int32),
-                   rows_done=jnp.full((mb,), poison, bool),
-                   valid=jnp.zeros((), bool))
 
-  def compute(ck, cv, h_in, last_tok, mbi, step, length, prefill):
-    """Stage work on micro-batch `mbi`, pass `step`: embedding (stage 0) and layers.
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """The read-only context of one stage for a whole call (closed over, not carried).
 
-    Returns the new cache slices, the outgoing activations [mb, length, embed] and the
-    residual stream at the last query position [mb, 1, embed] (for the head).
-    """
-    if prefill:
-      x = jax.lax.cond(is_first, lambda: model.embed(prompts[mbi]), lambda: h_in)
-      positions, slot = prompt_positions[mbi], 0
-    else:
-      x = jax.lax.cond(is_first, lambda: model.embed(last_tok[:, None]),
-                       lambda: h_in[:, :1])
-      positions = (num_real[mbi] + step - 1)[:, None]
-      slot = plen + step - 1
-    h, cache = model.layers(x, positions, key_masks[mbi], KVCache(ck, cv), slot)
-    h_last = h[:, -1:]  # left padding: the last prompt slot is every row's last token
-    if h.shape[1] != length:  # a decode step inside the padded (prefill) segment
-      h = jnp.pad(h, ((0, 0), (0, length - h.shape[1]), (0, 0)))
-    return cache.k, cache.v, h, h_last
+  Built once per call inside the shard_map body; the prompt-derived arrays are
+  reshaped per micro-batch so a tick only indexes them.
+  """
 
-  def tick(carry: Carry, t, length, prefill_possible):
-    mbi, step, active = sched.delayed_slot(t, stage, num_stages, num_mb, steps)
-    mbi = jnp.clip(mbi, 0, num_mb - 1).astype(jnp.int32)
-    step = step.astype(jnp.int32)
-    msg = carry.msg
+  plan: PipelinePlan
+  model: Any  # the merged nnx Transformer (this stage's local layers)
+  index: jax.Array  # int32 [] this stage's position on the 'pipe' axis
+  prompts: jax.Array  # int32 [M, mb, P_len]
+  positions: jax.Array  # int32 [M, mb, P_len] RoPE positions of the prompt
+  key_masks: jax.Array  # bool [M, mb, slots]
+  num_real: jax.Array  # int32 [M, mb] real prompt tokens per row
+  sample_ids: jax.Array  # int32 [M, mb] global ids: they pick the random keys
+  rng: jax.Array
 
-    # 1. Stage 0 takes in the token that stage P-1 sampled at t - 1 (if it ran).
-    prev_mb, _, _ = sched.delayed_slot(t - 1, num_stages - 1, num_stages, num_mb, steps)
-    prev_mb = jnp.clip(prev_mb, 0, num_mb - 1)
-    absorb = is_first & msg.valid
-    last_token = jnp.where(absorb, carry.last_token.at[prev_mb].set(msg.token),
-                           carry.last_token)
-    done_rows = jnp.where(absorb & ~is_last,
-                          carry.done_rows.at[prev_mb].set(msg.rows_done),
-                          carry.done_rows)
+  @property
+  def is_first(self) -> jax.Array:
+    return self.index == 0
 
-    # 2. Run this stage's slot: stage 0 unless the micro-batch finished; later stages
-    # exactly when their predecessor ran the same (micro-batch, pass) at t - 1.
-    mb_done = jnp.all(done_rows[mbi])
-    run = active & jnp.where(is_first, ~mb_done, msg.valid)
+  @property
+  def is_last(self) -> jax.Array:
+    return self.index == self.plan.num_stages - 1
 
-    def work(operands):
-      cache_k, cache_v = operands
-      ck, cv = cache_k[mbi], cache_v[mbi]
-      args = (ck, cv, msg.h, last_token[mbi], mbi, step, length)
-      if prefill_possible:
-        ck, cv, h, h_last = jax.lax.cond(
-            step == 0, lambda: compute(*args, prefill=True),
-            lambda: compute(*args, prefill=False))
-      else:
-        ck, cv, h, h_last = compute(*args, prefill=False)
-      return cache_k.at[mbi].set(ck), cache_v.at[mbi].set(cv), h, h_last
+  def slot(self, tick, stage) -> Slot:
+    plan = self.plan
+    mb, step, active = sched.delayed_slot(tick, stage, plan.num_stages,
+                                          plan.num_microbatches,
+                                          plan.params.max_new_tokens)
+    return Slot(jnp.clip(mb, 0, plan.num_microbatches - 1).astype(jnp.int32),
+                step.astype(jnp.int32), active)
 
-    def skip(operands):
-      idle = idle_message(length)
-      return (*operands, idle.h, idle.h[:, :1])
+  def idle_message(self, length: int) -> Message:
+    """The message of a stage that did not run (NaN / -1 / all-done when poisoned)."""
+    poison = self.plan.poison_bubbles
+    config = self.model.config
+    return Message(
+        h=jnp.full((self.plan.microbatch, length, config.embed_dim),
+                   jnp.nan if poison else 0.0, config.compute_dtype),
+        token=jnp.full((self.plan.microbatch,), -1 if poison else 0, jnp.int32),
+        rows_done=jnp.full((self.plan.microbatch,), poison, bool),
+        valid=jnp.zeros((), bool))
 
-    cache_k, cache_v, h_out, h_last = jax.lax.cond(
-        run, work, skip, (carry.cache_k, carry.cache_v))
 
-    # The last stage applies the head and draws (one copy of it for both pass kinds).
-    def draw(h_last):
-      logits = model.head(h_last)[:, 0]  # [mb, vocab]
-      return next_tokens(logits, rng, ids[mbi], step, params)
+# ---------------------------------------------------------------------------
+# The parts of one tick, in order: absorb, compute, sample, record, send.
+# ---------------------------------------------------------------------------
 
-    tokens, logprobs = jax.lax.cond(
-        run & is_last, draw,
-        lambda _: (jnp.zeros((mb,), jnp.int32), jnp.zeros((mb,), jnp.float32)), h_last)
 
-    # The last stage records the draw with the same EOS rules as the plain sampler.
-    recorded = record_tokens(carry.out_tokens[mbi], carry.out_logprobs[mbi],
-                             carry.out_mask[mbi], done_rows[mbi], step, tokens,
-                             logprobs, params)
-    commit = run & is_last
-    out_tokens, out_logprobs, out_mask, done_rows = (
-        jnp.where(commit, buf.at[mbi].set(new), buf) for buf, new in zip(
-            (carry.out_tokens, carry.out_logprobs, carry.out_mask, done_rows),
-            recorded))
+def absorb(stage: Stage, state: LoopState) -> LoopState:
+  """Stage 0 takes in the ring message from stage P-1: the token it sampled at tick
+  t - 1 (and which rows of that micro-batch are done), if it really ran."""
+  prev = stage.slot(state.tick - 1, stage.plan.num_stages - 1).microbatch
+  take = stage.is_first & state.msg.valid
+  last_token = state.last_token.at[prev].set(
+      jnp.where(take, state.msg.token, state.last_token[prev]))
+  # With P = 1 stage 0 is the last stage and `record` already updated its flags.
+  take_done = take & ~stage.is_last
+  done_rows = state.done_rows.at[prev].set(
+      jnp.where(take_done, state.msg.rows_done, state.done_rows[prev]))
+  return state._replace(last_token=last_token, done_rows=done_rows)
 
-    executed = carry.executed.at[t].set(
-        jnp.where(run, jnp.stack([mbi, step]), sched.BUBBLE).astype(jnp.int32))
 
-    # 3. One ring hop: activations to s + 1, the fresh token from P-1 to stage 0.
-    out_msg = Message(h=h_out, token=jnp.where(run, tokens, -1 if poison else 0),
-                      rows_done=done_rows[mbi], valid=run)
-    if poison:
-      out_msg = out_msg._replace(h=jnp.where(run, out_msg.h, jnp.nan),
-                                 rows_done=jnp.where(run, out_msg.rows_done, True))
-    perm = [(i, (i + 1) % num_stages) for i in range(num_stages)]
-    out_msg = jax.lax.ppermute(out_msg, PIPE, perm)
-    return Carry(cache_k, cache_v, out_msg, last_token, done_rows, out_tokens,
-                 out_logprobs, out_mask, executed, t + 1, carry.all_done)
+def should_run(stage: Stage, state: LoopState, slot: Slot) -> jax.Array:
+  """Stage 0 runs its slot unless the micro-batch has finished; later stages run
+  exactly when their predecessor ran the same (micro-batch, pass) at t - 1."""
+  mb_done = jnp.all(state.done_rows[slot.microbatch])
+  return slot.active & jnp.where(stage.is_first, ~mb_done, state.msg.valid)
 
-  def run_scan(carry, count, length, prefill_possible):
-    """Plain scan over the first `count` ticks: the prefill segment."""
-    def body(c, _):
-      return tick(c, c.tick, length, prefill_possible), None
-    carry, _ = jax.lax.scan(body, carry, None, length=count)
-    return carry
 
-  def run_chunked(carry, stop, length, prefill_possible):
-    """while_loop over chunks of ticks, leaving once every micro-batch is done."""
-    chunk = plan.chunk_ticks
+def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCache,
+                 microbatch: jax.Array, first_slot) -> tuple[jax.Array, KVCache]:
+  """This stage's layers on one micro-batch, its k/v written into the cache in place.
 
-    def cond(c: Carry):
-      return (c.tick < stop) & ~c.all_done
+  The model's own `Layers.__call__` (so the numbers are the plain sampler's), with each
+  layer addressing the flat cache at row `layer * M + microbatch`: one
+  `dynamic_update_slice` writes there, and that row is read as the keys/values.
 
-    def body(c: Carry):
-      def one(c, _):
-        return tick(c, c.tick, length, prefill_possible), None
-      c, _ = jax.lax.scan(one, c, None, length=chunk)
-      # Only the last stage knows every micro-batch's fate first-hand.
-      mine = jnp.where(is_last, jnp.all(c.done_rows), False).astype(jnp.int32)
-      return c._replace(all_done=jax.lax.psum(mine, PIPE) > 0)
+  Args:
+    x: [mb, length, embed] residual stream entering the stage.
+    positions: int32 [mb, length] RoPE positions of the queries.
+    cache: k, v [local_layers * M, mb, slots, kv_heads, head_dim].
+    microbatch: int32 [] which micro-batch's rows to use.
+    first_slot: cache slot of the first query; queries occupy [slot, slot + length).
 
-    return jax.lax.while_loop(cond, body, carry)
+  Returns:
+    The residual stream after the stage's layers [mb, length, embed], the cache.
+  """
+  return stage.model.layers(x, positions, stage.key_masks[microbatch], cache, first_slot,
+                            cache_stride=stage.plan.num_microbatches,
+                            cache_offset=microbatch)
 
-  carry = Carry(
-      cache_k=cache_k, cache_v=cache_v, msg=idle_message(plen),
+
+def compute(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, length: int,
+            prefill_possible: bool) -> tuple[KVCache, jax.Array, jax.Array]:
+  """The stage's work on (micro-batch, pass) under `lax.cond(run)`.
+
+  Stage 0 embeds the prompt (pass 0) or the micro-batch's latest token; other stages
+  take the received activations. Idle stages skip all compute and emit the idle
+  message's activations.
+
+  Args:
+    length: ring message length (P_len in the prefill segment, else 1).
+    prefill_possible: this segment can hold pass 0 (then `lax.cond` picks the
+      prefill or the decode shape on `step == 0`).
+
+  Returns:
+    The cache, the outgoing activations [mb, length, embed], and the residual stream
+    at the last query position [mb, 1, embed] (what the head reads).
+  """
+  plan, model = stage.plan, stage.model
+  mb = slot.microbatch
+  h_in = state.msg.h
+
+  def prefill(cache):
+    x = jax.lax.cond(stage.is_first, lambda: model.embed(stage.prompts[mb]),
+                     lambda: h_in)
+    h, cache = stage_layers(stage, x, stage.positions[mb], cache, mb, 0)
+    # Left padding: the last prompt column is every row's last token.
+    return cache, h, h[:, -1:]
+
+  def decode(cache):
+    x = jax.lax.cond(stage.is_first,
+                     lambda: model.embed(state.last_token[mb][:, None]),
+                     lambda: h_in[:, :1])
+    fed = slot.step - 1  # the token drawn at pass step - 1 sits at its own slot
+    positions = (stage.num_real[mb] + fed)[:, None]  # [mb, 1]
+    h, cache = stage_layers(stage, x, positions, cache, mb, plan.prompt_len + fed)
+    # A decode step inside the padded (prefill) segment fills only column 0.
+    padded = jnp.pad(h, ((0, 0), (0, length - 1), (0, 0))) if length != 1 else h
+    return cache, padded, h
+
+  def work(cache):
+    if prefill_possible:
+      return jax.lax.cond(slot.step == 0, prefill, decode, cache)
+    return decode(cache)
+
+  def skip(cache):
+    idle = stage.idle_message(length).h
+    return cache, idle, idle[:, :1]
+
+  return jax.lax.cond(run, work, skip, state.cache)
+
+
+def draw_token(stage: Stage, h_last: jax.Array, slot: Slot
+               ) -> tuple[jax.Array, jax.Array]:
+  """The last stage's head and draw: token `step` of each row and its log-prob.
+
+  `next_tokens` applies `sampling_logprobs` and draws with
+  `token_keys(rng, sample_ids, step)`, exactly as the plain sampler does.
+
+  Args:
+    h_last: [mb, 1, embed] residual stream at the last query position.
+
+  Returns:
+    int32 tokens [mb] and their f32 log-probs [mb] under the sampling distribution.
+  """
+  logits = stage.model.head(h_last)[:, 0]  # [mb, vocab]
+  return next_tokens(logits, stage.rng, stage.sample_ids[slot.microbatch], slot.step,
+                     stage.plan.params)
+
+
+def sample(stage: Stage, h_last: jax.Array, slot: Slot, run: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`draw_token` on the last stage when it ran; zeros elsewhere (no head compute).
+
+  Returns:
+    (commit bool [], tokens int32 [mb], logprobs f32 [mb]); `commit` says the draw is
+    real and must be recorded.
+  """
+  mb = stage.plan.microbatch
+  commit = run & stage.is_last
+  tokens, logprobs = jax.lax.cond(
+      commit, lambda h: draw_token(stage, h, slot),
+      lambda h: (jnp.zeros((mb,), jnp.int32), jnp.zeros((mb,), jnp.float32)), h_last)
+  return commit, tokens, logprobs
+
+
+def record(stage: Stage, state: LoopState, slot: Slot, run: jax.Array,
+           commit: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> LoopState:
+  """Bookkeeping: the last stage writes column `step` of its micro-batch's outputs
+  with the plain sampler's EOS rules (`record_tokens`), updating which rows are done;
+  every stage notes what it ran in the executed schedule."""
+  mb = slot.microbatch
+  old = (state.out_tokens[mb], state.out_logprobs[mb], state.out_mask[mb],
+         state.done_rows[mb])  # [mb, T] x 3, [mb]
+  new = record_tokens(*old[:3], old[3], slot.step, tokens, logprobs, stage.plan.params)
+  out_tokens, out_logprobs, out_mask, done_rows = (
+      buf.at[mb].set(jnp.where(commit, n, o))
+      for buf, n, o in zip((state.out_tokens, state.out_logprobs, state.out_mask,
+                            state.done_rows), new, old))
+  ran = jnp.where(run, jnp.stack([mb, slot.step]), sched.BUBBLE).astype(jnp.int32)
+  return state._replace(out_tokens=out_tokens, out_logprobs=out_logprobs,
+                        out_mask=out_mask, done_rows=done_rows,
+                        executed=state.executed.at[state.tick].set(ran))
+
+
+def send(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, h_out: jax.Array,
+         tokens: jax.Array) -> Message:
+  """One ring hop: activations to stage s + 1, the fresh token (and its micro-batch's
+  done rows) from stage P-1 back to stage 0. Returns the message this stage receives."""
+  poison = stage.plan.poison_bubbles
+  msg = Message(h=h_out, token=jnp.where(run, tokens, -1 if poison else 0),
+                rows_done=state.done_rows[slot.microbatch], valid=run)
+  if poison:
+    msg = msg._replace(h=jnp.where(run, msg.h, jnp.nan),
+                       rows_done=jnp.where(run, msg.rows_done, True))
+  num_stages = stage.plan.num_stages
+  ring = [(i, (i + 1) % num_stages) for i in range(num_stages)]
+  # One collective per tick, not one per field: every ppermute is a rendezvous of
+  # all stages, so the four fields travel as one byte buffer.
+  return _unpack(jax.lax.ppermute(_pack(msg), PIPE, ring), msg)
+
+
+def _pack(msg: Message) -> jax.Array:
+  """The message's fields, bit for bit, as one flat uint8 buffer."""
+  as_bytes = lambda x: jax.lax.bitcast_convert_type(
+      x.astype(jnp.uint8) if x.dtype == bool else x, jnp.uint8).reshape(-1)
+  return jnp.concatenate([as_bytes(x) for x in msg])
+
+
+def _unpack(buffer: jax.Array, like: Message) -> Message:
+  """Inverse of `_pack`, with `like` giving each field's shape and dtype."""
+  fields, offset = [], 0
+  for x in like:
+    if x.dtype == bool:
+      fields.append(buffer[offset:offset + x.size].reshape(x.shape).astype(bool))
+      offset += x.size
+      continue
+    width = x.dtype.itemsize
+    chunk = buffer[offset:offset + x.size * width]
+    shape = (*x.shape, width) if width > 1 else x.shape
+    fields.append(jax.lax.bitcast_convert_type(chunk.reshape(shape), x.dtype))
+    offset += x.size * width
+  return Message(*fields)
+
+
+def tick(stage: Stage, state: LoopState, length: int, prefill_possible: bool
+         ) -> LoopState:
+  """One lock-step tick of this stage: absorb, compute, sample, record, send."""
+  state = absorb(stage, state)
+  slot = stage.slot(state.tick, stage.index)
+  run = should_run(stage, state, slot)
+  cache, h_out, h_last = compute(stage, state, slot, run, length, prefill_possible)
+  commit, tokens, logprobs = sample(stage, h_last, slot, run)
+  state = record(stage, state._replace(cache=cache), slot, run, commit, tokens,
+                 logprobs)
+  msg = send(stage, state, slot, run, h_out, tokens)
+  return state._replace(msg=msg, tick=state.tick + 1)
+
+
+# ---------------------------------------------------------------------------
+# The tick loops and the per-stage program.
+# ---------------------------------------------------------------------------
+
+
+def run_ticks(stage: Stage, state: LoopState, count: int, length: int,
+              prefill_possible: bool) -> LoopState:
+  """A plain scan over the next `count` ticks (the prefill segment)."""
+  def body(s, _):
+    return tick(stage, s, length, prefill_possible), None
+  return jax.lax.scan(body, state, None, length=count)[0]
+
+
+def run_until_done(stage: Stage, state: LoopState, stop: int, length: int,
+                   prefill_possible: bool) -> LoopState:
+  """while_loop over chunks of `chunk_ticks` ticks up to tick `stop`, leaving once
+  every micro-batch is done (one psum over 'pipe' per chunk, not per tick)."""
+  def cond(s: LoopState):
+    return (s.tick < stop) & ~s.all_done
+
+  def body(s: LoopState):
+    s = run_ticks(stage, s, stage.plan.chunk_ticks, length, prefill_possible)
+    # Only the last stage knows every micro-batch's fate first-hand.
+    mine = jnp.where(stage.is_last, jnp.all(s.done_rows), False).astype(jnp.int32)
+    return s._replace(all_done=jax.lax.psum(mine, PIPE) > 0)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def stage_program(graphdef, plan: PipelinePlan, state, prompt_tokens, prompt_mask,
+                  sample_ids, rng, cache_k, cache_v):
+  """The per-stage program run under shard_map (manual over 'pipe').
+
+  Args:
+    state: the model's parameters (this stage's slice of the layers).
+    prompt_tokens, prompt_mask: [B, P_len]; sample_ids: [B]; rng: key.
+    cache_k, cache_v: this stage's zeroed cache [local_layers, M, mb, slots, kv, hd].
+
+  Returns:
+    ((tokens, logprobs, mask) each [1, M, mb, T], executed [ticks, 1, 2]).
+  """
+  num_mb, mb = plan.num_microbatches, plan.microbatch
+  steps, plen = plan.params.max_new_tokens, plan.prompt_len
+  per_mb = lambda x: x.reshape(num_mb, mb, *x.shape[1:])
+  stage = Stage(
+      plan=plan, model=nnx.merge(graphdef, state), index=jax.lax.axis_index(PIPE),
+      prompts=per_mb(prompt_tokens), positions=per_mb(default_positions(prompt_mask)),
+      key_masks=per_mb(completion_key_mask(prompt_mask, steps)),
+      num_real=per_mb(jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)),
+      sample_ids=per_mb(sample_ids), rng=rng)
+  # Merging (layer, micro-batch) is a free reshape of the contiguous leading dims.
+  flat = lambda c: c.reshape(-1, *c.shape[2:])  # [local_layers * M, mb, slots, kv, hd]
+  state = LoopState(
+      cache=KVCache(flat(cache_k), flat(cache_v)), msg=stage.idle_message(plen),
       last_token=jnp.zeros((num_mb, mb), jnp.int32),
       done_rows=jnp.zeros((num_mb, mb), bool),
-      out_tokens=jnp.full((num_mb, mb, steps), params.pad_id, jnp.int32),
+      out_tokens=jnp.full((num_mb, mb, steps), plan.params.pad_id, jnp.int32),
       out_logprobs=jnp.zeros((num_mb, mb, steps), jnp.float32),
       out_mask=jnp.zeros((num_mb, mb, steps), bool),
       executed=jnp.full((plan.total_ticks + plan.chunk_ticks, 2), NOT_REACHED,
@@ -310,16 +504,15 @@ def _stage_body(graphdef, plan: PipelinePlan, state, prompt_tokens, prompt_mask,
       tick=jnp.zeros((), jnp.int32), all_done=jnp.zeros((), bool))
 
   if plan.split_segments:
-    carry = run_scan(carry, plan.prefill_ticks, plen, True)
+    state = run_ticks(stage, state, plan.prefill_ticks, plen, True)
     if plan.total_ticks > plan.prefill_ticks:
-      msg = carry.msg
-      carry = carry._replace(msg=msg._replace(h=msg.h[:, :1]))
-      carry = run_chunked(carry, plan.total_ticks, 1, False)
+      state = state._replace(msg=state.msg._replace(h=state.msg.h[:, :1]))
+      state = run_until_done(stage, state, plan.total_ticks, 1, False)
   else:
-    carry = run_chunked(carry, plan.total_ticks, plen, True)
+    state = run_until_done(stage, state, plan.total_ticks, plen, True)
 
-  executed = carry.executed[:plan.total_ticks][:, None]  # [ticks, 1, 2]
-  outputs = (carry.out_tokens[None], carry.out_logprobs[None], carry.out_mask[None])
+  executed = state.executed[:plan.total_ticks][:, None]  # [ticks, 1, 2]
+  outputs = (state.out_tokens[None], state.out_logprobs[None], state.out_mask[None])
   return outputs, executed
 
 
@@ -328,51 +521,65 @@ def _pipe_only_spec(axes) -> P:
   return P(*(PIPE if name == "layers" else None for name in axes))
 
 
-@functools.lru_cache(maxsize=64)
-def _build(graphdef, plan: PipelinePlan, mesh, state_specs_key, cache_shape,
-           cache_dtype):
-  """Jits the whole pipelined generation for one (model structure, plan, mesh)."""
-  state_specs = state_specs_key.tree
-  # The cache lives where its stage is: layers over 'pipe', kv heads over 'tensor'
-  # (the model's own k/v projections are split that way).
-  tensor = mesh.shape.get("tensor", 1)
-  kv_axis = "tensor" if tensor > 1 and cache_shape[4] % tensor == 0 else None
-  cache_sharding = NamedSharding(mesh, P(None, PIPE, None, None, kv_axis, None))
-  cache_spec = P(None, PIPE)
+class _Layout(NamedTuple):
+  """What a (model structure, mesh, rules) fixes, computed once per key: the model
+  config, the parameters' logical axes, their shardings and their shard_map specs."""
 
-  body = functools.partial(_stage_body, graphdef, plan)
+  config: Any
+  axes: Any
+  shardings: Any
+  specs: Any
+
+
+_LAYOUTS: dict[Any, _Layout] = {}
+
+
+def _layout(graphdef, state, mesh, rules) -> _Layout:
+  """The `_Layout` of (graphdef, mesh, rules), merged and derived only on a miss."""
+  key = (graphdef, mesh, rules)
+  if key not in _LAYOUTS:
+    abstract = nnx.merge(graphdef, state)
+    axes = param_axes(abstract)
+    _LAYOUTS[key] = _Layout(
+        config=abstract.config, axes=axes, shardings=tree_shardings(mesh, axes, rules),
+        specs=jax.tree.map(_pipe_only_spec, axes, is_leaf=is_logical_leaf))
+  return _LAYOUTS[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _build(graphdef, plan: PipelinePlan, mesh, rules):
+  """Jits the whole pipelined generation for one (model structure, plan, mesh, rules).
+
+  Cached, so repeated calls with the same static settings reuse one jitted (and,
+  after the first call, compiled) function.
+  """
+  layout = _LAYOUTS[(graphdef, mesh, rules)]
+  config = layout.config
+  cache_shape = (config.num_layers, plan.num_microbatches, plan.microbatch, plan.slots,
+                 config.num_kv_heads, config.head_dim)
+  cache_sharding = logical_sharding(mesh, CACHE_AXES, rules)
+  cache_spec = _pipe_only_spec(CACHE_AXES)
+
   mapped = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(state_specs, P(), P(), P(), P(), cache_spec, cache_spec),
+      functools.partial(stage_program, graphdef, plan), mesh=mesh,
+      in_specs=(layout.specs, P(), P(), P(), P(), cache_spec, cache_spec),
       out_specs=((P(PIPE), P(PIPE), P(PIPE)), P(None, PIPE)),
       axis_names=frozenset({PIPE}), check_vma=False)
 
   def run(state, prompt_tokens, prompt_mask, sample_ids, rng):
+    # Created inside the jit, so the cache is never a host-visible buffer.
     zeros = lambda: jax.lax.with_sharding_constraint(
-        jnp.zeros(cache_shape, cache_dtype), cache_sharding)
+        jnp.zeros(cache_shape, config.compute_dtype), cache_sharding)
     (tokens, logprobs, mask), executed = mapped(
         state, prompt_tokens, prompt_mask, sample_ids, rng, zeros(), zeros())
     # Only the last stage's buffers hold results: [P, M, mb, T] -> [B, T].
-    batch = plan.batch
-    tokens, logprobs, mask = (x[-1].reshape(batch, -1) for x in (tokens, logprobs, mask))
+    tokens, logprobs, mask = (x[-1].reshape(plan.batch, -1)
+                              for x in (tokens, logprobs, mask))
     num_steps = jnp.max(jnp.sum(mask.astype(jnp.int32), axis=1))
     return GenerationOutput(tokens=tokens, logprobs=logprobs, mask=mask,
                             num_steps=num_steps), executed
 
   return jax.jit(run)
-
-
-class _SpecsKey:
-  """Hashable wrapper for the per-parameter shard_map specs (by model structure)."""
-
-  def __init__(self, tree, key):
-    self.tree, self._key = tree, key
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __eq__(self, other):
-    return isinstance(other, _SpecsKey) and self._key == other._key
 
 
 def _resolve_model(model, args):
@@ -493,35 +700,29 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
   prompt_tokens, prompt_mask, sample_ids = check_prompts(prompt_tokens, prompt_mask,
                                                          sample_ids)
   batch, prompt_len = prompt_tokens.shape
-  abstract = nnx.merge(graphdef, state)
-  config = abstract.config
+  rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
+                for name, axes in (rules if rules is not None else STAGE_RULES["generate"]))
+  if dict(rules).get("layers") != PIPE:
+    raise ValueError("rules must map 'layers' to 'pipe' for pipelined generation, "
+                     f"got layers -> {dict(rules).get('layers')!r}")
+  layout = _layout(graphdef, state, mesh, rules)
+  config = layout.config
   if config.head != "lm":
     raise ValueError("pipelined_generate needs a Transformer with head='lm'")
   sched.validate_pipeline_config(config.num_layers, num_stages, num_microbatches, batch,
                                  field_prefix="generate")
-  rules = tuple(rules) if rules is not None else STAGE_RULES["generate"]
-  if dict(rules).get("layers") != PIPE:
-    raise ValueError("rules must map 'layers' to 'pipe' for pipelined generation, "
-                     f"got layers -> {dict(rules).get('layers')!r}")
+  check_divisible(state, layout.axes, mesh, rules)
+  logical_to_spec(CACHE_AXES, rules, mesh)  # every cache axis has a rule
   width = sched.ring_width(num_stages, num_microbatches)
   chunk = width if chunk_ticks is None else int(chunk_ticks)
   if chunk < 1:
     raise ValueError(f"chunk_ticks must be >= 1, got {chunk_ticks!r}")
 
-  axes = param_axes(abstract)
-  state = nnx.state(abstract)
-  check_divisible(state, axes, mesh, rules)
-  state = jax.device_put(state, tree_shardings(mesh, axes, rules))
-  specs = jax.tree.map(_pipe_only_spec, axes, is_leaf=is_logical_leaf)
-  key = (graphdef, jax.tree.structure(state),
-         tuple(str(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
   plan = PipelinePlan(num_stages=num_stages, num_microbatches=int(num_microbatches),
                       batch=batch, prompt_len=prompt_len, params=params,
                       chunk_ticks=chunk, split_segments=bool(split_segments),
                       poison_bubbles=bool(poison_bubbles))
-  cache_shape = (plan.num_microbatches, config.num_layers, plan.microbatch,
-                 prompt_len + params.max_new_tokens, config.num_kv_heads,
-                 config.head_dim)
-  fn = _build(graphdef, plan, mesh, _SpecsKey(specs, key), cache_shape,
-              config.compute_dtype)
+  # A no-op when the parameters already live where the rules put them.
+  state = jax.device_put(state, layout.shardings)
+  fn = _build(graphdef, plan, mesh, rules)
   return PreparedPipeline(fn, (state, prompt_tokens, prompt_mask, sample_ids, rng), plan)

@@ -157,6 +157,7 @@ class Layers(nnx.Module):
 
   def __call__(self, h: jax.Array, positions: jax.Array, key_mask: jax.Array,
                cache: KVCache | None = None, slot: jax.Array | int = 0,
+               cache_stride: int = 1, cache_offset: jax.Array | int = 0,
                ) -> tuple[jax.Array, KVCache | None]:
     """Applies every (local) layer in order.
 
@@ -170,12 +171,16 @@ class Layers(nnx.Module):
       cache: optional KV cache for the local layers, [local_layers, batch, slots, ...].
       slot: the cache slot of the first query token; the queries occupy
         [slot, slot + length).
+      cache_stride, cache_offset: local layer i reads and writes cache row
+        `i * cache_stride + cache_offset` (default: row i). The pipelined decoder keeps
+        all its micro-batches' caches in one array, [local_layers * M, mb, ...], and
+        addresses micro-batch m with stride M and offset m, in place.
 
     Returns:
       The residual stream after the local layers, and the updated cache (or None).
     """
     c = self.config
-    params = {name: getattr(self, name).value for name in self.param_names()}
+    params = {name: getattr(self, name).get_value() for name in self.param_names()}
     cos, sin = rope_tables(c, positions)
     length = h.shape[1]
     keys = key_mask.shape[1]
@@ -188,8 +193,8 @@ class Layers(nnx.Module):
     def block(carry, xs):
       h, cache_k, cache_v = carry
       p, index = xs
-      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v, index,
-                                        slot)
+      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v,
+                                        index * cache_stride + cache_offset, slot)
       return (h, cache_k, cache_v), None
 
     if c.remat != "none":
@@ -275,19 +280,19 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """[batch, length] int -> [batch, length, embed] in the compute dtype."""
-    h = jnp.take(self.embedding.value, tokens, axis=0).astype(self.config.compute_dtype)
+    h = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.config.compute_dtype)
     return constrain(h, ("batch", "length", "embed"))
 
   def head(self, h: jax.Array) -> jax.Array:
     """Final norm and head: [batch, length, embed] -> logits [.., vocab] or scalars."""
     c = self.config
-    x = rms_norm(h, self.final_norm.value, c.norm_eps)
+    x = rms_norm(h, self.final_norm.get_value(), c.norm_eps)
     dt = c.compute_dtype
     if c.head == "lm":
-      kernel = (self.embedding.value.T if c.tie_embeddings else self.lm_head.value)
+      kernel = (self.embedding.get_value().T if c.tie_embeddings else self.lm_head.get_value())
       logits = jnp.einsum("ble,ev->blv", x, kernel.astype(dt)).astype(jnp.float32)
       return constrain(logits, ("batch", "length", "vocab"))
-    out = jnp.einsum("ble,eo->blo", x, self.scalar_head.value.astype(dt))
+    out = jnp.einsum("ble,eo->blo", x, self.scalar_head.get_value().astype(dt))
     return out[..., 0].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 LOGICAL_AXES: tuple[str, ...] = (
     "batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-    "layers")
+    "layers", "microbatches", "cache_batch", "cache_length")
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -35,6 +35,10 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 #    row-parallel out), one all-reduce per block.
 #  * layers -> pipe gives each pipeline stage its contiguous slice of the stacked
 #    layer axis.
+#  * KV caches (the pipelined decoder's [layers, microbatches, cache_batch,
+#    cache_length, kv_heads, head_dim]) follow their layers and kv heads; every stage
+#    keeps all of its micro-batches, the cache's rows split like the batch, and the
+#    slots stay whole because every decode step writes one of them.
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -45,6 +49,9 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("layers", "pipe"),
+    ("microbatches", None),
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_length", None),
 )
 
 # Training runs the whole layer stack every step (forward + backward), so slicing

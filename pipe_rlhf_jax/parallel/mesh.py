@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from pipe_rlhf_jax.checks import check_int
+
 # Tensor is innermost so tensor-parallel peers are neighbouring device ids, which
 # on real hardware share the fastest links (same host / NVLink island). Pipe sits
 # just outside it: stage-to-stage traffic is point-to-point and small per tick.
@@ -120,8 +122,7 @@ class MeshShape:
     if num_devices is None:
       import jax  # Local: keep module import free of backend initialisation.
       num_devices = jax.device_count()
-    if num_devices < 1:
-      raise ValueError(f"num_devices must be >= 1 for {field}, got {num_devices}")
+    check_int(num_devices, f"num_devices (for {field})")
 
     wildcards = [key for key, value in sizes.items() if value == -1]
     if len(wildcards) > 1:
@@ -197,9 +198,7 @@ def split_devices(devices: Sequence[Any],
   """
   devices = list(devices)
   for name, size in sizes.items():
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-      raise ValueError(
-          f"device count for {name!r} must be a positive int, got {size!r}")
+    check_int(size, f"device count for {name!r}")
   total = sum(int(s) for s in sizes.values())
   if total > len(devices):
     listing = " + ".join(f"{name}={size}" for name, size in sizes.items())

@@ -19,8 +19,7 @@ from pipe_rlhf_jax.metrics import ProgressBar, to_python
 from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          sequence_scores)
-from pipe_rlhf_jax.stages.train import (apply_if_finite, make_optimizer,
-                                        optimizer_shardings)
+from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 
 
 def sft_loss(graphdef: nnx.GraphDef) -> Callable:
@@ -91,7 +90,7 @@ def fit(loss_fn: Callable, params: nnx.State, layout: StageLayout,
     with layout.rules_context():
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
       params, opt_state, ok = apply_if_finite(tx, params, opt_state, grads, loss)
-      return params, opt_state, {**aux, "grad_norm": optax.global_norm(grads),
+      return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads),
                                  "bad_update": 1.0 - ok.astype(jnp.float32)}
 
   step = jax.jit(step, donate_argnums=(0, 1),

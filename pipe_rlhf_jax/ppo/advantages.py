@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 
 
-def _as_f32_mask(mask: jax.Array, like: jax.Array, name: str = "mask") -> jax.Array:
+def as_f32_mask(mask: jax.Array, like: jax.Array, name: str = "mask") -> jax.Array:
   """Checks `mask` has the shape of `like` and returns it as float32 0/1."""
   mask = jnp.asarray(mask)
   if mask.shape != jnp.shape(like):
@@ -25,7 +25,7 @@ def _as_f32_mask(mask: jax.Array, like: jax.Array, name: str = "mask") -> jax.Ar
   return mask.astype(jnp.float32)
 
 
-def _check_2d(name: str, x: jax.Array) -> jax.Array:
+def check_2d(name: str, x: jax.Array) -> jax.Array:
   x = jnp.asarray(x, jnp.float32)
   if x.ndim != 2:
     raise ValueError(
@@ -42,7 +42,7 @@ def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
   `inf` log-ratios) cannot leak into the result.
   """
   x = jnp.asarray(x, jnp.float32)
-  m = _as_f32_mask(mask, x)
+  m = as_f32_mask(mask, x)
   return jnp.sum(jnp.where(m > 0, x, 0.0), axis=axis)
 
 
@@ -58,7 +58,7 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     The masked mean, float32; 0 where no position is valid (an all-padding row or batch).
   """
   x = jnp.asarray(x, jnp.float32)
-  m = _as_f32_mask(mask, x)
+  m = as_f32_mask(mask, x)
   count = jnp.sum(m, axis=axis)
   return masked_sum(x, m, axis=axis) / jnp.maximum(count, 1.0)
 
@@ -94,7 +94,7 @@ def whiten(
     float32 array shaped like `x`, 0 on padded positions.
   """
   x = jnp.asarray(x, jnp.float32)
-  m = _as_f32_mask(mask, x)
+  m = as_f32_mask(mask, x)
   mean = masked_mean(x, m)
   var = masked_var(x, m)
   out = (x - mean) * jax.lax.rsqrt(var + eps)
@@ -135,14 +135,14 @@ def gae(
   Returns:
     (advantages, returns), each f32 [batch, length], 0 on padding.
   """
-  rewards = _check_2d("rewards", rewards)
-  values = _check_2d("values", values)
+  rewards = check_2d("rewards", rewards)
+  values = check_2d("values", values)
   if rewards.shape != values.shape:
     raise ValueError(
         f"`rewards` {rewards.shape} and `values` {values.shape} must have the same "
         "[batch, length] shape."
     )
-  m = _as_f32_mask(mask, rewards)
+  m = as_f32_mask(mask, rewards)
   gamma = jnp.asarray(gamma, jnp.float32)
   lam = jnp.asarray(lam, jnp.float32)
 

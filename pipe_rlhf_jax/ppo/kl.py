@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipe_rlhf_jax.ppo.advantages import _as_f32_mask, _check_2d
+from pipe_rlhf_jax.ppo.advantages import as_f32_mask, check_2d
 from pipe_rlhf_jax.ppo.registry import KL_ESTIMATORS
 
 
@@ -55,14 +55,14 @@ def kl_penalty(
     f32 [batch, length], 0 on padded positions.
   """
   fn = KL_ESTIMATORS.get(estimator, field="ppo.kl_estimator")
-  logprobs = _check_2d("logprobs", logprobs)
-  ref_logprobs = _check_2d("ref_logprobs", ref_logprobs)
+  logprobs = check_2d("logprobs", logprobs)
+  ref_logprobs = check_2d("ref_logprobs", ref_logprobs)
   if logprobs.shape != ref_logprobs.shape:
     raise ValueError(
         f"`logprobs` {logprobs.shape} and `ref_logprobs` {ref_logprobs.shape} must "
         "have the same shape."
     )
-  m = _as_f32_mask(mask, logprobs) > 0
+  m = as_f32_mask(mask, logprobs) > 0
   # Feed zeros on padding so an overflowing estimate there (k3 of garbage) is neither
   # produced nor able to poison gradients through the `where`.
   kl = fn(jnp.where(m, logprobs, 0.0), jnp.where(m, ref_logprobs, 0.0))
@@ -101,8 +101,8 @@ def shape_rewards(
     f32 [batch, length]; the score lands on each row's last valid token, rows with no
     valid token get 0 everywhere.
   """
-  kl = _check_2d("kl", kl)
-  m = _as_f32_mask(mask, kl) > 0
+  kl = check_2d("kl", kl)
+  m = as_f32_mask(mask, kl) > 0
   scores = jnp.asarray(scores, jnp.float32)
   if scores.shape != kl.shape[:1]:
     raise ValueError(

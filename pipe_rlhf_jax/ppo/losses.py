@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from pipe_rlhf_jax.ppo.advantages import (
-    _as_f32_mask,
-    _check_2d,
+    as_f32_mask,
+    check_2d,
     masked_mean,
     masked_var,
 )
@@ -86,11 +86,11 @@ def policy_loss(
         "`behaviour_weight_cap` was given without `behaviour_logprobs`; pass the "
         "behaviour log-probs or drop the cap."
     )
-  logprobs = _check_2d("logprobs", logprobs)
-  old_logprobs = jax.lax.stop_gradient(_check_2d("old_logprobs", old_logprobs))
-  advantages = jax.lax.stop_gradient(_check_2d("advantages", advantages))
+  logprobs = check_2d("logprobs", logprobs)
+  old_logprobs = jax.lax.stop_gradient(check_2d("old_logprobs", old_logprobs))
+  advantages = jax.lax.stop_gradient(check_2d("advantages", advantages))
   _same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages)
-  valid = _as_f32_mask(mask, logprobs) > 0
+  valid = as_f32_mask(mask, logprobs) > 0
 
   # Zero the log-ratio on padding before exp so garbage there cannot overflow or send
   # NaN gradients back through the `where`.
@@ -109,7 +109,7 @@ def policy_loss(
 
   if behaviour_logprobs is not None:
     behaviour_logprobs = jax.lax.stop_gradient(
-        _check_2d("behaviour_logprobs", behaviour_logprobs)
+        check_2d("behaviour_logprobs", behaviour_logprobs)
     )
     _same_shape("logprobs", logprobs, behaviour_logprobs=behaviour_logprobs)
     weight = jnp.exp(jnp.where(valid, old_logprobs - behaviour_logprobs, 0.0))
@@ -204,11 +204,11 @@ def value_loss(
   """
   if isinstance(clip_eps, (int, float)) and not clip_eps > 0:
     raise ValueError(f"value `clip_eps` must be > 0, got {clip_eps}.")
-  values = _check_2d("values", values)
-  old_values = jax.lax.stop_gradient(_check_2d("old_values", old_values))
-  returns = jax.lax.stop_gradient(_check_2d("returns", returns))
+  values = check_2d("values", values)
+  old_values = jax.lax.stop_gradient(check_2d("old_values", old_values))
+  returns = jax.lax.stop_gradient(check_2d("returns", returns))
   _same_shape("values", values, old_values=old_values, returns=returns)
-  valid = _as_f32_mask(mask, values) > 0
+  valid = as_f32_mask(mask, values) > 0
 
   clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
   err_unclipped = jnp.square(values - returns)

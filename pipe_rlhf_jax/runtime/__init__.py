@@ -1,7 +1,8 @@
 """Host-side runtime for running PPO stages concurrently.
 
 Owns the generic, model-free pieces: bounded queues between stages, the
-worker thread group, versioned weight hand-off with the staleness bound, and
+worker thread group, versioned weight hand-off with the staleness bound, the
+one interruptible deadline wait they share (waiting.py), and
 timeline tracing. Importing this package does not import jax or matplotlib.
 """
 

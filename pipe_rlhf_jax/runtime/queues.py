@@ -12,8 +12,10 @@ from __future__ import annotations
 import collections
 import queue as _queue
 import threading
-import time
 from typing import Any, Iterator
+
+from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.runtime.waiting import deadline_after, wait_until
 
 DEFAULT_POLL_S = 0.05
 
@@ -61,10 +63,7 @@ class BoundedQueue:
       stop_event: threading.Event | None = None,
       poll_s: float = DEFAULT_POLL_S,
   ):
-    if not isinstance(maxsize, int) or maxsize < 1:
-      raise ValueError(
-          f"BoundedQueue {name!r}: maxsize must be an int >= 1, got {maxsize!r}."
-      )
+    check_int(maxsize, f"BoundedQueue {name!r}: maxsize")
     if poll_s <= 0:
       raise ValueError(f"BoundedQueue {name!r}: poll_s must be > 0, got {poll_s!r}.")
     self.maxsize = maxsize
@@ -155,28 +154,20 @@ class BoundedQueue:
       QueueClosed: the queue is closed or stop was requested.
       queue.Full: `timeout` elapsed with the queue still full.
     """
-    deadline = None if timeout is None else time.perf_counter() + timeout
+    def has_space() -> bool:
+      self._check_stop(stop_event, "put")
+      if self._closed:
+        raise QueueClosed(f"queue {self.name!r} is closed; cannot put")
+      return len(self._items) < self.maxsize
+
+    def count_blocked(seconds: float | None) -> None:
+      self._put_blocked_s += seconds or 0.0
+
     with self._not_full:
-      t0 = None
-      try:
-        while True:
-          self._check_stop(stop_event, "put")
-          if self._closed:
-            raise QueueClosed(f"queue {self.name!r} is closed; cannot put")
-          if len(self._items) < self.maxsize:
-            break
-          if t0 is None:
-            t0 = time.perf_counter()
-          wait = self.poll_s
-          if deadline is not None:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-              raise _queue.Full(f"queue {self.name!r} still full after {timeout}s")
-            wait = min(wait, remaining)
-          self._not_full.wait(wait)
-      finally:
-        if t0 is not None:
-          self._put_blocked_s += time.perf_counter() - t0
+      wait_until(self._not_full, has_space, deadline=deadline_after(timeout),
+                 poll_s=self.poll_s, on_done=count_blocked,
+                 on_timeout=lambda: _queue.Full(
+                     f"queue {self.name!r} still full after {timeout}s"))
       self._items.append(item)
       self._num_put += 1
       self._high_water = max(self._high_water, len(self._items))
@@ -200,28 +191,22 @@ class BoundedQueue:
       QueueClosed: closed and drained, or stop was requested.
       queue.Empty: `timeout` elapsed with the queue still empty.
     """
-    deadline = None if timeout is None else time.perf_counter() + timeout
+    def has_item() -> bool:
+      self._check_stop(stop_event, "get")
+      if self._items:
+        return True
+      if self._closed:  # closed queues still hand out what they hold
+        raise QueueClosed(f"queue {self.name!r} is closed and drained")
+      return False
+
+    def count_blocked(seconds: float | None) -> None:
+      self._get_blocked_s += seconds or 0.0
+
     with self._not_empty:
-      t0 = None
-      try:
-        while True:
-          self._check_stop(stop_event, "get")
-          if self._items:
-            break
-          if self._closed:
-            raise QueueClosed(f"queue {self.name!r} is closed and drained")
-          if t0 is None:
-            t0 = time.perf_counter()
-          wait = self.poll_s
-          if deadline is not None:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-              raise _queue.Empty(f"queue {self.name!r} still empty after {timeout}s")
-            wait = min(wait, remaining)
-          self._not_empty.wait(wait)
-      finally:
-        if t0 is not None:
-          self._get_blocked_s += time.perf_counter() - t0
+      wait_until(self._not_empty, has_item, deadline=deadline_after(timeout),
+                 poll_s=self.poll_s, on_done=count_blocked,
+                 on_timeout=lambda: _queue.Empty(
+                     f"queue {self.name!r} still empty after {timeout}s"))
       item = self._items.popleft()
       self._num_get += 1
       self._not_full.notify()

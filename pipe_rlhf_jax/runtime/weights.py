@@ -14,10 +14,10 @@ training by that many batches.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
+from pipe_rlhf_jax.runtime.waiting import deadline_after, wait_until
 
 DEFAULT_POLL_S = 0.05
 
@@ -141,36 +141,28 @@ class VersionedWeights:
       WeightsClosed: stop_event set or `close()` called before it arrived.
       TimeoutError: `timeout` elapsed first.
     """
-    deadline = None if timeout is None else time.perf_counter() + timeout
-    t0 = time.perf_counter()
-    blocked = False
+    def arrived() -> bool:
+      if self._version is not None and self._version >= min_version:
+        return True
+      if stop_event is not None and stop_event.is_set():
+        raise WeightsClosed(f"wait_for(version >= {min_version}) abandoned: stop requested")
+      if self._closed:
+        raise WeightsClosed(f"wait_for(version >= {min_version}) abandoned: store closed")
+      return False
+
+    def count_wait(seconds: float | None) -> None:
+      self._num_waits += 1
+      self._num_blocked_waits += int(seconds is not None)
+      self._wait_s += seconds or 0.0
+      self._max_wait_s = max(self._max_wait_s, seconds or 0.0)
+
     with self._cond:
-      try:
-        while self._version is None or self._version < min_version:
-          if stop_event is not None and stop_event.is_set():
-            raise WeightsClosed(
-                f"wait_for(version >= {min_version}) abandoned: stop requested")
-          if self._closed:
-            raise WeightsClosed(
-                f"wait_for(version >= {min_version}) abandoned: store closed")
-          wait = self.poll_s
-          if deadline is not None:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-              raise TimeoutError(
-                  f"wait_for(version >= {min_version}) timed out after {timeout}s; "
-                  f"latest version is {self._version}."
-              )
-            wait = min(wait, remaining)
-          blocked = True
-          self._cond.wait(wait)
-        return self._params, self._version
-      finally:
-        waited = time.perf_counter() - t0 if blocked else 0.0
-        self._num_waits += 1
-        self._num_blocked_waits += int(blocked)
-        self._wait_s += waited
-        self._max_wait_s = max(self._max_wait_s, waited)
+      wait_until(self._cond, arrived, deadline=deadline_after(timeout), poll_s=self.poll_s,
+                 on_done=count_wait,
+                 on_timeout=lambda: TimeoutError(
+                     f"wait_for(version >= {min_version}) timed out after {timeout}s; "
+                     f"latest version is {self._version}."))
+      return self._params, self._version
 
   def close(self) -> None:
     """Wakes all waiters with `WeightsClosed`; publishes are refused after."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -31,11 +32,6 @@ STAGES = ("generate", "infer", "train")
 def _plain(node: Any) -> Any:
   """A ConfigDict / mapping as a plain dict (leaves untouched)."""
   return node.to_dict() if hasattr(node, "to_dict") else dict(node)
-
-
-def _check_int(value: Any, field: str, low: int = 1) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < low:
-    raise ValueError(f"{field}={value!r} must be an integer >= {low}.")
 
 
 def _check_number(value: Any, field: str, *, allow_zero: bool = False,
@@ -117,10 +113,10 @@ class PPOConfig:
     # Importing ppo/ registers the built-in estimators and losses.
     from pipe_rlhf_jax.ppo import registry
     f = "ppo."
-    _check_int(self.steps, f + "steps")
+    check_int(self.steps, f + "steps")
     for name in ("batch_size", "minibatch_size", "epochs", "max_bad_steps"):
-      _check_int(getattr(self, name), f + name)
-    _check_int(self.warmup_steps, f + "warmup_steps", low=0)
+      check_int(getattr(self, name), f + name)
+    check_int(self.warmup_steps, f + "warmup_steps", low=0)
     for name in ("actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
                  "kl_target", "kl_horizon", "behaviour_weight_cap"):
       _check_number(getattr(self, name), f + name)
@@ -202,7 +198,7 @@ class StagePlan:
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
     _check_choice(self.attention, "attention", ATTENTION_IMPLS)
     _check_choice(self.remat, "remat", REMAT_POLICIES)
-    _check_int(self.logits_chunk, "logits_chunk", low=0)
+    check_int(self.logits_chunk, "logits_chunk", low=0)
 
   def execution(self) -> dict[str, Any]:
     """The model execution fields this stage sets (`models.transformer.with_execution`)."""
@@ -262,17 +258,17 @@ class RuntimeConfig:
 
   def __post_init__(self):
     _check_choice(self.mode, "runtime.mode", MODES)
-    _check_int(self.max_staleness, "runtime.max_staleness", low=0)
-    _check_int(self.queue_size, "runtime.queue_size")
+    check_int(self.max_staleness, "runtime.max_staleness", low=0)
+    check_int(self.queue_size, "runtime.queue_size")
     _check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
     if self.mode == "pipe":
       if self.placement is None or len(self.placement) != len(STAGES):
         raise ValueError(f"runtime.placement must give device counts for {STAGES} in "
                          f"pipe mode, got {self.placement}.")
       for stage, count in zip(STAGES, self.placement):
-        _check_int(count, f"runtime.placement.{stage}")
+        check_int(count, f"runtime.placement.{stage}")
     for stage in STAGES:
-      _check_int(self.stage(stage).num_microbatches, f"stages.{stage}.num_microbatches")
+      check_int(self.stage(stage).num_microbatches, f"stages.{stage}.num_microbatches")
     if self.mode != "sequential" and self.train.mesh.pipe not in (1,):
       raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
                        "whole; fold those devices into fsdp or data.")

@@ -32,8 +32,8 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import (ActorCriticState, PPOHyper, TrainStage,
-                                        make_optimizer)
+from pipe_rlhf_jax.optim import make_optimizer
+from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 
 
@@ -137,9 +137,12 @@ def _shapes(state: nnx.State) -> Any:
 def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
                      runtime: RuntimeConfig) -> None:
   """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
+  # Micro-batches split generation only when it is pipelined (pipe > 1).
+  pipelined = layouts["generate"].mesh.shape.get("pipe", 1) > 1
   for stage in STAGES:
     ways = layouts[stage].batch_ways()
-    per_call = batch_size // runtime.num_microbatches if stage == "generate" else batch_size
+    per_call = (batch_size // runtime.num_microbatches if stage == "generate" and pipelined
+                else batch_size)
     if per_call % ways:
       field = "mesh" if runtime.mode == "sequential" else f"stages.{stage}.mesh"
       what = (f"ppo.batch_size={batch_size} / stages.generate.num_microbatches="
