@@ -23,7 +23,8 @@ from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
 from pipe_rlhf_jax.planner import hardware, memory, space
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
-from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage, make_optimizer
+from pipe_rlhf_jax.optim import make_optimizer
+from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
 
