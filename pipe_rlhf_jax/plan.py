@@ -58,6 +58,11 @@ def workload_from_flags(config):
       reward_model=config.reward.fn == "model")
 
 
+def _name(plan) -> str:
+  """The plan's one-line form plus what it omits (the training stage's remat)."""
+  return f"{plan}" + (f" remat={plan.train.remat}" if plan.train.remat != "none" else "")
+
+
 def _gib(x: float) -> str:
   return f"{x / 2 ** 30:.2f}"
 
@@ -87,11 +92,11 @@ def main(argv):
     pc = c.cost
     print(f"{rank:>2}  {c.step_time:9.4g}  {pc.stage('generate'):8.3g}  "
           f"{pc.stage('infer'):8.3g}  {pc.stage('train'):8.3g}  {pc.sync:7.2g}  "
-          f"{_gib(max(c.memory.values())):>7}  {c.bottleneck:>10}  {c.plan}")
+          f"{_gib(max(c.memory.values())):>7}  {c.bottleneck:>10}  {_name(c.plan)}")
   if _SHOW_REJECTED.value:
     print(f"\nrejected ({len(rejected)}):")
     for c in rejected[:max(_TOP.value, 20)]:
-      print(f"  {c.plan}: {c.rejected}")
+      print(f"  {_name(c.plan)}: {c.rejected}")
   if not best:
     print("no plan fits; see --show_rejected.")
     return 1
