@@ -220,7 +220,13 @@ def _format_ids(ids: list[int]) -> str:
 
 
 def describe(mesh) -> str:
-  """Short one-line description, e.g. 'data=2 fsdp=1 pipe=1 tensor=4 on devices [0..7]'."""
+  """Short one-line description, e.g. 'data=2 fsdp=1 pipe=1 tensor=4 on devices [0..7]'.
+
+  An abstract mesh (a plan being checked, no devices yet) is described by its axes alone.
+  """
+  from jax.sharding import AbstractMesh
   axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
+  if isinstance(mesh, AbstractMesh):
+    return axes
   ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
   return f"{axes} on devices {_format_ids(ids)}"

@@ -29,7 +29,7 @@ from flax import nnx
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
-from pipe_rlhf_jax.parallel.mesh import MESH_AXES
+from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan
@@ -126,7 +126,7 @@ class PlanLayout(StageLayout):
       logical.check_divisible(state, axes, self.mesh, self.rules)
     except ValueError as e:
       raise ValueError(f"{field}: the model does not fit this stage's mesh "
-                       f"({system._describe(self.mesh)}): {e}") from None
+                       f"({describe(self.mesh)}): {e}") from None
 
 
 def abstract_layouts(runtime: RuntimeConfig, num_devices: int) -> dict[str, PlanLayout]:

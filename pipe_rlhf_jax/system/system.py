@@ -85,13 +85,6 @@ def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout
           for s, (shape, rules, subset) in shapes.items()}
 
 
-def _describe(mesh) -> str:
-  """`describe(mesh)`, or the axis sizes alone for an abstract mesh (a plan: no devices)."""
-  if isinstance(mesh, jax.sharding.AbstractMesh):
-    return " ".join(f"{name}={size}" for name, size in mesh.shape.items())
-  return describe(mesh)
-
-
 def check_fits(layouts: dict[str, StageLayout], actor, critic) -> None:
   """Raises naming the stage's mesh field when a model cannot be split over it.
 
@@ -149,7 +142,7 @@ def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
               f"{runtime.num_microbatches}" if per_call != batch_size
               else f"ppo.batch_size={batch_size}")
       raise ValueError(f"{what} does not split over the {ways} batch shards of the "
-                       f"{stage} stage ({_describe(layouts[stage].mesh)}); make it a "
+                       f"{stage} stage ({describe(layouts[stage].mesh)}); make it a "
                        f"multiple of {ways}, or give {field} fewer data/fsdp devices.")
 
 
