@@ -115,6 +115,35 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:
+  """`x [..., *in] @ w [*in, *out]` computed as one 2-D matmul `[tokens, in] x [in, out]`.
+
+  Why not `jnp.einsum("ble,ef->blf", ...)`: XLA:CPU lowers the weight gradient of a
+  3-D einsum through a loop fusion that transposes the `[batch, length, out]` cotangent
+  element by element, and that fusion took longer than the matmuls themselves (the
+  backward pass ran at 8x the forward's time instead of 2x; see the README's performance
+  notes). Flattening the token dimensions first gives plain row-major matmuls in both
+  passes. The reshapes merge a sharded leading dimension with unsharded ones, which keeps
+  every `batch` / `heads` / `mlp` sharding.
+
+  Args:
+    x: [..., *in] activations.
+    w: [*in, *out] weights, `num_in` contracting dimensions first.
+    num_in: how many trailing dimensions of `x` (leading of `w`) are contracted.
+
+  Returns:
+    [..., *out].
+  """
+  in_shape, out_shape = w.shape[:num_in], w.shape[num_in:]
+  if tuple(x.shape[x.ndim - num_in:]) != tuple(in_shape):
+    raise ValueError(f"dense: input {x.shape} does not end with the weight's input "
+                     f"dimensions {in_shape}.")
+  lead = x.shape[:x.ndim - num_in]
+  fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
+  y = x.reshape(math.prod(lead), fan_in) @ w.reshape(fan_in, fan_out)
+  return y.reshape(*lead, *out_shape)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm computed in f32, scaled in the input dtype (matches HF LLaMA / Qwen2)."""
   xf = x.astype(jnp.float32)
@@ -221,9 +250,9 @@ class Layers(nnx.Module):
     groups = c.num_heads // c.num_kv_heads
 
     x = rms_norm(h, w["attn_norm"], c.norm_eps)
-    q = jnp.einsum("ble,ehd->blhd", x, w["q_proj"])  # [batch, length, heads, head_dim]
-    k = jnp.einsum("ble,ekd->blkd", x, w["k_proj"])  # [batch, length, kv_heads, head_dim]
-    v = jnp.einsum("ble,ekd->blkd", x, w["v_proj"])
+    q = dense(x, w["q_proj"])  # [batch, length, heads, head_dim]
+    k = dense(x, w["k_proj"])  # [batch, length, kv_heads, head_dim]
+    v = dense(x, w["v_proj"])
     if c.qkv_bias:
       q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
@@ -243,16 +272,16 @@ class Layers(nnx.Module):
     attn = attention_lib.attention(q, keys.astype(dt), values.astype(dt), allowed,
                                    impl=c.attention, block_size=c.attention_block_size)
     attn = attn.reshape(batch, length, c.num_heads, c.head_dim)
-    out = jnp.einsum("blhd,hde->ble", attn, w["o_proj"])
+    out = dense(attn, w["o_proj"], num_in=2)
     if c.out_bias:
       out = out + w["o_bias"]
     h = constrain(h + out, ("batch", "length", "embed"))
 
     x = rms_norm(h, w["mlp_norm"], c.norm_eps)
-    gate = jnp.einsum("ble,ef->blf", x, w["gate_proj"])
-    up = jnp.einsum("ble,ef->blf", x, w["up_proj"])
+    gate = dense(x, w["gate_proj"])
+    up = dense(x, w["up_proj"])
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    h = h + jnp.einsum("blf,fe->ble", hidden, w["down_proj"])
+    h = h + dense(hidden, w["down_proj"])
     return constrain(h, ("batch", "length", "embed")), cache_k, cache_v
 
 
@@ -290,9 +319,9 @@ class Transformer(nnx.Module):
     dt = c.compute_dtype
     if c.head == "lm":
       kernel = (self.embedding.get_value().T if c.tie_embeddings else self.lm_head.get_value())
-      logits = jnp.einsum("ble,ev->blv", x, kernel.astype(dt)).astype(jnp.float32)
+      logits = dense(x, kernel.astype(dt)).astype(jnp.float32)
       return constrain(logits, ("batch", "length", "vocab"))
-    out = jnp.einsum("ble,eo->blo", x, self.scalar_head.get_value().astype(dt))
+    out = dense(x, self.scalar_head.get_value().astype(dt))
     return out[..., 0].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
