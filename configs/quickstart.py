@@ -88,16 +88,22 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.clip_eps = 0.2
   config.ppo.value_clip_eps = 0.2
   config.ppo.entropy_coef = 0.0
-  config.ppo.advantage_estimator = "gae"  # a name in ppo.registry.ADVANTAGE_ESTIMATORS
+  config.ppo.advantage_estimator = "gae"  # or the critic-free "grpo", "rloo", "reinforce_pp"
+  config.ppo.group_size = 1  # completions per prompt (grpo / rloo need >= 2)
+  config.ppo.grpo_norm_by_std = True  # False: Dr. GRPO (no division by the group std)
+  config.ppo.grpo_eps = 1e-6
   config.ppo.gamma = 1.0
   config.ppo.lam = 0.95
   config.ppo.kl_coef = 0.2
   config.ppo.kl_estimator = "k1"
+  config.ppo.kl_in = "reward"  # or "loss" (GRPO style, with kl_estimator="k3")
   config.ppo.adaptive_kl = False
   config.ppo.kl_target = 0.5
   config.ppo.kl_horizon = 1000
   config.ppo.whiten_advantages = True
   config.ppo.loss = "ppo_clip"  # or "decoupled_ppo_clip"
+  config.ppo.loss_agg = "token_mean"  # or "seq_mean_token_mean", "token_sum_norm"
+  config.ppo.loss_norm_len = 0  # token_sum_norm's constant (0: data.completion_len)
   config.ppo.behaviour_weight_cap = 2.0
   config.ppo.temperature = 1.0
   config.ppo.top_k = 0

@@ -139,8 +139,10 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                                                 config.reward_model.batch_size, d.prompt_len,
                                                 d.completion_len, seed, shuffle=False,
                                                 validator=validator("prefs")),
+      # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
       "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
-                                         config.ppo.batch_size, d.prompt_len, seed,
+                                         config.ppo.batch_size // config.ppo.group_size,
+                                         d.prompt_len, seed,
                                          validator=validator("prompts")),
       "prompts_eval": pipeline.PromptPipeline(built["prompts"].source("eval"), tokenizer,
                                               max(config.log.samples, 1), d.prompt_len, seed,
@@ -296,9 +298,10 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
   layouts = build_layouts(RuntimeConfig.from_config(config), devices)
+  with_critic = PPOConfig.from_config(config.ppo).needs_critic
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
-              for name in ("actor", "critic")}
-  check_fits(layouts, abstract["actor"], abstract["critic"])  # before anything compiles
+              for name in ("actor", "critic") if name == "actor" or with_critic}
+  check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
@@ -367,16 +370,23 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
   The one place that constructs the system from the config (the critic starts from the
-  reward model's or the SFT policy's backbone, per `ppo.critic_init`).
+  reward model's or the SFT policy's backbone, per `ppo.critic_init`). Only the models
+  the algorithm uses are built: no critic for a critic-free estimator, no reference when
+  `ppo.kl_coef == 0`.
   """
+  ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
   actor_gd = graphdef_of(cfgs["actor"])
-  critic_gd = graphdef_of(cfgs["critic"])
-  critic_source = warm["reward"] if config.ppo.critic_init == "reward_model" else warm["actor"]
-  critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
+  critic_gd = critic = None
+  if ppo.needs_critic:
+    critic_gd = graphdef_of(cfgs["critic"])
+    critic_source = (warm["reward"] if config.ppo.critic_init == "reward_model"
+                     else warm["actor"])
+    critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
   use_rm = config.reward.fn == "model"
   reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
   models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
-                  actor=warm["actor"], reference=warm["actor"], critic=critic,
+                  actor=warm["actor"],
+                  reference=warm["actor"] if ppo.needs_reference else None, critic=critic,
                   reward=warm["reward"] if use_rm else None)
   sampling = SamplingParams(max_new_tokens=config.data.completion_len,
                             temperature=config.ppo.temperature, top_k=config.ppo.top_k,
@@ -386,7 +396,7 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
              if config.reward.eval_fn else None)
-  system = PPOSystem(models, ppo=PPOConfig.from_config(config.ppo, seed=config.seed),
+  system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, runtime=RuntimeConfig.from_config(config),
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices)
   return BuiltSystem(system, sampling, actor_gd)
@@ -438,8 +448,9 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       writer.write(step, metrics, phase="ppo")
     bar.update(metrics)
     if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
-      say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, "
-          f"kl {metrics['kl/mean']:.4f}, {metrics['time/step_s']:.2f}s/step")
+      kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
+      say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
+          f"{metrics['time/step_s']:.2f}s/step")
     if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
       save(step)
       last_saved[0] = step

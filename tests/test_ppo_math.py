@@ -196,7 +196,11 @@ def test_gae_is_jittable_with_traced_discounts():
   ref_adv, ref_ret = ref_gae(rewards, values, mask, np.float32(0.9), np.float32(0.8))
   assert_allclose(adv, ref_adv, rtol=RTOL, atol=ATOL)
   assert_allclose(ret, ref_ret, rtol=RTOL, atol=ATOL)
-  assert ADVANTAGE_ESTIMATORS.get("gae") is adv_lib.gae
+  # The registry entry is gae under the estimators' calling convention.
+  settings = adv_lib.AdvantageSettings(gamma=0.9, lam=0.8)
+  via_registry = ADVANTAGE_ESTIMATORS.get("gae")(rewards, values, jnp.asarray(mask), settings)
+  assert_allclose(via_registry[0], ref_adv, rtol=RTOL, atol=ATOL)
+  assert ADVANTAGE_ESTIMATORS.info("gae")["needs_critic"]
 
 
 def test_gae_rejects_mismatched_mask():

@@ -35,7 +35,9 @@ def ppo_section(**overrides):
   ppo = dict(kl_estimator="k1", advantage_estimator="gae", gamma=1.0, lam=0.95,
              whiten_advantages=True, temperature=1.0, top_k=0, top_p=1.0, epochs=1,
              minibatch_size=BATCH, clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.0,
-             loss="ppo_clip", behaviour_weight_cap=2.0)
+             loss="ppo_clip", behaviour_weight_cap=2.0, kl_in="reward", kl_coef=0.1,
+             group_size=1, grpo_norm_by_std=True, grpo_eps=1e-6, loss_agg="token_mean",
+             loss_norm_len=0)
   ppo.update(overrides)
   return types.SimpleNamespace(**ppo)
 
@@ -202,8 +204,8 @@ def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
   from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 
   @ADVANTAGE_ESTIMATORS.register("test_monte_carlo")
-  def monte_carlo(rewards, values, mask, gamma, lam):
-    del gamma, lam  # undiscounted return-to-go, no bootstrapping from the critic
+  def monte_carlo(rewards, values, mask, settings):
+    del settings  # undiscounted return-to-go, no bootstrapping from the critic
     returns = jnp.where(mask, jnp.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], 0.0)
     return jnp.where(mask, returns - values, 0.0), returns
 

@@ -1,17 +1,46 @@
-"""Masked statistics, whitening and generalised advantage estimation (GAE).
+"""Masked statistics, whitening, GAE, and the calling convention of advantage estimators.
 
 Owns the per-token credit assignment of PPO over completion tokens. Every array is
 `[batch, length]` with a 0/1 (or boolean) `mask` whose valid tokens form a prefix of each
 row; rows may be entirely padding. Padded positions never contribute to a statistic and
 always come out as 0. All functions are pure, jit-able and compute in float32.
+
+Every entry of `ADVANTAGE_ESTIMATORS` is called as
+  fn(rewards, values, mask, settings: AdvantageSettings) -> (advantages, returns)
+with per-token `rewards` [batch, length] (the score on each row's last valid token, plus
+the KL shaping when `ppo.kl_in == "reward"`), critic `values` [batch, length] (None for an
+entry registered with `needs_critic=False`) and the static `settings`. The critic-free
+estimators (GRPO, RLOO, REINFORCE++) live in `ppo/critic_free.py`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+  """The static settings an advantage estimator may read (from `PPOConfig`).
+
+  Attributes:
+    gamma: discount (GAE, REINFORCE++).
+    lam: GAE lambda.
+    group_size: completions per prompt; rows [g * n, (g + 1) * n) of a batch are the
+      samples of prompt g (group estimators).
+    norm_by_std: GRPO divides by the group's standard deviation (False: Dr. GRPO).
+    eps: added to the group standard deviation before dividing (GRPO).
+  """
+
+  gamma: float = 1.0
+  lam: float = 0.95
+  group_size: int = 1
+  norm_by_std: bool = True
+  eps: float = 1e-6
 
 
 def as_f32_mask(mask: jax.Array, like: jax.Array, name: str = "mask") -> jax.Array:
@@ -108,7 +137,6 @@ def _shift_left(x: jax.Array) -> jax.Array:
   return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
 def gae(
     rewards: jax.Array,
     values: jax.Array,
@@ -165,3 +193,13 @@ def gae(
   advantages = adv_tb.T * m  # [batch, length]
   returns = (advantages + values) * m
   return advantages, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
+def gae_estimator(rewards: jax.Array, values: jax.Array, mask: jax.Array,
+                  settings: AdvantageSettings) -> tuple[jax.Array, jax.Array]:
+  """`gae` under the registry's calling convention (needs the critic's values)."""
+  if values is None:
+    raise ValueError("advantage estimator 'gae' needs critic values; build the system "
+                     "with a critic.")
+  return gae(rewards, values, mask, settings.gamma, settings.lam)

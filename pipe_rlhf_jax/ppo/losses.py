@@ -2,12 +2,13 @@
 
 Owns the per-token losses the train stage differentiates, their diagnostics, and the
 entropy of a distribution given by logits (the entropy bonus).
-Losses are token-level means over all valid tokens of the batch (every token weighs the
-same regardless of its sequence's length).
+The policy loss is aggregated over tokens as `loss_agg` says (`ppo/aggregation.py`;
+default a token mean over all valid tokens of the batch); the value loss and the
+diagnostics are token means.
 
 Policy losses registered in `POLICY_LOSSES` share one signature:
   fn(logprobs, old_logprobs, advantages, mask, *, clip_eps, behaviour_logprobs=None,
-     behaviour_weight_cap=None) -> (loss, aux)
+     behaviour_weight_cap=None, loss_agg="token_mean", loss_norm_len=0) -> (loss, aux)
 "ppo_clip" is the standard PPO objective and ignores behaviour log-probs, so a caller
 may always pass them; "decoupled_ppo_clip" requires them (Hilton et al. 2022).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.advantages import (
     as_f32_mask,
     check_2d,
@@ -49,6 +51,8 @@ def policy_loss(
     clip_eps: float,
     behaviour_logprobs: jax.Array | None = None,
     behaviour_weight_cap: float | None = None,
+    loss_agg: str = "token_mean",
+    loss_norm_len: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped surrogate, optionally decoupled from the behaviour policy.
 
@@ -69,9 +73,11 @@ def policy_loss(
       PPO.
     behaviour_weight_cap: upper bound on w_t (None: uncapped); only with
       `behaviour_logprobs`.
+    loss_agg: how per-token losses become the scalar (a `LOSS_AGGREGATIONS` name).
+    loss_norm_len: the constant of "token_sum_norm" (0: the completion length).
 
   Returns:
-    (loss scalar, aux) with aux scalars:
+    (loss scalar, aux) with aux scalars (token means whatever `loss_agg`):
       clip_frac: fraction of valid tokens on which the clipped branch is active.
       approx_kl: mean over valid tokens of (r - 1) - log r, the non-negative k3
         estimate of KL(old || current) from tokens sampled under the old policy.
@@ -124,23 +130,26 @@ def policy_loss(
       aux["iw_clip_frac"] = jnp.zeros((), jnp.float32)
     per_token = per_token * weight
 
-  return masked_mean(per_token, valid), aux
+  return aggregate(per_token, valid, loss_agg, loss_norm_len), aux
 
 
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(
     logprobs, old_logprobs, advantages, mask, *, clip_eps,
-    behaviour_logprobs=None, behaviour_weight_cap=None,
+    behaviour_logprobs=None, behaviour_weight_cap=None, loss_agg="token_mean",
+    loss_norm_len=0,
 ):
   """Standard PPO clipped surrogate; behaviour log-probs and cap are ignored."""
   del behaviour_logprobs, behaviour_weight_cap  # The ratio is against old_logprobs.
-  return policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps)
+  return policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps,
+                     loss_agg=loss_agg, loss_norm_len=loss_norm_len)
 
 
 @POLICY_LOSSES.register("decoupled_ppo_clip")
 def decoupled_ppo_clip_loss(
     logprobs, old_logprobs, advantages, mask, *, clip_eps,
-    behaviour_logprobs=None, behaviour_weight_cap=None,
+    behaviour_logprobs=None, behaviour_weight_cap=None, loss_agg="token_mean",
+    loss_norm_len=0,
 ):
   """Decoupled PPO (proximal = `old_logprobs`); requires `behaviour_logprobs`."""
   if behaviour_logprobs is None:
@@ -151,7 +160,8 @@ def decoupled_ppo_clip_loss(
   return policy_loss(
       logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps,
       behaviour_logprobs=behaviour_logprobs,
-      behaviour_weight_cap=behaviour_weight_cap,
+      behaviour_weight_cap=behaviour_weight_cap, loss_agg=loss_agg,
+      loss_norm_len=loss_norm_len,
   )
 
 

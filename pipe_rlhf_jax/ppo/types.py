@@ -43,13 +43,19 @@ class Experience:
     rollout: the generating batch.
     old_logprobs: f32 [batch, completion_len], actor log-probs the PPO ratio is taken
       against (the behaviour log-probs, or the proximal policy's in the decoupled mode).
-    ref_logprobs: f32 [batch, completion_len], frozen reference policy log-probs.
-    values: f32 [batch, completion_len], critic values V(s_t) before token t.
+    ref_logprobs: f32 [batch, completion_len], frozen reference policy log-probs; None
+      when there is no reference (ppo.kl_coef = 0).
+    values: f32 [batch, completion_len], critic values V(s_t) before token t; None for a
+      critic-free advantage estimator.
     scores: f32 [batch], reward-model (or rule) score of each completion.
-    rewards: f32 [batch, completion_len], KL-shaped per-token rewards.
-    advantages: f32 [batch, completion_len], whitened GAE advantages (0 on padding).
-    returns: f32 [batch, completion_len], value targets.
-    kl: f32 [batch, completion_len], per-token KL estimate against the reference.
+    rewards: f32 [batch, completion_len], per-token rewards: the score on the last valid
+      token, minus kl_coef * kl on every token when ppo.kl_in = "reward".
+    advantages: f32 [batch, completion_len], the estimator's advantages (0 on padding).
+    returns: f32 [batch, completion_len], value targets (GAE) or the estimator's returns.
+    kl: f32 [batch, completion_len], per-token KL estimate of the behaviour policy against
+      the reference; None without a reference.
+
+  Rows [g * n, (g + 1) * n) are the n = ppo.group_size completions of one prompt.
   """
 
   rollout: Rollout

@@ -1,10 +1,15 @@
 """The inference stage: turns a rollout into PPO experience with forward passes only.
 
-Reference log-probs (frozen SFT policy), critic values and reward-model scores are three
-forward passes over the same `[prompt | completion]` tokens; KL shaping, GAE and
-advantage whitening follow in the same jitted call, so a rollout crosses the host once.
-A rule-based reward (registered by name) is evaluated on the host from decoded text and
-enters the jitted call as `scores`.
+Reference log-probs (frozen SFT policy), critic values and reward-model scores are
+forward passes over the same `[prompt | completion]` tokens; KL shaping, the advantage
+estimator and advantage whitening follow in the same jitted call, so a rollout crosses
+the host once. A rule-based reward (registered by name) is evaluated on the host from
+decoded text and enters the jitted call as `scores`.
+
+Only the models the algorithm needs run: no critic for a critic-free estimator
+(`values` is None), no reference when `ppo.kl_coef == 0` (`ref_logprobs` and `kl` are
+None). With `ppo.kl_in == "loss"` the KL is measured here (metrics, `Experience.kl`) but
+not put into the rewards; the trainer adds it to the loss.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from flax import nnx
 
 from pipe_rlhf_jax.ppo import advantages as adv_lib
 from pipe_rlhf_jax.ppo import kl as kl_lib
+from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.losses import explained_variance
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
@@ -41,6 +47,10 @@ class InferHyper:
   lam: float
   whiten_advantages: bool
   temperature: float
+  kl_in: str = "reward"
+  group_size: int = 1
+  grpo_norm_by_std: bool = True
+  grpo_eps: float = 1e-6
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "InferHyper":
@@ -49,7 +59,17 @@ class InferHyper:
     ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
     return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
                gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
-               temperature=temperature)
+               temperature=temperature, kl_in=ppo.kl_in, group_size=ppo.group_size,
+               grpo_norm_by_std=ppo.grpo_norm_by_std, grpo_eps=ppo.grpo_eps)
+
+  @property
+  def advantage_settings(self) -> AdvantageSettings:
+    return AdvantageSettings(gamma=self.gamma, lam=self.lam, group_size=self.group_size,
+                             norm_by_std=self.grpo_norm_by_std, eps=self.grpo_eps)
+
+  @property
+  def needs_critic(self) -> bool:
+    return ADVANTAGE_ESTIMATORS.info(self.advantage_estimator)["needs_critic"]
 
 
 class InferStage:
@@ -58,7 +78,8 @@ class InferStage:
   Args:
     layout: the inference stage's mesh and rules.
     policy_graphdef: structure of the reference policy (same as the actor's).
-    critic_graphdef: structure of the critic (value head).
+    critic_graphdef: structure of the critic (value head); None exactly when the
+      advantage estimator needs no critic.
     reward_graphdef: structure of the reward model (score head), or None when the reward
       is a rule.
     hyper: settings.
@@ -69,11 +90,16 @@ class InferStage:
   """
 
   def __init__(self, layout: StageLayout, policy_graphdef: nnx.GraphDef,
-               critic_graphdef: nnx.GraphDef, reward_graphdef: nnx.GraphDef | None,
+               critic_graphdef: nnx.GraphDef | None, reward_graphdef: nnx.GraphDef | None,
                hyper: InferHyper, reward_fn: Callable | None = None,
                eval_fn: Callable | None = None, decode: Callable | None = None):
     if reward_graphdef is None and reward_fn is None:
       raise ValueError("reward.fn: give a reward model or a registered rule reward.")
+    if (critic_graphdef is None) == hyper.needs_critic:
+      need = "needs" if hyper.needs_critic else "takes no"
+      raise ValueError(f"ppo.advantage_estimator={hyper.advantage_estimator!r} {need} "
+                       "critic: build the stage with a critic_graphdef exactly when it "
+                       "needs one.")
     self.layout = layout
     self.hyper = hyper
     self.reward_fn = reward_fn
@@ -82,25 +108,35 @@ class InferStage:
     h = hyper
     estimate_advantages = ADVANTAGE_ESTIMATORS.get(h.advantage_estimator,
                                                    field="ppo.advantage_estimator")
+    settings = h.advantage_settings
 
     def make_experience(ref, critic, reward_model, rollout: Rollout, host_scores,
                         kl_coef):
+      # `ref` / `critic` are None when the algorithm has no such model: a static fact of
+      # the trace (None is an empty pytree), so the skipped forward pass is not compiled.
       with layout.rules_context():
         r = rollout
         args = (r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask)
         mask = r.completion_mask
-        # Under the untruncated policy: a sampled token outside the reference's own
-        # nucleus still has a finite reference log-prob, so the KL stays finite.
-        ref_logprobs = completion_logprobs(policy_graphdef, ref, *args,
-                                           temperature=h.temperature)
-        values = completion_values(critic_graphdef, critic, *args)
+        ref_logprobs = kl = None
+        if ref is not None:
+          # Under the untruncated policy: a sampled token outside the reference's own
+          # nucleus still has a finite reference log-prob, so the KL stays finite.
+          ref_logprobs = completion_logprobs(policy_graphdef, ref, *args,
+                                             temperature=h.temperature)
+          kl = kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
+        values = (completion_values(critic_graphdef, critic, *args)
+                  if critic is not None else None)
         if reward_graphdef is not None:
           scores = sequence_scores(reward_graphdef, reward_model, *args)
         else:
           scores = host_scores
-        kl = kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
-        rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
-        advantages, returns = estimate_advantages(rewards, values, mask, h.gamma, h.lam)
+        if kl is not None and h.kl_in == "reward":
+          rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
+        else:  # the score alone, on each row's last valid token
+          rewards = kl_lib.shape_rewards(scores, jnp.zeros(mask.shape, jnp.float32), mask,
+                                         0.0)
+        advantages, returns = estimate_advantages(rewards, values, mask, settings)
         if h.whiten_advantages:
           advantages = adv_lib.whiten(advantages, mask)
         exp = Experience(rollout=r, old_logprobs=r.behaviour_logprobs,
@@ -119,9 +155,17 @@ class InferStage:
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
     return np.asarray(fn(prompts, completions), np.float32)
 
-  def __call__(self, ref: nnx.State, critic: nnx.State, reward_model: nnx.State | None,
-               rollout: Rollout, kl_coef: float) -> tuple[Experience, dict]:
-    """Experience for `rollout` (placed on this stage), plus scalar metrics."""
+  def __call__(self, ref: nnx.State | None, critic: nnx.State | None,
+               reward_model: nnx.State | None, rollout: Rollout, kl_coef: float
+               ) -> tuple[Experience, dict]:
+    """Experience for `rollout` (placed on this stage), plus scalar metrics.
+
+    `ref` is None when there is no reference (kl_coef = 0), `critic` None for a
+    critic-free estimator.
+    """
+    if (critic is None) == self.hyper.needs_critic:
+      raise ValueError("InferStage: pass critic parameters exactly when the advantage "
+                       f"estimator {self.hyper.advantage_estimator!r} needs a critic.")
     batch = rollout.prompt_tokens.shape[0]
     host_scores = (self.score_on_host(rollout, self.reward_fn) if reward_model is None
                    else np.zeros((batch,), np.float32))
@@ -134,16 +178,23 @@ class InferStage:
 
 
 def experience_metrics(exp: Experience) -> dict:
-  """Scalar summaries of a batch of experience (computed on device)."""
+  """Scalar summaries of a batch of experience (computed on device).
+
+  KL metrics exist only with a reference, value metrics only with a critic.
+  """
   mask = exp.rollout.completion_mask
   mean = lambda x: adv_lib.masked_mean(x, mask)
   lengths = jnp.sum(mask.astype(jnp.float32), axis=1)
-  seq_kl = jnp.sum(jnp.where(mask, exp.kl, 0.0), axis=1)
-  return {
+  metrics = {
       "reward/mean": jnp.mean(exp.scores), "reward/std": jnp.std(exp.scores),
-      "kl/mean": jnp.mean(seq_kl), "kl/token_mean": mean(exp.kl),
-      "return/mean": mean(exp.returns), "value/mean": mean(exp.values),
-      "advantage/mean": mean(exp.advantages),
+      "return/mean": mean(exp.returns), "advantage/mean": mean(exp.advantages),
       "response_length/mean": jnp.mean(lengths),
-      "explained_variance": explained_variance(exp.values, exp.returns, mask),
   }
+  if exp.kl is not None:
+    seq_kl = jnp.sum(jnp.where(mask, exp.kl, 0.0), axis=1)
+    metrics.update({"kl/mean": jnp.mean(seq_kl), "kl/token_mean": mean(exp.kl)})
+  if exp.values is not None:
+    metrics.update({"value/mean": mean(exp.values),
+                    "explained_variance": explained_variance(exp.values, exp.returns,
+                                                             mask)})
+  return metrics

@@ -1,10 +1,17 @@
-"""The training stage: PPO epochs over minibatches for the actor and the critic.
+"""The training stage: PPO epochs over minibatches for the actor and (if any) the critic.
 
 One jitted call runs a whole PPO update (epochs x minibatches as nested `lax.scan`s), so
 the host dispatches once per PPO step. Actor and critic have separate optax optimizers
-and schedules. An update whose loss or gradients are not finite is skipped inside the
-jitted function (parameters and optimizer state keep their old values) and counted; the
-caller stops the run after `ppo.max_bad_steps` consecutive bad PPO steps.
+and schedules; with a critic-free advantage estimator there is no critic, no critic
+optimizer and no value loss (`ActorCriticState.critic` is None). An update whose loss or
+gradients are not finite is skipped inside the jitted function (parameters and optimizer
+state keep their old values) and counted; the caller stops the run after
+`ppo.max_bad_steps` consecutive bad PPO steps.
+
+The actor loss is the policy surrogate, plus `kl_coef` times the KL to the reference
+when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
+tokens as `ppo.loss_agg` says. Minibatches are drawn group by group (`ppo.group_size`
+contiguous rows), so a prompt's samples always share a gradient step.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from flax import nnx, struct
 
 from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
 from pipe_rlhf_jax.ppo import losses
+from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.advantages import masked_mean
-from pipe_rlhf_jax.ppo.registry import POLICY_LOSSES
+from pipe_rlhf_jax.ppo.kl import kl_penalty
+from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          completion_values)
@@ -28,7 +37,11 @@ from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
 
 @struct.dataclass
 class ActorCriticState:
-  """Everything the trainer owns, as one pytree (checkpointed as is)."""
+  """Everything the trainer owns, as one pytree (checkpointed as is).
+
+  `critic` and `critic_opt` are None (no leaves) when the advantage estimator needs no
+  critic, so nothing of a critic is placed, trained or checkpointed.
+  """
 
   actor: Any
   critic: Any
@@ -54,6 +67,11 @@ class PPOHyper:
   loss: str
   behaviour_weight_cap: float | None
   temperature: float
+  group_size: int = 1
+  loss_agg: str = "token_mean"
+  loss_norm_len: int = 0
+  kl_loss_coef: float = 0.0  # kl_coef when ppo.kl_in == "loss", else 0 (no KL loss)
+  kl_estimator: str = "k3"
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
@@ -61,7 +79,10 @@ class PPOHyper:
     return cls(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size, clip_eps=ppo.clip_eps,
                value_clip_eps=ppo.value_clip_eps, entropy_coef=ppo.entropy_coef,
                loss=ppo.loss, behaviour_weight_cap=ppo.behaviour_weight_cap,
-               temperature=temperature)
+               temperature=temperature, group_size=ppo.group_size, loss_agg=ppo.loss_agg,
+               loss_norm_len=ppo.loss_norm_len,
+               kl_loss_coef=float(ppo.kl_coef) if ppo.kl_in == "loss" else 0.0,
+               kl_estimator=ppo.kl_estimator)
 
 
 class TrainStage:
@@ -69,15 +90,19 @@ class TrainStage:
 
   Args:
     layout: the training stage's mesh and rules.
-    actor_graphdef / critic_graphdef: static model structure (from `nnx.split`).
+    actor_graphdef / critic_graphdef: static model structure (from `nnx.split`); the
+      critic's is None when there is no critic.
     hyper: PPO settings.
-    actor_tx / critic_tx: their optimizers.
+    actor_tx / critic_tx: their optimizers (critic_tx None without a critic).
   """
 
   def __init__(self, layout: StageLayout, actor_graphdef: nnx.GraphDef,
-               critic_graphdef: nnx.GraphDef, hyper: PPOHyper,
+               critic_graphdef: nnx.GraphDef | None, hyper: PPOHyper,
                actor_tx: optax.GradientTransformation,
-               critic_tx: optax.GradientTransformation):
+               critic_tx: optax.GradientTransformation | None):
+    if (critic_graphdef is None) != (critic_tx is None):
+      raise ValueError("TrainStage: give both critic_graphdef and critic_tx (a critic) or "
+                       "neither (a critic-free estimator).")
     self.layout = layout
     self.actor_graphdef = actor_graphdef
     self.critic_graphdef = critic_graphdef
@@ -85,34 +110,51 @@ class TrainStage:
     self.actor_tx = actor_tx
     self.critic_tx = critic_tx
     POLICY_LOSSES.get(hyper.loss, field="ppo.loss")
+    LOSS_AGGREGATIONS.get(hyper.loss_agg, field="ppo.loss_agg")
     self._update = None
     self._state_shardings = None
 
-  def state_shardings(self, actor: nnx.State, critic: nnx.State) -> ActorCriticState:
+  @property
+  def has_critic(self) -> bool:
+    return self.critic_graphdef is not None
+
+  def _check_critic(self, critic) -> None:
+    if (critic is None) == self.has_critic:
+      raise ValueError("TrainStage: pass critic parameters exactly when the stage was "
+                       "built with a critic_graphdef.")
+
+  def state_shardings(self, actor: nnx.State, critic: nnx.State | None = None
+                      ) -> ActorCriticState:
     """Shardings of the whole trainer state: optimizer moments follow their params."""
+    self._check_critic(critic)
     actor_sh = self.layout.param_shardings(actor)
-    critic_sh = self.layout.param_shardings(critic)
     replicated = self.layout.replicated
+    critic_sh = critic_opt_sh = None
+    if critic is not None:
+      critic_sh = self.layout.param_shardings(critic)
+      critic_opt_sh = optimizer_shardings(self.critic_tx, critic, critic_sh, replicated)
     return ActorCriticState(
         actor=actor_sh, critic=critic_sh,
         actor_opt=optimizer_shardings(self.actor_tx, actor, actor_sh, replicated),
-        critic_opt=optimizer_shardings(self.critic_tx, critic, critic_sh, replicated),
-        step=replicated)
+        critic_opt=critic_opt_sh, step=replicated)
 
-  def init_state(self, actor: nnx.State, critic: nnx.State) -> ActorCriticState:
-    """Places actor/critic on the training mesh and builds optimizer states there."""
+  def init_state(self, actor: nnx.State, critic: nnx.State | None = None
+                 ) -> ActorCriticState:
+    """Places actor (and critic) on the training mesh and builds optimizer states there."""
     shardings = self.state_shardings(actor, critic)
     self._state_shardings = shardings
 
     def init(actor, critic):
-      return ActorCriticState(actor=actor, critic=critic, actor_opt=self.actor_tx.init(actor),
-                              critic_opt=self.critic_tx.init(critic),
-                              step=jnp.zeros((), jnp.int32))
+      return ActorCriticState(
+          actor=actor, critic=critic, actor_opt=self.actor_tx.init(actor),
+          critic_opt=None if critic is None else self.critic_tx.init(critic),
+          step=jnp.zeros((), jnp.int32))
 
     # out_shardings makes the optimizer moments born in their final layout.
     init = jax.jit(init, out_shardings=shardings)
     actor = jax.device_put(actor, shardings.actor)
-    critic = jax.device_put(critic, shardings.critic)
+    if critic is not None:
+      critic = jax.device_put(critic, shardings.critic)
     return init(actor, critic)
 
   def _build_update(self, state: ActorCriticState):
@@ -120,42 +162,59 @@ class TrainStage:
     actor_gd, critic_gd = self.actor_graphdef, self.critic_graphdef
     loss_fn = POLICY_LOSSES.get(h.loss)
     decoupled = h.loss == "decoupled_ppo_clip"
+    has_critic = self.has_critic
     layout = self.layout
 
     def minibatch_step(state: ActorCriticState, mb: dict):
       r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
+      mask = r.completion_mask
+      agg = lambda per_token: aggregate(per_token, mask, h.loss_agg, h.loss_norm_len)
 
       def actor_loss(actor):
         logprobs, entropy = completion_logprobs(
             actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-            r.completion_mask, temperature=h.temperature, return_entropy=True)
+            mask, temperature=h.temperature, return_entropy=True)
         kwargs = {}
         if decoupled:
           kwargs = dict(behaviour_logprobs=r.behaviour_logprobs,
                         behaviour_weight_cap=h.behaviour_weight_cap)
-        pg, aux = loss_fn(logprobs, mb["old_logprobs"], mb["advantages"],
-                          r.completion_mask, clip_eps=h.clip_eps, **kwargs)
-        ent = masked_mean(entropy, r.completion_mask)
-        return pg - h.entropy_coef * ent, {**aux, "policy_loss": pg, "entropy": ent}
+        pg, aux = loss_fn(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                          clip_eps=h.clip_eps, loss_agg=h.loss_agg,
+                          loss_norm_len=h.loss_norm_len, **kwargs)
+        total = pg - h.entropy_coef * agg(entropy) if h.entropy_coef else pg
+        # The reported entropy is a token mean whatever ppo.loss_agg, so runs compare.
+        aux = {**aux, "policy_loss": pg, "entropy": masked_mean(entropy, mask)}
+        if h.kl_loss_coef:
+          # GRPO-style KL term: of the *current* policy to the reference, on the sampled
+          # tokens (k3: unbiased and >= 0, with a gradient that pulls towards the
+          # reference); no importance weight, as in GRPO, even for stale rollouts.
+          kl = agg(kl_penalty(logprobs, mb["ref_logprobs"], mask, h.kl_estimator))
+          total = total + h.kl_loss_coef * kl
+          aux["kl_loss"] = kl
+        return total, aux
 
       def critic_loss(critic):
         values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
-                                   r.completion_tokens, r.completion_mask)
-        loss, aux = losses.value_loss(values, mb["values"], mb["returns"], r.completion_mask,
+                                   r.completion_tokens, mask)
+        loss, aux = losses.value_loss(values, mb["values"], mb["returns"], mask,
                                       clip_eps=h.value_clip_eps)
         return loss, {**aux, "value_loss": loss}
 
       (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
-      (c_loss, c_aux), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(state.critic)
       actor, actor_opt, a_ok = apply_if_finite(self.actor_tx, state.actor, state.actor_opt,
                                                a_grads, a_loss)
-      critic, critic_opt, c_ok = apply_if_finite(self.critic_tx, state.critic,
-                                                 state.critic_opt, c_grads, c_loss)
-      metrics = {**a_aux, **c_aux, "actor_grad_norm": optax.tree.norm(a_grads),
-                 "critic_grad_norm": optax.tree.norm(c_grads),
-                 "bad_update": 1.0 - (a_ok & c_ok).astype(jnp.float32)}
-      new = state.replace(actor=actor, critic=critic, actor_opt=actor_opt,
-                          critic_opt=critic_opt)
+      metrics = {**a_aux, "actor_grad_norm": optax.tree.norm(a_grads)}
+      new = state.replace(actor=actor, actor_opt=actor_opt)
+      ok = a_ok
+      if has_critic:
+        (c_loss, c_aux), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(
+            state.critic)
+        critic, critic_opt, c_ok = apply_if_finite(self.critic_tx, state.critic,
+                                                   state.critic_opt, c_grads, c_loss)
+        metrics.update(c_aux, critic_grad_norm=optax.tree.norm(c_grads))
+        new = new.replace(critic=critic, critic_opt=critic_opt)
+        ok = a_ok & c_ok
+      metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
       return new, metrics
 
     def update(state: ActorCriticState, exp: Experience, rng: jax.Array):
@@ -172,13 +231,22 @@ class TrainStage:
         per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version, (
             r.prompt_tokens.shape[0],)))
         data = {"rollout": per_sample, "old_logprobs": old_logprobs,
-                "advantages": exp.advantages, "values": exp.values, "returns": exp.returns}
+                "advantages": exp.advantages}
+        if has_critic:
+          data.update(values=exp.values, returns=exp.returns)
+        if h.kl_loss_coef:
+          data["ref_logprobs"] = exp.ref_logprobs
         batch = r.prompt_tokens.shape[0]
+        n = h.group_size
         num_mb = batch // h.minibatch_size
+        groups_per_mb = h.minibatch_size // n
 
         def epoch(state, epoch_rng):
-          perm = jax.random.permutation(epoch_rng, batch)[:num_mb * h.minibatch_size]
-          perm = perm.reshape(num_mb, h.minibatch_size)
+          # Shuffle whole groups (rows [g * n, (g + 1) * n)); with n = 1 this is the
+          # per-sample permutation, so PPO runs without groups are unchanged.
+          groups = jax.random.permutation(epoch_rng, batch // n)
+          groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
+          perm = (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
           mbs = jax.tree.map(lambda x: x[perm], data)
           return jax.lax.scan(minibatch_step, state, mbs)
 
@@ -194,10 +262,16 @@ class TrainStage:
   def update(self, state: ActorCriticState, exp: Experience, rng: jax.Array
              ) -> tuple[ActorCriticState, dict]:
     """One PPO update on `exp` (already on the training mesh). Donates `state`."""
-    if exp.rollout.prompt_tokens.shape[0] % self.hyper.minibatch_size:
-      raise ValueError(
-          f"ppo.batch_size={exp.rollout.prompt_tokens.shape[0]} is not a multiple of "
-          f"ppo.minibatch_size={self.hyper.minibatch_size}.")
+    batch = exp.rollout.prompt_tokens.shape[0]
+    if batch % self.hyper.minibatch_size:
+      raise ValueError(f"ppo.batch_size={batch} is not a multiple of "
+                       f"ppo.minibatch_size={self.hyper.minibatch_size}.")
+    if self.hyper.minibatch_size % self.hyper.group_size:
+      raise ValueError(f"ppo.minibatch_size={self.hyper.minibatch_size} is not a multiple "
+                       f"of ppo.group_size={self.hyper.group_size}.")
+    if self.hyper.kl_loss_coef and exp.ref_logprobs is None:
+      raise ValueError("ppo.kl_in='loss' needs reference log-probs in the experience; "
+                       "the system must build the reference (ppo.kl_coef > 0).")
     if self._update is None:
       self._update = self._build_update(state)
     return self._update(state, exp, rng)

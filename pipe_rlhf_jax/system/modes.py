@@ -13,6 +13,9 @@ after each training update from the thread that owns the trainer state, which is
 checkpoints are written: a checkpoint holds the trainer state after update k and the
 data position of batch k + 1. Rollouts in flight are not saved; on resume they are
 re-generated from the restored policy (so no rollout is lost or trained on twice).
+
+Without a critic (a critic-free advantage estimator) nothing of one is synced or
+published, and no critic version or staleness is reported.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def _finish_step(system: PPOSystem, step: int, metrics: dict, guard: BadStepGuar
   coefficient, the bad-step guard, then the caller's hook (metrics, checkpoint)."""
   # How many updates the trainer was ahead of the policy / critic that made the batch.
   metrics["staleness/actor"] = float(system.version - metrics["version/actor"])
-  metrics["staleness/critic"] = float(system.version - metrics["version/critic"])
+  if system.has_critic:
+    metrics["staleness/critic"] = float(system.version - metrics["version/critic"])
   system.advance(metrics.get("kl/mean", 0.0))
   guard.check(step, metrics)
   on_step(step, metrics)
@@ -116,8 +120,9 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
     with tracer.span("train", batch=step, version=system.version):
       train_m = system.train(exp, step)
     metrics = {**gen_m, **inf_m, **train_m, **actor_stats.as_metrics("transfer/actor_sync"),
-               **critic_stats.as_metrics("transfer/critic_sync"),
                "time/step_s": time.perf_counter() - t0}
+    if system.has_critic:
+      metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
     _finish_step(system, step, metrics, guard, on_step)
 
 
@@ -130,7 +135,9 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   actor, actor_stats = system.actor_for_generation()
   critic, _ = system.critic_for_inference()
   actor_store = VersionedWeights(actor, version=system.version)
-  critic_store = VersionedWeights(critic, version=system.version)
+  # No critic: a store that always holds None at the actor's versions is never needed.
+  critic_store = (VersionedWeights(critic, version=system.version) if system.has_critic
+                  else None)
   gate = StalenessGate(actor_store, cfg.max_staleness)
   rollouts = BoundedQueue(cfg.queue_size, "rollouts")
   experience = BoundedQueue(cfg.queue_size, "experience")
@@ -138,7 +145,8 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   # still compiling: the bound is generous, but it is a bound (shutdown never hangs).
   group = WorkerGroup(on_interrupt=on_interrupt, shutdown_timeout=cfg.shutdown_timeout_s)
   for obj in (rollouts, experience, actor_store, critic_store):
-    group.register_queue(obj)
+    if obj is not None:
+      group.register_queue(obj)
   step_start: dict[int, float] = {}
 
   def generate_worker(stop: threading.Event) -> None:
@@ -156,10 +164,12 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
 
   def infer_worker(stop: threading.Event) -> None:
     for step, rollout, metrics in rollouts:
-      critic, version = critic_store.latest()
+      actor_version = metrics.pop("generate_version")
+      # The span carries the critic's version, or without a critic the sampling policy's.
+      critic, version = (critic_store.latest() if critic_store is not None
+                         else (None, actor_version))
       with tracer.span("infer", batch=step, version=version):
-        exp, inf_metrics = system.infer(rollout, critic,
-                                        actor_version=metrics.pop("generate_version"),
+        exp, inf_metrics = system.infer(rollout, critic, actor_version=actor_version,
                                         critic_version=version)
       experience.put((step, exp, {**metrics, **inf_metrics}), stop_event=stop)
     experience.close()
@@ -172,7 +182,8 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
         critic, critic_stats = system.critic_for_inference()
         actor, actor_stats = system.actor_for_generation()
       metrics.update(actor_stats.as_metrics("transfer/actor_sync"))
-      metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
+      if critic_store is not None:
+        metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
       metrics.update(rollouts.metrics())
       metrics.update(experience.metrics())
       metrics["time/step_s"] = time.perf_counter() - step_start.get(step, time.perf_counter())
@@ -181,7 +192,8 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
       _finish_step(system, step, metrics, guard, on_step)
       # The critic first: an on-policy generator released by the actor's version must
       # find the matching critic when its batch reaches inference.
-      critic_store.publish(critic, system.version)
+      if critic_store is not None:
+        critic_store.publish(critic, system.version)
       actor_store.publish(actor, system.version)
 
   group.add("generate", generate_worker)

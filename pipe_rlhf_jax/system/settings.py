@@ -26,6 +26,7 @@ from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
+KL_PLACEMENTS = ("reward", "loss")  # where the KL to the reference acts (ppo.kl_in)
 STAGES = ("generate", "infer", "train")
 
 
@@ -65,13 +66,25 @@ class PPOConfig:
     max_grad_norm: global-norm gradient clipping.
     clip_eps / value_clip_eps: PPO ratio and value clipping.
     entropy_coef: weight of the entropy bonus (0: not computed into the loss).
-    gamma / lam: GAE discount and lambda.
-    kl_coef: weight of the per-token KL-to-reference penalty in the reward (the start
-      value when `adaptive_kl`).
+    gamma / lam: discount (GAE, REINFORCE++) and GAE lambda.
+    kl_coef: weight of the per-token KL to the reference policy (the start value when
+      `adaptive_kl`). 0 builds and runs no reference model at all.
     kl_estimator: registered name ("k1", "k2", "k3", ...; see `ppo/kl.py`).
-    adaptive_kl / kl_target / kl_horizon: the proportional KL controller.
-    whiten_advantages: normalise advantages per batch.
-    advantage_estimator: registered name ("gae").
+    kl_in: where the KL acts: "reward" (PPO style: -kl_coef * kl_t shapes each token's
+      reward before the advantages) or "loss" (GRPO style: + kl_coef * kl_t of the
+      current policy, aggregated like the policy loss; use "k3").
+    adaptive_kl / kl_target / kl_horizon: the proportional KL controller (kl_in="reward").
+    whiten_advantages: normalise advantages per batch (estimators that define their own
+      normalisation, like grpo, need it off).
+    advantage_estimator: registered name: "gae" (needs a critic), or the critic-free
+      "grpo", "rloo", "reinforce_pp" (see `ppo/critic_free.py`).
+    group_size: completions sampled per prompt (n); a step takes batch_size / n prompts
+      and its batch holds whole groups, contiguous.
+    grpo_norm_by_std / grpo_eps: GRPO divides by the group's std + grpo_eps (False: only
+      subtract the group mean, as Dr. GRPO).
+    loss_agg: how per-token policy losses are aggregated: "token_mean",
+      "seq_mean_token_mean" or "token_sum_norm" (see `ppo/aggregation.py`).
+    loss_norm_len: the constant of "token_sum_norm" (0: the completion length).
     loss: registered policy loss ("ppo_clip", "decoupled_ppo_clip").
     behaviour_weight_cap: cap of the behaviour importance weight of the decoupled loss.
     max_bad_steps: stop after this many consecutive steps with a skipped (non-finite)
@@ -95,11 +108,17 @@ class PPOConfig:
   lam: float = 0.95
   kl_coef: float = 0.05
   kl_estimator: str = "k1"
+  kl_in: str = "reward"
   adaptive_kl: bool = False
   kl_target: float = 6.0
   kl_horizon: float = 10000
   whiten_advantages: bool = True
   advantage_estimator: str = "gae"
+  group_size: int = 1
+  grpo_norm_by_std: bool = True
+  grpo_eps: float = 1e-6
+  loss_agg: str = "token_mean"
+  loss_norm_len: int = 0
   loss: str = "ppo_clip"
   behaviour_weight_cap: float = 2.0
   max_bad_steps: int = 3
@@ -132,6 +151,67 @@ class PPOConfig:
     if self.batch_size % self.minibatch_size:
       raise ValueError(f"ppo.batch_size={self.batch_size} must be a multiple of "
                        f"ppo.minibatch_size={self.minibatch_size}.")
+    self._check_algorithm(registry)
+
+  def _check_algorithm(self, registry) -> None:
+    """The checks of the estimator, group, KL placement and loss aggregation fields."""
+    f = "ppo."
+    check_int(self.group_size, f + "group_size")
+    check_int(self.loss_norm_len, f + "loss_norm_len", low=0)
+    _check_number(self.grpo_eps, f + "grpo_eps")
+    for name in ("grpo_norm_by_std", "whiten_advantages", "adaptive_kl"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
+    _check_choice(self.kl_in, f + "kl_in", KL_PLACEMENTS)
+    _check_choice(self.loss_agg, f + "loss_agg", registry.LOSS_AGGREGATIONS.names())
+    # Groups are contiguous rows: a batch and every training minibatch hold whole groups
+    # (minibatches are drawn group by group, so a group's advantages, which sum to zero
+    # under grpo / rloo, enter the same gradient step).
+    for name in ("batch_size", "minibatch_size"):
+      if getattr(self, name) % self.group_size:
+        raise ValueError(
+            f"ppo.{name}={getattr(self, name)} must be a multiple of ppo.group_size="
+            f"{self.group_size}: batches and minibatches hold whole groups of samples of "
+            "one prompt.")
+    info = registry.ADVANTAGE_ESTIMATORS.info(self.advantage_estimator)
+    name = self.advantage_estimator
+    if info["normalises"] and self.whiten_advantages:
+      raise ValueError(
+          f"ppo.whiten_advantages=True with ppo.advantage_estimator={name!r}, which "
+          "normalises its advantages itself; set ppo.whiten_advantages=False.")
+    if name in ("grpo", "rloo") and self.group_size < 2:
+      raise ValueError(
+          f"ppo.advantage_estimator={name!r} needs ppo.group_size >= 2 (its baseline is "
+          f"the other samples of the same prompt), got {self.group_size}; raise it, or "
+          "use 'reinforce_pp' for one sample per prompt.")
+    if self.adaptive_kl and self.kl_in != "reward":
+      raise ValueError("ppo.adaptive_kl=True adapts the KL coefficient of the reward; it "
+                       "needs ppo.kl_in='reward' (or set ppo.adaptive_kl=False).")
+    if self.adaptive_kl and self.kl_coef == 0:
+      raise ValueError("ppo.adaptive_kl=True with ppo.kl_coef=0: the controller scales "
+                       "the coefficient, so it would stay 0; give a positive start value.")
+
+  @property
+  def needs_critic(self) -> bool:
+    """Whether the advantage estimator reads critic values (else no critic exists)."""
+    from pipe_rlhf_jax.ppo import registry
+    return registry.ADVANTAGE_ESTIMATORS.info(self.advantage_estimator)["needs_critic"]
+
+  @property
+  def needs_reference(self) -> bool:
+    """Whether a reference policy is built and run (kl_coef > 0)."""
+    return self.kl_coef > 0
+
+  @property
+  def prompts_per_step(self) -> int:
+    """Prompts a PPO step takes from the prompt source: batch_size / group_size."""
+    return self.batch_size // self.group_size
+
+  def advantage_settings(self):
+    """The static settings the advantage estimators read."""
+    from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
+    return AdvantageSettings(gamma=self.gamma, lam=self.lam, group_size=self.group_size,
+                             norm_by_std=self.grpo_norm_by_std, eps=self.grpo_eps)
 
   @classmethod
   def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOConfig":

@@ -8,6 +8,10 @@ after another (`sequential`, `per_stage`) or concurrently on disjoint devices (`
 Every cross-mesh move (rollout gen -> infer, experience infer -> train, actor train ->
 generate, critic train -> infer) goes through `parallel.reshard.reshard`, so bytes and
 seconds are counted in the metrics.
+
+The system holds only the models its algorithm needs (`PPOConfig.needs_critic`,
+`PPOConfig.needs_reference`): a critic-free estimator has no critic anywhere (nothing
+built, placed, trained, synced or checkpointed), and `kl_coef = 0` no reference.
 """
 
 from __future__ import annotations
@@ -85,17 +89,18 @@ def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout
           for s, (shape, rules, subset) in shapes.items()}
 
 
-def check_fits(layouts: dict[str, StageLayout], actor, critic) -> None:
+def check_fits(layouts: dict[str, StageLayout], actor, critic=None) -> None:
   """Raises naming the stage's mesh field when a model cannot be split over it.
 
   Works on abstract parameters (`nnx.eval_shape`), so a run can check before it
-  trains or compiles anything.
+  trains or compiles anything. `critic` is None when the algorithm has none.
   """
   layouts["generate"].check_params(actor, "stages.generate.mesh")
   layouts["infer"].check_params(actor, "stages.infer.mesh")
-  layouts["infer"].check_params(critic, "stages.infer.mesh")
   layouts["train"].check_params(actor, "stages.train.mesh")
-  layouts["train"].check_params(critic, "stages.train.mesh")
+  if critic is not None:
+    layouts["infer"].check_params(critic, "stages.infer.mesh")
+    layouts["train"].check_params(critic, "stages.train.mesh")
   pipe = layouts["generate"].mesh.shape.get("pipe", 1)
   if pipe > 1:
     others = {k: v for k, v in layouts["generate"].mesh.shape.items()
@@ -150,27 +155,33 @@ def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
 class Models:
   """The graph definitions and initial parameters of the PPO models.
 
-  `reward` / `reward_graphdef` are None when the reward is a rule. Use `Models.from_policy`
-  to derive the reference and critic from a policy.
+  `reward` / `reward_graphdef` are None when the reward is a rule; `critic` /
+  `critic_graphdef` when the advantage estimator needs no critic (grpo, rloo,
+  reinforce_pp); `reference` when `ppo.kl_coef == 0`. Use `Models.from_policy` to derive
+  the reference and critic from a policy.
   """
 
   actor_graphdef: nnx.GraphDef
-  critic_graphdef: nnx.GraphDef
+  critic_graphdef: nnx.GraphDef | None
   reward_graphdef: nnx.GraphDef | None
   actor: nnx.State
-  reference: nnx.State
-  critic: nnx.State
+  reference: nnx.State | None
+  critic: nnx.State | None
   reward: nnx.State | None
 
   @classmethod
   def from_policy(cls, policy: nnx.Module, *, reward_model: nnx.Module | None = None,
-                  critic_from: str = "policy", seed: int = 0) -> "Models":
+                  critic_from: str | None = "policy", reference: bool = True,
+                  seed: int = 0) -> "Models":
     """Actor = reference = `policy`; critic = its backbone with a fresh value head.
 
     Args:
       policy: a `models.Transformer` with an LM head (e.g. `hf.from_pretrained(path)`).
       reward_model: a Transformer with a score head, or None for a rule reward.
-      critic_from: "policy" or "reward_model": whose backbone the critic starts from.
+      critic_from: "policy" or "reward_model": whose backbone the critic starts from;
+        None builds no critic (for a critic-free `ppo.advantage_estimator`).
+      reference: keep a copy of `policy` as the frozen reference (False when
+        `ppo.kl_coef == 0`, which uses none).
       seed: seed of the critic's fresh value head.
     """
     if policy.config.head != "lm":
@@ -182,39 +193,66 @@ class Models:
         raise ValueError(f"reward_model has a {reward_model.config.head!r} head; a reward "
                          "model needs 'score' (models.hf.from_pretrained(path, head='score')).")
       reward_gd, reward = nnx.split(reward_model)
-    if critic_from not in ("policy", "reward_model"):
-      raise ValueError(f"critic_from={critic_from!r}; choose 'policy' or 'reward_model'.")
+    if critic_from not in ("policy", "reward_model", None):
+      raise ValueError(f"critic_from={critic_from!r}; choose 'policy', 'reward_model' or "
+                       "None (no critic).")
     if critic_from == "reward_model" and reward_model is None:
       raise ValueError("critic_from='reward_model' needs a reward_model.")
-    source_cfg, source = ((policy.config, actor) if critic_from == "policy"
-                          else (reward_model.config, reward))
-    critic_cfg = source_cfg.replace(head="value")
-    return cls(actor_graphdef=actor_gd, critic_graphdef=graphdef_of(critic_cfg),
+    critic_gd = critic = None
+    if critic_from is not None:
+      source_cfg, source = ((policy.config, actor) if critic_from == "policy"
+                            else (reward_model.config, reward))
+      critic_cfg = source_cfg.replace(head="value")
+      critic_gd, critic = graphdef_of(critic_cfg), with_backbone(critic_cfg, source, seed)
+    return cls(actor_graphdef=actor_gd, critic_graphdef=critic_gd,
                reward_graphdef=reward_gd, actor=actor,
-               reference=jax.tree.map(jnp.copy, actor),
-               critic=with_backbone(critic_cfg, source, seed), reward=reward)
+               reference=jax.tree.map(jnp.copy, actor) if reference else None,
+               critic=critic, reward=reward)
 
-  def check(self, sampling: SamplingParams) -> None:
-    """Raises when the models disagree with each other or with the sampling settings."""
-    heads = {"actor": (self.actor_graphdef, "lm"), "critic": (self.critic_graphdef, "value")}
+  def check(self, sampling: SamplingParams, ppo: PPOConfig | None = None) -> None:
+    """Raises when the models disagree with each other, with the sampling settings, or
+    (given `ppo`) with what the algorithm needs: a critic exactly for an estimator that
+    reads values, a reference exactly when kl_coef > 0."""
+    for name in ("critic", "reward"):
+      if (getattr(self, name) is None) != (getattr(self, name + "_graphdef") is None):
+        raise ValueError(f"Models.{name} and Models.{name}_graphdef must both be set or "
+                         "both be None.")
+    if ppo is not None:
+      self._check_algorithm(ppo)
+    heads = {"actor": (self.actor_graphdef, "lm")}
+    if self.critic_graphdef is not None:
+      heads["critic"] = (self.critic_graphdef, "value")
     if self.reward_graphdef is not None:
       heads["reward"] = (self.reward_graphdef, "score")
     for name, (graphdef, head) in heads.items():
       got = nnx.merge(graphdef, getattr(self, name)).config.head
       if got != head:
         raise ValueError(f"Models.{name} has a {got!r} head; it needs {head!r}.")
-    if _shapes(self.reference) != _shapes(self.actor):
+    if self.reference is not None and _shapes(self.reference) != _shapes(self.actor):
       raise ValueError("Models.reference does not have the actor's parameter shapes and "
                        "dtypes; the reference must be a copy of the initial actor.")
-    if (self.reward is None) != (self.reward_graphdef is None):
-      raise ValueError("Models.reward and Models.reward_graphdef must both be set (a reward "
-                       "model) or both be None (a rule reward).")
     vocab = nnx.merge(self.actor_graphdef, self.actor).config.vocab_size
     for name in ("eos_id", "pad_id"):
       token = getattr(sampling, name)
       if token is not None and not 0 <= token < vocab:
         raise ValueError(f"sampling.{name}={token} is outside the actor's vocabulary "
                          f"(size {vocab}).")
+
+
+  def _check_algorithm(self, ppo: PPOConfig) -> None:
+    estimator = f"ppo.advantage_estimator={ppo.advantage_estimator!r}"
+    if ppo.needs_critic and self.critic is None:
+      raise ValueError(f"{estimator} needs a critic but Models has none; build it with "
+                       "Models.from_policy(..., critic_from='policy').")
+    if not ppo.needs_critic and self.critic is not None:
+      raise ValueError(f"{estimator} uses no critic but Models has one; build Models "
+                       "with Models.from_policy(..., critic_from=None).")
+    if ppo.needs_reference and self.reference is None:
+      raise ValueError(f"ppo.kl_coef={ppo.kl_coef} needs the reference policy but Models "
+                       "has none; build Models.from_policy(..., reference=True).")
+    if not ppo.needs_reference and self.reference is not None:
+      raise ValueError("ppo.kl_coef=0 uses no reference policy but Models has one; build "
+                       "Models.from_policy(..., reference=False).")
 
 
 class PPOSystem:
@@ -243,7 +281,7 @@ class PPOSystem:
     if (reward_fn is not None or eval_fn is not None) and decode is None:
       raise ValueError("A rule reward (reward_fn / eval_fn) scores decoded text: pass "
                        "decode=tokenizer.decode.")
-    models.check(sampling)
+    models.check(sampling, ppo)
     self.ppo = ppo
     self.sampling = sampling
     self.runtime = runtime
@@ -252,28 +290,33 @@ class PPOSystem:
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
+    self.has_critic = models.critic is not None
     # Each stage computes the same models its own way (attention kernel, remat).
     def for_stage(stage, graphdef, params):
       return with_execution(graphdef, params, **runtime.stage(stage).execution())
 
     reward_graphdef = (for_stage("infer", models.reward_graphdef, models.reward)
                        if models.reward is not None else None)
+    critic_graphdef = {stage: (for_stage(stage, models.critic_graphdef, models.critic)
+                               if self.has_critic else None) for stage in ("infer", "train")}
     self.generate_stage = GenerateStage(
         gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
-        runtime.num_microbatches)
+        runtime.num_microbatches, group_size=ppo.group_size)
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
-                                  for_stage("infer", models.critic_graphdef, models.critic),
-                                  reward_graphdef, InferHyper.from_settings(ppo, sampling.temperature),
+                                  critic_graphdef["infer"], reward_graphdef,
+                                  InferHyper.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
                                           schedule=ppo.lr_schedule,
                                           max_grad_norm=ppo.max_grad_norm)
     self.train_stage = TrainStage(trn, for_stage("train", models.actor_graphdef, models.actor),
-                                  for_stage("train", models.critic_graphdef, models.critic),
-                                  PPOHyper.from_settings(ppo, sampling.temperature), optimizer(ppo.actor_lr),
-                                  optimizer(ppo.critic_lr))
-    self.reference, _ = inf.put_params(models.reference)
+                                  critic_graphdef["train"],
+                                  PPOHyper.from_settings(ppo, sampling.temperature),
+                                  optimizer(ppo.actor_lr),
+                                  optimizer(ppo.critic_lr) if self.has_critic else None)
+    self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
+                      else None)
     self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
     self.state: ActorCriticState = self.train_stage.init_state(models.actor, models.critic)
     root = jax.random.key(ppo.seed)
@@ -295,23 +338,30 @@ class PPOSystem:
     """The current actor moved to the generation layout (train -> generate)."""
     return self.layouts["generate"].put_params(self.state.actor)
 
-  def critic_for_inference(self) -> tuple[nnx.State, TransferStats]:
-    """The current critic moved to the inference layout (train -> infer)."""
+  def critic_for_inference(self) -> tuple[nnx.State | None, TransferStats]:
+    """The current critic moved to the inference layout (train -> infer); (None, nothing
+    moved) without a critic."""
+    if not self.has_critic:
+      return None, TransferStats()
     return self.layouts["infer"].put_params(self.state.critic)
 
   # ---- the three stage steps ---------------------------------------------------------
   def generate(self, actor: nnx.State, batch: dict, step: int, version: int
                ) -> tuple[Rollout, dict]:
     size = len(batch["prompt_tokens"])
-    if size != self.ppo.batch_size:
+    if size != self.ppo.prompts_per_step:
+      per_step = (f"ppo.batch_size={self.ppo.batch_size}" if self.ppo.group_size == 1 else
+                  f"ppo.batch_size / ppo.group_size = {self.ppo.batch_size} / "
+                  f"{self.ppo.group_size} = {self.ppo.prompts_per_step}")
       raise ValueError(f"The prompt source gave a batch of {size} prompts at step {step}; "
-                       f"ppo.batch_size={self.ppo.batch_size}: make them equal.")
+                       f"{per_step}: make them equal.")
     rng = jax.random.fold_in(self.gen_key, step)
     return self.generate_stage(actor, batch, rng, version)
 
-  def infer(self, rollout: Rollout, critic: nnx.State, *, actor_version: int,
-            critic_version: int) -> tuple[Experience, dict]:
-    """Experience of a rollout sampled by policy `actor_version`, valued by that critic.
+  def infer(self, rollout: Rollout, critic: nnx.State | None, *, actor_version: int,
+            critic_version: int | None) -> tuple[Experience, dict]:
+    """Experience of a rollout sampled by policy `actor_version`, valued by that critic
+    (`critic` None and `critic_version` not reported without a critic).
 
     Its KL coefficient is the one of `actor_version` (recorded as `kl_coef`).
     """
@@ -320,10 +370,11 @@ class PPOSystem:
     rollout, stats = reshard(rollout, self.layouts["infer"].batch_shardings(rollout))
     exp, metrics = self.infer_stage(self.reference, critic, self.reward, rollout, kl_coef)
     metrics = jax.device_get(metrics)
+    versions = {"version/actor": float(actor_version)}
+    if self.has_critic:
+      versions["version/critic"] = float(critic_version)
     return exp, {**{k: float(v) for k, v in metrics.items()},
-                 **stats.as_metrics("transfer/rollout"), "kl_coef": kl_coef,
-                 "version/actor": float(actor_version),
-                 "version/critic": float(critic_version),
+                 **stats.as_metrics("transfer/rollout"), "kl_coef": kl_coef, **versions,
                  "time/infer_s": time.perf_counter() - start}
 
   def train(self, exp: Experience, step: int) -> dict:
