@@ -312,3 +312,74 @@ def test_decoupled_update_weights_tokens_by_the_capped_behaviour_ratio(layout, m
                              rtol=1e-6)
   # The cap binds on some tokens and not on others, so the check above is not vacuous.
   assert 0 < np.mean(weight > cap) < 1
+
+
+@pytest.mark.parametrize("kl_coef", [0.3, 0.0])
+def test_critic_free_infer_stage_groups_scores_and_keeps_kl_out_of_the_rewards(
+    layout, models, kl_coef):
+  # GRPO over 2 groups of 4, KL in the loss: the rewards are the score alone, the
+  # advantages the group-normalised scores; kl_coef=0 runs no reference at all.
+  ppo = ppo_section(advantage_estimator="grpo", group_size=4, whiten_advantages=False,
+                    kl_in="loss", kl_estimator="k3", temperature=0.7)
+  rollout = hand_rollout()
+  infer = InferStage(layout, models["actor"][0], None, models["reward"][0],
+                     InferHyper.from_settings(ppo, ppo.temperature))
+  ref = models["actor"][1] if kl_coef else None
+  exp, metrics = infer(ref, None, models["reward"][1], rollout, kl_coef)
+  want = numpy_experience(full_forward(*models["actor"], rollout),
+                          np.zeros((BATCH, PROMPT + COMPLETION)),
+                          full_forward(*models["reward"], rollout), rollout,
+                          ppo_section(kl_estimator="k3", temperature=0.7), 0.0)
+  mask = np.asarray(rollout.completion_mask)
+  # R_i = the sum of the row's rewards: its score, or 0 for the all-padding row 3 (no
+  # token for the score to land on).
+  groups = want["rewards"].sum(1).reshape(2, 4)
+  adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True)
+                                                     + 1e-6)
+  np.testing.assert_allclose(exp.advantages, np.where(mask, adv.reshape(-1)[:, None], 0.0),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(exp.rewards, want["rewards"], rtol=1e-5, atol=1e-6)
+  assert exp.values is None and "value/mean" not in metrics
+  if kl_coef:
+    np.testing.assert_allclose(exp.kl, want["kl"], rtol=1e-5, atol=1e-5)
+    assert np.abs(want["kl"]).max() > 0.1  # there is a KL, and it is not in the rewards
+  else:
+    assert exp.ref_logprobs is None and exp.kl is None and "kl/mean" not in metrics
+  with pytest.raises(ValueError, match="'grpo' takes no critic"):
+    InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
+               InferHyper.from_settings(ppo, ppo.temperature))
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+def test_critic_free_update_aggregates_and_adds_the_kl_loss(layout, models, loss_agg):
+  ppo = ppo_section(advantage_estimator="grpo", group_size=4, whiten_advantages=False,
+                    kl_in="loss", kl_estimator="k3", kl_coef=0.5, loss_agg=loss_agg,
+                    temperature=0.8)
+  exp = generated_experience(layout, models, ppo, seed=2)
+  mask = np.asarray(exp.rollout.completion_mask)
+  # A reference below the sampling policy by a known shift per token: d = ref - logp.
+  shift = np.where(mask, np.resize([0.4, -0.3, 0.9, 0.1], mask.shape), 0.0)
+  exp = exp.replace(ref_logprobs=exp.rollout.behaviour_logprobs - shift, values=None,
+                    returns=None)
+  tx = make_optimizer(1e-3, total_steps=10)
+  trainer = TrainStage(layout, models["actor"][0], None,
+                       PPOHyper.from_settings(ppo, ppo.temperature), tx, None)
+  state = trainer.init_state(models["actor"][1])
+  assert state.critic is None and state.critic_opt is None
+  new_state, metrics = trainer.update(state, exp, jax.random.key(5))
+
+  def agg(x):  # the hand aggregation over the one minibatch (= the batch)
+    x = np.where(mask, x, 0.0)
+    if loss_agg == "token_mean":
+      return x.sum() / mask.sum()
+    if loss_agg == "seq_mean_token_mean":
+      return np.mean(x.sum(1) / mask.sum(1))
+    return x.sum() / (BATCH * COMPLETION)
+
+  d = -shift  # ref - current, the current policy being the sampling one (ratio 1)
+  k3 = np.exp(d) - d - 1
+  assert abs(float(metrics["ratio_mean"]) - 1.0) < 1e-6
+  np.testing.assert_allclose(float(metrics["policy_loss"]), agg(-np.asarray(exp.advantages)),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(metrics["kl_loss"]), agg(k3), rtol=1e-5, atol=1e-6)
+  assert "value_loss" not in metrics and new_state.critic is None

@@ -95,7 +95,13 @@ def _slow_until_batch_1_has_weights(prompts, completions):
   return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
 
 
-def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypatch):
+# The off-policy machinery is the same for a critic-free estimator (rloo: groups of 4).
+CRITIC_FREE = dict(advantage_estimator="rloo", group_size=4, whiten_advantages=False)
+
+
+@pytest.mark.parametrize("algorithm", [{}, CRITIC_FREE], ids=["gae", "rloo"])
+def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypatch,
+                                                              algorithm):
   _BATCH_1_HAS_WEIGHTS.clear()
   acquire = StalenessGate.acquire
 
@@ -110,6 +116,7 @@ def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypa
   config.ppo.steps = 6
   config.ppo.loss = "decoupled_ppo_clip"  # the off-policy objective stale rollouts need
   config.reward.fn = "test_slow_until_batch_1_has_weights"
+  config.ppo.update(algorithm)
   result = train(config, str(tmp_path), progress=False)
   tracer = result["tracer"]
   # Generation of batch k+1 ran while batch k was in inference or training.
