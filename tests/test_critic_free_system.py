@@ -66,10 +66,11 @@ def test_critic_free_system_has_no_critic_anywhere_and_resumes_exactly(policy_pa
 
 
 def test_kl_coef_zero_builds_and_runs_no_reference(policy_path):
-  system, tok = system_for(policy_path, {**GRPO, "kl_coef": 0.0}, critic_from=None,
-                           reference=False)
-  assert system.reference is None
-  metrics = run(system, prompts_from_texts(TEXTS, tok, 2, 8), steps=1).metrics[0]
+  # REINFORCE++ with one sample per prompt: neither critic nor reference nor groups.
+  ppo = dict(advantage_estimator="reinforce_pp", whiten_advantages=False, kl_coef=0.0)
+  system, tok = system_for(policy_path, ppo, critic_from=None, reference=False)
+  assert system.reference is None and not system.has_critic
+  metrics = run(system, prompts_from_texts(TEXTS, tok, 8, 8), steps=1).metrics[0]
   assert "kl/mean" not in metrics and "kl_loss" not in metrics
   assert np.isfinite(metrics["policy_loss"])
 

@@ -14,7 +14,8 @@ reward and prompts needs only:
 The prompt-source protocol (`PromptSource`): an iterator of batches, each a dict of numpy
 arrays {"prompt_tokens": int32 [batch, prompt_len], LEFT-padded; "prompt_mask": bool
 [batch, prompt_len]; "index": int [batch], a global id per sample that keys its sampling
-randomness}. `batch` must equal `PPOConfig.batch_size`. A source that also has
+randomness}. `batch` must equal `PPOConfig.prompts_per_step` (= `batch_size` /
+`group_size`: each prompt is sampled `group_size` times). A source that also has
 `get_state() -> dict` and `set_state(dict)` can be checkpointed and resumed exactly
 (`data.pipeline.PromptPipeline` is one, over TFDS or any list of {"prompt": text}).
 """
@@ -48,7 +49,7 @@ def prompts_from_texts(texts: Sequence[str], tokenizer, batch_size: int, prompt_
   from pipe_rlhf_jax.data.pipeline import PromptPipeline
   if len(texts) < batch_size:
     raise ValueError(f"{len(texts)} prompts cannot fill one batch of {batch_size}; give "
-                     "more prompts or a smaller PPOConfig.batch_size.")
+                     "more prompts or a smaller batch_size.")
   return PromptPipeline([{"prompt": t} for t in texts], tokenizer, batch_size, prompt_len,
                         seed, shuffle=shuffle, name="prompts_from_texts")
 
