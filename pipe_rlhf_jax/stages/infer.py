@@ -1,10 +1,11 @@
 """The inference stage: turns a rollout into PPO experience with forward passes only.
 
 Reference log-probs (frozen SFT policy), critic values and reward-model scores are
-forward passes over the same `[prompt | completion]` tokens; KL shaping, the advantage
-estimator and advantage whitening follow in the same jitted call, so a rollout crosses
-the host once. A rule-based reward (registered by name) is evaluated on the host from
-decoded text and enters the jitted call as `scores`.
+forward passes over the same `[prompt | completion]` tokens, one jitted program; KL
+shaping, the advantage estimator and advantage whitening follow in a second one. A
+rule-based reward (registered by name) is evaluated on the host from decoded text while
+the device runs the forward passes (dispatched first), and enters the second program as
+`scores`; the experience never crosses the host.
 
 Only the models the algorithm needs run: no critic for a critic-free estimator
 (`values` is None), no reference when `ppo.kl_coef == 0` (`ref_logprobs` and `kl` are
@@ -110,27 +111,32 @@ class InferStage:
                                                    field="ppo.advantage_estimator")
     settings = h.advantage_settings
 
-    def make_experience(ref, critic, reward_model, rollout: Rollout, host_scores,
-                        kl_coef):
-      # `ref` / `critic` are None when the algorithm has no such model: a static fact of
-      # the trace (None is an empty pytree), so the skipped forward pass is not compiled.
+    def forward(ref, critic, reward_model, rollout: Rollout):
+      # The model passes, one jitted program dispatched before any host work so that a
+      # rule reward's decoding and scoring on the host overlap them. `ref` / `critic` /
+      # `reward_model` are None when the algorithm has no such model: a static fact of the
+      # trace (None is an empty pytree), so the skipped pass is not compiled.
       with layout.rules_context():
         r = rollout
         args = (r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask)
-        mask = r.completion_mask
-        ref_logprobs = kl = None
-        if ref is not None:
-          # Under the untruncated policy: a sampled token outside the reference's own
-          # nucleus still has a finite reference log-prob, so the KL stays finite.
-          ref_logprobs = completion_logprobs(policy_graphdef, ref, *args,
-                                             temperature=h.temperature)
-          kl = kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
+        # Under the untruncated policy: a sampled token outside the reference's own
+        # nucleus still has a finite reference log-prob, so the KL stays finite.
+        ref_logprobs = (completion_logprobs(policy_graphdef, ref, *args,
+                                            temperature=h.temperature)
+                        if ref is not None else None)
         values = (completion_values(critic_graphdef, critic, *args)
                   if critic is not None else None)
-        if reward_graphdef is not None:
-          scores = sequence_scores(reward_graphdef, reward_model, *args)
-        else:
-          scores = host_scores
+        model_scores = (sequence_scores(reward_graphdef, reward_model, *args)
+                        if reward_model is not None else None)
+        return ref_logprobs, values, model_scores
+
+    def make_experience(rollout: Rollout, ref_logprobs, values, scores, kl_coef):
+      # [batch, length] token arrays; `scores` [batch] from the reward model or the rule.
+      with layout.rules_context():
+        r = rollout
+        mask = r.completion_mask
+        kl = (kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
+              if ref_logprobs is not None else None)
         if kl is not None and h.kl_in == "reward":
           rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
         else:  # the score alone, on each row's last valid token
@@ -144,6 +150,7 @@ class InferStage:
                          rewards=rewards, advantages=advantages, returns=returns, kl=kl)
         return exp, experience_metrics(exp)
 
+    self._forward = jax.jit(forward)
     self._make = jax.jit(make_experience)
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
@@ -166,11 +173,15 @@ class InferStage:
     if (critic is None) == self.hyper.needs_critic:
       raise ValueError("InferStage: pass critic parameters exactly when the advantage "
                        f"estimator {self.hyper.advantage_estimator!r} needs a critic.")
-    batch = rollout.prompt_tokens.shape[0]
-    host_scores = (self.score_on_host(rollout, self.reward_fn) if reward_model is None
-                   else np.zeros((batch,), np.float32))
-    host_scores = jax.device_put(host_scores, self.layout.batch_sharding(1))
-    exp, metrics = self._make(ref, critic, reward_model, rollout, host_scores,
+    # Asynchronous dispatch: the device runs the model passes while the host decodes
+    # and scores the completions below.
+    ref_logprobs, values, model_scores = self._forward(ref, critic, reward_model, rollout)
+    if reward_model is None:
+      scores = jax.device_put(self.score_on_host(rollout, self.reward_fn),
+                              self.layout.batch_sharding(1))
+    else:
+      scores = model_scores
+    exp, metrics = self._make(rollout, ref_logprobs, values, scores,
                               jnp.asarray(kl_coef, jnp.float32))
     if self.eval_fn is not None:
       metrics["rule_reward/mean"] = float(np.mean(self.score_on_host(rollout, self.eval_fn)))
