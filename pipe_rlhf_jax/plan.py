@@ -40,8 +40,9 @@ _GANTT = flags.DEFINE_string("gantt", "", "Also draw the best plan's predicted G
 
 
 def workload_from_flags(config):
-  from pipe_rlhf_jax.planner import hardware, presets
-  from pipe_rlhf_jax.planner.space import Workload
+  """The hardware profile and the workload: the config's, with the flags' overrides."""
+  import dataclasses
+  from pipe_rlhf_jax.planner import auto, hardware, presets
   hw = hardware.get(_HARDWARE.value)
   if _MODEL.value:
     actor = presets.model(_MODEL.value)
@@ -49,13 +50,12 @@ def workload_from_flags(config):
     from pipe_rlhf_jax.models.tokenizer import load_tokenizer
     from pipe_rlhf_jax.train import build_model_configs
     actor = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
-  return hw, Workload(
-      actor=actor, batch_size=_BATCH.value or config.ppo.batch_size,
-      minibatch_size=_MINIBATCH.value or config.ppo.minibatch_size, epochs=config.ppo.epochs,
-      prompt_len=_PROMPT.value or config.data.prompt_len,
-      gen_len=_GEN.value or config.data.completion_len, num_devices=_DEVICES.value,
-      devices_per_host=_DEVICES_PER_HOST.value or min(hw.devices_per_host, _DEVICES.value),
-      reward_model=config.reward.fn == "model")
+  work = auto.workload(config, actor, _DEVICES.value,
+                       _DEVICES_PER_HOST.value or hw.devices_per_host)
+  return hw, dataclasses.replace(
+      work, batch_size=_BATCH.value or work.batch_size,
+      minibatch_size=_MINIBATCH.value or work.minibatch_size,
+      prompt_len=_PROMPT.value or work.prompt_len, gen_len=_GEN.value or work.gen_len)
 
 
 def _name(plan) -> str:
