@@ -232,15 +232,18 @@ def placements(num_devices: int, devices_per_host: int = 1, coarse: bool = False
                ) -> list[tuple[int, int, int]]:
   """Device counts (generate, infer, train), all devices used, host-aligned blocks.
 
-  With devices_per_host > 1 and more than one host, every block is a whole number of
-  hosts. `coarse` keeps only counts of hosts of the form 2^a or 3 * 2^a (for large
-  device counts, where every composition would be too many).
+  The blocks are contiguous in device order (generate first). On more than one host,
+  each block either is a whole number of hosts starting at a host boundary, or lies
+  inside one host (so two small stages may share a host, but no stage straddles a host
+  boundary with part of a host). `coarse` keeps only block sizes whose count of hosts
+  (or, inside a host, of devices) is of the form 2^a or 3 * 2^a (for large device
+  counts, where every composition would be too many).
   """
-  unit = devices_per_host if devices_per_host > 1 and num_devices > devices_per_host else 1
-  if num_devices % unit:
+  per_host = devices_per_host if devices_per_host > 1 and num_devices > devices_per_host \
+      else num_devices
+  if num_devices % per_host:
     raise ValueError(f"{num_devices} devices are not a whole number of hosts of "
                      f"{devices_per_host}.")
-  hosts = num_devices // unit
 
   def ok(k):
     if not coarse:
@@ -249,12 +252,21 @@ def placements(num_devices: int, devices_per_host: int = 1, coarse: bool = False
       k //= 2
     return k in (1, 3)
 
+  def block_ok(start: int, size: int) -> bool:
+    if size % per_host == 0:
+      return start % per_host == 0 and ok(size // per_host)
+    return start // per_host == (start + size - 1) // per_host and ok(size)
+
+  sizes = [s for s in range(1, num_devices - 1)
+           if (s < per_host or s % per_host == 0)]
   out = []
-  for g in range(1, hosts - 1):
-    for i in range(1, hosts - g):
-      t = hosts - g - i
-      if ok(g) and ok(i) and ok(t):
-        out.append((g * unit, i * unit, t * unit))
+  for g in sizes:
+    if not block_ok(0, g):
+      continue
+    for i in sizes:
+      t = num_devices - g - i
+      if t >= 1 and block_ok(g, i) and block_ok(g + i, t):
+        out.append((g, i, t))
   return out
 
 
