@@ -121,6 +121,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # file (`python -m pipe_rlhf_jax.planner.calibrate --out FILE`; "" = analytic).
   config.runtime.hardware = ""
   config.runtime.calibration = ""
+  # Mean response length / data.completion_len the planner prices generation with (rows
+  # stop at EOS); 1 = every row runs to the end. A run logs it as response_length/mean.
+  config.runtime.response_fraction = 1.0
   config.runtime.mode = "pipe"
   config.runtime.max_staleness = 1
   config.runtime.queue_size = 2

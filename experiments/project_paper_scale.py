@@ -20,7 +20,8 @@ best plan that fits in memory; "-" where none fits.
 
   python experiments/project_paper_scale.py [--models llama2-7b,llama2-70b]
       [--targets h100:8,h100:64,tpu-v5p:128] [--gen_lens 128,512,1024]
-      [--calibration FILE] [--out-dir experiments/out/project_paper_scale]
+      [--calibration FILE] [--response_fraction 1.0]
+      [--out-dir experiments/out/project_paper_scale]
 
 Writes projections.csv (one row per model x hardware x devices x generation length)
 and projections.md (the same as markdown tables, one per model, with the labels).
@@ -55,6 +56,7 @@ class Setting:
   epochs: int = 1
   prompt_len: int = 512
   max_staleness: int = 1
+  response_fraction: float = 1.0  # mean response / gen_len (1: every row runs to the end)
 
 
 def best_per_mode(work, machine, staleness: int) -> dict[str, object]:
@@ -76,7 +78,8 @@ def project_point(model: str, hw_name: str, devices: int, gen_len: int, machine,
   work = space.Workload(actor=presets.model(model), batch_size=setting.batch_size,
                         minibatch_size=setting.minibatch_size, epochs=setting.epochs,
                         prompt_len=setting.prompt_len, gen_len=gen_len, num_devices=devices,
-                        devices_per_host=min(hw.devices_per_host, devices))
+                        devices_per_host=min(hw.devices_per_host, devices),
+                        response_fraction=setting.response_fraction)
   start = time.perf_counter()
   best = best_per_mode(work, machine, setting.max_staleness)
   step = {m: (c.step_time if c is not None else math.inf) for m, c in best.items()}
@@ -143,7 +146,8 @@ def run(models, targets, gen_lens, calibration: str, out_dir: str,
            f"{eff.decode_bw}, tick overhead {eff.tick_overhead_s * 1e6:.0f} us, call "
            f"overhead {eff.call_overhead_s * 1e6:.0f} us. Batch {setting.batch_size} "
            f"prompts of {setting.prompt_len} tokens, minibatch {setting.minibatch_size}, "
-           f"{setting.epochs} epoch, staleness <= {setting.max_staleness}; every row is "
+           f"{setting.epochs} epoch, staleness <= {setting.max_staleness}, mean response "
+           f"{setting.response_fraction:.2f} of the generation length; every row is "
            "a prediction, none was measured.")
   print(label, flush=True)
   rows = []
@@ -176,11 +180,14 @@ def main(argv=None) -> None:
   parser.add_argument("--gen_lens", default=",".join(map(str, DEFAULT_GEN_LENS)))
   parser.add_argument("--calibration", default="",
                       help="a planner.calibrate JSON from the target hardware")
+  parser.add_argument("--response_fraction", type=float, default=1.0,
+                      help="mean response length / generation length (early EOS)")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "project_paper_scale"))
   args = parser.parse_args(argv)
   run(args.models.split(","), args.targets.split(","),
-      [int(g) for g in args.gen_lens.split(",")], args.calibration, args.out_dir)
+      [int(g) for g in args.gen_lens.split(",")], args.calibration, args.out_dir,
+      Setting(response_fraction=args.response_fraction))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ Owns what `train.set_up` asks of the planner before anything is built or compile
 
 Config fields (section `runtime`, all optional): `plan` ("manual" | "auto"), `hardware`
 (a `planner.hardware` profile name; "" detects it), `calibration` (a JSON file written
-by `python -m pipe_rlhf_jax.planner.calibrate`; "" uses the analytic efficiencies).
+by `python -m pipe_rlhf_jax.planner.calibrate`; "" uses the analytic efficiencies),
+`response_fraction` (mean response length over `data.completion_len`, for pricing
+generation's early EOS stop; 1 = every row runs to the end; `planner.lengths`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 from typing import Any
 
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.planner import cost, hardware, memory, search, space
+from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
 from pipe_rlhf_jax.system.settings import RuntimeConfig
 
 PLAN_CHOICES = ("manual", "auto")
@@ -78,7 +80,9 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       minibatch_size=config.ppo.minibatch_size, epochs=config.ppo.epochs,
       prompt_len=config.data.prompt_len, gen_len=config.data.completion_len,
       num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
-      reward_model=config.reward.fn == "model")
+      reward_model=config.reward.fn == "model",
+      response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
+                                               "runtime.response_fraction"))
 
 
 def options_of(config) -> space.SpaceOptions:

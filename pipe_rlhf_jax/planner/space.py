@@ -29,6 +29,7 @@ from flax import nnx
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
@@ -52,6 +53,9 @@ class Workload:
     num_devices: devices to plan for.
     devices_per_host: devices of one host (placement blocks align to hosts when > 1).
     reward_model: a reward model runs in inference (else a host rule reward).
+    response_fraction: mean response length over `gen_len` (rows stop at EOS; 1 = every
+      row runs all T tokens). Generation is priced with the passes its longest rows
+      need (`planner.lengths`); inference and training always see T positions.
   """
 
   actor: TransformerConfig
@@ -63,6 +67,10 @@ class Workload:
   num_devices: int
   devices_per_host: int = 1
   reward_model: bool = True
+  response_fraction: float = 1.0
+
+  def __post_init__(self):
+    lengths.check_fraction(self.response_fraction, "response_fraction")
 
   @property
   def critic(self) -> TransformerConfig:
