@@ -75,11 +75,12 @@ class Efficiency:
       of a shared host at once (throughput of k concurrent copies / one copy, best k;
       0 = not measured). On this cpu a small program on one virtual device uses about one
       core, so two stages on different devices do overlap.
-    forward_device_overhead_s / train_device_overhead_s: shared host: seconds each device
-      beyond the first adds to one forward / forward+backward call (its own program on
-      the same cores: launches, synchronisation), measured by splitting one call's batch
-      over all devices (0 = not measured; dedicated devices run their programs in
-      parallel, so it is not applied there).
+    forward_device_overhead_s / train_device_overhead_s / tick_device_overhead_s: shared
+      host: seconds each device beyond the first adds to one forward / forward+backward
+      call / decode step or pipeline tick (its own program on the same cores: launches,
+      synchronisation), measured by splitting one call's batch over all devices (0 = not
+      measured; dedicated devices run their programs in parallel, so it is not applied
+      there).
     hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
     source: where these numbers come from.
@@ -95,6 +96,7 @@ class Efficiency:
   host_concurrency: float = 0.0
   forward_device_overhead_s: float = 0.0
   train_device_overhead_s: float = 0.0
+  tick_device_overhead_s: float = 0.0
   hbm_bw: float = 0.0
   link_bw: float = 0.0
   link_latency: float = 0.0
@@ -286,8 +288,9 @@ def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> St
     ticks += count
     compute += count * tick_compute(prefilling, decoding)
     comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
+  per_tick = m.eff.tick_overhead_s + _device_overhead(m, n, "tick")
   return StageCost(compute=compute, comm=comm,
-                   overhead=ticks * m.eff.tick_overhead_s + 2 * m.eff.call_overhead_s)
+                   overhead=ticks * per_tick + 2 * m.eff.call_overhead_s)
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:
