@@ -181,7 +181,7 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
     if reason is not None:
       raise ValueError(
           f"the hand-written plan {runtime} cannot run {work.batch_size} rollouts of "
-          f"{work.length} tokens on {len(devices)} {m.hw.name} devices: {reason}. Change "
+          f"{work.length} tokens on {len(devices)} {m.hw.name} devices: {reason.rstrip('.')}. Change "
           "runtime / mesh / stages (or ppo.minibatch_size), or let the planner choose: "
           "--config.runtime.plan=auto.")
     return config, _planned(c, False, m, 0.0)
