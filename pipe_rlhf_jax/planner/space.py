@@ -195,12 +195,21 @@ def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> RuntimeConfig:
   return RuntimeConfig(mode=mode, placement=(1, 1, 1), **stages)
 
 
-@functools.lru_cache(maxsize=100_000)
 def stage_error(stage: str, plan: StagePlan, num_devices: int, work: Workload) -> str | None:
   """Why one stage's plan on `num_devices` devices cannot run `work` (None: it can).
 
-  The runtime's own checks, applied to that stage alone (`_one_stage_runtime`).
+  The runtime's own checks, applied to that stage alone (`_one_stage_runtime`). They
+  read only the model and the batch size, so the answer is memoised on those (the same
+  strategies recur across sequence lengths, minibatch sizes and modes).
   """
+  return _stage_error(stage, plan, num_devices, work.actor, work.batch_size)
+
+
+@functools.lru_cache(maxsize=100_000)
+def _stage_error(stage: str, plan: StagePlan, num_devices: int, actor: TransformerConfig,
+                 batch_size: int) -> str | None:
+  work = Workload(actor=actor, batch_size=batch_size, minibatch_size=batch_size, epochs=1,
+                  prompt_len=1, gen_len=1, num_devices=num_devices)
   runtime = _one_stage_runtime(stage, plan, "pipe")
   counts = tuple(num_devices if s == stage else 1 for s in STAGES)
   runtime = dataclasses.replace(runtime, placement=counts)
