@@ -181,9 +181,9 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
     if reason is not None:
       raise ValueError(
           f"the hand-written plan {runtime} cannot run {work.batch_size} rollouts of "
-          f"{work.length} tokens on {len(devices)} {m.hw.name} devices: {reason.rstrip('.')}. Change "
-          "runtime / mesh / stages (or ppo.minibatch_size), or let the planner choose: "
-          "--config.runtime.plan=auto.")
+          f"{work.length} tokens on {len(devices)} {m.hw.name} devices: "
+          f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
+          "or let the planner choose: --config.runtime.plan=auto.")
     return config, _planned(c, False, m, 0.0)
   best, rejected, stats = search.search(work, m, options_of(config), k=1)
   if not best:
