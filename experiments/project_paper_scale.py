@@ -14,9 +14,10 @@ Grid (defaults): actor + critic (+ reference, + reward model) of LLaMA-2 7B, 13B
 (Code Llama's shape), 70B in bfloat16; H100 SXM nodes of 8 GPUs with 8, 16, 32, 64, 128
 GPUs; TPU v5p slices of 8 to 128 chips (4 per host); generation lengths 128 / 512 /
 1024 tokens after 512-token prompts; a global batch of 512 prompts per PPO step,
-minibatches of 64, one epoch; staleness at most 2 (with a bound s, pipe overlaps
-at most s + 1 batches, so 2 is what lets all three stages run at once). For each point and each mode the
-search (per-stage Pareto sets over placements, then the simulator) returns that mode's
+minibatches of 64, one epoch; staleness at most 2 (with a bound s, pipe overlaps at
+most s + 1 batches, so 2 is what lets all three stages run at once). For each point and
+each mode the search (per-stage Pareto sets over placements, then the simulator) returns
+that mode's
 best plan that fits in memory; "-" where none fits.
 
   python experiments/project_paper_scale.py [--models llama2-7b,llama2-70b]

@@ -26,8 +26,9 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             train -> infer (`sequential`: one layout, nothing moves).
 Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
 device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
-alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of
-all devices' work: a stage's time is its total work over the host's rate.
+alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared
+hardware (cpu) the host's throughput bounds the sum of all devices' work: a stage's time
+is its total work over the host's rate.
 
 Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
 """
