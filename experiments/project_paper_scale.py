@@ -17,8 +17,7 @@ GPUs; TPU v5p slices of 8 to 128 chips (4 per host); generation lengths 128 / 51
 minibatches of 64, one epoch; staleness at most 2 (with a bound s, pipe overlaps at
 most s + 1 batches, so 2 is what lets all three stages run at once). For each point and
 each mode the search (per-stage Pareto sets over placements, then the simulator) returns
-that mode's
-best plan that fits in memory; "-" where none fits.
+that mode's best plan that fits in memory; "-" where none fits.
 
   python experiments/project_paper_scale.py [--models llama2-7b,llama2-70b]
       [--targets h100:8,h100:64,tpu-v5p:128] [--gen_lens 128,512,1024]

@@ -143,3 +143,21 @@ def test_closed_form_is_a_lower_bound_of_the_simulator():
     assert sim.step_time >= bound * (1 - 1e-6)
     if q == 2:
       assert sim.step_time == pytest.approx(bound, rel=0.05)
+
+
+def test_critic_free_and_reference_free_workloads_price_only_their_models():
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(call_overhead_s=0.0))
+  grpo = dataclasses.replace(WORK, critic_model=False, reference_model=False,
+                             reward_model=False)
+  assert [c.head for c in grpo.models("train")] == ["lm"]
+  assert grpo.models("infer") == []
+  full = cost.train_cost(StagePlan(), MESH1, WORK, m)
+  actor_only = cost.train_cost(StagePlan(), MESH1, grpo, m)
+  # Actor and critic share the backbone: the critic-free update does about half the work.
+  assert actor_only.compute == pytest.approx(full.compute / 2, rel=0.1)
+  pipe = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+                       generate=StagePlan(mesh=MeshSpec(data=4)),
+                       infer=StagePlan(mesh=MeshSpec(data=2)),
+                       train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
+  assert cost.plan_cost(pipe, grpo, m).sync < cost.plan_cost(pipe, WORK, m).sync
+  assert space.plan_error(pipe, grpo) is None

@@ -191,3 +191,12 @@ def test_rejection_names_the_group_and_the_terms():
   # Virtual devices share the host's RAM.
   cpu = hardware.get("cpu")
   assert memory.capacity(cpu) == pytest.approx(cpu.hbm_bytes / 8 * memory.USABLE_FRACTION)
+
+
+def test_critic_free_update_keeps_one_models_state_and_residuals():
+  mesh = dict(data=1, fsdp=1, tensor=1, pipe=1)
+  one = dataclasses.replace(WORK, num_devices=1)
+  grpo = dataclasses.replace(one, critic_model=False)
+  both = dict(memory.stage_memory("train", StagePlan(), mesh, one).transient)
+  actor = dict(memory.stage_memory("train", StagePlan(), mesh, grpo).transient)
+  assert actor["saved activations"] == pytest.approx(both["saved activations"] / 2)

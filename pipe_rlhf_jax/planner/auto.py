@@ -31,7 +31,7 @@ from typing import Any
 
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
-from pipe_rlhf_jax.system.settings import RuntimeConfig
+from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 
 PLAN_CHOICES = ("manual", "auto")
 
@@ -75,12 +75,14 @@ def detect_hardware(devices, name: str = "") -> hardware.Hardware:
 def workload(config, actor: TransformerConfig, num_devices: int,
              devices_per_host: int) -> space.Workload:
   """What one PPO step of the experiment `config` computes, on `num_devices` devices."""
+  ppo = PPOConfig.from_config(config.ppo)
   return space.Workload(
       actor=actor, batch_size=config.ppo.batch_size,
       minibatch_size=config.ppo.minibatch_size, epochs=config.ppo.epochs,
       prompt_len=config.data.prompt_len, gen_len=config.data.completion_len,
       num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
-      reward_model=config.reward.fn == "model",
+      reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
+      reference_model=ppo.needs_reference,
       response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
                                                "runtime.response_fraction"))
 

@@ -295,10 +295,7 @@ def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> St
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:
-  if stage == "infer":
-    cfgs = [work.actor, work.critic]
-    return cfgs + [work.actor.replace(head="score")] if work.reward_model else cfgs
-  return [work.actor, work.critic]
+  return work.models(stage)
 
 
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
@@ -379,7 +376,8 @@ def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workloa
   total = 0.0
   src = mesh_sizes["train"]
   n_src = math.prod(src.values())
-  for dst_stage, cfg in (("generate", work.actor), ("infer", work.critic)):
+  moves = [("generate", work.actor)] + ([("infer", work.critic)] if work.critic_model else [])
+  for dst_stage, cfg in moves:
     dst = mesh_sizes[dst_stage]
     n_dst = math.prod(dst.values())
     w = param_bytes(cfg)

@@ -170,7 +170,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   per_model = model_activation_bytes(cfg, t, L, impl)
   positions = plan.logits_chunk or work.gen_len
   if stage == "infer":
-    models = [cfg, work.critic] + ([cfg.replace(head="score")] if work.reward_model else [])
+    models = work.models("infer")
     b = work.batch_size / batch_ways
     # Forward only: one layer's intermediates at a time, one model at a time.
     layer = b * L * (forward_activation_bytes(cfg, t, L, impl) + per_model)
@@ -182,7 +182,8 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
          ("fsdp-gathered weights", gathered)))
   if stage == "train":
     b = work.minibatch_size / batch_ways
-    params = (param_bytes(cfg) + param_bytes(work.critic)) / param_ways
+    trained = work.models("train")  # the actor, and the critic when there is one
+    params = sum(param_bytes(c) for c in trained) / param_ways
     opt = 2 * params  # Adam m and v of actor and critic, parameter dtype
     grads = params
     updates = params  # the optimizer's updates, alive with the gradients until applied
@@ -190,7 +191,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     # Actor and critic are differentiated in one program: XLA runs both forwards before
     # either backward, so both models' saved activations are alive at the peak
     # (memory_analysis of the PPO update: twice one model's residuals).
-    saved = 2 * tokens * (cfg.num_layers * layer_activation_bytes(cfg, t, L, impl,
+    saved = len(trained) * tokens * (cfg.num_layers * layer_activation_bytes(cfg, t, L, impl,
                                                                   plan.remat) + per_model)
     if plan.remat != "none":  # the layer being recomputed in the backward
       saved += tokens * layer_activation_bytes(cfg, t, L, impl)

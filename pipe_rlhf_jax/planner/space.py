@@ -53,6 +53,8 @@ class Workload:
     num_devices: devices to plan for.
     devices_per_host: devices of one host (placement blocks align to hosts when > 1).
     reward_model: a reward model runs in inference (else a host rule reward).
+    critic_model: the advantage estimator reads a critic (False: critic-free, e.g. GRPO).
+    reference_model: a reference policy runs in inference (False when kl_coef = 0).
     response_fraction: mean response length over `gen_len` (rows stop at EOS; 1 = every
       row runs all T tokens). Generation is priced with the passes its longest rows
       need (`planner.lengths`); inference and training always see T positions.
@@ -68,6 +70,8 @@ class Workload:
   devices_per_host: int = 1
   reward_model: bool = True
   response_fraction: float = 1.0
+  critic_model: bool = True
+  reference_model: bool = True
 
   def __post_init__(self):
     lengths.check_fraction(self.response_fraction, "response_fraction")
@@ -75,6 +79,17 @@ class Workload:
   @property
   def critic(self) -> TransformerConfig:
     return self.actor.replace(head="value")
+
+  def models(self, stage: str) -> list[TransformerConfig]:
+    """The models `stage` runs: inference the reference, critic and reward model (those
+    that exist), training the actor and the critic; generation the actor."""
+    if stage == "infer":
+      return ([self.actor] if self.reference_model else []) + (
+          [self.critic] if self.critic_model else []) + (
+          [self.actor.replace(head="score")] if self.reward_model else [])
+    if stage == "train":
+      return [self.actor] + ([self.critic] if self.critic_model else [])
+    return [self.actor]
 
   @property
   def length(self) -> int:
@@ -153,7 +168,8 @@ def check_plan(runtime: RuntimeConfig, work: Workload) -> None:
   (`schedule.validate_pipeline_config`), which the runtime applies when generating.
   """
   layouts = abstract_layouts(runtime, work.num_devices)
-  system.check_fits(layouts, abstract_params(work.actor), abstract_params(work.critic))
+  system.check_fits(layouts, abstract_params(work.actor),
+                    abstract_params(work.critic) if work.critic_model else None)
   system.check_batch_fits(layouts, work.batch_size, runtime)
   pipe = layouts["generate"].mesh.shape["pipe"]
   if pipe > 1:
