@@ -283,8 +283,10 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
   Validates the config, chooses the devices, refuses to overwrite a run unless resuming,
-  builds the stage layouts and checks the models fit them (on abstract parameters), and
-  reads where a resume starts, refusing a checkpoint whose mathematics differs.
+  asks the planner for the plan (`runtime.plan`: "auto" chooses it, "manual" has the
+  hand-written one checked; `RunSetup.config` is the config the run then uses), builds
+  the stage layouts and checks the models fit them (on abstract parameters), and reads
+  where a resume starts, refusing a checkpoint whose mathematics differs.
   """
   validate_config(config)
   devices = select_devices(config)
