@@ -112,6 +112,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.critic_init = "reward_model"  # or "sft"
 
   config.runtime = ml_collections.ConfigDict()
+  # "manual": the plan below (checked by the planner before anything compiles); "auto":
+  # the planner chooses mode, placement, meshes, M and remat for the devices it sees
+  # (staleness at most runtime.max_staleness) and the summary prints predicted vs
+  # measured seconds per step.
+  config.runtime.plan = "manual"
+  # Planner inputs: a hardware profile ("" = detected from the devices) and a calibration
+  # file (`python -m pipe_rlhf_jax.planner.calibrate --out FILE`; "" = analytic).
+  config.runtime.hardware = ""
+  config.runtime.calibration = ""
+  # Mean response length / data.completion_len the planner prices generation with (rows
+  # stop at EOS); 1 = every row runs to the end. A run logs it as response_length/mean.
+  config.runtime.response_fraction = 1.0
   config.runtime.mode = "pipe"
   config.runtime.max_staleness = 1
   config.runtime.queue_size = 2

@@ -58,17 +58,10 @@ def choose_plans(work, count: int):
   return chosen
 
 
-def completion_times(tracer) -> list[float]:
-  ends: dict[int, float] = {}
-  for span in tracer.spans():
-    if span.batch is not None and span.stage in ("train", "sync"):
-      ends[span.batch] = max(ends.get(span.batch, 0.0), span.end)
-  return [ends[k] for k in sorted(ends)]
-
-
 def measure_plan(plan, cfg, work, tokenizer, texts, warmup: int, window: int, repeats: int):
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.planner import auto
   from pipe_rlhf_jax.system.api import prompts_from_texts, run
   from pipe_rlhf_jax.system.settings import PPOConfig
   from pipe_rlhf_jax.system.system import Models, PPOSystem
@@ -85,7 +78,7 @@ def measure_plan(plan, cfg, work, tokenizer, texts, warmup: int, window: int, re
   periods, spans = [], {}
   for _ in range(repeats):
     tracer = run(system, prompts, steps=window).tracer
-    done = completion_times(tracer)
+    done = auto.completion_times(tracer)
     periods.append((done[-1] - done[0]) / (len(done) - 1))
     for span in tracer.spans():
       spans.setdefault(span.stage, []).append(span.duration)

@@ -78,6 +78,8 @@ def validate_config(config) -> None:
   _positive_int(config, "ppo.top_k", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
+  if "plan" in config.runtime:  # optional: older configs run their hand-written plan
+    _choice(config, "runtime.plan", ("manual", "auto"))
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))
   _choice(config, "data.on_invalid", ("skip", "error"))
   _choice(config, "data.on_overlong", ("truncate", "skip", "error"))

@@ -4,6 +4,8 @@
   python -m pipe_rlhf_jax.plan --config=configs/quickstart.py --hardware=h100 --devices=64 \
       --model=llama2-7b --gen_len=512 --prompt_len=512 --batch_size=512
   (--calibration=FILE: efficiencies fitted by `python -m pipe_rlhf_jax.planner.calibrate`;
+   --response_fraction=0.4 or --lengths_from=runs/X/metrics.jsonl: rows stop at EOS after
+   that mean fraction of gen_len (given, or measured in a run; `planner.lengths`);
    --show_rejected: the plans over the memory limit, with the reason.)
 
 Prints a ranked table (plan, predicted seconds per step, per-stage seconds, memory per
@@ -32,6 +34,12 @@ _MINIBATCH = flags.DEFINE_integer("minibatch_size", 0, "0: config ppo.minibatch_
 _PROMPT = flags.DEFINE_integer("prompt_len", 0, "0: config data.prompt_len.")
 _GEN = flags.DEFINE_integer("gen_len", 0, "0: config data.completion_len.")
 _CALIBRATION = flags.DEFINE_string("calibration", "", "Calibration JSON (planner.calibrate).")
+_RESPONSE = flags.DEFINE_float("response_fraction", 0.0,
+                               "Mean response length / gen_len (early EOS); 0: the "
+                               "config's runtime.response_fraction.")
+_LENGTHS_FROM = flags.DEFINE_string("lengths_from", "",
+                                    "A run's metrics.jsonl: its mean response_length/mean "
+                                    "sets response_fraction (measured in a run).")
 _TOP = flags.DEFINE_integer("top", 10, "Plans shown.")
 _SHOW_REJECTED = flags.DEFINE_bool("show_rejected", False, "Also list rejected plans.")
 _METHOD = flags.DEFINE_enum("method", "auto", ["auto", "exhaustive", "pareto"], "Search.")
@@ -40,8 +48,9 @@ _GANTT = flags.DEFINE_string("gantt", "", "Also draw the best plan's predicted G
 
 
 def workload_from_flags(config):
-  from pipe_rlhf_jax.planner import hardware, presets
-  from pipe_rlhf_jax.planner.space import Workload
+  """The hardware profile and the workload: the config's, with the flags' overrides."""
+  import dataclasses
+  from pipe_rlhf_jax.planner import auto, hardware, lengths, presets
   hw = hardware.get(_HARDWARE.value)
   if _MODEL.value:
     actor = presets.model(_MODEL.value)
@@ -49,13 +58,17 @@ def workload_from_flags(config):
     from pipe_rlhf_jax.models.tokenizer import load_tokenizer
     from pipe_rlhf_jax.train import build_model_configs
     actor = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
-  return hw, Workload(
-      actor=actor, batch_size=_BATCH.value or config.ppo.batch_size,
-      minibatch_size=_MINIBATCH.value or config.ppo.minibatch_size, epochs=config.ppo.epochs,
-      prompt_len=_PROMPT.value or config.data.prompt_len,
-      gen_len=_GEN.value or config.data.completion_len, num_devices=_DEVICES.value,
-      devices_per_host=_DEVICES_PER_HOST.value or min(hw.devices_per_host, _DEVICES.value),
-      reward_model=config.reward.fn == "model")
+  work = auto.workload(config, actor, _DEVICES.value,
+                       _DEVICES_PER_HOST.value or hw.devices_per_host)
+  work = dataclasses.replace(
+      work, batch_size=_BATCH.value or work.batch_size,
+      minibatch_size=_MINIBATCH.value or work.minibatch_size,
+      prompt_len=_PROMPT.value or work.prompt_len, gen_len=_GEN.value or work.gen_len)
+  if _LENGTHS_FROM.value:
+    fraction = lengths.fraction_from_metrics(_LENGTHS_FROM.value, work.gen_len)
+  else:
+    fraction = _RESPONSE.value or work.response_fraction
+  return hw, dataclasses.replace(work, response_fraction=fraction)
 
 
 def _name(plan) -> str:
@@ -78,7 +91,8 @@ def main(argv):
   a = work.actor
   print(f"model: {a.num_params() / 1e9:.3g}B params ({a.num_layers} layers, embed "
         f"{a.embed_dim}, {a.dtype}); batch {work.batch_size} x (prompt {work.prompt_len} + "
-        f"gen {work.gen_len}), minibatch {work.minibatch_size}, epochs {work.epochs}")
+        f"gen {work.gen_len}, mean response {work.response_fraction:.2f} of it), "
+        f"minibatch {work.minibatch_size}, epochs {work.epochs}")
   print(f"hardware: {hw.name} x {work.num_devices} ({work.devices_per_host} per host); "
         f"efficiencies: {eff.source}")
   if not (hw.name == "cpu" and _CALIBRATION.value):

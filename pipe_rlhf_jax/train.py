@@ -43,6 +43,7 @@ from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
@@ -222,6 +223,8 @@ class RunSetup:
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  config: Any = None  # the config the run uses: the input, or the planner's plan applied
+  planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
 
 
 def select_devices(config) -> list:
@@ -280,8 +283,10 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
   Validates the config, chooses the devices, refuses to overwrite a run unless resuming,
-  builds the stage layouts and checks the models fit them (on abstract parameters), and
-  reads where a resume starts, refusing a checkpoint whose mathematics differs.
+  asks the planner for the plan (`runtime.plan`: "auto" chooses it, "manual" has the
+  hand-written one checked; `RunSetup.config` is the config the run then uses), builds
+  the stage layouts and checks the models fit them (on abstract parameters), and reads
+  where a resume starts, refusing a checkpoint whose mathematics differs.
   """
   validate_config(config)
   devices = select_devices(config)
@@ -297,6 +302,12 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
 
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
+  # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
+  # which the planner's checks (runtime checks on abstract meshes, memory model) accept
+  # or reject here, before any data or compilation.
+  config, planned = auto_plan.plan_run(config, cfgs["actor"], devices)
+  say(planned.describe())
+  # ----
   layouts = build_layouts(RuntimeConfig.from_config(config), devices)
   with_critic = PPOConfig.from_config(config.ppo).needs_critic
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
@@ -318,7 +329,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start)
+                  start, config, planned)
 
 
 WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
@@ -343,8 +354,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
-    return ((phase == "ppo" and record.get("step", 0) >= setup.start) or phase == "data"
-            or (phase in WARM_START_PHASES and not warm_restored))
+    return ((phase == "ppo" and record.get("step", 0) >= setup.start)
+            or phase in ("data", "plan") or (phase in WARM_START_PHASES and not warm_restored))
 
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
@@ -475,6 +486,23 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   return tracer
 
 
+def planned_vs_measured(planned: auto_plan.PlannedRun | None, tracer: Tracer,
+                        writer: metrics_lib.MetricsWriter) -> dict[str, str]:
+  """The planner's predicted steady s/step next to the trace's measured one: a metrics
+  row (phase "plan") and the summary's line."""
+  if planned is None:
+    return {}
+  measured = auto_plan.steady_step_time(tracer)
+  row = {"plan/predicted_step_s": planned.predicted_step_s}
+  if measured is not None:
+    row["plan/measured_step_s"] = measured
+  writer.write(0, row, phase="plan")
+  text = f"{planned.predicted_step_s:.4g} predicted ({planned.hardware}, " + (
+      "planner's choice" if planned.chosen else "hand-written plan") + ") / " + (
+      f"{measured:.4g} measured" if measured is not None else "not measured (< 2 steps)")
+  return {"steady s/step": text}
+
+
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
            start_time: float) -> dict[str, Any]:
@@ -491,6 +519,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
     plot = metrics_lib.plot_reward_curve(writer.metrics_path,
                                          os.path.join(workdir, "reward_curve.png"))
   wall = time.perf_counter() - start_time
+  step_s = planned_vs_measured(setup.planned, tracer, writer)
   with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
     f.write("before PPO:\n  " + "\n  ".join(samples_before) + "\n")
     f.write("after PPO:\n  " + "\n  ".join(samples_after) + "\n")
@@ -501,7 +530,8 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       extra={"mode": system.mode, "reward model held-out accuracy":
              f"{warm['rm_eval']['eval_accuracy']:.3f}",
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
-                                          tracer.busy_fraction().items()})})
+                                          tracer.busy_fraction().items()}),
+             "plan": str(system.runtime), **step_s})
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
     f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
             + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
@@ -527,6 +557,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   """
   start_time = time.perf_counter()
   setup = set_up(config, workdir, resume)
+  config = setup.config  # runtime.plan='auto': the planner's plan applied
   writer = open_metrics(config, setup)
   try:
     build_stats, data = make_data(config, setup.workdir, setup.tokenizer)

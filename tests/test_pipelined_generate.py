@@ -132,10 +132,18 @@ def test_eos_with_unequal_rows_matches_plain(setup):
   want = generate(model, prompt, mask, STEPS, rng=rng, eos_id=eos, sample_ids=ids,
                   pad_id=VOCAB - 1, **SAMPLED)
   assert not bool(want.mask.all())  # some rows really stopped
-  out, _ = pipelined_generate(model, prompt, mask, STEPS, mesh=mesh_for(2),
-                              num_microbatches=2, rng=rng, eos_id=eos, sample_ids=ids,
-                              pad_id=VOCAB - 1, **SAMPLED)
+  out, executed = pipelined_generate(model, prompt, mask, STEPS, mesh=mesh_for(2),
+                                     num_microbatches=2, rng=rng, eos_id=eos,
+                                     sample_ids=ids, pad_id=VOCAB - 1, **SAMPLED)
   assert_same(out, want)
+  # The planner's model of the early exit (each micro-batch runs as many passes as its
+  # longest row; the loop stops at a chunk boundary) is the schedule that really ran.
+  passes = np.asarray(out.mask).sum(axis=1).reshape(2, -1).max(axis=1)
+  predicted = sched.early_exit_schedule(2, 2, STEPS, passes)
+  executed = np.asarray(executed)
+  reached = (executed >= -1).all(axis=(1, 2))
+  assert reached.sum() == min(len(predicted), len(executed))
+  np.testing.assert_array_equal(executed[reached], predicted[:reached.sum()])
 
 
 def test_stage_call_form_with_sampling_params(setup):

@@ -80,3 +80,24 @@ def test_device_overhead_is_fitted_and_charged_on_shared_hosts_only():
   assert cpu.overhead == pytest.approx(2 * 2 * 7 * 0.1)
   gpu = cost.train_cost(plan, mesh, work, cost.Machine(hardware.get("h100"), eff))
   assert gpu.overhead == 0.0
+
+
+def test_tick_device_overhead_is_charged_per_generation_tick():
+  samples = _synthetic()
+  samples["split"] = [{"kind": "tick", "devices": 8, "seconds": 1.35e-3,
+                       "seconds_one": 1e-3}]
+  fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
+  assert fits["tick_device_overhead_s"] == pytest.approx(5e-5)
+  from pipe_rlhf_jax.generation import schedule
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.planner import space
+  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
+  work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
+                        prompt_len=8, gen_len=4, num_devices=4)
+  eff = cost.Efficiency(tick_device_overhead_s=5e-5, tick_overhead_s=0.0,
+                        call_overhead_s=0.0)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=4)
+  mesh = dict(data=1, fsdp=1, tensor=1, pipe=4)
+  c = cost.generate_cost(plan, mesh, work, cost.Machine(hardware.get("cpu"), eff))
+  # Every tick of the 4-device pipeline runs 3 extra device programs.
+  assert c.overhead == pytest.approx(schedule.num_ticks(4, 4, 4) * 3 * 5e-5)

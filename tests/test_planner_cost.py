@@ -9,7 +9,7 @@ import pytest
 from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
-from pipe_rlhf_jax.planner import cost, hardware, presets, simulator, space
+from pipe_rlhf_jax.planner import cost, hardware, lengths, presets, simulator, space
 from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
@@ -33,10 +33,55 @@ def test_decode_of_a_large_model_is_memory_bound():
   m = cost.Machine(hardware.get("h100"), cost.Efficiency(tick_overhead_s=0,
                                                          call_overhead_s=0))
   c = cost.generate_cost(StagePlan(), MESH1, work, m)
-  bytes_step = flops.decode_step_bytes(work.actor, 8, 128 + 64)
+  # Each step reads every weight and the whole cache of 128 + 128 slots.
+  bytes_step = flops.decode_step_bytes(work.actor, 8, 128 + 128)
   expected_decode = bytes_step / (m.hw.hbm_bw * m.eff.decode_bw)
-  prefill = flops.forward_flops(work.actor, 8, 128) / (m.hw.peak("bfloat16") * 0.5)
-  assert c.compute == pytest.approx(127 * expected_decode + prefill, rel=0.02)
+  prefill = flops.forward_flops(work.actor, 8, 128, context=256) / (
+      m.hw.peak("bfloat16") * 0.5)
+  assert c.compute == pytest.approx(127 * expected_decode + prefill, rel=1e-9)
+
+
+def test_early_eos_shortens_pipelined_generation_by_the_schedule():
+  eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
+  m = cost.Machine(hardware.get("h100"), eff)
+  work = dataclasses.replace(WORK, gen_len=64, batch_size=64)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=8)
+  mesh = dict(data=1, fsdp=1, tensor=1, pipe=4)
+  full = cost.generate_cost(plan, mesh, work, m)
+  short = cost.generate_cost(plan, mesh, dataclasses.replace(work, response_fraction=0.2),
+                             m)
+  # The tick count is the early-exit schedule's, with the modelled passes per micro-batch.
+  passes = lengths.passes_per_microbatch(0.2, 64, 64, 8)
+  assert short.overhead == pytest.approx(schedule.early_exit_ticks(4, 8, 64, passes))
+  assert full.overhead == pytest.approx(schedule.num_ticks(4, 8, 64))
+  # Decode ticks with no busy stage cost nothing but the overhead; with 8 rows per
+  # micro-batch each still runs about half of the 64 passes (its longest row).
+  assert short.compute < 0.8 * full.compute and short.overhead < 0.9 * full.overhead
+  # The plain sampler stops only when the batch's longest row does: at 64 rows and a
+  # mean of 20% of 64 tokens, the longest row is still ~3x the mean.
+  plain = dataclasses.replace(work, response_fraction=0.2)
+  longest = round(lengths.expected_longest(0.2, 64, 64))
+  assert cost.generate_cost(StagePlan(), MESH1, plain, m).overhead == longest
+
+
+def test_shared_host_ticks_share_the_host_between_busy_stages():
+  # Four pipeline stages on four virtual devices of a host that runs 2 devices' worth of
+  # work at once: a full decode tick costs 4 stages' work at 2 devices' rate.
+  eff = cost.Efficiency(tick_overhead_s=0.0, call_overhead_s=0.0, host_concurrency=2.0,
+                        device_peak_flops=1e9, hbm_bw=1e15)
+  m = cost.Machine(hardware.get("cpu"), eff)
+  work = dataclasses.replace(WORK, gen_len=4, batch_size=8)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=4)
+  c = cost.generate_cost(plan, dict(data=1, fsdp=1, tensor=1, pipe=4), work, m)
+  cfg, slots = work.actor, work.prompt_len + work.gen_len
+  dec = flops.forward_flops(cfg, 2, 1, context=slots) / 4 / (1e9 * eff.matmul)
+  pre = flops.forward_flops(cfg, 2, work.prompt_len, context=slots) / 4 / (1e9 * eff.matmul)
+  expected = 0.0
+  for (a, b), n in cost.tick_counts(4, 4, 4, 1.0, 8):
+    expected += n * (a * pre + b * dec) / min(a + b, 2)
+  assert c.compute == pytest.approx(expected)
+  # Steady state has all 4 stages decoding: 4 ticks' worth of work at twice one's rate.
+  assert dict(cost.tick_counts(4, 4, 4, 1.0, 8))[(0, 4)] > 0
 
 
 def test_shared_host_gets_no_speed_up_from_more_devices():
@@ -98,3 +143,21 @@ def test_closed_form_is_a_lower_bound_of_the_simulator():
     assert sim.step_time >= bound * (1 - 1e-6)
     if q == 2:
       assert sim.step_time == pytest.approx(bound, rel=0.05)
+
+
+def test_critic_free_and_reference_free_workloads_price_only_their_models():
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(call_overhead_s=0.0))
+  grpo = dataclasses.replace(WORK, critic_model=False, reference_model=False,
+                             reward_model=False)
+  assert [c.head for c in grpo.models("train")] == ["lm"]
+  assert grpo.models("infer") == []
+  full = cost.train_cost(StagePlan(), MESH1, WORK, m)
+  actor_only = cost.train_cost(StagePlan(), MESH1, grpo, m)
+  # Actor and critic share the backbone: the critic-free update does about half the work.
+  assert actor_only.compute == pytest.approx(full.compute / 2, rel=0.1)
+  pipe = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+                       generate=StagePlan(mesh=MeshSpec(data=4)),
+                       infer=StagePlan(mesh=MeshSpec(data=2)),
+                       train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
+  assert cost.plan_cost(pipe, grpo, m).sync < cost.plan_cost(pipe, WORK, m).sync
+  assert space.plan_error(pipe, grpo) is None

@@ -125,9 +125,18 @@ def test_stage_error_names_the_field_and_the_fix():
 def test_placements_are_host_aligned():
   assert (1, 1, 2) in space.placements(4)
   assert len(space.placements(4)) == 3
-  for counts in space.placements(32, devices_per_host=8):
-    assert sum(counts) == 32 and all(c % 8 == 0 for c in counts)
-  assert len(space.placements(32, devices_per_host=8)) == 3
+  # Four hosts of 8: whole hosts at host boundaries, or blocks inside one host.
+  four_hosts = space.placements(32, devices_per_host=8)
+  for counts in four_hosts:
+    starts = (0, counts[0], counts[0] + counts[1])
+    assert sum(counts) == 32
+    for start, size in zip(starts, counts):
+      assert (size % 8 == 0 and start % 8 == 0) or start // 8 == (start + size - 1) // 8
+  assert {(8, 8, 16), (16, 8, 8), (4, 4, 24), (8, 2, 22)} - set(four_hosts) == {(8, 2, 22)}
+  assert (24, 4, 4) in four_hosts and (4, 8, 20) not in four_hosts
+  # Two hosts: pipe mode needs a host shared by two stages.
+  assert set(space.placements(16, devices_per_host=8)) == {
+      (8, i, 8 - i) for i in range(1, 8)} | {(g, 8 - g, 8) for g in range(1, 8)}
   coarse = space.placements(1024, devices_per_host=4, coarse=True)
   assert (512, 256, 256) in coarse and all(sum(c) == 1024 for c in coarse)
   with pytest.raises(ValueError, match="whole number of hosts"):

@@ -161,3 +161,35 @@ def test_validate_pipeline_config():
     sched.validate_pipeline_config(8, 4, 0, 16, "stages.generate")
   with pytest.raises(ValueError, match=r"stages\.generate\.batch_size = 10 .*pad the batch"):
     sched.validate_pipeline_config(8, 4, 4, 10, "stages.generate")
+
+
+def test_early_exit_ticks_by_hand():
+  # P=2, M=2, T=5: W=2, 11 ticks in full, the first 3 the prefill block.
+  assert sched.early_exit_ticks(2, 2, 5, [5, 5]) == sched.num_ticks(2, 2, 5) == 11
+  # Micro-batch 1 needs 3 passes: stage 1 finishes it at tick 2*2 + 1 + 1 = 6, so two
+  # chunks of 2 decode ticks after the prefill block: 3 + 4.
+  assert sched.early_exit_ticks(2, 2, 5, [2, 3]) == 7
+  assert sched.early_exit_ticks(2, 2, 5, [2, 3], chunk_ticks=3) == 9
+  # Everything done in the prefill: the decode loop still runs its first chunk.
+  assert sched.early_exit_ticks(2, 2, 5, [1, 1]) == 5
+  with pytest.raises(ValueError, match="passes must give 1..5 passes"):
+    sched.early_exit_ticks(2, 2, 5, [6, 1])
+
+
+@pytest.mark.parametrize("p, m, t", [(1, 1, 4), (2, 2, 5), (4, 2, 3), (3, 6, 4)])
+def test_early_exit_schedule_runs_only_the_needed_passes(p, m, t):
+  full = sched.delayed_schedule(p, m, t)
+  np.testing.assert_array_equal(sched.early_exit_schedule(p, m, t, [t] * m), full)
+  passes = [1 + (mb * 7) % t for mb in range(m)]
+  table = sched.early_exit_schedule(p, m, t, passes)
+  for mb, n in enumerate(passes):
+    for s in range(p):
+      ran = table[:, s][table[:, s, 0] == mb][:, 1]
+      assert sorted(ran) == list(range(n))  # passes 0..n-1 once each, on every stage
+  assert len(table) == sched.early_exit_ticks(p, m, t, passes) <= len(full) + max(m, p)
+
+
+def test_tick_activity_by_hand():
+  # P=2, M=2, T=2 (see test_p2_m2_t2_by_hand): prefills at ticks 0-2, decodes 2-4.
+  activity = sched.tick_activity(sched.delayed_schedule(2, 2, 2))
+  np.testing.assert_array_equal(activity, [[1, 0], [2, 0], [1, 1], [0, 2], [0, 1]])

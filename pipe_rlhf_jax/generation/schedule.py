@@ -110,6 +110,72 @@ def delayed_schedule(num_stages: int, num_microbatches: int,
   return table.astype(np.int32)  # [ticks, stages, 2]
 
 
+def early_exit_ticks(num_stages: int, num_microbatches: int, num_passes: int,
+                     passes, chunk_ticks: int | None = None) -> int:
+  """Ticks the pipelined decoder runs when micro-batch mb stops after `passes[mb]` passes.
+
+  Mirrors `generation/pipelined.py`: the M + P - 1 prefill ticks run as a block, then
+  the decode ticks in chunks of `chunk_ticks` (default W) until a chunk ends with every
+  micro-batch done on stage P-1 (at least one chunk; at most the full schedule, rounded
+  up to a whole chunk). Stage P-1 finishes pass k of micro-batch mb at tick
+  k*W + mb + P - 1.
+
+  Args:
+    num_stages, num_microbatches, num_passes: P, M, T.
+    passes: [M] passes each micro-batch runs (1..T: its longest row's length).
+    chunk_ticks: ticks per early-exit check.
+
+  Returns:
+    Ticks run (equals `num_ticks` when every micro-batch runs all T passes).
+  """
+  width = ring_width(num_stages, num_microbatches)
+  chunk = chunk_ticks or width
+  passes = np.asarray(passes)
+  if passes.shape != (num_microbatches,) or passes.min() < 1 or passes.max() > num_passes:
+    raise ValueError(f"passes must give 1..{num_passes} passes for each of the "
+                     f"{num_microbatches} micro-batches, got {passes.tolist()}")
+  total = num_ticks(num_stages, num_microbatches, num_passes)
+  prefill = num_microbatches + num_stages - 1
+  if total <= prefill:
+    return total
+  finish = int(np.max((passes - 1) * width + np.arange(num_microbatches))) + num_stages - 1
+  chunks = max(1, -(-(finish + 1 - prefill) // chunk))
+  return prefill + min(chunks, -(-(total - prefill) // chunk)) * chunk
+
+
+def early_exit_schedule(num_stages: int, num_microbatches: int, num_passes: int,
+                        passes, chunk_ticks: int | None = None) -> np.ndarray:
+  """The delayed schedule as the early-exiting decoder runs it.
+
+  Slots of passes a micro-batch no longer needs (pass >= passes[mb]) are idle, and the
+  table has `early_exit_ticks` rows (ticks past the full schedule, run only to finish
+  a chunk, are idle).
+
+  Returns:
+    int32 [ticks run, stages, 2] of (microbatch, pass); (-1, -1) marks idle slots.
+  """
+  ticks = early_exit_ticks(num_stages, num_microbatches, num_passes, passes, chunk_ticks)
+  t = np.arange(ticks)[:, None]  # [ticks, 1]
+  s = np.arange(num_stages)[None, :]  # [1, stages]
+  microbatch, step, active = delayed_slot(t, s, num_stages, num_microbatches, num_passes)
+  needed = np.asarray(passes)[np.minimum(microbatch, num_microbatches - 1)]
+  active = active & (step < needed)
+  table = np.stack([np.where(active, microbatch, BUBBLE),
+                    np.where(active, step, BUBBLE)], axis=-1)
+  return table.astype(np.int32)  # [ticks, stages, 2]
+
+
+def tick_activity(schedule: np.ndarray) -> np.ndarray:
+  """Per tick, how many stages run a prefill (pass 0) and how many a decode pass.
+
+  Returns:
+    int [ticks, 2]: (prefilling stages, decoding stages); what a tick costs in lock step.
+  """
+  schedule = _check_table(schedule)
+  step = schedule[..., 1]  # [ticks, stages]
+  return np.stack([np.sum(step == 0, axis=1), np.sum(step > 0, axis=1)], axis=-1)
+
+
 def naive_schedule(num_stages: int, num_microbatches: int,
                    num_passes: int) -> np.ndarray:
   """Baseline without overlap: one (micro-batch, pass) in flight at a time.

@@ -17,13 +17,20 @@ Modules (one concern each):
   search      exhaustive branch and bound (small device counts) or per-stage Pareto sets
               over placements (large), ranked by the simulator.
   presets     LLaMA-2 7B/13B/34B/70B shapes for projections.
+  lengths     the response-length (EOS) model: passes the early-exiting decoders run.
+  auto        the planner inside the main job: `runtime.plan = "auto"` (the best plan
+              for the devices it sees) and the check of a hand-written plan before
+              anything compiles; measured steady seconds per step from a run's trace.
 
 Planning a run:
   python -m pipe_rlhf_jax.planner.calibrate --out calibration.json
   python -m pipe_rlhf_jax.plan --config=configs/quickstart.py --hardware=cpu --devices=8 \
       --calibration=calibration.json
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py $(cat best_plan.flags)
+  python -m pipe_rlhf_jax.main --config=configs/quickstart.py --config.runtime.plan=auto \
+      --config.runtime.calibration=calibration.json
 Projections for absent hardware: `--hardware=h100 --devices=64 --model=llama2-7b` (the
 efficiencies are then the stated defaults of `cost.Efficiency` unless a calibration file
-from that hardware is given).
+from that hardware is given); `experiments/project_paper_scale.py` tabulates them for
+LLaMA-2 7B-70B on H100 nodes and TPU v5p slices.
 """

@@ -16,8 +16,8 @@ Measures (median of repeats, after a compile-and-warm-up call):
   dispatch      a trivial jitted call.
   concurrency   k copies of the forward+backward, one per device, run at once (k = 1, 2,
                 all devices).
-  split         the same forward / forward+backward with the batch split over all local
-                devices (same FLOPs, one program per device).
+  split         the same forward / forward+backward / decode steps with the batch split
+                over all local devices (same FLOPs, one program per device).
 Fits (each printed and saved with how it was obtained):
   device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
   hbm_bw                               bandwidth bytes/s
@@ -28,7 +28,8 @@ Fits (each printed and saved with how it was obtained):
                                        (least squares over the decode points)
   link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W
   host_concurrency                     best k x t(1 copy) / t(k copies at once)
-  forward/train_device_overhead_s      (t(split over k) - t(one device)) / (k - 1)
+  forward/train/tick_device_overhead_s (t(split over k) - t(one device)) / (k - 1), per
+                                       call (forward, train) or per decode step (tick)
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
 """
 
@@ -164,6 +165,7 @@ def measure(cfg, quick: bool = False) -> dict:
   # Decode: K steps in one fori_loop, like the sampler's scan.
   steps = 16
   out["decode"] = []
+  split_point = (64, 128)
   for b, slots in ([(8, 32), (64, 32), (64, 128), (256, 128)] if not quick
                    else [(8, 32), (64, 128)]):
     cache = jax.device_put(KVCache.zeros(cfg, b, slots), dev0)
@@ -181,10 +183,20 @@ def measure(cfg, quick: bool = False) -> dict:
       return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((), jnp.float32)))[1]
 
     t = timeit(jax.jit(run), params, cache, mask) / steps
-    context = slots - steps / 2
+    # Every step attends over all `slots` (unused ones masked), as the cost model prices.
     out["decode"].append({"batch": b, "slots": slots, "seconds": t,
-                          "bytes": flops.decode_step_bytes(cfg, b, context),
-                          "flops": flops.forward_flops(cfg, b, 1, context=context)})
+                          "bytes": flops.decode_step_bytes(cfg, b, slots),
+                          "flops": flops.forward_flops(cfg, b, 1, context=slots)})
+    # The same steps with the batch split over all devices (params replicated): what
+    # each extra device's program adds to a decode step / pipeline tick on this host.
+    if k > 1 and b % k == 0 and (b, slots) == split_point:
+      batch_split = NamedSharding(mesh, P("d"))
+      cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
+      t_split = timeit(jax.jit(run), jax.device_put(params, NamedSharding(mesh, P())),
+                       jax.device_put(cache, cache_split),
+                       jax.device_put(mask, batch_split)) / steps
+      out["split"].append({"kind": "tick", "devices": k, "seconds": t_split,
+                           "seconds_one": t})
 
   # All-gather over all local devices.
   out["all_gather"] = []

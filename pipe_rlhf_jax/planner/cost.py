@@ -5,13 +5,17 @@ hardware's peaks (`planner.hardware`) scaled by efficiency factors (`Efficiency`
 by `planner.calibrate` on the current backend, or the stated defaults), plus alpha-beta
 collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n devices:
 
-  generate  ticks = schedule.num_ticks(p, M, T) (the delayed schedule's one formula; with
-            p = 1 it is T: one prefill + T-1 decode steps). The first M + p - 1 ticks
-            carry a prefill of one micro-batch [B/(d f M), Lp] through L/p layers, the
-            rest a decode step of it; ticks run in lockstep, so each costs the busiest
-            stage's tick. decode tick >= max(FLOPs / peak, (weights + KV) bytes / HBM BW)
-            per device, + all-gather of the fsdp-sharded weights, + 2 all-reduces per layer
-            over tensor, + one ppermute hop over pipe, + a fixed per-tick overhead.
+  generate  the ticks of the delayed schedule as the early-exiting decoder runs them
+            (`schedule.early_exit_schedule`: each micro-batch runs the passes of its
+            longest row, from the response-length model of `planner.lengths`; with all
+            rows at T it is `schedule.num_ticks(p, M, T)`; with p = 1, one prefill and
+            decode steps until the batch's longest row is done). Pass 0 of a micro-batch
+            [B/(d f M), Lp] through L/p layers is a prefill, later passes decode steps;
+            ticks run in lock step, so a tick costs its busy stages together (dedicated
+            devices: the slowest; shared host: their summed work at the host's rate).
+            decode step >= max(FLOPs / peak, (weights + the whole KV cache) bytes / HBM
+            BW) per device, + all-gather of the fsdp-sharded weights, + 2 all-reduces per
+            layer over tensor, + one ppermute hop over pipe, + a fixed per-tick overhead.
   infer     forward passes (reference, critic, reward model) over [B, Lp + T]; layers
             on a pipe axis run one after another (n / p devices busy).
   train     epochs x B / minibatch steps of actor and critic: train_flops (3 forwards; 4
@@ -22,8 +26,9 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             train -> infer (`sequential`: one layout, nothing moves).
 Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
 device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
-alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of
-all devices' work: a stage's time is its total work over the host's rate.
+alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared
+hardware (cpu) the host's throughput bounds the sum of all devices' work: a stage's time
+is its total work over the host's rate.
 
 Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
 """
@@ -31,13 +36,17 @@ Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any
 
+import numpy as np
+
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.planner.hardware import Hardware
 from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes
 from pipe_rlhf_jax.planner.space import Workload
@@ -67,11 +76,12 @@ class Efficiency:
       of a shared host at once (throughput of k concurrent copies / one copy, best k;
       0 = not measured). On this cpu a small program on one virtual device uses about one
       core, so two stages on different devices do overlap.
-    forward_device_overhead_s / train_device_overhead_s: shared host: seconds each device
-      beyond the first adds to one forward / forward+backward call (its own program on
-      the same cores: launches, synchronisation), measured by splitting one call's batch
-      over all devices (0 = not measured; dedicated devices run their programs in
-      parallel, so it is not applied there).
+    forward_device_overhead_s / train_device_overhead_s / tick_device_overhead_s: shared
+      host: seconds each device beyond the first adds to one forward / forward+backward
+      call / decode step or pipeline tick (its own program on the same cores: launches,
+      synchronisation), measured by splitting one call's batch over all devices (0 = not
+      measured; dedicated devices run their programs in parallel, so it is not applied
+      there).
     hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
     source: where these numbers come from.
@@ -87,6 +97,7 @@ class Efficiency:
   host_concurrency: float = 0.0
   forward_device_overhead_s: float = 0.0
   train_device_overhead_s: float = 0.0
+  tick_device_overhead_s: float = 0.0
   hbm_bw: float = 0.0
   link_bw: float = 0.0
   link_latency: float = 0.0
@@ -199,48 +210,92 @@ def _axis_hosts(mesh: dict, machine: Machine) -> dict[str, bool]:
   return out
 
 
+@functools.lru_cache(maxsize=4096)
+def tick_counts(num_stages: int, num_microbatches: int, gen_len: int, fraction: float,
+                batch: int) -> tuple[tuple[tuple[int, int], int], ...]:
+  """How many ticks generation runs with each (prefilling, decoding) count of stages.
+
+  Pipelined (P > 1): the delayed schedule as the early-exiting decoder runs it
+  (`schedule.early_exit_schedule`), each micro-batch running the passes of its expected
+  longest row (`lengths.passes_per_microbatch`). Plain sampler (P = 1): one prefill, then
+  decode steps until the batch's expected longest row is done.
+  """
+  if num_stages == 1:
+    longest = lengths.passes_per_microbatch(fraction, gen_len, batch, 1)[0]
+    return tuple(((pre, dec), n) for (pre, dec), n in (((1, 0), 1), ((0, 1), longest - 1))
+                 if n)
+  passes = lengths.passes_per_microbatch(fraction, gen_len, batch, num_microbatches)
+  activity = sched.tick_activity(sched.early_exit_schedule(
+      num_stages, num_microbatches, gen_len, passes))  # [ticks, 2]
+  pairs, counts = np.unique(activity, axis=0, return_counts=True)
+  return tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(pairs, counts))
+
+
 def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  """Seconds of one generation call (prefill + decode of the batch) under `plan`.
+
+  Ticks run in lock step, so a tick costs what its busy stages cost together: on
+  dedicated devices the slowest busy stage (a prefill, else a decode step); on a shared
+  host their summed work at the host's rate for that many devices (`compute_rate`,
+  bounded by its measured concurrency). Idle ticks (bubbles, finished micro-batches)
+  still pay the tick overhead and the ring's ppermute.
+  """
   cfg = work.actor
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
   mb = plan.num_microbatches if p > 1 else 1
   rows = work.batch_size / (d * f * mb)  # rows of one micro-batch per device group
-  ticks = sched.num_ticks(p, mb, work.gen_len)
-  prefill_ticks = min(ticks, mb + p - 1)
-  decode_ticks = ticks - prefill_ticks
   act = _BYTES[cfg.dtype]
   weights = param_bytes(cfg) / (t * p)  # stored per device after the fsdp all-gather
   w_read = flops.decode_step_bytes(cfg, 0, 0)  # matmul weights one token reads
-  context = work.prompt_len + work.gen_len / 2  # mean keys attended per decode step
-  kv_read = flops.decode_step_bytes(cfg, rows, context) - w_read  # KV of `rows`, all layers
+  # Every step attends over the whole cache (unused slots masked, not skipped).
+  slots = work.prompt_len + work.gen_len
+  kv_read = flops.decode_step_bytes(cfg, rows, slots) - w_read  # KV of `rows`, all layers
   shards = d * f  # copies of the pipeline working side by side
   stage_devices = n // p  # devices of one pipeline stage; the p stages work in parallel
-  # Totals over one pipeline stage's devices for one tick (L/p layers of one micro-batch).
-  dec_flops = shards * flops.forward_flops(cfg, rows, 1, context=context) / p
-  dec_bytes = shards * (w_read + kv_read) / p
-  pre_flops = shards * flops.forward_flops(cfg, rows, work.prompt_len) / p
-  dec = m.roofline(dec_flops, dec_bytes, stage_devices, cfg.dtype, m.eff.matmul)
-  pre = m.roofline(pre_flops, shards * w_read / p, stage_devices, cfg.dtype, m.eff.matmul)
+  # Work of one pipeline stage for one tick (L/p layers of one micro-batch), over all
+  # `shards` copies: (FLOPs, bytes).
+  dec = (shards * flops.forward_flops(cfg, rows, 1, context=slots) / p,
+         shards * (w_read + kv_read) / p)
+  pre = (shards * flops.forward_flops(cfg, rows, work.prompt_len, context=slots) / p,
+         shards * w_read / p)
+
+  def tick_compute(prefilling: int, decoding: int) -> float:
+    if m.hw.shared_host:
+      busy = prefilling + decoding
+      return m.roofline(prefilling * pre[0] + decoding * dec[0],
+                        prefilling * pre[1] + decoding * dec[1], busy * stage_devices,
+                        cfg.dtype, m.eff.matmul) if busy else 0.0
+    return max(m.roofline(*pre, stage_devices, cfg.dtype, m.eff.matmul) if prefilling
+               else 0.0,
+               m.roofline(*dec, stage_devices, cfg.dtype, m.eff.matmul) if decoding
+               else 0.0)
+
   hosts = _axis_hosts(mesh, m)
   layers = cfg.num_layers / p
   gather = m.all_gather(weights, f, hosts["fsdp"])
+  ring_tick = m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"]) if p > 1 else 0.0
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
-                                                 hosts["tensor"])
+                                                 hosts["tensor"]) + ring_tick
   comm_pre = gather + 2 * layers * m.all_reduce(
       rows * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
   if p > 1:
-    comm_tick += m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"])
     comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
-  return StageCost(compute=prefill_ticks * pre + decode_ticks * dec,
-                   comm=prefill_ticks * comm_pre + decode_ticks * comm_tick,
-                   overhead=ticks * m.eff.tick_overhead_s + 2 * m.eff.call_overhead_s)
+  compute = comm = 0.0
+  ticks = 0
+  for (prefilling, decoding), count in tick_counts(p, mb, work.gen_len,
+                                                   work.response_fraction,
+                                                   work.batch_size):
+    ticks += count
+    compute += count * tick_compute(prefilling, decoding)
+    comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
+  per_tick = m.eff.tick_overhead_s + _device_overhead(m, n, "tick")
+  return StageCost(compute=compute, comm=comm,
+                   overhead=ticks * per_tick + 2 * m.eff.call_overhead_s)
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:
-  if stage == "infer":
-    cfgs = [work.actor, work.critic]
-    return cfgs + [work.actor.replace(head="score")] if work.reward_model else cfgs
-  return [work.actor, work.critic]
+  return work.models(stage)
 
 
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
@@ -321,7 +376,8 @@ def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workloa
   total = 0.0
   src = mesh_sizes["train"]
   n_src = math.prod(src.values())
-  for dst_stage, cfg in (("generate", work.actor), ("infer", work.critic)):
+  moves = [("generate", work.actor)] + ([("infer", work.critic)] if work.critic_model else [])
+  for dst_stage, cfg in moves:
     dst = mesh_sizes[dst_stage]
     n_dst = math.prod(dst.values())
     w = param_bytes(cfg)

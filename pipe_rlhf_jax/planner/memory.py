@@ -1,22 +1,26 @@
 """The memory model: bytes per device of each stage under a plan, and the fit check.
 
-Per device and stage:
-  generate: the actor's parameters; KV cache [B/(data*fsdp), S, layers/pipe,
-    kv_heads/tensor, head_dim] x2 (k, v); one step's logits [B/(data*fsdp), vocab/tensor]
-    f32; the prefill's layer activations.
-  infer: parameters of the reference, the critic (and the reward model); one layer's
-    activations of a forward over [B/(data*fsdp), L] (remat irrelevant: no backward); the
-    head's logits / log-softmax over a chunk of positions (all completion positions when
+Per device and stage (b = rows per device, L = prompt + completion tokens):
+  generate: the actor's parameters; the KV cache [layers/pipe, b, L slots,
+    kv_heads/tensor, head_dim] x2 (k, v); the prefill's forward activations of one layer
+    (`forward_activation_bytes`, over b x prompt tokens attending to L slots) and its f32
+    logits on every prompt position; with fsdp, two layers' gathered weights.
+  infer: parameters of the reference, the critic and the reward model (each with its
+    own head); one layer's forward activations over [b, L]; the head's logits and
+    log-softmax over a chunk of positions (all completion positions when
     logits_chunk = 0) in f32.
   train: actor and critic parameters, their Adam moments (2 per parameter, in the
-    parameter dtype) and gradients; activations saved for the backward of one
-    minibatch [minibatch/(data*fsdp), L] (every layer's intermediates without remat, only
-    the layer inputs plus one layer's intermediates with full remat); the head's logits.
-Parameters are split over fsdp x tensor x pipe (data replicates); with fsdp > 1 one
-model's weights are also held gathered (XLA gathers the scanned layer stack at once). In `sequential` and
+    parameter dtype), gradients and the optimizer's updates; the residuals every layer
+    saves for the backward (`layer_activation_bytes`: by remat policy and attention
+    implementation, counted from `jax.checkpoint`'s saved residuals) for BOTH models at
+    once (XLA runs the actor's and the critic's forward before either backward), plus
+    the layer being recomputed under remat; the head's logits.
+Parameters are split over fsdp x tensor x pipe (data replicates). In `sequential` and
 `per_stage` modes the three stages share the devices, so the persistent state of all three
 lives there at once, plus the largest transient. Shares of the host (cpu profile): all
 virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
+Checked against XLA's `compiled.memory_analysis()` of the real train, infer and generate
+programs (tests/test_planner_memory.py: within 25%, the measured ratios listed there).
 
 Sizes are bytes; every estimate is a sum of named terms so a rejection can say which.
 """
@@ -70,16 +74,70 @@ def _splits(plan: StagePlan, mesh_sizes: dict[str, int]) -> tuple[int, int]:
   return m["data"] * m["fsdp"], m["fsdp"] * m["tensor"] * m["pipe"]
 
 
-def layer_activation_elems(cfg: TransformerConfig) -> int:
-  """Elements per token one layer keeps for its backward without remat.
+def _attention_impl(cfg: TransformerConfig, plan: StagePlan, keys: int) -> str:
+  """The attention implementation a stage runs at `keys` keys (`models.attention`)."""
+  from pipe_rlhf_jax.models.attention import resolve
+  impl = cfg.attention if plan.attention == "auto" else plan.attention
+  return resolve(impl, keys, cfg.attention_block_size)
 
-  The inputs of every matmul and nonlinearity: residual input and its norm (2 E), q, k, v
-  and the attention output (2 h d + 2 kv d), the second residual and its norm (2 E), gate,
-  up and their SwiGLU product (3 F).
+
+def layer_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int, impl: str,
+                           remat: str = "none") -> float:
+  """Bytes per token one layer keeps for its backward pass (`jax.checkpoint` residuals
+  of `models.transformer.Layers._block`, counted with `saved_residuals`).
+
+  remat "none": every intermediate: the residual stream and both norms (4 E in the
+  compute dtype, 2 E in f32: RMSNorm computes in f32), q and the attention output
+  (2 H d), k and v (2 K d), the SwiGLU inputs, activations and products (6 F), and the
+  attention path: dense keeps f32 scores and probabilities [H, keys] (+ 2 H row
+  statistics); blockwise keeps each key block's running output and statistics
+  (ceil(keys / block) x (H d + 2 H) in f32) and recomputes the scores.
+  "save_matmuls": the layer input and the projections' outputs only (3 E + (H + 2 K) d
+  + 2 F). "full": the layer input (E). Heads, kv heads and mlp split over tensor.
   """
-  e, h, k, d, f = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.mlp_dim)
-  return 4 * e + 2 * h * d + 2 * k * d + 3 * f
+  act = _BYTES[cfg.dtype]
+  e, d = cfg.embed_dim, cfg.head_dim
+  h, k, f = (cfg.num_heads / tensor, max(cfg.num_kv_heads / tensor, 1),
+             cfg.mlp_dim / tensor)
+  if remat == "full":
+    return e * act
+  if remat == "save_matmuls":
+    return (3 * e + (h + 2 * k) * d + 2 * f) * act
+  if impl == "blockwise":
+    blocks = -(-keys // cfg.attention_block_size)
+    attention = blocks * (h * d + 2 * h) * 4
+  else:  # dense, and dot_product where the backend materialises the scores (CPU)
+    attention = (2 * h * keys + 2 * h) * 4
+  return (4 * e + 2 * h * d + 2 * k * d + 6 * f) * act + 2 * e * 4 + attention
+
+
+def forward_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
+                             impl: str) -> float:
+  """Bytes per token one layer holds at once in a forward pass without gradients: the
+  residual and its norm (2 E), q, k, v / the attention output ((H + 2 K) d), gate and up
+  (2 F), and one set of f32 scores (dense: [H, keys]; blockwise: one key block). XLA
+  fuses the rest away and frees each layer's values before the next."""
+  act = _BYTES[cfg.dtype]
+  e, d = cfg.embed_dim, cfg.head_dim
+  h, k, f = (cfg.num_heads / tensor, max(cfg.num_kv_heads / tensor, 1),
+             cfg.mlp_dim / tensor)
+  scores = h * (cfg.attention_block_size if impl == "blockwise" else keys) * 4
+  return (2 * e + (h + 2 * k) * d + 2 * f) * act + scores
+
+
+def model_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
+                           impl: str) -> float:
+  """Bytes per token one model keeps outside its layer scan: the f32 RoPE tables (cos,
+  sin and their broadcasts: 4 head_dim) and, for dense attention, the [H, keys] f32 mask
+  bias with its bool mask."""
+  h = cfg.num_heads / tensor
+  mask = h * keys * 5 if impl != "blockwise" else 0.0
+  return 4 * cfg.head_dim * 4 + mask
+
+
+def _layer_params(cfg: TransformerConfig) -> float:
+  from pipe_rlhf_jax.models import flops
+  return flops.layer_matmul_params(cfg) * _BYTES[cfg.param_dtype]
 
 
 def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
@@ -91,41 +149,58 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   t, p = mesh_sizes["tensor"], mesh_sizes["pipe"]
   L = work.length
   vocab_dev = cfg.vocab_size / t
-  params = param_bytes(cfg) / param_ways
-  # fsdp: XLA gathers the whole scanned layer stack of a model at once (seen in
-  # memory_analysis), so one model's weights exist unsharded over fsdp while it runs.
-  gathered = param_bytes(cfg) / (t * p) if mesh_sizes["fsdp"] > 1 else 0.0
+  fsdp = mesh_sizes["fsdp"] > 1
   if stage == "generate":
     b = work.batch_size / batch_ways
-    kv = 2 * cfg.num_layers / p * b * L * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
+    slots = L  # prompt + completion: the cache every step attends over
+    impl = _attention_impl(cfg, plan, slots)
+    kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
         * cfg.head_dim * act
-    prefill = b * work.prompt_len * layer_activation_elems(cfg) / t * act
-    logits = b * vocab_dev * 4 * 2
-    return StageMemory((("actor params", params),),
+    tokens = b * work.prompt_len
+    prefill = tokens * (forward_activation_bytes(cfg, t, slots, impl)
+                        + model_activation_bytes(cfg, t, slots, impl))
+    # The prefill applies the LM head to every prompt position (f32).
+    logits = b * work.prompt_len * vocab_dev * 4
+    # fsdp: the scan gathers one layer's weights at a time (and prefetches the next).
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory((("actor params", param_bytes(cfg) / param_ways),),
                        (("kv cache", kv), ("prefill activations", prefill),
                         ("logits", logits), ("fsdp-gathered weights", gathered)))
+  impl = _attention_impl(cfg, plan, L)
+  per_model = model_activation_bytes(cfg, t, L, impl)
+  positions = plan.logits_chunk or work.gen_len
   if stage == "infer":
-    models = 3 if work.reward_model else 2
+    models = work.models("infer")
     b = work.batch_size / batch_ways
-    layer = b * L * layer_activation_elems(cfg) / t * act
-    positions = plan.logits_chunk or work.gen_len
-    logits = b * positions * vocab_dev * 4 * 2
-    return StageMemory((("ref/critic/reward params", models * params),),
-                       (("layer activations", layer), ("logits", logits),
-                        ("fsdp-gathered weights", gathered)))
+    # Forward only: one layer's intermediates at a time, one model at a time.
+    layer = b * L * (forward_activation_bytes(cfg, t, L, impl) + per_model)
+    logits = b * positions * vocab_dev * 4 * 2  # logits and log-softmax, f32
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory(
+        (("ref/critic/reward params", sum(param_bytes(c) for c in models) / param_ways),),
+        (("layer activations", layer), ("logits", logits),
+         ("fsdp-gathered weights", gathered)))
   if stage == "train":
     b = work.minibatch_size / batch_ways
-    opt = 2 * 2 * params  # Adam m and v of actor and critic, parameter dtype
-    grads = 2 * params
-    per_layer = b * L * layer_activation_elems(cfg) / t * act
-    if plan.remat == "full":
-      saved = b * L * cfg.embed_dim * act * cfg.num_layers + per_layer
-    else:
-      saved = per_layer * cfg.num_layers
-    positions = plan.logits_chunk or work.gen_len
+    trained = work.models("train")  # the actor, and the critic when there is one
+    params = sum(param_bytes(c) for c in trained) / param_ways
+    opt = 2 * params  # Adam m and v of actor and critic, parameter dtype
+    grads = params
+    updates = params  # the optimizer's updates, alive with the gradients until applied
+    tokens = b * L
+    # Actor and critic are differentiated in one program: XLA runs both forwards before
+    # either backward, so both models' saved activations are alive at the peak
+    # (memory_analysis of the PPO update: twice one model's residuals).
+    saved = len(trained) * tokens * (cfg.num_layers * layer_activation_bytes(cfg, t, L, impl,
+                                                                  plan.remat) + per_model)
+    if plan.remat != "none":  # the layer being recomputed in the backward
+      saved += tokens * layer_activation_bytes(cfg, t, L, impl)
     logits = b * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
-    return StageMemory((("actor+critic params", 2 * params), ("adam moments", opt)),
-                       (("gradients", grads), ("saved activations", saved),
+    # fsdp: the scan gathers a layer's weights at a time (and prefetches the next).
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory((("actor+critic params", params), ("adam moments", opt)),
+                       (("gradients", grads), ("optimizer updates", updates),
+                        ("saved activations", saved),
                         ("logits", logits), ("fsdp-gathered weights", gathered)))
   raise ValueError(f"stage={stage!r}; choose one of {STAGES}.")
 

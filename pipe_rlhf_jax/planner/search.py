@@ -175,6 +175,8 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
   """
   n = work.num_devices
   coarse = n > 64 if coarse is None else coarse
+  # The per-stage sets depend on the stage options only: one cache entry for every mode.
+  per_stage = dataclasses.replace(options, modes=(), staleness=(), queue_sizes=())
   heap: list = []  # (-closed form, counter, plan): the pool best
   counter = itertools.count()
   rejected: list[Candidate] = []
@@ -208,7 +210,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
     layouts = ([(n, n, n)] if sch.mode == "per_stage"
                else space.placements(n, work.devices_per_host, coarse=coarse))
     for counts in layouts:
-      sets = [stage_pareto(s, c, work, m, options) for s, c in zip(STAGES, counts)]
+      sets = [stage_pareto(s, c, work, m, per_stage) for s, c in zip(STAGES, counts)]
       if not all(sets):
         continue
       for combo in itertools.product(*sets):

@@ -29,6 +29,7 @@ from flax import nnx
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
@@ -52,6 +53,11 @@ class Workload:
     num_devices: devices to plan for.
     devices_per_host: devices of one host (placement blocks align to hosts when > 1).
     reward_model: a reward model runs in inference (else a host rule reward).
+    critic_model: the advantage estimator reads a critic (False: critic-free, e.g. GRPO).
+    reference_model: a reference policy runs in inference (False when kl_coef = 0).
+    response_fraction: mean response length over `gen_len` (rows stop at EOS; 1 = every
+      row runs all T tokens). Generation is priced with the passes its longest rows
+      need (`planner.lengths`); inference and training always see T positions.
   """
 
   actor: TransformerConfig
@@ -63,10 +69,27 @@ class Workload:
   num_devices: int
   devices_per_host: int = 1
   reward_model: bool = True
+  response_fraction: float = 1.0
+  critic_model: bool = True
+  reference_model: bool = True
+
+  def __post_init__(self):
+    lengths.check_fraction(self.response_fraction, "response_fraction")
 
   @property
   def critic(self) -> TransformerConfig:
     return self.actor.replace(head="value")
+
+  def models(self, stage: str) -> list[TransformerConfig]:
+    """The models `stage` runs: inference the reference, critic and reward model (those
+    that exist), training the actor and the critic; generation the actor."""
+    if stage == "infer":
+      return ([self.actor] if self.reference_model else []) + (
+          [self.critic] if self.critic_model else []) + (
+          [self.actor.replace(head="score")] if self.reward_model else [])
+    if stage == "train":
+      return [self.actor] + ([self.critic] if self.critic_model else [])
+    return [self.actor]
 
   @property
   def length(self) -> int:
@@ -145,7 +168,8 @@ def check_plan(runtime: RuntimeConfig, work: Workload) -> None:
   (`schedule.validate_pipeline_config`), which the runtime applies when generating.
   """
   layouts = abstract_layouts(runtime, work.num_devices)
-  system.check_fits(layouts, abstract_params(work.actor), abstract_params(work.critic))
+  system.check_fits(layouts, abstract_params(work.actor),
+                    abstract_params(work.critic) if work.critic_model else None)
   system.check_batch_fits(layouts, work.batch_size, runtime)
   pipe = layouts["generate"].mesh.shape["pipe"]
   if pipe > 1:
@@ -187,12 +211,21 @@ def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> RuntimeConfig:
   return RuntimeConfig(mode=mode, placement=(1, 1, 1), **stages)
 
 
-@functools.lru_cache(maxsize=100_000)
 def stage_error(stage: str, plan: StagePlan, num_devices: int, work: Workload) -> str | None:
   """Why one stage's plan on `num_devices` devices cannot run `work` (None: it can).
 
-  The runtime's own checks, applied to that stage alone (`_one_stage_runtime`).
+  The runtime's own checks, applied to that stage alone (`_one_stage_runtime`). They
+  read only the model and the batch size, so the answer is memoised on those (the same
+  strategies recur across sequence lengths, minibatch sizes and modes).
   """
+  return _stage_error(stage, plan, num_devices, work.actor, work.batch_size)
+
+
+@functools.lru_cache(maxsize=100_000)
+def _stage_error(stage: str, plan: StagePlan, num_devices: int, actor: TransformerConfig,
+                 batch_size: int) -> str | None:
+  work = Workload(actor=actor, batch_size=batch_size, minibatch_size=batch_size, epochs=1,
+                  prompt_len=1, gen_len=1, num_devices=num_devices)
   runtime = _one_stage_runtime(stage, plan, "pipe")
   counts = tuple(num_devices if s == stage else 1 for s in STAGES)
   runtime = dataclasses.replace(runtime, placement=counts)
@@ -232,15 +265,18 @@ def placements(num_devices: int, devices_per_host: int = 1, coarse: bool = False
                ) -> list[tuple[int, int, int]]:
   """Device counts (generate, infer, train), all devices used, host-aligned blocks.
 
-  With devices_per_host > 1 and more than one host, every block is a whole number of
-  hosts. `coarse` keeps only counts of hosts of the form 2^a or 3 * 2^a (for large
-  device counts, where every composition would be too many).
+  The blocks are contiguous in device order (generate first). On more than one host,
+  each block either is a whole number of hosts starting at a host boundary, or lies
+  inside one host (so two small stages may share a host, but no stage straddles a host
+  boundary with part of a host). `coarse` keeps only block sizes whose count of hosts
+  (or, inside a host, of devices) is of the form 2^a or 3 * 2^a (for large device
+  counts, where every composition would be too many).
   """
-  unit = devices_per_host if devices_per_host > 1 and num_devices > devices_per_host else 1
-  if num_devices % unit:
+  per_host = devices_per_host if devices_per_host > 1 and num_devices > devices_per_host \
+      else num_devices
+  if num_devices % per_host:
     raise ValueError(f"{num_devices} devices are not a whole number of hosts of "
                      f"{devices_per_host}.")
-  hosts = num_devices // unit
 
   def ok(k):
     if not coarse:
@@ -249,12 +285,21 @@ def placements(num_devices: int, devices_per_host: int = 1, coarse: bool = False
       k //= 2
     return k in (1, 3)
 
+  def block_ok(start: int, size: int) -> bool:
+    if size % per_host == 0:
+      return start % per_host == 0 and ok(size // per_host)
+    return start // per_host == (start + size - 1) // per_host and ok(size)
+
+  sizes = [s for s in range(1, num_devices - 1)
+           if (s < per_host or s % per_host == 0)]
   out = []
-  for g in range(1, hosts - 1):
-    for i in range(1, hosts - g):
-      t = hosts - g - i
-      if ok(g) and ok(i) and ok(t):
-        out.append((g * unit, i * unit, t * unit))
+  for g in sizes:
+    if not block_ok(0, g):
+      continue
+    for i in sizes:
+      t = num_devices - g - i
+      if t >= 1 and block_ok(g, i) and block_ok(g + i, t):
+        out.append((g, i, t))
   return out
 
 

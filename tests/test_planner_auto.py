@@ -1,0 +1,107 @@
+"""The planner in the main job: runtime.plan='auto' runs the planner's best plan and reports
+predicted vs measured s/step; a hand-written plan the planner rejects fails before any
+data are built or anything compiles."""
+
+import json
+import os
+
+import jax
+import pytest
+
+from configs import quickstart
+from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+from pipe_rlhf_jax.planner import auto, hardware, search
+from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.system.settings import RuntimeConfig
+from pipe_rlhf_jax.train import build_model_configs, train
+
+
+def tiny(**runtime):
+  config = quickstart.get_config("tiny")
+  config.runtime.update(runtime)
+  return config
+
+
+def test_steady_step_time_skips_the_compiling_steps():
+  tracer = Tracer()
+  # Batch k's train span ends at 10, 11, 13, 16, 20 (sync spans end earlier or later).
+  for k, end in enumerate((10.0, 11.0, 13.0, 16.0, 20.0)):
+    tracer.add("train", end - 0.5, end, batch=k)
+    tracer.add("sync", end - 1.0, end - 0.7, batch=k)
+  assert auto.completion_times(tracer) == [10.0, 11.0, 13.0, 16.0, 20.0]
+  assert auto.steady_step_time(tracer, warmup=2) == pytest.approx((20 - 13) / 2)
+  assert auto.steady_step_time(tracer, warmup=0) == pytest.approx((20 - 10) / 4)
+  tracer.add("sync", 20.0, 21.0, batch=4)  # pipe mode: the sync after the update counts
+  assert auto.steady_step_time(tracer, warmup=10) == pytest.approx(21 - 16)
+  one = Tracer()
+  one.add("train", 0.0, 1.0, batch=0)
+  assert auto.steady_step_time(one) is None
+
+
+def test_hardware_is_detected_or_named():
+  cpu = auto.detect_hardware(jax.devices())
+  assert cpu.name == "cpu" and cpu.shared_host
+  assert cpu.devices_per_host == jax.local_device_count() == 8
+  assert cpu.hbm_bytes == pytest.approx(os.sysconf("SC_PAGE_SIZE")
+                                        * os.sysconf("SC_PHYS_PAGES"))
+  assert auto.detect_hardware(jax.devices(), "h100") is hardware.get("h100")
+  with pytest.raises(ValueError, match="runtime.hardware: unknown hardware 'h1000'"):
+    auto.detect_hardware(jax.devices(), "h1000")
+
+
+def test_bad_plan_fields_name_the_field(tmp_path):
+  with pytest.raises(ValueError, match=r"runtime.plan='best'; choose one of"):
+    train(tiny(plan="best"), str(tmp_path), progress=False)
+  with pytest.raises(ValueError, match=r"runtime.calibration='nope.json' is not a file"):
+    train(tiny(plan="auto", calibration="nope.json"), str(tmp_path), progress=False)
+
+
+def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
+  config = tiny(plan="auto")
+  workdir = str(tmp_path / "run")
+  result = train(config, workdir, progress=False)
+  # The plan that ran is the search's first, with staleness at most the config's bound.
+  cfgs = build_model_configs(config, load_tokenizer("byte"))
+  m = auto.machine_of(config, jax.devices())
+  work = auto.workload(config, cfgs["actor"], 8, m.hw.devices_per_host)
+  best = search.search(work, m, auto.options_of(config), k=1)[0][0]
+  saved = json.load(open(os.path.join(workdir, "config.json")))
+  ran = RuntimeConfig.from_config(quickstart.ml_collections.ConfigDict(saved))
+  assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness
+  # The summary and the metrics carry predicted and measured steady s/step.
+  line = next(l for l in result["summary"].splitlines() if "steady s/step" in l)
+  assert f"{best.step_time:.4g} predicted (cpu, planner's choice)" in line
+  assert "measured" in line and "not measured" not in line
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  plan_row = next(r for r in rows if r["phase"] == "plan")
+  assert plan_row["plan/predicted_step_s"] == pytest.approx(best.step_time)
+  assert plan_row["plan/measured_step_s"] > 0
+
+
+def _rejected_before_building(config, tmp_path, match):
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=match):
+    train(config, str(workdir), progress=False)
+  # Nothing after set_up ran: no datasets built, no warm start trained.
+  assert not (workdir / "data").exists() and not (workdir / "warmstart").exists()
+
+
+def test_hand_written_plan_that_splits_the_batch_unevenly_fails_first(tmp_path):
+  # Training on fsdp=4 cannot split a batch of 10 rollouts: the runtime's own check (which
+  # used to fire only when the PPO system was built, after SFT and the reward model) now
+  # fires in set_up, with the planner's wording around it.
+  config = tiny()
+  config.ppo.update(batch_size=10, minibatch_size=5)
+  config.stages.generate.num_microbatches = 2
+  _rejected_before_building(config, tmp_path, r"hand-written plan pipe\[2\+2\+4 devices.*"
+                            r"ppo.batch_size=10 does not split over the 4 batch shards of "
+                            r"the train stage")
+
+
+def test_hand_written_plan_over_memory_fails_with_the_memory_models_reason(tmp_path):
+  config = tiny()
+  # ~2.2e9 parameters per model: far over any host's RAM share of one virtual device.
+  config.model.update(embed_dim=8192, mlp_dim=32768, num_heads=64, num_kv_heads=8,
+                      head_dim=128)
+  _rejected_before_building(config, tmp_path,
+                            r"GiB per device on the .* devices, over the .* usable of cpu")
