@@ -1,5 +1,8 @@
 """The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
 
+With a rule reward (`reward.fn` other than "model", e.g. `arith_exact_match`) the
+reward-model phase is skipped: SFT -> PPO against the rule.
+
 Everything a run writes goes under `workdir`: data/ (generated task and TFDS datasets),
 warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.jsonl,
 tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
@@ -36,6 +39,7 @@ from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.data import builders, pipeline
+from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models import hf
@@ -92,8 +96,20 @@ def init_policy(config, cfg: TransformerConfig) -> Transformer:
   return init_model(cfg, seed=config.seed)
 
 
+def uses_reward_model(config) -> bool:
+  """Whether the run trains a reward model (`reward.fn == "model"`) or scores by a rule.
+
+  With a rule there are no preference pipelines, no reward-model phase and no reward
+  model in the PPO system.
+  """
+  return config.reward.fn == "model"
+
+
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
   """Builds the TFDS datasets and their grain pipelines.
+
+  Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
+  trained; the arith task has no preference pairs at all.
 
   Returns:
     (counts of records skipped or truncated while building, {role: pipeline}).
@@ -102,9 +118,14 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
   data_dir = d.dir or os.path.join(workdir, "data")
+  use_rm = uses_reward_model(config)
   if d.task == "reverse":
     built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
                                         num_demos=d.num_demos, num_pairs=d.num_pairs)
+  elif d.task == "arith":
+    built = builders.make_arith_datasets(data_dir, seed=config.seed,
+                                         spec=ArithSpec.from_config(d.arith),
+                                         num_prompts=d.num_prompts, num_demos=d.num_demos)
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
@@ -114,31 +135,26 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
         "demos": builders.build_dataset("demos", {"train": files.demos}, data_dir,
                                         name="user_demos", on_invalid=d.on_invalid,
                                         overwrite=True),
-        "prefs": builders.build_dataset(
-            "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
-            name="user_prefs", on_invalid=d.on_invalid, overwrite=True),
     }
+    if use_rm:
+      built["prefs"] = builders.build_dataset(
+          "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
+          name="user_prefs", on_invalid=d.on_invalid, overwrite=True)
 
   def validator(kind: str):
     return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
 
   seed = config.seed
+  kinds = ("prompts", "demos", "prefs") if use_rm else ("prompts", "demos")
   # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
   build_stats = {f"build/{kind}/{split}/{key}": float(value)
-                 for kind in ("prompts", "demos", "prefs")
+                 for kind in kinds
                  for split, counts in built[kind].stats.items()
                  for key, value in counts.items()}
-  return build_stats, {
+  data = {
       "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
                                      config.sft.batch_size, d.prompt_len, d.completion_len,
                                      seed, validator=validator("demos")),
-      "prefs": pipeline.PreferencePipeline(built["prefs"].source("train"), tokenizer,
-                                           config.reward_model.batch_size, d.prompt_len,
-                                           d.completion_len, seed, validator=validator("prefs")),
-      "prefs_eval": pipeline.PreferencePipeline(built["prefs"].source("eval"), tokenizer,
-                                                config.reward_model.batch_size, d.prompt_len,
-                                                d.completion_len, seed, shuffle=False,
-                                                validator=validator("prefs")),
       # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
       "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
                                          config.ppo.batch_size // config.ppo.group_size,
@@ -148,6 +164,14 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                                               max(config.log.samples, 1), d.prompt_len, seed,
                                               shuffle=False, validator=validator("prompts")),
   }
+  if use_rm:
+    data["prefs"] = pipeline.PreferencePipeline(
+        built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
+    data["prefs_eval"] = pipeline.PreferencePipeline(
+        built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
+  return build_stats, data
 
 
 def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -> list[str]:
@@ -164,24 +188,33 @@ def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -
 
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
-               ) -> dict[str, nnx.State]:
+               ) -> dict[str, Any]:
   """SFT and reward-model phases, or their checkpoint when it exists.
 
+  With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
+  result has no "reward" entry and `rm_eval` is None.
+
   The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
-  wrote it; its fingerprint covers the four sections that decide its result, never the
-  plan (runtime, mesh, stages), so a preempted run may continue on another slice.
+  wrote it; its fingerprint covers the sections that decide its result, never the plan
+  (runtime, mesh, stages), so a preempted run may continue on another slice.
   """
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
                                async_save=False)
+  use_rm = uses_reward_model(config)
   policy = init_policy(config, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
-  reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
-  if config.model.path:
-    reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
-  fingerprint = ckpt_lib.config_fingerprint(
-      {k: config[k].to_dict() for k in ("model", "data", "sft", "reward_model")})
+  target = {"actor": actor}
+  if use_rm:
+    reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
+    if config.model.path:
+      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+    target["reward"] = reward
+  # A rule-reward run trains no reward model, so the reward_model settings do not
+  # decide its warm start (and a reward-model checkpoint is never mistaken for one).
+  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
+  sections["reward_model"] = config.reward_model.to_dict() if use_rm else "none: rule reward"
+  fingerprint = ckpt_lib.config_fingerprint(sections)
   if ckpt.latest_step() is not None:
-    target = {"actor": actor, "reward": reward}
     state, meta = ckpt.restore(target=jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
         expect_metadata={"fingerprint": fingerprint})
@@ -194,20 +227,23 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
                             warmup_steps=config.sft.warmup_steps, phase="sft", writer=writer,
                             progress=progress)
   say(f"SFT done in {time.perf_counter() - t0:.1f}s")
-  rm = config.reward_model
-  reward, _ = supervised.fit(supervised.reward_model_loss(reward_gd), reward, layout,
-                             iter(data["prefs"]), steps=rm.steps, learning_rate=rm.learning_rate,
-                             warmup_steps=rm.warmup_steps, phase="reward_model", writer=writer,
-                             progress=progress)
-  rm_eval = supervised.evaluate_reward_model(reward_gd, reward, layout, iter(data["prefs_eval"]),
-                                             rm.eval_batches)
-  writer.write(rm.steps, rm_eval, phase="reward_model_eval")
-  say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
-      f"on {rm_eval['eval_pairs']} pairs")
-  ckpt.save(0, {"actor": actor, "reward": reward},
-            metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
+  state, rm_eval = {"actor": actor}, None
+  if use_rm:
+    rm = config.reward_model
+    state["reward"], _ = supervised.fit(
+        supervised.reward_model_loss(reward_gd), reward, layout, iter(data["prefs"]),
+        steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
+        phase="reward_model", writer=writer, progress=progress)
+    rm_eval = supervised.evaluate_reward_model(reward_gd, state["reward"], layout,
+                                               iter(data["prefs_eval"]), rm.eval_batches)
+    writer.write(rm.steps, rm_eval, phase="reward_model_eval")
+    say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
+        f"on {rm_eval['eval_pairs']} pairs")
+  else:
+    say(f"reward: the rule {config.reward.fn!r}; no reward model is trained")
+  ckpt.save(0, state, metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
   ckpt.close()
-  return {"actor": actor, "reward": reward, "rm_eval": rm_eval}
+  return {**state, "rm_eval": rm_eval}
 
 
 @dataclasses.dataclass
@@ -379,10 +415,11 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   critic_gd = critic = None
   if ppo.needs_critic:
     critic_gd = graphdef_of(cfgs["critic"])
+    # Validation refuses critic_init="reward_model" with a rule reward (no reward model).
     critic_source = (warm["reward"] if config.ppo.critic_init == "reward_model"
                      else warm["actor"])
     critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
-  use_rm = config.reward.fn == "model"
+  use_rm = uses_reward_model(config)
   reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
   models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
                   actor=warm["actor"],
@@ -475,6 +512,13 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   return tracer
 
 
+def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
+  """The summary line about the reward: the reward model's held-out accuracy, if any."""
+  if warm["rm_eval"] is None:
+    return {"reward model": "none (rule reward)"}
+  return {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+
+
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
            start_time: float) -> dict[str, Any]:
@@ -498,8 +542,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, "reward model held-out accuracy":
-             f"{warm['rm_eval']['eval_accuracy']:.3f}",
+      extra={"mode": system.mode, **reward_summary(warm),
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()})})
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
