@@ -29,14 +29,15 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.name = "grpo_arith"
 
   config.data.task = "arith"
-  # Operands of 1-2 digits, additions only: "7+85=" .. "99+99=".
+  # One-digit operands, three operators: "7*8=" -> "56", "3-9=" -> "-6" (300 problems).
   config.data.arith = ml_collections.ConfigDict(
-      dict(operators="+", min_digits=1, max_digits=2, demo_noise=0.3))
+      dict(operators="+-*", min_digits=1, max_digits=1, demo_noise=0.3))
   config.data.num_prompts = 4096
   config.data.num_demos = 4096
   config.data.num_pairs = 0  # unused: a rule reward needs no preference pairs
-  config.data.prompt_len = 8  # BOS + "99+99=" (7 tokens) with a spare
-  config.data.completion_len = 5  # "198" + EOS, and room for a wrong longer answer
+  config.data.num_eval = 64  # held-out problems, never trained on
+  config.data.prompt_len = 8  # BOS + "7*8=" with room for 2-digit operands
+  config.data.completion_len = 4  # "-6" / "56" + EOS, and room for a wrong longer answer
 
   config.sft.steps = 300
   config.sft.learning_rate = 3e-3

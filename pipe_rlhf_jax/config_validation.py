@@ -79,7 +79,12 @@ def _check_task(config) -> None:
       raise ValueError("data.task='arith' needs a data.arith section (operators, min_digits, "
                        "max_digits, demo_noise); see configs/grpo_arith.py.")
     from pipe_rlhf_jax.data.arith import ArithSpec
-    ArithSpec.from_config(config.data.arith, "data.arith")
+    spec = ArithSpec.from_config(config.data.arith, "data.arith")
+    num_eval = config.data.get("num_eval", 256)
+    if num_eval > spec.num_problems() // 2:
+      raise ValueError(f"data.num_eval={num_eval} held-out problems is more than half of the "
+                       f"{spec.num_problems()} that data.arith allows; lower data.num_eval "
+                       "or allow more digits/operators.")
     if use_rm:
       raise ValueError("data.task='arith' has no preference pairs to train a reward model "
                        "on: set reward.fn to a rule, e.g. --config.reward.fn=arith_exact_match.")
@@ -124,6 +129,10 @@ def validate_config(config) -> None:
   if top_p > 1:
     raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
   _positive_int(config, "ppo.top_k", allow_zero=True)
+  if "num_eval" in config.data:  # optional: older configs hold out 256
+    _positive_int(config, "data.num_eval")
+  if "eval_prompts" in config.log:  # optional: older configs score nothing held out
+    _positive_int(config, "log.eval_prompts", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))

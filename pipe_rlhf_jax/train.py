@@ -1,7 +1,9 @@
 """The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
 
 With a rule reward (`reward.fn` other than "model", e.g. `arith_exact_match`) the
-reward-model phase is skipped: SFT -> PPO against the rule.
+reward-model phase is skipped: SFT -> PPO against the rule. With `log.eval_prompts` > 0
+the held-out prompts are answered greedily before and after PPO and scored by the rules
+(metrics phase "heldout", and a summary line per rule).
 
 Everything a run writes goes under `workdir`: data/ (generated task and TFDS datasets),
 warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.jsonl,
@@ -33,6 +35,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
@@ -121,11 +124,13 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   use_rm = uses_reward_model(config)
   if d.task == "reverse":
     built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
-                                        num_demos=d.num_demos, num_pairs=d.num_pairs)
+                                        num_demos=d.num_demos, num_pairs=d.num_pairs,
+                                        num_eval=d.get("num_eval", 256))
   elif d.task == "arith":
     built = builders.make_arith_datasets(data_dir, seed=config.seed,
                                          spec=ArithSpec.from_config(d.arith),
-                                         num_prompts=d.num_prompts, num_demos=d.num_demos)
+                                         num_prompts=d.num_prompts, num_demos=d.num_demos,
+                                         num_eval=d.get("num_eval", 256))
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
@@ -160,9 +165,13 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                                          config.ppo.batch_size // config.ppo.group_size,
                                          d.prompt_len, seed,
                                          validator=validator("prompts")),
-      "prompts_eval": pipeline.PromptPipeline(built["prompts"].source("eval"), tokenizer,
-                                              max(config.log.samples, 1), d.prompt_len, seed,
-                                              shuffle=False, validator=validator("prompts")),
+      # One batch of held-out prompts, in file order: the samples shown and the prompts
+      # scored greedily before and after PPO (at most the whole eval split).
+      "prompts_eval": pipeline.PromptPipeline(
+          built["prompts"].source("eval"), tokenizer,
+          min(max(config.log.samples, config.log.get("eval_prompts", 0), 1),
+              built["prompts"].splits["eval"]),
+          d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
   }
   if use_rm:
     data["prefs"] = pipeline.PreferencePipeline(
@@ -174,17 +183,57 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   return build_stats, data
 
 
-def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -> list[str]:
-  """Greedy completions of a few eval prompts, as 'prompt -> completion' lines."""
+def rule_rewards_to_report(config) -> dict[str, Any]:
+  """The rules scored on the held-out prompts (name -> function): none when
+  `log.eval_prompts` is 0 (or absent); else `reward.fn` when it is a rule, and
+  `reward.eval_fn` when set."""
+  if not config.log.get("eval_prompts", 0):
+    return {}
+  names = [] if uses_reward_model(config) else [config.reward.fn]
+  if config.reward.eval_fn and config.reward.eval_fn not in names:
+    names.append(config.reward.eval_fn)
+  return {name: REWARD_FUNCTIONS.get(name) for name in names}
+
+
+@dataclasses.dataclass
+class GreedyEval:
+  """Greedy completions of the held-out prompts at one point of the run.
+
+  Attributes:
+    samples: 'prompt -> completion' lines of the first `log.samples` prompts.
+    scores: rule name -> mean score over all `num_prompts` held-out prompts.
+    num_prompts: how many held-out prompts were scored.
+  """
+
+  samples: list[str]
+  scores: dict[str, float]
+  num_prompts: int
+
+
+def greedy_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
+                rules: dict[str, Any], num_samples: int) -> GreedyEval:
+  """Greedy (temperature 0) completions of a batch of held-out prompts, and their scores.
+
+  Greedy answers say what the policy has learned without the luck of sampling: the
+  number to compare before and after RL.
+  """
   model = nnx.merge(graphdef, params)
   out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
                  rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
                  pad_id=sampling.pad_id)
   tokens, mask = jax.device_get((out.tokens, out.mask))
-  lines = []
-  for p, pm, c, cm in zip(batch["prompt_tokens"], batch["prompt_mask"], tokens, mask):
-    lines.append(f"{tokenizer.decode(p[pm])!r} -> {tokenizer.decode(c[cm])!r}")
-  return lines
+  prompts = [tokenizer.decode(p[m]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
+  completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
+  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[:num_samples], completions)]
+  scores = {name: float(np.mean(fn(prompts, completions))) for name, fn in rules.items()}
+  return GreedyEval(lines, scores, len(prompts))
+
+
+def heldout_summary(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
+  """Summary lines "held-out greedy <rule>": "before -> after (N prompts)"."""
+  return {f"held-out greedy {name}": f"{before.scores[name]:.3f} -> {after.scores[name]:.3f} "
+                                     f"({after.num_prompts} prompts)"
+          for name in after.scores}
 
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
@@ -364,7 +413,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   """The metrics writer, after removing the rows this run is about to write again.
 
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
-  their rows from before are dropped and the log holds each step once; the "data" row is
+  their rows from before (phases "ppo" and "heldout") are dropped and the log holds each step once; the "data" row is
   written by every run, and the warm-start phases' rows again when their checkpoint is
   missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
   the newest value of a step: it keeps every event it reads, so the re-trained steps are
@@ -379,7 +428,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
-    return ((phase == "ppo" and record.get("step", 0) >= setup.start) or phase == "data"
+    return ((phase in ("ppo", "heldout") and record.get("step", 0) >= setup.start)
+            or phase == "data"
             or (phase in WARM_START_PHASES and not warm_restored))
 
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
@@ -520,12 +570,11 @@ def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
 
 
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
-           writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
+           writer: metrics_lib.MetricsWriter, before: GreedyEval, after: GreedyEval,
            start_time: float) -> dict[str, Any]:
-  """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
+  """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
-  samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
-                               eval_batch, setup.tokenizer, built.sampling)
+  samples_before, samples_after = before.samples, after.samples
   export_dir = os.path.join(workdir, "export")
   hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
                      export_dir)
@@ -542,7 +591,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, **reward_summary(warm),
+      extra={"mode": system.mode, **reward_summary(warm), **heldout_summary(before, after),
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()})})
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
@@ -552,6 +601,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
+          "heldout_before": before.scores, "heldout_after": after.scores,
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
 
 
@@ -588,13 +638,21 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    samples_before = show_samples(built.actor_graphdef,
-                                  built.system.actor_for_generation()[0], eval_batch,
-                                  setup.tokenizer, built.sampling)
+    rules = rule_rewards_to_report(config)
+
+    def evaluate(step: int) -> GreedyEval:
+      result = greedy_eval(built.actor_graphdef, built.system.actor_for_generation()[0],
+                           eval_batch, setup.tokenizer, built.sampling, rules,
+                           config.log.samples)
+      if result.scores:
+        writer.write(step, {f"heldout/{k}": v for k, v in result.scores.items()},
+                     phase="heldout")
+      return result
+
+    before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
-    return report(setup, built, warm, tracer, writer, samples_before, eval_batch,
-                  start_time)
+    return report(setup, built, warm, tracer, writer, before, evaluate(end), start_time)
   finally:
     writer.close()
     setup.checkpointer.close()
