@@ -75,6 +75,11 @@ def test_arith_settings_and_rule_rewards_name_their_field():
   with pytest.raises(ValueError, match="needs a data.arith section"):
     validate_config(config)
   config = grpo_arith.get_config("tiny")
+  config.data.num_eval = 151  # one-digit operands, three operators: 300 problems
+  with pytest.raises(ValueError, match=r"data.num_eval=151 held-out problems is more than "
+                                       r"half of the 300"):
+    validate_config(config)
+  config = grpo_arith.get_config("tiny")
   config.ppo.critic_init = "reward_model"
   with pytest.raises(ValueError, match=r"critic_init='reward_model'.*critic_init=sft"):
     validate_config(config)

@@ -39,3 +39,25 @@ def test_tiny_arith_job_trains_no_reward_model_and_scores_held_out(tmp_path):
   assert "reward model: none (rule reward)" in result["summary"]
   np.testing.assert_allclose(heldout[-1]["heldout/arith_exact_match"],
                              result["heldout_after"]["arith_exact_match"])
+
+
+def short_learning_config():
+  """A seed-fixed run small enough for the test suite: additions of one-digit numbers,
+  a short SFT that leaves most sampled answers wrong, then RL against the rule."""
+  config = grpo_arith.get_config("tiny")
+  config.runtime.mode = "sequential"
+  config.data.arith.update(operators="+", max_digits=1)
+  config.data.num_eval = 16
+  config.sft.update(steps=60, batch_size=32, learning_rate=1e-2)
+  config.ppo.update(steps=16, batch_size=32, minibatch_size=16, epochs=2, actor_lr=3e-3,
+                    critic_lr=3e-3, kl_coef=0.0)
+  config.checkpoint.every = 100
+  return config
+
+
+@pytest.mark.slow
+def test_short_rl_run_raises_exact_match(tmp_path):
+  result = train(short_learning_config(), str(tmp_path), progress=False)
+  accuracy = [r["reward/mean"] for r in result["ppo_metrics"]]
+  print(accuracy)
+  assert np.mean(accuracy[-4:]) > np.mean(accuracy[:4]) + 0.1, accuracy
