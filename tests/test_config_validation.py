@@ -79,8 +79,12 @@ def test_arith_settings_and_rule_rewards_name_their_field():
   with pytest.raises(ValueError, match=r"data.num_eval=151 held-out problems is more than "
                                        r"half of the 300"):
     validate_config(config)
+  # A critic cannot start from a reward model that a rule-reward run never trains; GRPO
+  # builds no critic, so there the setting is moot.
   config = grpo_arith.get_config("tiny")
   config.ppo.critic_init = "reward_model"
+  validate_config(config)
+  config.ppo.update(advantage_estimator="gae", group_size=1, whiten_advantages=True)
   with pytest.raises(ValueError, match=r"critic_init='reward_model'.*critic_init=sft"):
     validate_config(config)
   # The reverse task scored by an arith rule is refused the same way.
