@@ -59,9 +59,8 @@ def _check_task(config) -> None:
 
   A rule reward trains no reward model, so preference data are needed only with
   `reward.fn="model"`, and a critic (when the estimator has one) cannot start from a
-  reward model then. A built-in
-  rule of one task on another task's prompts would raise at the first PPO step: refused
-  here instead.
+  reward model then. A built-in rule of one task on another task's prompts would raise
+  at the first PPO step: refused here instead.
   """
   task = _choice(config, "data.task", ("reverse", "arith", "jsonl"))
   use_rm = config.reward.fn == "model"
