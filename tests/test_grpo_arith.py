@@ -1,5 +1,5 @@
 """The arith task end to end (configs/grpo_arith.py): a rule-reward job without a reward
-model, held-out greedy scores, and RL raising exact-match accuracy."""
+model, held-out greedy scores, and GRPO raising exact-match accuracy."""
 
 import json
 import os
@@ -11,34 +11,6 @@ from configs import grpo_arith
 
 from pipe_rlhf_jax.data import rewards  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
-
-
-def test_tiny_arith_job_trains_no_reward_model_and_scores_held_out(tmp_path):
-  config = grpo_arith.get_config("tiny")
-  config.runtime.mode = "sequential"
-  config.log.eval_prompts = 8
-  result = train(config, str(tmp_path), progress=False)
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert {r["phase"] for r in rows} == {"data", "sft", "ppo", "heldout"}
-  assert not any(k.startswith(("prefs", "build/prefs")) for k in rows[0])  # no pairs
-  assert not os.path.exists(tmp_path / "data" / "arith_prefs")
-  assert result["rm_eval"] is None
-  # reward/mean is the exact-match rate of the sampled answers: a multiple of 1/batch.
-  for r in result["ppo_metrics"]:
-    assert r["reward/mean"] * config.ppo.batch_size == pytest.approx(
-        round(r["reward/mean"] * config.ppo.batch_size), abs=1e-4)
-  heldout = [r for r in rows if r["phase"] == "heldout"]
-  assert [r["step"] for r in heldout] == [0, config.ppo.steps]
-  for scores in (result["heldout_before"], result["heldout_after"]):
-    assert set(scores) == {"arith_exact_match", "arith_digit_accuracy"}
-    assert all(0.0 <= v <= 1.0 for v in scores.values())
-  # The samples are greedy answers to held-out problems, scored by the same rule.
-  prompt, completion = result["samples_after"][0].split(" -> ")
-  assert rewards.arith_target(eval(prompt))  # noqa: S307 (a repr of a str)
-  assert "held-out greedy arith_exact_match" in result["summary"]
-  assert "reward model: none (rule reward)" in result["summary"]
-  np.testing.assert_allclose(heldout[-1]["heldout/arith_exact_match"],
-                             result["heldout_after"]["arith_exact_match"])
 
 
 def short_learning_config():
@@ -55,16 +27,49 @@ def short_learning_config():
   config.ppo.update(steps=24, batch_size=128, minibatch_size=64, epochs=2, actor_lr=1e-3,
                     kl_coef=0.0)
   config.checkpoint.every = 100
+  config.log.eval_prompts = 16  # greedy answers are stateless: the RL run is unchanged
   return config
 
 
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("arith")
+  config = short_learning_config()
+  return config, workdir, train(config, str(workdir), progress=False)
+
+
 @pytest.mark.slow
-def test_short_grpo_run_raises_exact_match(tmp_path):
+def test_rule_reward_job_trains_no_reward_model_and_scores_held_out(short_run):
+  config, workdir, result = short_run
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert {r["phase"] for r in rows} == {"data", "sft", "ppo", "heldout"}
+  assert not any(k.startswith(("prefs", "build/prefs")) for k in rows[0])  # no pairs
+  assert not os.path.exists(workdir / "data" / "arith_prefs")
+  assert result["rm_eval"] is None
+  # reward/mean is the exact-match rate of the sampled answers: a multiple of 1/batch.
+  for r in result["ppo_metrics"]:
+    hits = r["reward/mean"] * config.ppo.batch_size
+    assert hits == pytest.approx(round(hits), abs=1e-4)
+  heldout = [r for r in rows if r["phase"] == "heldout"]
+  assert [r["step"] for r in heldout] == [0, config.ppo.steps]
+  for scores in (result["heldout_before"], result["heldout_after"]):
+    assert set(scores) == {"arith_exact_match", "arith_digit_accuracy"}
+    assert all(0.0 <= v <= 1.0 for v in scores.values())
+  np.testing.assert_allclose(heldout[-1]["heldout/arith_exact_match"],
+                             result["heldout_after"]["arith_exact_match"])
+  # The samples are greedy answers to held-out problems of the task.
+  prompt, _ = result["samples_after"][0].split(" -> ")
+  assert rewards.arith_target(eval(prompt))  # noqa: S307 (the repr of a str)
+  assert "held-out greedy arith_exact_match" in result["summary"]
+  assert "reward model: none (rule reward)" in result["summary"]
+
+
+@pytest.mark.slow
+def test_short_grpo_run_raises_exact_match(short_run):
   # Development run of this config: exact match of the sampled answers 0.17 over the
   # first 6 steps, 0.30 over the last 6 (sequential mode is deterministic for a seed).
-  config = short_learning_config()
+  config, _, result = short_run
   assert config.ppo.advantage_estimator == "grpo"
-  result = train(config, str(tmp_path), progress=False)
   accuracy = [r["reward/mean"] for r in result["ppo_metrics"]]
   assert len(accuracy) == 24
   assert np.mean(accuracy[-6:]) > np.mean(accuracy[:6]) + 0.05, accuracy
