@@ -53,6 +53,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.num_prompts = 4096
   config.data.num_demos = 4096
   config.data.num_pairs = 4096
+  config.data.num_eval = 256  # held-out prompts (and pairs) of the embedded tasks
   config.data.prompt_len = 16
   config.data.completion_len = 8
   config.data.on_invalid = "skip"
@@ -158,6 +159,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.log.wandb = False
   config.log.wandb_project = "pipe_rlhf_jax"
   config.log.samples = 4  # generations shown before/after
+  # Held-out prompts answered greedily before and after PPO and scored by the rules
+  # (reward.eval_fn, and reward.fn when it is a rule); 0 = off.
+  config.log.eval_prompts = 256
   if variant == "tiny":
     shrink_to_tiny(config)
   return config
@@ -180,3 +184,4 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2
+  config.log.eval_prompts = 0

@@ -50,6 +50,58 @@ def _choice(config, path: str, choices) -> str:
   return value
 
 
+# Built-in rule rewards that only apply to one embedded task, by name prefix.
+TASK_RULE_PREFIXES = {"reverse": "reverse_", "arith": "arith_"}
+
+
+def _check_task(config) -> None:
+  """The data source, and that the rewards and critic fit it.
+
+  A rule reward trains no reward model, so preference data are needed only with
+  `reward.fn="model"`, and a critic (when the estimator has one) cannot start from a
+  reward model then. A built-in rule of one task on another task's prompts would raise
+  at the first PPO step: refused here instead.
+  """
+  task = _choice(config, "data.task", ("reverse", "arith", "jsonl"))
+  use_rm = config.reward.fn == "model"
+  if task == "jsonl":
+    roles = ("prompts", "prompts_eval", "demos") + (("prefs", "prefs_eval") if use_rm else ())
+    for role in roles:
+      path = config.data.jsonl.get(role, "")
+      if not path or not os.path.isfile(path):
+        why = ("the prefs train the reward model" if use_rm
+               else "no prefs: reward.fn is a rule")
+        raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
+                         f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
+  if task == "arith":
+    if "arith" not in config.data:
+      raise ValueError("data.task='arith' needs a data.arith section (operators, min_digits, "
+                       "max_digits, demo_noise); see configs/grpo_arith.py.")
+    from pipe_rlhf_jax.data.arith import ArithSpec
+    spec = ArithSpec.from_config(config.data.arith, "data.arith")
+    num_eval = config.data.get("num_eval", 256)
+    if num_eval > spec.num_problems() // 2:
+      raise ValueError(f"data.num_eval={num_eval} held-out problems is more than half of the "
+                       f"{spec.num_problems()} that data.arith allows; lower data.num_eval "
+                       "or allow more digits/operators.")
+    if use_rm:
+      raise ValueError("data.task='arith' has no preference pairs to train a reward model "
+                       "on: set reward.fn to a rule, e.g. --config.reward.fn=arith_exact_match.")
+  for path in ("reward.fn", "reward.eval_fn"):
+    name = _get(config, path)
+    for other, prefix in TASK_RULE_PREFIXES.items():
+      if name.startswith(prefix) and other != task:
+        raise ValueError(
+            f"{path}={name!r} scores the embedded {other} task only, but data.task={task!r};"
+            f" choose a rule for your data (or set --config.reward.eval_fn='').")
+  from pipe_rlhf_jax.system.settings import PPOConfig
+  needs_critic = PPOConfig.from_config(config.ppo).needs_critic
+  if not use_rm and needs_critic and config.ppo.critic_init == "reward_model":
+    raise ValueError(f"ppo.critic_init='reward_model' but reward.fn={config.reward.fn!r} is a "
+                     "rule: no reward model is trained to start the critic from; set "
+                     "--config.ppo.critic_init=sft.")
+
+
 def validate_config(config) -> None:
   """Raises ValueError naming the first bad field of `config`.
 
@@ -76,6 +128,10 @@ def validate_config(config) -> None:
   if top_p > 1:
     raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
   _positive_int(config, "ppo.top_k", allow_zero=True)
+  if "num_eval" in config.data:  # optional: older configs hold out 256
+    _positive_int(config, "data.num_eval")
+  if "eval_prompts" in config.log:  # optional: older configs score nothing held out
+    _positive_int(config, "log.eval_prompts", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   if "plan" in config.runtime:  # optional: older configs run their hand-written plan
@@ -88,16 +144,7 @@ def validate_config(config) -> None:
   _choice(config, "reward.fn", ["model"] + REWARD_FUNCTIONS.names())
   if config.reward.eval_fn:
     _choice(config, "reward.eval_fn", REWARD_FUNCTIONS.names())
-  if _choice(config, "data.task", ("reverse", "jsonl")) == "jsonl":
-    for role in ("prompts", "prompts_eval", "demos", "prefs", "prefs_eval"):
-      path = config.data.jsonl.get(role, "")
-      if not path or not os.path.isfile(path):
-        raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
-                         "all of data.jsonl.{prompts,prompts_eval,demos,prefs,prefs_eval}.")
-    if config.reward.eval_fn.startswith("reverse"):
-      raise ValueError(f"reward.eval_fn={config.reward.eval_fn!r} scores the embedded reverse "
-                       "task only; set --config.reward.eval_fn='' (or a rule registered for "
-                       "your data) when data.task='jsonl'.")
+  _check_task(config)
   if config.model.get("require_path") and not config.model.path:
     raise ValueError("model.path is required by this config: pass "
                      "--config.model.path=/path/to/a/local/huggingface/model/dir.")

@@ -1,5 +1,10 @@
 """The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
 
+With a rule reward (`reward.fn` other than "model", e.g. `arith_exact_match`) the
+reward-model phase is skipped: SFT -> PPO against the rule. With `log.eval_prompts` > 0
+the held-out prompts are answered greedily before and after PPO and scored by the rules
+(metrics phase "heldout", and a summary line per rule).
+
 Everything a run writes goes under `workdir`: data/ (generated task and TFDS datasets),
 warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.jsonl,
 tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
@@ -30,12 +35,14 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.data import builders, pipeline
+from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models import hf
@@ -93,8 +100,20 @@ def init_policy(config, cfg: TransformerConfig) -> Transformer:
   return init_model(cfg, seed=config.seed)
 
 
+def uses_reward_model(config) -> bool:
+  """Whether the run trains a reward model (`reward.fn == "model"`) or scores by a rule.
+
+  With a rule there are no preference pipelines, no reward-model phase and no reward
+  model in the PPO system.
+  """
+  return config.reward.fn == "model"
+
+
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
   """Builds the TFDS datasets and their grain pipelines.
+
+  Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
+  trained; the arith task has no preference pairs at all.
 
   Returns:
     (counts of records skipped or truncated while building, {role: pipeline}).
@@ -103,9 +122,16 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
   data_dir = d.dir or os.path.join(workdir, "data")
+  use_rm = uses_reward_model(config)
   if d.task == "reverse":
     built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
-                                        num_demos=d.num_demos, num_pairs=d.num_pairs)
+                                        num_demos=d.num_demos, num_pairs=d.num_pairs,
+                                        num_eval=d.get("num_eval", 256))
+  elif d.task == "arith":
+    built = builders.make_arith_datasets(data_dir, seed=config.seed,
+                                         spec=ArithSpec.from_config(d.arith),
+                                         num_prompts=d.num_prompts, num_demos=d.num_demos,
+                                         num_eval=d.get("num_eval", 256))
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
@@ -115,74 +141,130 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
         "demos": builders.build_dataset("demos", {"train": files.demos}, data_dir,
                                         name="user_demos", on_invalid=d.on_invalid,
                                         overwrite=True),
-        "prefs": builders.build_dataset(
-            "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
-            name="user_prefs", on_invalid=d.on_invalid, overwrite=True),
     }
+    if use_rm:
+      built["prefs"] = builders.build_dataset(
+          "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
+          name="user_prefs", on_invalid=d.on_invalid, overwrite=True)
 
   def validator(kind: str):
     return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
 
   seed = config.seed
+  kinds = ("prompts", "demos", "prefs") if use_rm else ("prompts", "demos")
   # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
   build_stats = {f"build/{kind}/{split}/{key}": float(value)
-                 for kind in ("prompts", "demos", "prefs")
+                 for kind in kinds
                  for split, counts in built[kind].stats.items()
                  for key, value in counts.items()}
-  return build_stats, {
+  data = {
       "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
                                      config.sft.batch_size, d.prompt_len, d.completion_len,
                                      seed, validator=validator("demos")),
-      "prefs": pipeline.PreferencePipeline(built["prefs"].source("train"), tokenizer,
-                                           config.reward_model.batch_size, d.prompt_len,
-                                           d.completion_len, seed, validator=validator("prefs")),
-      "prefs_eval": pipeline.PreferencePipeline(built["prefs"].source("eval"), tokenizer,
-                                                config.reward_model.batch_size, d.prompt_len,
-                                                d.completion_len, seed, shuffle=False,
-                                                validator=validator("prefs")),
       # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
       "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
                                          config.ppo.batch_size // config.ppo.group_size,
                                          d.prompt_len, seed,
                                          validator=validator("prompts")),
-      "prompts_eval": pipeline.PromptPipeline(built["prompts"].source("eval"), tokenizer,
-                                              max(config.log.samples, 1), d.prompt_len, seed,
-                                              shuffle=False, validator=validator("prompts")),
+      # One batch of held-out prompts, in file order: the samples shown and the prompts
+      # scored greedily before and after PPO (at most the whole eval split).
+      "prompts_eval": pipeline.PromptPipeline(
+          built["prompts"].source("eval"), tokenizer,
+          min(max(config.log.samples, config.log.get("eval_prompts", 0), 1),
+              built["prompts"].splits["eval"]),
+          d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
   }
+  if use_rm:
+    data["prefs"] = pipeline.PreferencePipeline(
+        built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
+    data["prefs_eval"] = pipeline.PreferencePipeline(
+        built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
+  return build_stats, data
 
 
-def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -> list[str]:
-  """Greedy completions of a few eval prompts, as 'prompt -> completion' lines."""
+def rule_rewards_to_report(config) -> dict[str, Any]:
+  """The rules scored on the held-out prompts (name -> function): none when
+  `log.eval_prompts` is 0 (or absent); else `reward.fn` when it is a rule, and
+  `reward.eval_fn` when set."""
+  if not config.log.get("eval_prompts", 0):
+    return {}
+  names = [] if uses_reward_model(config) else [config.reward.fn]
+  if config.reward.eval_fn and config.reward.eval_fn not in names:
+    names.append(config.reward.eval_fn)
+  return {name: REWARD_FUNCTIONS.get(name) for name in names}
+
+
+@dataclasses.dataclass
+class GreedyEval:
+  """Greedy completions of the held-out prompts at one point of the run.
+
+  Attributes:
+    samples: 'prompt -> completion' lines of the first `log.samples` prompts.
+    scores: rule name -> mean score over all `num_prompts` held-out prompts.
+    num_prompts: how many held-out prompts were scored.
+  """
+
+  samples: list[str]
+  scores: dict[str, float]
+  num_prompts: int
+
+
+def greedy_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
+                rules: dict[str, Any], num_samples: int) -> GreedyEval:
+  """Greedy (temperature 0) completions of a batch of held-out prompts, and their scores.
+
+  Greedy answers say what the policy has learned without the luck of sampling: the
+  number to compare before and after RL.
+  """
   model = nnx.merge(graphdef, params)
   out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
                  rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
                  pad_id=sampling.pad_id)
   tokens, mask = jax.device_get((out.tokens, out.mask))
-  lines = []
-  for p, pm, c, cm in zip(batch["prompt_tokens"], batch["prompt_mask"], tokens, mask):
-    lines.append(f"{tokenizer.decode(p[pm])!r} -> {tokenizer.decode(c[cm])!r}")
-  return lines
+  prompts = [tokenizer.decode(p[m]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
+  completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
+  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[:num_samples], completions)]
+  scores = {name: float(np.mean(fn(prompts, completions))) for name, fn in rules.items()}
+  return GreedyEval(lines, scores, len(prompts))
+
+
+def heldout_summary(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
+  """Summary lines "held-out greedy <rule>": "before -> after (N prompts)"."""
+  return {f"held-out greedy {name}": f"{before.scores[name]:.3f} -> {after.scores[name]:.3f} "
+                                     f"({after.num_prompts} prompts)"
+          for name in after.scores}
 
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
-               ) -> dict[str, nnx.State]:
+               ) -> dict[str, Any]:
   """SFT and reward-model phases, or their checkpoint when it exists.
 
+  With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
+  result has no "reward" entry and `rm_eval` is None.
+
   The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
-  wrote it; its fingerprint covers the four sections that decide its result, never the
-  plan (runtime, mesh, stages), so a preempted run may continue on another slice.
+  wrote it; its fingerprint covers the sections that decide its result, never the plan
+  (runtime, mesh, stages), so a preempted run may continue on another slice.
   """
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
                                async_save=False)
+  use_rm = uses_reward_model(config)
   policy = init_policy(config, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
-  reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
-  if config.model.path:
-    reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
-  fingerprint = ckpt_lib.config_fingerprint(
-      {k: config[k].to_dict() for k in ("model", "data", "sft", "reward_model")})
+  target = {"actor": actor}
+  if use_rm:
+    reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
+    if config.model.path:
+      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+    target["reward"] = reward
+  # A rule-reward run trains no reward model, so the reward_model settings do not
+  # decide its warm start (and a reward-model checkpoint is never mistaken for one).
+  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
+  sections["reward_model"] = config.reward_model.to_dict() if use_rm else "none: rule reward"
+  fingerprint = ckpt_lib.config_fingerprint(sections)
   if ckpt.latest_step() is not None:
-    target = {"actor": actor, "reward": reward}
     state, meta = ckpt.restore(target=jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
         expect_metadata={"fingerprint": fingerprint})
@@ -195,20 +277,23 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
                             warmup_steps=config.sft.warmup_steps, phase="sft", writer=writer,
                             progress=progress)
   say(f"SFT done in {time.perf_counter() - t0:.1f}s")
-  rm = config.reward_model
-  reward, _ = supervised.fit(supervised.reward_model_loss(reward_gd), reward, layout,
-                             iter(data["prefs"]), steps=rm.steps, learning_rate=rm.learning_rate,
-                             warmup_steps=rm.warmup_steps, phase="reward_model", writer=writer,
-                             progress=progress)
-  rm_eval = supervised.evaluate_reward_model(reward_gd, reward, layout, iter(data["prefs_eval"]),
-                                             rm.eval_batches)
-  writer.write(rm.steps, rm_eval, phase="reward_model_eval")
-  say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
-      f"on {rm_eval['eval_pairs']} pairs")
-  ckpt.save(0, {"actor": actor, "reward": reward},
-            metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
+  state, rm_eval = {"actor": actor}, None
+  if use_rm:
+    rm = config.reward_model
+    state["reward"], _ = supervised.fit(
+        supervised.reward_model_loss(reward_gd), reward, layout, iter(data["prefs"]),
+        steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
+        phase="reward_model", writer=writer, progress=progress)
+    rm_eval = supervised.evaluate_reward_model(reward_gd, state["reward"], layout,
+                                               iter(data["prefs_eval"]), rm.eval_batches)
+    writer.write(rm.steps, rm_eval, phase="reward_model_eval")
+    say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
+        f"on {rm_eval['eval_pairs']} pairs")
+  else:
+    say(f"reward: the rule {config.reward.fn!r}; no reward model is trained")
+  ckpt.save(0, state, metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
   ckpt.close()
-  return {"actor": actor, "reward": reward, "rm_eval": rm_eval}
+  return {**state, "rm_eval": rm_eval}
 
 
 @dataclasses.dataclass
@@ -339,7 +424,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   """The metrics writer, after removing the rows this run is about to write again.
 
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
-  their rows from before are dropped and the log holds each step once; the "data" row is
+  their rows from before (phases "ppo" and "heldout") are dropped and the log holds each step once; the "data" row is
   written by every run, and the warm-start phases' rows again when their checkpoint is
   missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
   the newest value of a step: it keeps every event it reads, so the re-trained steps are
@@ -354,8 +439,9 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
-    return ((phase == "ppo" and record.get("step", 0) >= setup.start)
-            or phase in ("data", "plan") or (phase in WARM_START_PHASES and not warm_restored))
+    return ((phase in ("ppo", "heldout") and record.get("step", 0) >= setup.start)
+            or phase in ("data", "plan")
+            or (phase in WARM_START_PHASES and not warm_restored))
 
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
@@ -390,10 +476,11 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   critic_gd = critic = None
   if ppo.needs_critic:
     critic_gd = graphdef_of(cfgs["critic"])
+    # Validation refuses critic_init="reward_model" with a rule reward (no reward model).
     critic_source = (warm["reward"] if config.ppo.critic_init == "reward_model"
                      else warm["actor"])
     critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
-  use_rm = config.reward.fn == "model"
+  use_rm = uses_reward_model(config)
   reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
   models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
                   actor=warm["actor"],
@@ -503,13 +590,19 @@ def planned_vs_measured(planned: auto_plan.PlannedRun | None, tracer: Tracer,
   return {"steady s/step": text}
 
 
+def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
+  """The summary line about the reward: the reward model's held-out accuracy, if any."""
+  if warm["rm_eval"] is None:
+    return {"reward model": "none (rule reward)"}
+  return {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+
+
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
-           writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
+           writer: metrics_lib.MetricsWriter, before: GreedyEval, after: GreedyEval,
            start_time: float) -> dict[str, Any]:
-  """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
+  """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
-  samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
-                               eval_batch, setup.tokenizer, built.sampling)
+  samples_before, samples_after = before.samples, after.samples
   export_dir = os.path.join(workdir, "export")
   hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
                      export_dir)
@@ -527,8 +620,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, "reward model held-out accuracy":
-             f"{warm['rm_eval']['eval_accuracy']:.3f}",
+      extra={"mode": system.mode, **reward_summary(warm), **heldout_summary(before, after),
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()}),
              "plan": str(system.runtime), **step_s})
@@ -539,6 +631,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
+          "heldout_before": before.scores, "heldout_after": after.scores,
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
 
 
@@ -576,13 +669,21 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    samples_before = show_samples(built.actor_graphdef,
-                                  built.system.actor_for_generation()[0], eval_batch,
-                                  setup.tokenizer, built.sampling)
+    rules = rule_rewards_to_report(config)
+
+    def evaluate(step: int) -> GreedyEval:
+      result = greedy_eval(built.actor_graphdef, built.system.actor_for_generation()[0],
+                           eval_batch, setup.tokenizer, built.sampling, rules,
+                           config.log.samples)
+      if result.scores:
+        writer.write(step, {f"heldout/{k}": v for k, v in result.scores.items()},
+                     phase="heldout")
+      return result
+
+    before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
-    return report(setup, built, warm, tracer, writer, samples_before, eval_batch,
-                  start_time)
+    return report(setup, built, warm, tracer, writer, before, evaluate(end), start_time)
   finally:
     writer.close()
     setup.checkpointer.close()

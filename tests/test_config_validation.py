@@ -21,6 +21,7 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
           "from pipe_rlhf_jax.config_validation import validate_config\n"
           "config = quickstart.get_config('tiny')\n"
           "config.reward.fn = 'reverse_accuracy'\n"
+          "config.ppo.critic_init = 'sft'\n"
           "validate_config(config)\n")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -39,4 +40,57 @@ def test_integer_fields_name_field_and_value(path, value):
     config_section = config_section[part]
   config_section[name] = value
   with pytest.raises(ValueError, match=rf"{path}={value!r} must be an integer >= "):
+    validate_config(config)
+
+
+def test_grpo_arith_config_validates_and_fits_its_task():
+  from configs import grpo_arith
+  for variant in ("", "tiny"):
+    validate_config(grpo_arith.get_config(variant))
+  with pytest.raises(ValueError, match="variant 'big'"):
+    grpo_arith.get_config("big")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(fn="model"), r"data.task='arith' has no preference pairs.*reward.fn"),
+    (dict(fn="reverse_exact"), r"reward.fn='reverse_exact' scores the embedded reverse"),
+    (dict(eval_fn="reverse_accuracy"), r"reward.eval_fn='reverse_accuracy' scores the"),
+])
+def test_arith_task_refuses_rewards_of_other_tasks(change, message):
+  from configs import grpo_arith
+  config = grpo_arith.get_config("tiny")
+  config.reward.update(change)
+  with pytest.raises(ValueError, match=message):
+    validate_config(config)
+
+
+def test_arith_settings_and_rule_rewards_name_their_field():
+  from configs import grpo_arith
+  config = grpo_arith.get_config("tiny")
+  config.data.arith.operators = "/"
+  with pytest.raises(ValueError, match=r"data.arith.operators='/'"):
+    validate_config(config)
+  config = grpo_arith.get_config("tiny")
+  del config.data["arith"]
+  with pytest.raises(ValueError, match="needs a data.arith section"):
+    validate_config(config)
+  config = grpo_arith.get_config("tiny")
+  config.data.num_eval = 151  # one-digit operands, three operators: 300 problems
+  with pytest.raises(ValueError, match=r"data.num_eval=151 held-out problems is more than "
+                                       r"half of the 300"):
+    validate_config(config)
+  # A critic cannot start from a reward model that a rule-reward run never trains; GRPO
+  # builds no critic, so there the setting is moot.
+  config = grpo_arith.get_config("tiny")
+  config.ppo.critic_init = "reward_model"
+  validate_config(config)
+  config.ppo.update(advantage_estimator="gae", group_size=1, whiten_advantages=True)
+  with pytest.raises(ValueError, match=r"critic_init='reward_model'.*critic_init=sft"):
+    validate_config(config)
+  # The reverse task scored by an arith rule is refused the same way.
+  config = quickstart.get_config("tiny")
+  config.reward.fn = "arith_exact_match"
+  config.ppo.critic_init = "sft"
+  with pytest.raises(ValueError, match=r"reward.fn='arith_exact_match' scores the embedded "
+                                       r"arith task only, but data.task='reverse'"):
     validate_config(config)

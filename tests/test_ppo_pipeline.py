@@ -105,6 +105,7 @@ def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   # step has nothing to save (it used to re-save that step: CheckpointExistsError).
   config = tiny()
   config.reward.fn = "test_ctrl_c_when_armed"
+  config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   workdir = str(tmp_path)
   train(config, workdir, stop_after=2, progress=False)
   _ARMED["interrupt"] = True
@@ -251,6 +252,7 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   config.sft.learning_rate = 1e-2
   config.reward_model.steps = 0
   config.reward.fn = "test_letter_a_fraction"
+  config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.checkpoint.every = 100
   rewards = [r["reward/mean"] for r in
              train(config, str(tmp_path), progress=False)["ppo_metrics"]]

@@ -116,6 +116,7 @@ def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypa
   config.ppo.steps = 6
   config.ppo.loss = "decoupled_ppo_clip"  # the off-policy objective stale rollouts need
   config.reward.fn = "test_slow_until_batch_1_has_weights"
+  config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.ppo.update(algorithm)
   result = train(config, str(tmp_path), progress=False)
   tracer = result["tracer"]
@@ -149,6 +150,7 @@ def test_worker_exception_stops_everything_and_reraises(tmp_path):
   _CALLS["n"] = 0
   config = tiny("pipe", max_staleness=1)
   config.reward.fn = "test_fails_on_second_batch"
+  config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.reward.eval_fn = ""
   start = time.perf_counter()
   with pytest.raises(ZeroDivisionError, match="reward server exploded") as info:
@@ -172,6 +174,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_loses_nothing(tmp_path):
   _INTERRUPT["n"] = 0
   config = tiny("pipe", max_staleness=1)
   config.reward.fn = "test_ctrl_c_on_third_batch"
+  config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.checkpoint.every = 100  # only the interrupt writes one
   config.ppo.steps = 6
   workdir = str(tmp_path)

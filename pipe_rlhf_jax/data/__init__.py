@@ -1,9 +1,10 @@
-"""Data: the embedded reverse task, record validation, TFDS builders, grain pipelines.
+"""Data: the embedded tasks (reverse, arith), record validation, TFDS builders, grain pipelines.
 
 Importing this package registers the rule-based rewards ("reverse_accuracy",
-"reverse_exact") in `ppo.registry.REWARD_FUNCTIONS`. The other names are loaded on
-first use, so `python -m pipe_rlhf_jax.data.task` runs without importing its module
-twice, and TFDS/grain load only when a dataset is built or a pipeline constructed.
+"reverse_exact", "arith_exact_match", "arith_digit_accuracy") in
+`ppo.registry.REWARD_FUNCTIONS`. The other names are loaded on first use, so
+`python -m pipe_rlhf_jax.data.task` runs without importing its module twice, and
+TFDS/grain load only when a dataset is built or a pipeline constructed.
 """
 
 import importlib
@@ -11,6 +12,10 @@ import importlib
 from pipe_rlhf_jax.data import rewards  # noqa: F401  (registers the reward functions)
 
 _LAZY = {
+    "ArithSpec": "arith",
+    "make_arith_records": "arith",
+    "write_arith_jsonl": "arith",
+    "make_arith_datasets": "builders",
     "BuiltDataset": "builders",
     "build_dataset": "builders",
     "load_source": "builders",

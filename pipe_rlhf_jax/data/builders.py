@@ -31,7 +31,8 @@ with `overwrite=True`, so stale data are never read by accident. The valid recor
 split are held in memory while the shard is written, fine for RLHF-sized text sets.
 
 `make_task_datasets` generates the embedded reverse task (data/task.py) and builds its
-three datasets in one call.
+three datasets in one call; `make_arith_datasets` does the same for the arith task
+(data/arith.py), which has prompts and demonstrations only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.data import arith as arith_lib
 from pipe_rlhf_jax.data import task as task_lib
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator
 
@@ -272,6 +274,41 @@ def build_dataset(
   return _built(name, kind, data_dir, path)
 
 
+def _generated_datasets(data_dir: str, prefix: str, config: dict[str, Any],
+                        files: dict[str, str], write,
+                        splits: dict[str, dict[str, str]]) -> dict[str, Any]:
+  """Writes a generated task's JSONL (when absent or different) and builds its datasets.
+
+  Args:
+    data_dir: TFDS data directory; the JSONL goes to `<data_dir>/<prefix>_jsonl/`.
+    prefix: dataset names are "<prefix>_<kind>".
+    config: the generator's arguments, compared with the `task_config.json` the last
+      write left; any difference regenerates the files.
+    files: role -> file name the generator writes.
+    write: `write(jsonl_dir) -> {role: path}`, the generator.
+    splits: kind -> {split: role}, the datasets to build.
+
+  Returns:
+    {"data_dir": str, "jsonl": {role: path}, <kind>: BuiltDataset for each kind}.
+  """
+  data_dir = os.fspath(data_dir)
+  jsonl_dir = os.path.join(data_dir, f"{prefix}_jsonl")
+  config_path = os.path.join(jsonl_dir, "task_config.json")
+  paths = {role: os.path.join(jsonl_dir, f) for role, f in files.items()}
+  current = None
+  if os.path.isfile(config_path):
+    with open(config_path, encoding="utf-8") as f:
+      current = json.load(f)
+  if current != config or not all(os.path.isfile(p) for p in paths.values()):
+    paths = write(jsonl_dir)
+  out: dict[str, Any] = {"data_dir": data_dir, "jsonl": paths}
+  for kind, roles in splits.items():
+    # Datasets built from older files are derived data: rebuilt, never refused.
+    out[kind] = build_dataset(kind, {split: paths[role] for split, role in roles.items()},
+                              data_dir, name=f"{prefix}_{kind}", overwrite=True)
+  return out
+
+
 def make_task_datasets(
     data_dir: str,
     seed: int = 0,
@@ -306,29 +343,47 @@ def make_task_datasets(
      "prefs": BuiltDataset (splits "train", "eval")}.
   """
   check_int(num_eval, "num_eval", hint=" The eval splits need records.")
-  data_dir = os.fspath(data_dir)
-  jsonl_dir = os.path.join(data_dir, f"{prefix}_jsonl")
   config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
                 alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
                 num_eval=num_eval, length_noise=length_noise)
-  config_path = os.path.join(jsonl_dir, "task_config.json")
-  paths = {role: os.path.join(jsonl_dir, f) for role, f in task_lib.TASK_FILES.items()}
-  current = None
-  if os.path.isfile(config_path):
-    with open(config_path, encoding="utf-8") as f:
-      current = json.load(f)
-  if current != config or not all(os.path.isfile(p) for p in paths.values()):
-    paths = task_lib.write_task_jsonl(
-        jsonl_dir, num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
-        demo_noise, num_eval=num_eval, length_noise=length_noise,
-    )
-  out: dict[str, Any] = {"data_dir": data_dir, "jsonl": paths}
-  out["prompts"] = build_dataset(
-      "prompts", {"train": paths["prompts"], "eval": paths["prompts_eval"]}, data_dir,
-      name=f"{prefix}_prompts", overwrite=True)
-  out["demos"] = build_dataset("demos", {"train": paths["demos"]}, data_dir,
-                               name=f"{prefix}_demos", overwrite=True)
-  out["prefs"] = build_dataset(
-      "prefs", {"train": paths["prefs"], "eval": paths["prefs_eval"]}, data_dir,
-      name=f"{prefix}_prefs", overwrite=True)
-  return out
+  write = lambda out_dir: task_lib.write_task_jsonl(
+      out_dir, num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
+      demo_noise, num_eval=num_eval, length_noise=length_noise)
+  return _generated_datasets(
+      data_dir, prefix, config, task_lib.TASK_FILES, write,
+      {"prompts": {"train": "prompts", "eval": "prompts_eval"}, "demos": {"train": "demos"},
+       "prefs": {"train": "prefs", "eval": "prefs_eval"}})
+
+
+def make_arith_datasets(
+    data_dir: str,
+    seed: int = 0,
+    *,
+    spec: arith_lib.ArithSpec = arith_lib.ArithSpec(),
+    num_prompts: int = 4096,
+    num_demos: int = 4096,
+    num_eval: int = 256,
+    prefix: str = "arith",
+) -> dict[str, Any]:
+  """Generates the arith task (when absent or different) and builds its TFDS datasets.
+
+  As `make_task_datasets`, without preference pairs: the arith task is scored by a rule
+  (`arith_exact_match`), so no reward model is trained.
+
+  Args:
+    data_dir: TFDS data directory (also holds the JSONL, under `<prefix>_jsonl/`).
+    seed / spec / num_*: see `arith.make_arith_records`.
+    prefix: dataset names are "<prefix>_prompts", "<prefix>_demos".
+
+  Returns:
+    {"data_dir": str, "jsonl": {role: path},
+     "prompts": BuiltDataset (splits "train", "eval"),
+     "demos": BuiltDataset (split "train")}.
+  """
+  check_int(num_eval, "num_eval", hint=" The eval split needs records.")
+  config = arith_lib.arith_task_config(num_prompts, num_demos, seed, spec, num_eval)
+  write = lambda out_dir: arith_lib.write_arith_jsonl(
+      out_dir, num_prompts, num_demos, seed, spec, num_eval=num_eval)
+  return _generated_datasets(
+      data_dir, prefix, config, arith_lib.ARITH_FILES, write,
+      {"prompts": {"train": "prompts", "eval": "prompts_eval"}, "demos": {"train": "demos"}})
