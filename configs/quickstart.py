@@ -71,6 +71,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward_model.warmup_steps = 20
   config.reward_model.eval_batches = 8
 
+  # Where the warm start (SFT, reward model) runs, the same whatever runtime.mode: so all
+  # the modes of a seed start PPO from the same weights.
+  config.warm_start = ml_collections.ConfigDict()
+  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, pipe=1))
+  # Another run's <workdir>/warmstart (e.g. of `prepare_warm_start`), restored instead of
+  # training SFT and the reward model when this workdir has no warm start of its own.
+  config.warm_start.checkpoint = ""
+
   config.reward = ml_collections.ConfigDict()
   config.reward.fn = "model"  # "model" = the trained reward model, else a registered rule
   config.reward.eval_fn = "reverse_accuracy"  # logged alongside, never optimised
@@ -146,6 +154,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.log.wandb = False
   config.log.wandb_project = "pipe_rlhf_jax"
   config.log.samples = 4  # generations shown before/after
+  # Held-out prompts answered greedily before and after PPO and scored by reward.eval_fn
+  # (the summary's "greedy ... before -> after"); 0 = none.
+  config.log.greedy_eval = 128
   if variant == "tiny":
     shrink_to_tiny(config)
   return config
@@ -168,3 +179,4 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2
+  config.log.greedy_eval = 16

@@ -78,6 +78,12 @@ def validate_config(config) -> None:
   _positive_int(config, "ppo.top_k", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
+  if "greedy_eval" in config.log:  # optional: older configs score no greedy answers
+    _positive_int(config, "log.greedy_eval", allow_zero=True)
+  shared = (config.get("warm_start") or {}).get("checkpoint", "")
+  if shared and not os.path.isdir(shared):
+    raise ValueError(f"warm_start.checkpoint={shared!r} is not a directory; give the "
+                     "warmstart/ directory of an earlier run of this seed and config, or ''.")
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))
   _choice(config, "data.on_invalid", ("skip", "error"))
   _choice(config, "data.on_overlong", ("truncate", "skip", "error"))

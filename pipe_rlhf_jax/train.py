@@ -11,6 +11,13 @@ all before any data are built), `open_metrics` + `make_data` + `warm_start`,
 `build_system` (the one place the PPO system is constructed), `restore_ppo` + `run_ppo`,
 and `report`.
 
+Warm start: SFT and the reward model train on one layout of their own (`warm_start.mesh`
+over all the job's devices), never on a PPO stage's mesh, so a seed's warm start is the
+same, to the last bit, in every runtime mode. `warm_start.checkpoint` names another run's
+`<workdir>/warmstart`: a run without a warm start of its own restores that one instead of
+training (its fingerprint must match), so runs of one seed in several modes start PPO
+from one checkpoint; `prepare_warm_start` runs the warm-start phases alone to write it.
+
 Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
 from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
@@ -30,6 +37,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
@@ -144,50 +152,134 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                                          config.ppo.batch_size // config.ppo.group_size,
                                          d.prompt_len, seed,
                                          validator=validator("prompts")),
-      "prompts_eval": pipeline.PromptPipeline(built["prompts"].source("eval"), tokenizer,
-                                              max(config.log.samples, 1), d.prompt_len, seed,
-                                              shuffle=False, validator=validator("prompts")),
+      # One batch of held-out prompts: the samples shown and the greedy answers scored.
+      "prompts_eval": pipeline.PromptPipeline(
+          built["prompts"].source("eval"), tokenizer,
+          max(config.log.samples, greedy_eval_size(config), 1), d.prompt_len, seed,
+          shuffle=False, validator=validator("prompts")),
   }
 
 
-def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -> list[str]:
-  """Greedy completions of a few eval prompts, as 'prompt -> completion' lines."""
+def greedy_answers(graphdef, params, batch, tokenizer, sampling: SamplingParams
+                   ) -> tuple[list[str], list[str]]:
+  """Greedy completions of the eval prompts in `batch`: (prompt texts, completion texts)."""
   model = nnx.merge(graphdef, params)
   out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
                  rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
                  pad_id=sampling.pad_id)
   tokens, mask = jax.device_get((out.tokens, out.mask))
-  lines = []
-  for p, pm, c, cm in zip(batch["prompt_tokens"], batch["prompt_mask"], tokens, mask):
-    lines.append(f"{tokenizer.decode(p[pm])!r} -> {tokenizer.decode(c[cm])!r}")
-  return lines
+  prompts = [tokenizer.decode(p[pm]) for p, pm in zip(batch["prompt_tokens"],
+                                                       batch["prompt_mask"])]
+  return prompts, [tokenizer.decode(c[cm]) for c, cm in zip(tokens, mask)]
+
+
+@dataclasses.dataclass
+class GreedyEval:
+  """The policy's greedy answers to held-out prompts, at one point of the run.
+
+  Attributes:
+    lines: the first `log.samples` answers, as "'prompt' -> 'completion'" lines.
+    score: the mean `reward.eval_fn` score of the first `log.greedy_eval` answers (None
+      when either is unset): whether the argmax answer improved, which the sampled
+      rollouts' `rule_reward/mean` does not show.
+    prompts: how many answers `score` averages.
+  """
+
+  lines: list[str]
+  score: float | None
+  prompts: int
+
+
+def greedy_eval(config, graphdef, params, batch, tokenizer, sampling: SamplingParams,
+                eval_fn) -> GreedyEval:
+  """Greedy answers to the eval batch: a few shown, up to `log.greedy_eval` scored."""
+  prompts, completions = greedy_answers(graphdef, params, batch, tokenizer, sampling)
+  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts, completions)][:config.log.samples]
+  n = greedy_eval_size(config)
+  score = (float(np.mean(eval_fn(prompts[:n], completions[:n])))
+           if n and eval_fn is not None else None)
+  return GreedyEval(lines, score, n if score is not None else 0)
+
+
+def greedy_eval_size(config) -> int:
+  """How many held-out prompts are answered greedily and scored (`log.greedy_eval`;
+  0 when unset or when there is no `reward.eval_fn` to score them)."""
+  return config.log.get("greedy_eval", 0) if config.reward.eval_fn else 0
+
+
+def warm_start_config(config) -> tuple[Any, str]:
+  """(`warm_start.mesh`, `warm_start.checkpoint`); configs without the section get data
+  parallelism over all devices and no shared checkpoint."""
+  section = config.get("warm_start") or {}
+  return section.get("mesh", {"data": -1}), section.get("checkpoint", "")
+
+
+def warm_start_fingerprint(config) -> str:
+  """Hash of what decides the warm start's result: the seed, and the model, data, SFT and
+  reward-model sections (not `data.dir`, a location, nor any part of the PPO plan)."""
+  return ckpt_lib.config_fingerprint(
+      {"seed": config.seed,
+       **{k: config[k].to_dict() for k in ("model", "data", "sft", "reward_model")}},
+      ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
+
+
+def warm_start_source(config, workdir: str) -> str | None:
+  """The warm-start checkpoint this run restores, or None when it must train one.
+
+  Its own `<workdir>/warmstart` when that holds a checkpoint (a resume), else the
+  directory `warm_start.checkpoint` names, when set.
+  """
+  own = os.path.join(workdir, "warmstart")
+  if os.path.isdir(own):  # (opening a Checkpointer would create the directory)
+    with ckpt_lib.Checkpointer(own, async_save=False) as ckpt:
+      if ckpt.latest_step() is not None:
+        return own
+  shared = warm_start_config(config)[1]
+  if not shared:
+    return None
+  with ckpt_lib.Checkpointer(shared, async_save=False) as ckpt:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(
+          f"warm_start.checkpoint={shared!r} holds no warm-start checkpoint; give the "
+          "warmstart/ directory of a finished run (or of `prepare_warm_start`), or set "
+          "--config.warm_start.checkpoint='' to train the warm start here.")
+  return shared
 
 
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
                ) -> dict[str, nnx.State]:
-  """SFT and reward-model phases, or their checkpoint when it exists.
+  """SFT and reward-model phases on `layout`, or the checkpoint `warm_start_source` finds.
 
-  The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
-  wrote it; its fingerprint covers the four sections that decide its result, never the
-  plan (runtime, mesh, stages), so a preempted run may continue on another slice.
+  `layout` is the warm-start layout (`phases.supervised.warm_start_layout`), the same in
+  every runtime mode. A checkpoint is restored onto it (replicated over its mesh),
+  whatever devices wrote it; its fingerprint (`warm_start_fingerprint`) covers what
+  decides its result, never the plan, so a preempted run may continue on another slice
+  and runs in other modes may share it.
   """
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
-                               async_save=False)
   policy = init_policy(config, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
   reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
   if config.model.path:
     reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
-  fingerprint = ckpt_lib.config_fingerprint(
-      {k: config[k].to_dict() for k in ("model", "data", "sft", "reward_model")})
-  if ckpt.latest_step() is not None:
+  fingerprint = warm_start_fingerprint(config)
+  source = warm_start_source(config, workdir)
+  if source is not None:
     target = {"actor": actor, "reward": reward}
-    state, meta = ckpt.restore(target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
-        expect_metadata={"fingerprint": fingerprint})
-    say(f"warm start restored from {ckpt.directory}")
-    ckpt.close()
+    with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
+      try:
+        state, meta = ckpt.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated),
+            target), expect_metadata={"fingerprint": fingerprint})
+      except ckpt_lib.CheckpointError as e:
+        if source == os.path.join(workdir, "warmstart"):
+          raise
+        raise ckpt_lib.CheckpointError(
+            f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
+            f"sft or reward_model config than this run's: {e}") from None
+    say(f"warm start restored from {source}")
     return {**state, "rm_eval": meta["rm_eval"]}
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
+                               async_save=False)
   t0 = time.perf_counter()
   actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
                             steps=config.sft.steps, learning_rate=config.sft.learning_rate,
@@ -222,6 +314,7 @@ class RunSetup:
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
 
 
 def select_devices(config) -> list:
@@ -302,6 +395,11 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
+  warm_layout = supervised.warm_start_layout(
+      warm_start_config(config)[0], devices,
+      {"sft.batch_size": config.sft.batch_size,
+       "reward_model.batch_size": config.reward_model.batch_size})
+  warm_layout.check_params(abstract["actor"], "warm_start.mesh")
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
@@ -318,7 +416,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start)
+                  start, warm_layout)
 
 
 WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
@@ -337,9 +435,9 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   purge step, SFT and reward-model curves included, since all phases share one directory
   and start at step 0.) metrics.jsonl is the record to trust after a resume.
   """
-  with ckpt_lib.Checkpointer(os.path.join(setup.workdir, "warmstart"),
-                             async_save=False) as warm_ckpt:
-    warm_restored = warm_ckpt.latest_step() is not None
+  # Trained here before (restored now) or restored from `warm_start.checkpoint`: either
+  # way this run writes no warm-start rows, so the ones from before stay.
+  warm_restored = warm_start_source(config, setup.workdir) is not None
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
@@ -363,6 +461,7 @@ class BuiltSystem:
   system: PPOSystem
   sampling: SamplingParams
   actor_graphdef: nnx.GraphDef
+  eval_fn: Any  # `reward.eval_fn` (host rule over texts), or None
 
 
 def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
@@ -399,7 +498,7 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, runtime=RuntimeConfig.from_config(config),
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices)
-  return BuiltSystem(system, sampling, actor_gd)
+  return BuiltSystem(system, sampling, actor_gd, eval_fn)
 
 
 def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
@@ -475,13 +574,15 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   return tracer
 
 
-def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
-           writer: metrics_lib.MetricsWriter, samples_before: list[str], eval_batch: dict,
+def report(config, setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
+           writer: metrics_lib.MetricsWriter, before: GreedyEval, eval_batch: dict,
            start_time: float) -> dict[str, Any]:
-  """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
+  """Greedy answers after PPO, the Hugging Face export, the reward plot, summary.txt;
+  the result."""
   workdir, system = setup.workdir, built.system
-  samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
-                               eval_batch, setup.tokenizer, built.sampling)
+  after = greedy_eval(config, built.actor_graphdef, system.actor_for_generation()[0],
+                      eval_batch, setup.tokenizer, built.sampling, built.eval_fn)
+  samples_before, samples_after = before.lines, after.lines
   export_dir = os.path.join(workdir, "export")
   hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
                      export_dir)
@@ -491,6 +592,11 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
     plot = metrics_lib.plot_reward_curve(writer.metrics_path,
                                          os.path.join(workdir, "reward_curve.png"))
   wall = time.perf_counter() - start_time
+  extra = {"mode": system.mode, "reward model held-out accuracy":
+           f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+  if after.score is not None:
+    extra[f"greedy {config.reward.eval_fn} on {after.prompts} held-out prompts"] = (
+        f"{before.score:.3f} -> {after.score:.3f}")
   with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
     f.write("before PPO:\n  " + "\n  ".join(samples_before) + "\n")
     f.write("after PPO:\n  " + "\n  ".join(samples_after) + "\n")
@@ -498,10 +604,8 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, "reward model held-out accuracy":
-             f"{warm['rm_eval']['eval_accuracy']:.3f}",
-             "busy fraction": json.dumps({k: round(v, 3) for k, v in
-                                          tracer.busy_fraction().items()})})
+      extra={**extra, "busy fraction": json.dumps({k: round(v, 3) for k, v in
+                                                   tracer.busy_fraction().items()})})
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
     f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
             + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
@@ -509,6 +613,8 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
+          "greedy_eval": {"fn": config.reward.eval_fn, "prompts": after.prompts,
+                          "before": before.score, "after": after.score},
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
 
 
@@ -535,7 +641,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
-                      setup.layouts["train"], progress)
+                      setup.warm_layout, progress)
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
@@ -545,13 +651,41 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    samples_before = show_samples(built.actor_graphdef,
-                                  built.system.actor_for_generation()[0], eval_batch,
-                                  setup.tokenizer, built.sampling)
+    before = greedy_eval(config, built.actor_graphdef,
+                         built.system.actor_for_generation()[0], eval_batch,
+                         setup.tokenizer, built.sampling, built.eval_fn)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
-    return report(setup, built, warm, tracer, writer, samples_before, eval_batch,
+    return report(config, setup, built, warm, tracer, writer, before, eval_batch,
                   start_time)
   finally:
     writer.close()
     setup.checkpointer.close()
+
+
+def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = True
+                       ) -> dict[str, Any]:
+  """Runs only the warm-start phases (SFT, reward model) into `<workdir>/warmstart`.
+
+  Other runs of the same seed, model, data, sft and reward_model config start PPO from
+  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
+  mode. Restores instead of training when that checkpoint already exists.
+
+  Returns:
+    {"workdir", "checkpoint" (the warmstart directory), "rm_eval"}.
+  """
+  setup = set_up(config, workdir, resume=False)
+  if warm_start_config(config)[1]:
+    raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
+                     "empty (it names one to restore).")
+  writer = open_metrics(config, setup)
+  try:
+    build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    writer.write(0, build_stats, phase="data")
+    warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
+                      setup.warm_layout, progress)
+  finally:
+    writer.close()
+    setup.checkpointer.close()
+  return {"workdir": setup.workdir, "checkpoint": os.path.join(setup.workdir, "warmstart"),
+          "rm_eval": warm["rm_eval"]}
