@@ -246,6 +246,22 @@ def warm_start_source(config, workdir: str) -> str | None:
   return shared
 
 
+def check_warm_start_source(config, workdir: str) -> None:
+  """Refuses, before any data are built, a shared warm start (`warm_start.checkpoint`)
+  written under another seed, model, data, sft or reward_model config."""
+  source = warm_start_source(config, workdir)
+  if source is None or source == os.path.join(workdir, "warmstart"):
+    return  # trained here, or this run's own (checked when it is restored)
+  with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
+    saved = ckpt.read_metadata().get("fingerprint")
+  if saved != warm_start_fingerprint(config):
+    raise ckpt_lib.CheckpointError(
+        f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
+        f"sft or reward_model config than this run's (fingerprint {saved!r}, this run "
+        f"{warm_start_fingerprint(config)!r}); give the warm start of this seed and config, "
+        "or set --config.warm_start.checkpoint='' to train one here.")
+
+
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
                ) -> dict[str, nnx.State]:
   """SFT and reward-model phases on `layout`, or the checkpoint `warm_start_source` finds.
@@ -266,16 +282,9 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
   if source is not None:
     target = {"actor": actor, "reward": reward}
     with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
-      try:
-        state, meta = ckpt.restore(target=jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated),
-            target), expect_metadata={"fingerprint": fingerprint})
-      except ckpt_lib.CheckpointError as e:
-        if source == os.path.join(workdir, "warmstart"):
-          raise
-        raise ckpt_lib.CheckpointError(
-            f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
-            f"sft or reward_model config than this run's: {e}") from None
+      state, meta = ckpt.restore(target=jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated),
+          target), expect_metadata={"fingerprint": fingerprint})
     say(f"warm start restored from {source}")
     return {**state, "rm_eval": meta["rm_eval"]}
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
@@ -400,6 +409,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
       {"sft.batch_size": config.sft.batch_size,
        "reward_model.batch_size": config.reward_model.batch_size})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
+  check_warm_start_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())

@@ -41,28 +41,31 @@ def read_warm_start(directory):
 
 @pytest.fixture(scope="module")
 def warm_starts(tmp_path_factory):
-  """The tiny warm start prepared under three PPO plans: sequential (data=8 for PPO),
-  per_stage and pipe (whose training stage is fsdp=4 on devices 4-7)."""
-  return {mode: prepare_warm_start(tiny(mode), str(tmp_path_factory.mktemp(mode)),
-                                   progress=False)
-          for mode in ("sequential", "per_stage", "pipe")}
+  """The tiny warm start prepared under two PPO plans whose training stages differ:
+  sequential (PPO trains on data=8) and pipe (fsdp=4 on devices 4-7). One task dataset
+  (`data.dir` is a location, outside the warm start's fingerprint)."""
+  data = str(tmp_path_factory.mktemp("data"))
+  return {"data": data, **{mode: prepare_warm_start(tiny(mode, **{"data.dir": data}),
+                                                    str(tmp_path_factory.mktemp(mode)),
+                                                    progress=False)
+                           for mode in ("sequential", "pipe")}}
 
 
 def test_warm_start_is_identical_in_every_mode(warm_starts):
   reference, meta = read_warm_start(warm_starts["sequential"]["checkpoint"])
-  for mode in ("per_stage", "pipe"):
-    state, other_meta = read_warm_start(warm_starts[mode]["checkpoint"])
-    assert jax.tree.structure(state) == jax.tree.structure(reference)
-    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
-      np.testing.assert_array_equal(a, b)  # to the last bit, not within a tolerance
-    assert other_meta == meta
-    assert warm_starts[mode]["rm_eval"] == warm_starts["sequential"]["rm_eval"]
+  state, other_meta = read_warm_start(warm_starts["pipe"]["checkpoint"])
+  assert jax.tree.structure(state) == jax.tree.structure(reference)
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)  # to the last bit, not within a tolerance
+  assert other_meta == meta
+  assert warm_starts["pipe"]["rm_eval"] == warm_starts["sequential"]["rm_eval"]
 
 
 def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
   shared = warm_starts["sequential"]["checkpoint"]
   workdir = str(tmp_path / "pipe")
-  result = train(tiny("pipe", **{"warm_start.checkpoint": shared}), workdir, progress=False)
+  result = train(tiny("pipe", **{"warm_start.checkpoint": shared,
+                                 "data.dir": warm_starts["data"]}), workdir, progress=False)
   phases = [json.loads(line)["phase"] for line in open(os.path.join(workdir,
                                                                      "metrics.jsonl"))]
   assert "sft" not in phases and "reward_model" not in phases  # restored, not trained
@@ -79,6 +82,7 @@ def test_shared_warm_start_of_another_seed_is_refused(tmp_path, warm_starts):
   config.seed = 1
   with pytest.raises(CheckpointError, match="warm_start.checkpoint=.*another seed"):
     train(config, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "data")  # refused before any data are built
 
 
 def test_bad_warm_start_fields_name_the_field(tmp_path):
@@ -89,10 +93,12 @@ def test_bad_warm_start_fields_name_the_field(tmp_path):
     train(tiny("sequential", **{"warm_start.checkpoint": str(tmp_path)}),
           str(tmp_path / "run"), progress=False)
   config = tiny("sequential")
-  config.warm_start.mesh = dict(data=3)
-  with pytest.raises(ValueError, match="warm_start.mesh"):
+  config.warm_start.mesh = dict(data=16)
+  with pytest.raises(ValueError, match="warm_start.mesh=.* needs 16 devices but the job has 8"):
     train(config, str(tmp_path / "mesh"), progress=False)
   config = tiny("sequential")
-  config.sft.batch_size = 12  # 8 batch shards on data=8
-  with pytest.raises(ValueError, match=r"sft.batch_size=12 does not split.*warm_start.mesh"):
+  config.sft.batch_size = 15  # 2 batch shards on fsdp=2
+  with pytest.raises(ValueError, match=r"sft.batch_size=15 does not split over the 2 .*"
+                                       r"warm_start.mesh"):
     train(config, str(tmp_path / "batch"), progress=False)
+  assert not os.path.exists(tmp_path / "batch" / "data")  # all before any data are built

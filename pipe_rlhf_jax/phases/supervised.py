@@ -34,7 +34,10 @@ def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, 
   """The one layout of the warm-start phases, whatever the PPO plan.
 
   Args:
-    mesh: the `warm_start.mesh` mapping ({"data": -1} = data parallel over all devices).
+    mesh: the `warm_start.mesh` mapping. With a -1 it spans all of `devices` ({"data": -1}:
+      data parallel over the job); with explicit sizes only the first `product` devices
+      ({"fsdp": 2}: devices 0-1), which on a few CPU cores shared by many virtual devices
+      is the faster choice for a small model (fewer threads to meet at every collective).
     devices: the job's devices (all of `runtime.num_devices`).
     batch_sizes: {config field: batch size} of the phases, checked to split evenly.
 
@@ -45,8 +48,14 @@ def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, 
     ValueError: naming `warm_start.mesh` when it does not fit the devices, or a batch
       size that does not split over its batch shards.
   """
-  shape = MeshShape.from_config(mesh, len(devices), field="warm_start.mesh")
-  layout = StageLayout("warm_start", make_mesh(shape, list(devices)),
+  sizes = dict(mesh)
+  explicit = all(v != -1 for v in sizes.values())
+  wanted = int(np.prod(list(sizes.values()), dtype=np.int64)) if explicit else len(devices)
+  if wanted > len(devices):
+    raise ValueError(f"warm_start.mesh={sizes} needs {wanted} devices but the job has "
+                     f"{len(devices)}; shrink it (or use -1 for all devices).")
+  shape = MeshShape.from_config(sizes, wanted, field="warm_start.mesh")
+  layout = StageLayout("warm_start", make_mesh(shape, list(devices)[:wanted]),
                        logical.STAGE_RULES["train"])
   ways = layout.batch_ways()
   for field, size in batch_sizes.items():
