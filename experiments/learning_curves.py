@@ -35,7 +35,9 @@ change only PPO settings (--set ppo.kl_coef=..., another --tag) reuse them, and 
 invocations running at once wait for each other's warm start instead of training it twice.
 
 Resumable: a run whose run.json exists is skipped, so the command can be repeated after
-an interruption (the unfinished run starts again from scratch).
+an interruption (the unfinished run starts again from scratch). Several invocations may
+share the work: each run is locked (seed<k>/<cell>.lock) by the process running it, and
+the others pass over it.
 
 Usage:
   python experiments/learning_curves.py                                 # 3 seeds x 7 cells
@@ -160,15 +162,21 @@ def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
 
 
 @contextlib.contextmanager
-def locked(directory: str):
-  """Holds an exclusive lock on `directory` (another process blocks until released)."""
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, ".lock"), "w", encoding="utf-8") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
+def locked(path: str, wait: bool = True):
+  """Holds an exclusive lock on the file `path`; yields False (holding nothing) when
+  `wait` is False and another process holds it."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
     try:
-      yield
+      fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+      held = True
+    except BlockingIOError:
+      held = False
+    try:
+      yield held
     finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+      if held:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def shared_warm_start(config, store: str, prepare) -> dict:
@@ -181,7 +189,7 @@ def shared_warm_start(config, store: str, prepare) -> dict:
   """
   from pipe_rlhf_jax.train import warm_start_fingerprint
   directory = os.path.join(store, warm_start_fingerprint(config))
-  with locked(directory):
+  with locked(os.path.join(directory, ".lock")):
     return prepare(config, os.path.join(directory, "run"), progress=False)
 
 
@@ -215,7 +223,7 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "greedy_before": greedy["before"], "greedy_after": greedy["after"],
       "greedy_prompts": greedy["prompts"],
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
-      "rm_eval_accuracy": result["rm_eval"].get("eval_accuracy"),
+      "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
       "wall_s": wall_s, "load_average": os.getloadavg()[0],
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
@@ -398,6 +406,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="", help="output directory")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
+  parser.add_argument("--warm-starts-only", action="store_true",
+                      help="only train the seeds' warm starts (another invocation running at "
+                           "the same time then finds them ready)")
   args = parser.parse_args(argv)
   try:
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -452,9 +463,12 @@ def load_runs(out: str, seeds, cells) -> list[dict]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  command = shlex.join(["python", *(sys.argv if argv is None else ["experiments/"
-                                                                   "learning_curves.py",
-                                                                   *argv])])
+  # The command that makes the table: the same without the flags that only select what
+  # this invocation does of it.
+  words = sys.argv[1:] if argv is None else list(argv)
+  command = shlex.join(["python", "experiments/learning_curves.py",
+                        *(w for w in words if w not in ("--report-only",
+                                                        "--warm-starts-only"))])
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
   settings = {"command": command, "config": args.config, "overrides": args.overrides,
@@ -469,30 +483,38 @@ def main(argv=None) -> int:
           f"{jax.device_count()} devices, load average {os.getloadavg()[0]:.1f}", flush=True)
     store = os.path.join(os.path.dirname(args.out), "warm_starts")
     for seed in args.seeds:
-      todo = [c for c in args.cells
-              if not os.path.exists(os.path.join(args.out, f"seed{seed}", c, "run.json"))]
-      if not todo:
+      todo = [] if args.warm_starts_only else [
+          c for c in args.cells
+          if not os.path.exists(os.path.join(args.out, f"seed{seed}", c, "run.json"))]
+      if not todo and not args.warm_starts_only:
         continue
       t0 = time.perf_counter()
       warm = shared_warm_start(run_config(args, seed, None, None), store, prepare_warm_start)
+      rm_eval = warm["rm_eval"] or {}  # None when the reward is a rule
       print(f"[learning_curves] seed {seed}: warm start ready in "
             f"{time.perf_counter() - t0:.0f}s (reward model held-out accuracy "
-            f"{warm['rm_eval']['eval_accuracy']:.3f})", flush=True)
+            f"{rm_eval.get('eval_accuracy')})", flush=True)
       for cell in todo:
         workdir = os.path.join(args.out, f"seed{seed}", cell)
-        if os.path.exists(workdir):  # an interrupted run: start it again
-          shutil.rmtree(workdir)
-        config = run_config(args, seed, cell, warm["workdir"])
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        result = train(config, workdir, progress=False)
-        summary = summarise_run(result, config, seed, cell, time.perf_counter() - t0)
-        with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
-          json.dump(summary, f, indent=1)
+        with locked(workdir + ".lock", wait=False) as mine:
+          # Another invocation is running this cell, or has just finished it.
+          if not mine or os.path.exists(os.path.join(workdir, "run.json")):
+            continue
+          if os.path.exists(workdir):  # an interrupted run: start it again
+            shutil.rmtree(workdir)
+          config = run_config(args, seed, cell, warm["workdir"])
+          jax.clear_caches()
+          t0 = time.perf_counter()
+          result = train(config, workdir, progress=False)
+          summary = summarise_run(result, config, seed, cell, time.perf_counter() - t0)
+          with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
         print(f"[learning_curves] seed {seed} {cell}: accuracy {summary['acc_start']:.3f} -> "
               f"{summary['acc_final']:.3f}, KL {summary['kl_end']:.2f}, greedy "
               f"{summary['greedy_before']:.3f} -> {summary['greedy_after']:.3f}, "
               f"{summary['wall_s']:.0f}s", flush=True)
+  if args.warm_starts_only:
+    return 0
   runs = load_runs(args.out, args.seeds, args.cells)
   if not runs:
     print("no finished runs yet")

@@ -85,3 +85,12 @@ def test_settings_of_another_experiment_are_refused(tmp_path):
   with pytest.raises(SystemExit, match="pass another --tag"):
     lc.check_settings(str(tmp_path), {**settings, "overrides": {}})
   assert json.load(open(tmp_path / "settings.json"))["command"] == "y"
+
+
+def test_a_locked_run_is_passed_over(tmp_path):
+  path = str(tmp_path / "seed0" / "pipe_s1.lock")
+  with lc.locked(path) as first:
+    with lc.locked(path, wait=False) as second:
+      assert first and not second
+  with lc.locked(path, wait=False) as again:
+    assert again  # released
