@@ -209,7 +209,7 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
   steps = len(rows)
   last = max(1, int(round(FINAL_FRACTION * steps)))
   curve = [r["rule_reward/mean"] for r in rows]
-  kl = [r["kl/mean"] for r in rows]
+  kl = [r.get("kl/mean", float("nan")) for r in rows]  # absent when there is no reference
   greedy = result["greedy_eval"]
   return {
       "seed": seed, "cell": cell, "mode": config.runtime.mode,
