@@ -339,7 +339,9 @@ def smooth(curve, window: int) -> np.ndarray:
 
 def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> str:
   """Accuracy vs PPO step: per cell the mean over seeds (line) and +-1 std (band) of the
-  smoothed per-run curves; two panels (staleness; the decoupled objective)."""
+  smoothed per-run curves. Columns: staleness; the decoupled objective. Top row: the
+  accuracy; bottom row: the accuracy minus the seed's step-0 accuracy (the same in every
+  cell of a seed), which removes the seed-to-seed spread of the warm starts."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -348,28 +350,33 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
   panels = ([c for c in cells if not c.startswith("decoupled")],
             [c for c in cells if c == "sequential" or c in ("pipe_s2", "pipe_s4")
              or c.startswith("decoupled")])
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+  fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True, sharey="row")
   colors = dict(zip(DEFAULT_CELLS, plt.get_cmap("tab10").colors))
-  for ax, panel in zip(axes, panels):
-    for cell in panel:
-      curves = np.stack([smooth(r["curve"][:steps], window) for r in runs
-                         if r["cell"] == cell]) if any(r["cell"] == cell for r in runs) else None
-      if curves is None:
-        continue
-      mean = curves.mean(0)
-      std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
-      color = colors.get(cell)
-      ax.plot(np.arange(steps), mean, label=f"{cell} (n={len(curves)})", color=color)
-      ax.fill_between(np.arange(steps), mean - std, mean + std, alpha=0.15, color=color)
+  x = np.arange(steps)
+  for row, relative in enumerate((False, True)):
+    for ax, panel in zip(axes[row], panels):
+      for cell in panel:
+        cell_runs = [r for r in runs if r["cell"] == cell]
+        if not cell_runs:
+          continue
+        curves = np.stack([smooth(r["curve"][:steps], window)
+                           - (r["curve"][0] if relative else 0.0) for r in cell_runs])
+        mean = curves.mean(0)
+        std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        color = colors.get(cell)
+        ax.plot(x, mean, label=f"{cell} (n={len(curves)})", color=color)
+        ax.fill_between(x, mean - std, mean + std, alpha=0.12, color=color)
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8, loc="lower right")
+  axes[0][0].set_ylabel(f"rule score of sampled answers\n(moving mean over {window} steps)")
+  axes[1][0].set_ylabel("change since step 0 (same seed)")
+  axes[0][0].set_title("staleness")
+  axes[0][1].set_title("decoupled objective")
+  for ax in axes[1]:
     ax.set_xlabel("PPO step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-  axes[0].set_ylabel(f"rule score of sampled answers (moving mean over {window} steps)")
-  axes[0].set_title("staleness")
-  axes[1].set_title("decoupled objective")
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
 
@@ -392,7 +399,8 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
   seeds = sorted({r["seed"] for r in runs})
   text = "\n".join([
       f"Command: `{settings['command']}`", "",
-      f"Config {settings['config']} with {settings['overrides'] or 'no overrides'}; "
+      f"Config {os.path.relpath(settings['config'], _ROOT)} with "
+      f"{settings['overrides'] or 'no overrides'}; "
       f"{runs[0]['steps']} PPO steps; seeds {seeds}; every cell of a seed starts from that "
       f"seed's warm start. Accuracy: the rule `{settings['eval_fn']}` over the sampled "
       f"answers of each PPO batch (start: step 0; final: mean of the last "
@@ -407,8 +415,8 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text)
   plot_curves(runs, cells, os.path.join(out, "curves.png"),
-              f"{settings['config']} {settings['overrides'] or ''}: mean ± std over seeds "
-              f"{seeds}")
+              f"{os.path.relpath(settings['config'], _ROOT)} {settings['overrides'] or ''}: "
+              f"mean ± std over seeds {seeds}")
   return text
 
 
