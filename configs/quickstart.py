@@ -72,6 +72,16 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward_model.warmup_steps = 20
   config.reward_model.eval_batches = 8
 
+  # Where the warm start (SFT, reward model) runs, the same whatever runtime.mode: so all
+  # the modes of a seed start PPO from the same weights. Explicit sizes use the first
+  # devices (here 0-1); a -1 spans all of them. Two devices: on a few CPU cores shared by
+  # 8 virtual devices, a small model trains faster than data-parallel over all 8.
+  config.warm_start = ml_collections.ConfigDict()
+  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=1, pipe=1))
+  # Another run's <workdir>/warmstart (e.g. of `prepare_warm_start`), restored instead of
+  # training SFT and the reward model when this workdir has no warm start of its own.
+  config.warm_start.checkpoint = ""
+
   config.reward = ml_collections.ConfigDict()
   config.reward.fn = "model"  # "model" = the trained reward model, else a registered rule
   config.reward.eval_fn = "reverse_accuracy"  # logged alongside, never optimised
@@ -81,7 +91,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.batch_size = 64  # rollouts per PPO step
   config.ppo.minibatch_size = 32
   config.ppo.epochs = 2
-  config.ppo.actor_lr = 5e-4
+  # With 5e-4 / kl_coef 0.2 single runs drifted to KL 5-6 and reward hacking (issue 11);
+  # 3e-4 / 0.3 was measured over seeds and modes (README, "Learning curves").
+  config.ppo.actor_lr = 3e-4
   config.ppo.critic_lr = 1e-3
   config.ppo.lr_schedule = "constant"  # or "cosine"
   config.ppo.warmup_steps = 5
@@ -95,7 +107,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.grpo_eps = 1e-6
   config.ppo.gamma = 1.0
   config.ppo.lam = 0.95
-  config.ppo.kl_coef = 0.2
+  config.ppo.kl_coef = 0.3
   config.ppo.kl_estimator = "k1"
   config.ppo.kl_in = "reward"  # or "loss" (GRPO style, with kl_estimator="k3")
   config.ppo.adaptive_kl = False

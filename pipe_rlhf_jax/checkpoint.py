@@ -43,8 +43,10 @@ METADATA_ITEM = "metadata"
 # values. "runtime", "mesh" and "stages" are the run plan (mode, device count, placement,
 # meshes, queues, staleness bound): a run preempted on one slice continues on another.
 # The staleness bound does change which policy generates a rollout; train.py stores the
-# plan in the checkpoint and warns when a resume changes it. (Names are matched at any
-# depth, or as dotted paths.)
+# plan in the checkpoint and warns when a resume changes it. "warm_start" is where the
+# warm start runs (its mesh) or which checkpoint it is read from: what it computes is
+# decided by the seed, model, data, sft and reward_model sections, and a restored warm
+# start is checked against those. (Names are matched at any depth, or as dotted paths.)
 DEFAULT_FINGERPRINT_IGNORE = (
     "workdir",
     "checkpoint",
@@ -54,6 +56,7 @@ DEFAULT_FINGERPRINT_IGNORE = (
     "runtime",
     "mesh",
     "stages",
+    "warm_start",
 )
 
 

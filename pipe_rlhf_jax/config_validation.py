@@ -136,6 +136,10 @@ def validate_config(config) -> None:
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   if "plan" in config.runtime:  # optional: older configs run their hand-written plan
     _choice(config, "runtime.plan", ("manual", "auto"))
+  shared = (config.get("warm_start") or {}).get("checkpoint", "")
+  if shared and not os.path.isdir(shared):
+    raise ValueError(f"warm_start.checkpoint={shared!r} is not a directory; give the "
+                     "warmstart/ directory of an earlier run of this seed and config, or ''.")
   _choice(config, "ppo.critic_init", ("reward_model", "sft"))
   _choice(config, "data.on_invalid", ("skip", "error"))
   _choice(config, "data.on_overlong", ("truncate", "skip", "error"))

@@ -16,6 +16,13 @@ all before any data are built), `open_metrics` + `make_data` + `warm_start`,
 `build_system` (the one place the PPO system is constructed), `restore_ppo` + `run_ppo`,
 and `report`.
 
+Warm start: SFT and the reward model train on one layout of their own (`warm_start.mesh`
+over all the job's devices), never on a PPO stage's mesh, so a seed's warm start is the
+same, to the last bit, in every runtime mode. `warm_start.checkpoint` names another run's
+`<workdir>/warmstart`: a run without a warm start of its own restores that one instead of
+training (its fingerprint must match), so runs of one seed in several modes start PPO
+from one checkpoint; `prepare_warm_start` runs the warm-start phases alone to write it.
+
 Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
 from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
@@ -237,19 +244,80 @@ def heldout_summary(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
           for name in after.scores}
 
 
+def warm_start_config(config) -> tuple[Any, str]:
+  """(`warm_start.mesh`, `warm_start.checkpoint`); configs without the section get data
+  parallelism over all devices and no shared checkpoint."""
+  section = config.get("warm_start") or {}
+  return section.get("mesh", {"data": -1}), section.get("checkpoint", "")
+
+
+def warm_start_fingerprint(config) -> str:
+  """Hash of what decides the warm start's result: the seed, and the model, data, SFT and
+  reward-model sections (not `data.dir`, a location, nor any part of the PPO plan).
+
+  A rule-reward run trains no reward model, so the reward_model settings do not decide
+  its warm start (and a reward-model checkpoint is never mistaken for one).
+  """
+  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
+  sections["reward_model"] = (config.reward_model.to_dict() if uses_reward_model(config)
+                              else "none: rule reward")
+  return ckpt_lib.config_fingerprint(
+      {"seed": config.seed, **sections},
+      ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
+
+
+def warm_start_source(config, workdir: str) -> str | None:
+  """The warm-start checkpoint this run restores, or None when it must train one.
+
+  Its own `<workdir>/warmstart` when that holds a checkpoint (a resume), else the
+  directory `warm_start.checkpoint` names, when set.
+  """
+  own = os.path.join(workdir, "warmstart")
+  if os.path.isdir(own):  # (opening a Checkpointer would create the directory)
+    with ckpt_lib.Checkpointer(own, async_save=False) as ckpt:
+      if ckpt.latest_step() is not None:
+        return own
+  shared = warm_start_config(config)[1]
+  if not shared:
+    return None
+  with ckpt_lib.Checkpointer(shared, async_save=False) as ckpt:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(
+          f"warm_start.checkpoint={shared!r} holds no warm-start checkpoint; give the "
+          "warmstart/ directory of a finished run (or of `prepare_warm_start`), or set "
+          "--config.warm_start.checkpoint='' to train the warm start here.")
+  return shared
+
+
+def check_warm_start_source(config, workdir: str) -> None:
+  """Refuses, before any data are built, a shared warm start (`warm_start.checkpoint`)
+  written under another seed, model, data, sft or reward_model config (or reward)."""
+  source = warm_start_source(config, workdir)
+  if source is None or source == os.path.join(workdir, "warmstart"):
+    return  # trained here, or this run's own (checked when it is restored)
+  with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
+    saved = ckpt.read_metadata().get("fingerprint")
+  if saved != warm_start_fingerprint(config):
+    raise ckpt_lib.CheckpointError(
+        f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
+        f"sft or reward_model config than this run's (fingerprint {saved!r}, this run "
+        f"{warm_start_fingerprint(config)!r}); give the warm start of this seed and config, "
+        "or set --config.warm_start.checkpoint='' to train one here.")
+
+
 def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
                ) -> dict[str, Any]:
-  """SFT and reward-model phases, or their checkpoint when it exists.
+  """SFT and reward-model phases on `layout`, or the checkpoint `warm_start_source` finds.
 
   With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
   result has no "reward" entry and `rm_eval` is None.
 
-  The checkpoint is restored onto `layout` (replicated over its mesh), whatever devices
-  wrote it; its fingerprint covers the sections that decide its result, never the plan
-  (runtime, mesh, stages), so a preempted run may continue on another slice.
+  `layout` is the warm-start layout (`phases.supervised.warm_start_layout`), the same in
+  every runtime mode. A checkpoint is restored onto it (replicated over its mesh),
+  whatever devices wrote it; its fingerprint (`warm_start_fingerprint`) covers what
+  decides its result, never the plan, so a preempted run may continue on another slice
+  and runs in other modes may share it.
   """
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
-                               async_save=False)
   use_rm = uses_reward_model(config)
   policy = init_policy(config, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
@@ -259,18 +327,17 @@ def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress:
     if config.model.path:
       reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
     target["reward"] = reward
-  # A rule-reward run trains no reward model, so the reward_model settings do not
-  # decide its warm start (and a reward-model checkpoint is never mistaken for one).
-  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
-  sections["reward_model"] = config.reward_model.to_dict() if use_rm else "none: rule reward"
-  fingerprint = ckpt_lib.config_fingerprint(sections)
-  if ckpt.latest_step() is not None:
-    state, meta = ckpt.restore(target=jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated), target),
-        expect_metadata={"fingerprint": fingerprint})
-    say(f"warm start restored from {ckpt.directory}")
-    ckpt.close()
+  fingerprint = warm_start_fingerprint(config)
+  source = warm_start_source(config, workdir)
+  if source is not None:
+    with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
+      state, meta = ckpt.restore(target=jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated),
+          target), expect_metadata={"fingerprint": fingerprint})
+    say(f"warm start restored from {source}")
     return {**state, "rm_eval": meta["rm_eval"]}
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
+                               async_save=False)
   t0 = time.perf_counter()
   actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
                             steps=config.sft.steps, learning_rate=config.sft.learning_rate,
@@ -308,6 +375,7 @@ class RunSetup:
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
   config: Any = None  # the config the run uses: the input, or the planner's plan applied
   planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
 
@@ -398,6 +466,13 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
+  warm_layout = supervised.warm_start_layout(
+      warm_start_config(config)[0], devices,
+      {"sft.batch_size": config.sft.batch_size,
+       **({"reward_model.batch_size": config.reward_model.batch_size}
+          if uses_reward_model(config) else {})})
+  warm_layout.check_params(abstract["actor"], "warm_start.mesh")
+  check_warm_start_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
@@ -414,7 +489,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, config, planned)
+                  start, warm_layout, config, planned)
 
 
 WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
@@ -433,9 +508,9 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   purge step, SFT and reward-model curves included, since all phases share one directory
   and start at step 0.) metrics.jsonl is the record to trust after a resume.
   """
-  with ckpt_lib.Checkpointer(os.path.join(setup.workdir, "warmstart"),
-                             async_save=False) as warm_ckpt:
-    warm_restored = warm_ckpt.latest_step() is not None
+  # Trained here before (restored now) or restored from `warm_start.checkpoint`: either
+  # way this run writes no warm-start rows, so the ones from before stay.
+  warm_restored = warm_start_source(config, setup.workdir) is not None
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
@@ -632,6 +707,8 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
           "heldout_before": before.scores, "heldout_after": after.scores,
+          # How many held-out prompts those scores average (0 when none were scored).
+          "heldout_prompts": after.num_prompts if after.scores else 0,
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
 
 
@@ -659,7 +736,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
-                      setup.layouts["train"], progress)
+                      setup.warm_layout, progress)
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
@@ -687,3 +764,34 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   finally:
     writer.close()
     setup.checkpointer.close()
+
+
+def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = True
+                       ) -> dict[str, Any]:
+  """Runs only the warm-start phases (SFT, and the reward model unless the reward is a
+  rule) into `<workdir>/warmstart`.
+
+  Other runs of the same seed, model, data, sft and reward_model config start PPO from
+  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
+  mode. Restores instead of training when that checkpoint already exists.
+
+  Returns:
+    {"workdir", "checkpoint" (the warmstart directory), "rm_eval" (None with a rule
+    reward)}.
+  """
+  setup = set_up(config, workdir, resume=False)
+  config = setup.config  # runtime.plan='auto': the planner's plan applied
+  if warm_start_config(config)[1]:
+    raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
+                     "empty (it names one to restore).")
+  writer = open_metrics(config, setup)
+  try:
+    build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    writer.write(0, build_stats, phase="data")
+    warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
+                      setup.warm_layout, progress)
+  finally:
+    writer.close()
+    setup.checkpointer.close()
+  return {"workdir": setup.workdir, "checkpoint": os.path.join(setup.workdir, "warmstart"),
+          "rm_eval": warm["rm_eval"]}

@@ -1,13 +1,18 @@
 """The supervised warm-start phases: SFT of the policy and the Bradley-Terry reward model.
 
-Both are "loss over a batch, one optimizer step" loops on the training mesh; they share
-`fit`, which jits the step once with the parameters and optimizer state donated, logs
-every step, and skips (and counts) non-finite updates exactly like the PPO trainer.
+Both are "loss over a batch, one optimizer step" loops; they share `fit`, which jits the
+step once with the parameters and optimizer state donated, logs every step, and skips
+(and counts) non-finite updates exactly like the PPO trainer.
+
+They run on one layout of their own (`warm_start_layout`: `warm_start.mesh` over all the
+job's devices, with the training rules), never on a PPO stage's mesh: the PPO plan
+(`runtime.mode`, placement, per-stage meshes) then cannot change the warm start, and runs
+of one seed in different modes start PPO from the same weights, to the last bit.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +21,49 @@ import optax
 from flax import nnx
 
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
+from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh
 from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          sequence_scores)
 from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
+
+
+def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, int]
+                      ) -> StageLayout:
+  """The one layout of the warm-start phases, whatever the PPO plan.
+
+  Args:
+    mesh: the `warm_start.mesh` mapping. With a -1 it spans all of `devices` ({"data": -1}:
+      data parallel over the job); with explicit sizes only the first `product` devices
+      ({"fsdp": 2}: devices 0-1), which on a few CPU cores shared by many virtual devices
+      is the faster choice for a small model (fewer threads to meet at every collective).
+    devices: the job's devices (all of `runtime.num_devices`).
+    batch_sizes: {config field: batch size} of the phases, checked to split evenly.
+
+  Returns:
+    A `StageLayout` named "warm_start" with the training stage's logical rules.
+
+  Raises:
+    ValueError: naming `warm_start.mesh` when it does not fit the devices, or a batch
+      size that does not split over its batch shards.
+  """
+  sizes = dict(mesh)
+  explicit = all(v != -1 for v in sizes.values())
+  wanted = int(np.prod(list(sizes.values()), dtype=np.int64)) if explicit else len(devices)
+  if wanted > len(devices):
+    raise ValueError(f"warm_start.mesh={sizes} needs {wanted} devices but the job has "
+                     f"{len(devices)}; shrink it (or use -1 for all devices).")
+  shape = MeshShape.from_config(sizes, wanted, field="warm_start.mesh")
+  layout = StageLayout("warm_start", make_mesh(shape, list(devices)[:wanted]),
+                       logical.STAGE_RULES["train"])
+  ways = layout.batch_ways()
+  for field, size in batch_sizes.items():
+    if size % ways:
+      raise ValueError(f"{field}={size} does not split over the {ways} batch shards of the "
+                       f"warm-start mesh ({describe(layout.mesh)}); make it a multiple of "
+                       f"{ways}, or give warm_start.mesh fewer data/fsdp devices.")
+  return layout
 
 
 def sft_loss(graphdef: nnx.GraphDef) -> Callable:

@@ -1,0 +1,563 @@
+"""Learning curves across runtime modes and seeds: does asynchronous PPO learn as well?
+
+Owns one experiment: for a config (the quickstart by default: PPO against a learned reward
+model; or any config with a `reward.eval_fn` rule), every seed's warm start (SFT + reward
+model) is trained once (`train.prepare_warm_start`), then every *cell* starts PPO from that
+same checkpoint (`warm_start.checkpoint`). A cell is a schedule:
+
+  sequential       the serial baseline
+  pipe_s<k>        `pipe` mode with runtime.max_staleness=k (pipe_s0 is on-policy)
+  decoupled_s<k>   `pipe` mode, staleness k, the decoupled objective
+                   (ppo.loss=decoupled_ppo_clip: the off-policy corrected objective)
+
+Per run it records the curve of the rule's score of the sampled answers
+(`rule_reward/mean`, i.e. `reward.eval_fn`: never optimised when the reward is a model),
+the learned reward and the KL per PPO step, and the greedy answers' `reward.eval_fn` score
+on held-out prompts before and after PPO (`log.eval_prompts`; the result's
+`heldout_before` / `heldout_after`). Per cell, over seeds (mean +- sample
+std): the accuracy at the start (step 0: the warm-start policy, the same in every cell of
+a seed) and over the last 20% of steps, the gain, KL over the last 20% of steps, the
+greedy score before -> after and in how many seeds it got worse, and samples/s (PPO
+samples per second between consecutive updates, the first two excluded: compilation).
+Samples/s are only meaningful on a quiet machine; accuracies are valid under any load.
+
+Outputs under --out (default experiments/out/learning_curves/<config name>[-<tag>]):
+  seed<k>/<cell>/            each PPO run's workdir, and its run.json when finished
+  runs.csv, runs.json        every finished run
+  table.md                   the per-cell table, with the command and the goal checks
+  curves.png                 accuracy vs PPO step, mean and +-1 std band per cell
+  settings.json              what the runs were made with; another --set/--steps refuses
+                             to resume into the same directory (use --tag)
+
+Warm starts live beside the output directories, in
+experiments/out/learning_curves/warm_starts/<fingerprint>/ (the hash of the seed and the
+sections that decide the warm start: `train.warm_start_fingerprint`), so experiments that
+change only PPO settings (--set ppo.kl_coef=..., another --tag) reuse them, and two
+invocations running at once wait for each other's warm start instead of training it twice.
+
+Resumable: a run whose run.json exists is skipped, so the command can be repeated after
+an interruption (the unfinished run starts again from scratch). Several invocations may
+share the work: each run is locked (seed<k>/<cell>.lock) by the process running it, and
+the others pass over it.
+
+Usage:
+  python experiments/learning_curves.py                                 # 3 seeds x 7 cells
+  python experiments/learning_curves.py --seeds 0,1,2 --cells sequential,pipe_s1
+  python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
+  python experiments/learning_curves.py --config configs/grpo_arith.py
+  python experiments/learning_curves.py --report-only                   # table from run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import csv
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+
+
+def _default_cpu_devices() -> None:
+  """8 virtual CPU devices unless the caller chose a count or a non-CPU platform."""
+  if "jax" in sys.modules:
+    return
+  if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+      and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+
+_default_cpu_devices()
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+
+DEFAULT_CELLS = ("sequential", "pipe_s0", "pipe_s1", "pipe_s2", "pipe_s4", "decoupled_s2",
+                 "decoupled_s4")
+FINAL_FRACTION = 0.2  # "final" = the mean over the last 20% of PPO steps
+_CELL_RE = re.compile(r"^(sequential|pipe_s(\d+)|decoupled_s(\d+))$")
+
+
+# ---- cells and configs -------------------------------------------------------------------
+def cell_overrides(cell: str) -> dict:
+  """The config overrides (dotted path -> value) that make a cell's schedule.
+
+  Raises:
+    ValueError: an unknown cell name.
+  """
+  match = _CELL_RE.match(cell)
+  if not match:
+    raise ValueError(f"--cells: unknown cell {cell!r}; use sequential, pipe_s<k> or "
+                     "decoupled_s<k> (k = runtime.max_staleness).")
+  if cell == "sequential":
+    return {"runtime.mode": "sequential", "runtime.max_staleness": 0}
+  staleness = int(match.group(2) or match.group(3))
+  loss = "decoupled_ppo_clip" if cell.startswith("decoupled") else "ppo_clip"
+  return {"runtime.mode": "pipe", "runtime.max_staleness": staleness, "ppo.loss": loss}
+
+
+def parse_value(text: str):
+  """A --set value: a Python literal (1e-3, 4, True, 'x', {...}) or else a plain string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def apply_overrides(config, overrides: dict) -> None:
+  """Sets dotted config paths, naming the path when it does not exist."""
+  for path, value in overrides.items():
+    node = config
+    for part in path.split(".")[:-1]:
+      if part not in node:
+        raise ValueError(f"--set {path}: the config has no field {part!r} on that path.")
+      node = node[part]
+    leaf = path.split(".")[-1]
+    if leaf not in node:
+      raise ValueError(f"--set {path}: the config has no field {leaf!r}.")
+    if isinstance(node[leaf], float) and isinstance(value, int):
+      value = float(value)
+    node[leaf] = value
+
+
+def load_config(spec: str):
+  """`path/to/config.py[:variant]` -> its `get_config(variant)`."""
+  path, _, variant = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("lc_config", path)
+  if module_spec is None or not os.path.isfile(path):
+    raise ValueError(f"--config {spec!r}: no config module at {path!r}.")
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
+  """The config of one run: the experiment's settings, the seed, the cell's schedule and
+  (with a cell) the warm-start run `warm_dir` to start from."""
+  config = load_config(args.config)
+  config.seed = seed
+  apply_overrides(config, args.overrides)
+  if args.steps:
+    config.ppo.steps = args.steps
+  config.checkpoint.every = config.ppo.steps  # one PPO checkpoint, at the end
+  config.log.every = 1
+  if not config.reward.eval_fn:
+    raise ValueError(f"--config {args.config}: reward.eval_fn is empty; the learning curves "
+                     "measure the rule's score, so the config needs one.")
+  if not config.log.get("eval_prompts", 0):
+    raise ValueError(f"--config {args.config}: log.eval_prompts is 0; the learning curves "
+                     "compare greedy held-out answers before and after PPO, so set it "
+                     "(e.g. --set log.eval_prompts=256).")
+  if cell is not None:
+    apply_overrides(config, cell_overrides(cell))
+    config.warm_start.checkpoint = os.path.join(warm_dir, "warmstart")
+    # The task data the warm start was built from (the same seed makes the same data):
+    # read, not generated again per run.
+    config.data.dir = os.path.join(warm_dir, "data")
+  return config
+
+
+@contextlib.contextmanager
+def locked(path: str, wait: bool = True):
+  """Holds an exclusive lock on the file `path`; yields False (holding nothing) when
+  `wait` is False and another process holds it."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+      held = True
+    except BlockingIOError:
+      held = False
+    try:
+      yield held
+    finally:
+      if held:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_warm_start(config, store: str, prepare) -> dict:
+  """The seed's warm start from the store, trained there first when missing.
+
+  Args:
+    config: a run config without a cell (its PPO plan does not matter).
+    store: the warm-start store directory.
+    prepare: `train.prepare_warm_start`.
+  """
+  from pipe_rlhf_jax.train import warm_start_fingerprint
+  directory = os.path.join(store, warm_start_fingerprint(config))
+  with locked(os.path.join(directory, ".lock")):
+    return prepare(config, os.path.join(directory, "run"), progress=False)
+
+
+# ---- one run -------------------------------------------------------------------------------
+def steady_samples_per_s(tracer, batch_size: int, excluded: int = 2) -> float:
+  """PPO samples per second from the spacing of train-span ends, the first `excluded`
+  updates (compilation) left out; the same definition as experiments/bench_modes.py."""
+  ends = sorted(s.end for s in tracer.spans("train"))
+  if len(ends) <= excluded:
+    return float("nan")
+  return batch_size * (len(ends) - excluded) / (ends[-1] - ends[excluded - 1])
+
+
+def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> dict:
+  """The numbers of one finished run that the table and the plot need."""
+  rows = sorted(result["ppo_metrics"], key=lambda r: r["step"])
+  steps = len(rows)
+  last = max(1, int(round(FINAL_FRACTION * steps)))
+  curve = [r["rule_reward/mean"] for r in rows]
+  kl = [r.get("kl/mean", float("nan")) for r in rows]  # absent when there is no reference
+  # The held-out greedy scores of `reward.eval_fn` before and after PPO.
+  fn = config.reward.eval_fn
+  return {
+      "seed": seed, "cell": cell, "mode": config.runtime.mode,
+      "max_staleness": config.runtime.max_staleness if config.runtime.mode == "pipe" else 0,
+      "loss": config.ppo.loss, "steps": steps,
+      "acc_start": curve[0], "acc_final": float(np.mean(curve[-last:])),
+      "gain": float(np.mean(curve[-last:]) - curve[0]),
+      "kl_end": float(np.mean(kl[-last:])),
+      "reward_start": rows[0]["reward/mean"],
+      "reward_final": float(np.mean([r["reward/mean"] for r in rows[-last:]])),
+      "greedy_before": result["heldout_before"][fn],
+      "greedy_after": result["heldout_after"][fn],
+      "greedy_prompts": result["heldout_prompts"],
+      "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
+      "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
+      "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
+      "wall_s": wall_s, "load_average": os.getloadavg()[0],
+      "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
+      "samples_after": result["samples_after"], "samples_before": result["samples_before"],
+  }
+
+
+# ---- aggregation and output ------------------------------------------------------------------
+def mean_std(values) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof=1; 0 for a single value)."""
+  values = np.asarray([v for v in values if v is not None], np.float64)
+  if not values.size:
+    return float("nan"), float("nan")
+  return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def aggregate(runs: list[dict], cells: list[str]) -> list[dict]:
+  """One row per cell: mean and std over its seeds, plus the paired difference to
+  `sequential` of the same seed (the cells of a seed share the warm start)."""
+  seq = {r["seed"]: r for r in runs if r["cell"] == "sequential"}
+  table = []
+  for cell in cells:
+    rs = sorted((r for r in runs if r["cell"] == cell), key=lambda r: r["seed"])
+    if not rs:
+      continue
+    row = {"cell": cell, "seeds": [r["seed"] for r in rs]}
+    for key in ("acc_start", "acc_final", "gain", "kl_end", "greedy_before", "greedy_after",
+                "samples_per_s", "reward_final", "staleness_mean"):
+      row[key] = mean_std([r[key] for r in rs])
+    row["gain_min"] = min(r["gain"] for r in rs)
+    row["greedy_worse"] = sum(r["greedy_after"] < r["greedy_before"] for r in rs)
+    paired = [r["acc_final"] - seq[r["seed"]]["acc_final"] for r in rs if r["seed"] in seq]
+    row["vs_sequential"] = mean_std(paired) if paired else (float("nan"), float("nan"))
+    table.append(row)
+  return table
+
+
+def _pm(value: tuple[float, float], fmt: str = "{:.3f}") -> str:
+  mean, std = value
+  return "-" if np.isnan(mean) else f"{fmt.format(mean)} ± {fmt.replace('+', '').format(std)}"
+
+
+def format_table(table: list[dict]) -> str:
+  """The markdown table of `aggregate`'s rows."""
+  lines = ["| cell | seeds | accuracy start | accuracy final (last 20%) | gain | min gain | "
+           "final − sequential (paired) | KL end | greedy before → after | greedy worse | "
+           "samples/s* |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for row in table:
+    lines.append(
+        f"| {row['cell']} | {len(row['seeds'])} | {_pm(row['acc_start'])} | "
+        f"{_pm(row['acc_final'])} | {_pm(row['gain'], '{:+.3f}')} | {row['gain_min']:+.3f} | "
+        f"{_pm(row['vs_sequential'], '{:+.3f}')} | {_pm(row['kl_end'], '{:.2f}')} | "
+        f"{row['greedy_before'][0]:.3f} → {row['greedy_after'][0]:.3f} | "
+        f"{row['greedy_worse']}/{len(row['seeds'])} | {_pm(row['samples_per_s'], '{:.1f}')} |")
+  return "\n".join(lines)
+
+
+def paired(runs: list[dict], cell: str, baseline: str) -> list[float]:
+  """Final accuracy of `cell` minus `baseline`'s, per seed that ran both (sorted by seed)."""
+  base = {r["seed"]: r["acc_final"] for r in runs if r["cell"] == baseline}
+  return [r["acc_final"] - base[r["seed"]] for r in sorted(runs, key=lambda r: r["seed"])
+          if r["cell"] == cell and r["seed"] in base]
+
+
+def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
+  """The issue's goals, each stated with its numbers and whether it holds.
+
+  "Within one standard deviation" compares the cells' means against the larger of their
+  standard deviations over seeds (the issue's criterion); the paired differences (same
+  seed, same warm start) are given beside it, since they remove the seed-to-seed spread.
+  """
+  rows = {r["cell"]: r for r in table}
+
+  def compare(cell: str, baseline: str) -> tuple[float, float, list[float]]:
+    diff = rows[cell]["acc_final"][0] - rows[baseline]["acc_final"][0]
+    std = max(rows[cell]["acc_final"][1], rows[baseline]["acc_final"][1])
+    return diff, std, paired(runs, cell, baseline)
+
+  def per_seed(values: list[float]) -> str:
+    return ", ".join(f"{v:+.3f}" for v in values)
+
+  lines = []
+  for cell in ("pipe_s1", "pipe_s2"):
+    if cell in rows and "sequential" in rows:
+      diff, std, pairs = compare(cell, "sequential")
+      lines.append(f"- {cell} final accuracy vs sequential: {diff:+.3f} (one std: {std:.3f}): "
+                   f"{'holds' if abs(diff) <= std else 'does NOT hold'}; per seed "
+                   f"{per_seed(pairs)}")
+  if "decoupled_s4" in rows and "pipe_s4" in rows:
+    diff, std, pairs = compare("decoupled_s4", "pipe_s4")
+    lines.append(f"- decoupled_s4 vs pipe_s4 final accuracy: {diff:+.3f} (one std: {std:.3f}): "
+                 f"{'no worse' if diff >= -std else 'WORSE'} within one std; per seed "
+                 f"{per_seed(pairs)} (lower in {sum(p < 0 for p in pairs)} of {len(pairs)})")
+  for row in table:
+    if row["gain_min"] <= 0:
+      lines.append(f"- {row['cell']}: the gain is not positive in every seed "
+                   f"(min {row['gain_min']:+.3f})")
+    if row["greedy_worse"]:
+      lines.append(f"- {row['cell']}: greedy answers got worse in {row['greedy_worse']} "
+                   f"of {len(row['seeds'])} seeds")
+  return lines
+
+
+def smooth(curve, window: int) -> np.ndarray:
+  """Trailing moving average (the first points average what exists so far)."""
+  curve = np.asarray(curve, np.float64)
+  sums = np.cumsum(np.concatenate([[0.0], curve]))
+  idx = np.arange(1, curve.size + 1)
+  lo = np.maximum(idx - window, 0)
+  return (sums[idx] - sums[lo]) / (idx - lo)
+
+
+def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> str:
+  """Accuracy vs PPO step: per cell the mean over seeds (line) and +-1 std (band) of the
+  smoothed per-run curves. Columns: staleness; the decoupled objective. Top row: the
+  accuracy; bottom row: the accuracy minus the seed's step-0 accuracy (the same in every
+  cell of a seed), which removes the seed-to-seed spread of the warm starts."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  steps = min(len(r["curve"]) for r in runs)
+  window = max(1, steps // 10)
+  panels = ([c for c in cells if not c.startswith("decoupled")],
+            [c for c in cells if c == "sequential" or c in ("pipe_s2", "pipe_s4")
+             or c.startswith("decoupled")])
+  fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True, sharey="row")
+  colors = dict(zip(DEFAULT_CELLS, plt.get_cmap("tab10").colors))
+  x = np.arange(steps)
+  for row, relative in enumerate((False, True)):
+    for ax, panel in zip(axes[row], panels):
+      for cell in panel:
+        cell_runs = [r for r in runs if r["cell"] == cell]
+        if not cell_runs:
+          continue
+        curves = np.stack([smooth(r["curve"][:steps], window)
+                           - (r["curve"][0] if relative else 0.0) for r in cell_runs])
+        mean = curves.mean(0)
+        std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
+        color = colors.get(cell)
+        ax.plot(x, mean, label=f"{cell} (n={len(curves)})", color=color)
+        ax.fill_between(x, mean - std, mean + std, alpha=0.12, color=color)
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8, loc="lower right")
+  axes[0][0].set_ylabel(f"rule score of sampled answers\n(moving mean over {window} steps)")
+  axes[1][0].set_ylabel("change since step 0 (same seed)")
+  axes[0][0].set_title("staleness")
+  axes[0][1].set_title("decoupled objective")
+  for ax in axes[1]:
+    ax.set_xlabel("PPO step")
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+RUN_FIELDS = ("seed", "cell", "mode", "max_staleness", "loss", "steps", "acc_start",
+              "acc_final", "gain", "kl_end", "reward_start", "reward_final", "greedy_before",
+              "greedy_after", "greedy_prompts", "staleness_mean", "rm_eval_accuracy",
+              "samples_per_s", "wall_s", "load_average")
+
+
+def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -> str:
+  """runs.csv, runs.json, table.md and curves.png from the finished runs; the table text."""
+  with open(os.path.join(out, "runs.csv"), "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(runs)
+  with open(os.path.join(out, "runs.json"), "w", encoding="utf-8") as f:
+    json.dump({"settings": settings, "runs": runs}, f, indent=1)
+  table = aggregate(runs, cells)
+  seeds = sorted({r["seed"] for r in runs})
+  text = "\n".join([
+      f"Command: `{settings['command']}`", "",
+      f"Config {os.path.relpath(settings['config'], _ROOT)} with "
+      f"{settings['overrides'] or 'no overrides'}; "
+      f"{runs[0]['steps']} PPO steps; seeds {seeds}; every cell of a seed starts from that "
+      f"seed's warm start. Accuracy: the rule `{settings['eval_fn']}` over the sampled "
+      f"answers of each PPO batch (start: step 0; final: mean of the last "
+      f"{int(FINAL_FRACTION * 100)}% of steps); greedy: the rule over "
+      f"{runs[0]['greedy_prompts']} held-out prompts answered greedily before and after "
+      "PPO; mean ± sample std over seeds.", "",
+      format_table(table), "",
+      "*samples/s were measured on a shared machine (load average "
+      f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
+      " at the runs' ends): not a speed result.", "",
+      "Goals:", *goal_checks(table, runs), ""])
+  with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  plot_curves(runs, cells, os.path.join(out, "curves.png"),
+              f"{os.path.relpath(settings['config'], _ROOT)} {settings['overrides'] or ''}: "
+              f"mean ± std over seeds {seeds}")
+  return text
+
+
+# ---- the driver ----------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default=os.path.join(_ROOT, "configs", "quickstart.py"),
+                      help="config module path, optionally :variant (e.g. ...py:tiny)")
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--cells", default=",".join(DEFAULT_CELLS))
+  parser.add_argument("--steps", type=int, default=0, help="PPO steps (0 = the config's)")
+  parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                      help="a config override, e.g. ppo.kl_coef=0.1 (repeatable)")
+  parser.add_argument("--tag", default="", help="suffix of the default --out directory")
+  parser.add_argument("--out", default="", help="output directory")
+  parser.add_argument("--report-only", action="store_true",
+                      help="only rebuild the table and plot from the finished runs")
+  parser.add_argument("--warm-starts-only", action="store_true",
+                      help="only train the seeds' warm starts (another invocation running at "
+                           "the same time then finds them ready)")
+  args = parser.parse_args(argv)
+  try:
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+  except ValueError:
+    parser.error(f"--seeds {args.seeds!r}: give integers like 0,1,2")
+  args.cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+  for cell in args.cells:
+    try:
+      cell_overrides(cell)
+    except ValueError as e:
+      parser.error(str(e))
+  args.overrides = {}
+  for item in args.set:
+    path, sep, value = item.partition("=")
+    if not sep or not path:
+      parser.error(f"--set {item!r}: write PATH=VALUE, e.g. ppo.kl_coef=0.1")
+    args.overrides[path.strip()] = parse_value(value.strip())
+  if not args.out:
+    name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
+    variant = args.config.partition(":")[2]
+    name += f"-{variant}" if variant else ""
+    name += f"-{args.tag}" if args.tag else ""
+    args.out = os.path.join(_ROOT, "experiments", "out", "learning_curves", name)
+  return args
+
+
+def check_settings(out: str, settings: dict) -> None:
+  """Writes settings.json, or refuses to mix runs made with other settings into `out`."""
+  path = os.path.join(out, "settings.json")
+  keys = ("config", "overrides", "steps")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    if any(saved.get(k) != settings[k] for k in keys):
+      raise SystemExit(
+          f"{out} holds runs made with {({k: saved.get(k) for k in keys})}, not "
+          f"{({k: settings[k] for k in keys})}; pass another --tag or --out.")
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(settings, f, indent=1)
+
+
+def load_runs(out: str, seeds, cells) -> list[dict]:
+  runs = []
+  for seed in seeds:
+    for cell in cells:
+      path = os.path.join(out, f"seed{seed}", cell, "run.json")
+      if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+          runs.append(json.load(f))
+  return runs
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  # The command that makes the table: the same without the flags that only select what
+  # this invocation does of it.
+  words = sys.argv[1:] if argv is None else list(argv)
+  command = shlex.join(["python", "experiments/learning_curves.py",
+                        *(w for w in words if w not in ("--report-only",
+                                                        "--warm-starts-only"))])
+  os.makedirs(args.out, exist_ok=True)
+  probe = run_config(args, args.seeds[0], None, None)
+  settings = {"command": command, "config": args.config, "overrides": args.overrides,
+              "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn}
+  check_settings(args.out, settings)
+  if not args.report_only:
+    import jax
+    from absl import logging as absl_logging
+    from pipe_rlhf_jax.train import prepare_warm_start, train
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    print(f"[learning_curves] {command}\n  -> {args.out}; jax {jax.__version__}, "
+          f"{jax.device_count()} devices, load average {os.getloadavg()[0]:.1f}", flush=True)
+    store = os.path.join(os.path.dirname(args.out), "warm_starts")
+    for seed in args.seeds:
+      todo = [] if args.warm_starts_only else [
+          c for c in args.cells
+          if not os.path.exists(os.path.join(args.out, f"seed{seed}", c, "run.json"))]
+      if not todo and not args.warm_starts_only:
+        continue
+      t0 = time.perf_counter()
+      warm = shared_warm_start(run_config(args, seed, None, None), store, prepare_warm_start)
+      rm_eval = warm["rm_eval"] or {}  # None when the reward is a rule
+      print(f"[learning_curves] seed {seed}: warm start ready in "
+            f"{time.perf_counter() - t0:.0f}s (reward model held-out accuracy "
+            f"{rm_eval.get('eval_accuracy')})", flush=True)
+      for cell in todo:
+        workdir = os.path.join(args.out, f"seed{seed}", cell)
+        with locked(workdir + ".lock", wait=False) as mine:
+          # Another invocation is running this cell, or has just finished it.
+          if not mine or os.path.exists(os.path.join(workdir, "run.json")):
+            continue
+          if os.path.exists(workdir):  # an interrupted run: start it again
+            shutil.rmtree(workdir)
+          config = run_config(args, seed, cell, warm["workdir"])
+          jax.clear_caches()
+          t0 = time.perf_counter()
+          result = train(config, workdir, progress=False)
+          summary = summarise_run(result, config, seed, cell, time.perf_counter() - t0)
+          with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        print(f"[learning_curves] seed {seed} {cell}: accuracy {summary['acc_start']:.3f} -> "
+              f"{summary['acc_final']:.3f}, KL {summary['kl_end']:.2f}, greedy "
+              f"{summary['greedy_before']:.3f} -> {summary['greedy_after']:.3f}, "
+              f"{summary['wall_s']:.0f}s", flush=True)
+  if args.warm_starts_only:
+    return 0
+  runs = load_runs(args.out, args.seeds, args.cells)
+  if not runs:
+    print("no finished runs yet")
+    return 1
+  print(write_report(args.out, runs, args.cells, settings))
+  print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,107 @@
+"""The warm start (SFT + reward model) is independent of the PPO plan, and runs in other
+modes can start PPO from one shared warm-start checkpoint."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import quickstart
+
+from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
+from pipe_rlhf_jax.checkpoint import Checkpointer  # noqa: E402
+from pipe_rlhf_jax.models.tokenizer import load_tokenizer  # noqa: E402
+from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
+from pipe_rlhf_jax.train import build_model_configs, prepare_warm_start, train  # noqa: E402
+
+
+def tiny(mode: str, **overrides):
+  config = quickstart.get_config("tiny")
+  config.runtime.mode = mode
+  config.stages.generate.mesh = dict(data=-1)  # the plain sampler: less to compile
+  config.ppo.steps = 2
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def read_warm_start(directory):
+  """The warm-start checkpoint's {"actor", "reward"} parameters (on one device) and
+  metadata."""
+  cfgs = build_model_configs(tiny("sequential"), load_tokenizer("byte"))
+  target = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c))))
+            for name in ("actor", "reward")}
+  with Checkpointer(directory, async_save=False) as ckpt:
+    state, meta = ckpt.restore(target=target)
+  return jax.device_get(state), meta
+
+
+@pytest.fixture(scope="module")
+def warm_starts(tmp_path_factory):
+  """The tiny warm start prepared under two PPO plans whose training stages differ:
+  sequential (PPO trains on data=8) and pipe (fsdp=4 on devices 4-7). One task dataset
+  (`data.dir` is a location, outside the warm start's fingerprint)."""
+  data = str(tmp_path_factory.mktemp("data"))
+  return {"data": data, **{mode: prepare_warm_start(tiny(mode, **{"data.dir": data}),
+                                                    str(tmp_path_factory.mktemp(mode)),
+                                                    progress=False)
+                           for mode in ("sequential", "pipe")}}
+
+
+def test_warm_start_is_identical_in_every_mode(warm_starts):
+  reference, meta = read_warm_start(warm_starts["sequential"]["checkpoint"])
+  state, other_meta = read_warm_start(warm_starts["pipe"]["checkpoint"])
+  assert jax.tree.structure(state) == jax.tree.structure(reference)
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)  # to the last bit, not within a tolerance
+  assert other_meta == meta
+  assert warm_starts["pipe"]["rm_eval"] == warm_starts["sequential"]["rm_eval"]
+
+
+def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
+  shared = warm_starts["sequential"]["checkpoint"]
+  workdir = str(tmp_path / "pipe")
+  # log.eval_prompts: held-out greedy answers scored before and after PPO (off in tiny).
+  result = train(tiny("pipe", **{"warm_start.checkpoint": shared, "log.eval_prompts": 16,
+                                 "data.dir": warm_starts["data"]}), workdir, progress=False)
+  phases = [json.loads(line)["phase"] for line in open(os.path.join(workdir,
+                                                                     "metrics.jsonl"))]
+  assert "sft" not in phases and "reward_model" not in phases  # restored, not trained
+  assert not os.path.exists(os.path.join(workdir, "warmstart"))
+  assert result["rm_eval"] == warm_starts["sequential"]["rm_eval"]
+  assert [r["step"] for r in result["ppo_metrics"]] == [0, 1]
+  assert result["heldout_prompts"] == 16
+  for scores in (result["heldout_before"], result["heldout_after"]):
+    assert list(scores) == ["reverse_accuracy"] and 0 <= scores["reverse_accuracy"] <= 1
+  assert "held-out greedy reverse_accuracy" in result["summary"]
+  assert "(16 prompts)" in result["summary"]
+
+
+def test_shared_warm_start_of_another_seed_is_refused(tmp_path, warm_starts):
+  config = tiny("sequential", **{"warm_start.checkpoint": warm_starts["pipe"]["checkpoint"]})
+  config.seed = 1
+  with pytest.raises(CheckpointError, match="warm_start.checkpoint=.*another seed"):
+    train(config, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "data")  # refused before any data are built
+
+
+def test_bad_warm_start_fields_name_the_field(tmp_path):
+  with pytest.raises(ValueError, match="warm_start.checkpoint='/nonexistent' is not a dir"):
+    train(tiny("sequential", **{"warm_start.checkpoint": "/nonexistent"}), str(tmp_path),
+          progress=False)
+  with pytest.raises(FileNotFoundError, match="holds no warm-start checkpoint"):
+    train(tiny("sequential", **{"warm_start.checkpoint": str(tmp_path)}),
+          str(tmp_path / "run"), progress=False)
+  config = tiny("sequential")
+  config.warm_start.mesh = dict(data=16)
+  with pytest.raises(ValueError, match="warm_start.mesh=.* needs 16 devices but the job has 8"):
+    train(config, str(tmp_path / "mesh"), progress=False)
+  config = tiny("sequential")
+  config.sft.batch_size = 15  # 2 batch shards on fsdp=2
+  with pytest.raises(ValueError, match=r"sft.batch_size=15 does not split over the 2 .*"
+                                       r"warm_start.mesh"):
+    train(config, str(tmp_path / "batch"), progress=False)
+  assert not os.path.exists(tmp_path / "batch" / "data")  # all before any data are built
