@@ -19,6 +19,7 @@ def short_learning_config():
   answers wrong (about 0.17 exact), then GRPO against the rule."""
   config = grpo_arith.get_config("tiny")
   config.runtime.update(mode="sequential", num_devices=1)
+  config.warm_start.mesh.update(fsdp=1)  # the one device
   config.stages.generate.num_microbatches = 1
   config.data.arith.update(operators="+", max_digits=1)
   config.data.num_eval = 16
@@ -42,7 +43,7 @@ def short_run(tmp_path_factory):
 def test_rule_reward_job_trains_no_reward_model_and_scores_held_out(short_run):
   config, workdir, result = short_run
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert {r["phase"] for r in rows} == {"data", "sft", "ppo", "heldout"}
+  assert {r["phase"] for r in rows} == {"data", "plan", "sft", "ppo", "heldout"}
   assert not any(k.startswith(("prefs", "build/prefs")) for k in rows[0])  # no pairs
   assert not os.path.exists(workdir / "data" / "arith_prefs")
   assert result["rm_eval"] is None
