@@ -18,6 +18,14 @@ plus a resumed N give identical metrics, and metrics.jsonl holds each step once.
 checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
 mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
 another mode, with a warning where that changes the staleness bound.
+
+Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
+process runs `train` with the same config on a shared workdir; `sequential` and
+`per_stage` meshes span all processes' devices and every process runs every program.
+Process 0 alone writes files (datasets first, then metrics, traces, samples, export);
+the others wait for the datasets and write nothing; Orbax checkpoints are written by
+all processes together. The workdir is process 0's choice, agreed through the
+coordination service.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ import jax
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.data import builders, pipeline
 from pipe_rlhf_jax.data.records import RecordValidator
+from pipe_rlhf_jax.distributed.faults import set_activity
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
@@ -55,7 +65,9 @@ log = logging.getLogger(__name__)
 
 def say(message: str) -> None:
   """A milestone the user should see, whatever the logging verbosity."""
-  print(f"[pipe_rlhf_jax] {message}", flush=True)
+  who = (f" p{distributed.process_index()}/{distributed.process_count()}"
+         if distributed.process_count() > 1 else "")
+  print(f"[pipe_rlhf_jax{who}] {message}", flush=True)
 
 
 def default_workdir(config) -> str:
@@ -156,7 +168,7 @@ def show_samples(graphdef, params, batch, tokenizer, sampling: SamplingParams) -
   out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
                  rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
                  pad_id=sampling.pad_id)
-  tokens, mask = jax.device_get((out.tokens, out.mask))
+  tokens, mask = distributed.fetch((out.tokens, out.mask))
   lines = []
   for p, pm, c, cm in zip(batch["prompt_tokens"], batch["prompt_mask"], tokens, mask):
     lines.append(f"{tokenizer.decode(p[pm])!r} -> {tokenizer.decode(c[cm])!r}")
@@ -228,6 +240,10 @@ def select_devices(config) -> list:
   """The first `runtime.num_devices` of `jax.devices()` (0 = all of them)."""
   devices = jax.devices()
   n = config.runtime.get("num_devices", 0)
+  if n and n != len(devices) and jax.process_count() > 1:
+    raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
+                     f"processes: every process must hold devices of the meshes; use 0 "
+                     f"(all {len(devices)} devices), or start fewer processes.")
   if n > len(devices):
     raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
                      f"at most {len(devices)} (0 = all).")
@@ -242,7 +258,8 @@ def plan_of(config, devices) -> dict[str, Any]:
   """
   plan = dataclasses.asdict(RuntimeConfig.from_config(config))
   # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
-  return json.loads(json.dumps({"num_devices": len(devices), **plan}))
+  return json.loads(json.dumps({"num_devices": len(devices),
+                                "num_processes": distributed.process_count(), **plan}))
 
 
 def effective_staleness(plan: dict[str, Any]) -> int:
@@ -284,8 +301,15 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   reads where a resume starts, refusing a checkpoint whose mathematics differs.
   """
   validate_config(config)
+  if jax.process_count() > 1 and config.runtime.mode == "pipe":
+    raise NotImplementedError(
+        f"runtime.mode='pipe' across {jax.process_count()} processes is not supported "
+        "yet (its stage groups need the cross-process queues of distributed/transfer.py "
+        "wired into system/modes.py); use runtime.mode='sequential' or 'per_stage', "
+        "whose meshes span every process, or run pipe mode on one process.")
   devices = select_devices(config)
-  workdir = workdir or config.workdir or default_workdir(config)
+  # Every process must use process 0's workdir (a default one is named by the clock).
+  workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
   ppo_dir = os.path.join(workdir, "checkpoints")
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep)
@@ -346,6 +370,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
     return ((phase == "ppo" and record.get("step", 0) >= setup.start) or phase == "data"
             or (phase in WARM_START_PHASES and not warm_restored))
 
+  if not distributed.is_primary():
+    return metrics_lib.SecondaryWriter(setup.workdir)
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
     say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
@@ -430,7 +456,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress)
+                                disable=not progress or not distributed.is_primary())
   plan = plan_of(config, setup.devices)
 
   def save(step: int) -> None:
@@ -447,6 +473,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
     if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
       writer.write(step, metrics, phase="ppo")
     bar.update(metrics)
+    set_activity(f"PPO step {step + 1}")
     if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
       kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
       say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
@@ -467,7 +494,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   finally:
     bar.close()
     checkpointer.wait()
-    if tracer.spans():
+    if tracer.spans() and distributed.is_primary():
       tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
       tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
                    title=f"PPO stages ({system.mode})")
@@ -480,11 +507,17 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
            start_time: float) -> dict[str, Any]:
   """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
+  # Both run programs on every process of a multi-process job; only process 0 then writes.
   samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
                                eval_batch, setup.tokenizer, built.sampling)
+  actor = distributed.fetch(system.state.actor)
+  if not distributed.is_primary():
+    return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
+            "summary": f"process {distributed.process_index()}: the run's files and "
+                       "summary are written by process 0", "ppo_metrics": [],
+            "samples_after": samples_after, "tracer": tracer}
   export_dir = os.path.join(workdir, "export")
-  hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
-                     export_dir)
+  hf.save_pretrained(nnx.merge(built.actor_graphdef, actor), export_dir)
   plot = None
   records = metrics_lib.read_metrics(writer.metrics_path)
   if any(r.get("phase") == "ppo" for r in records):
@@ -529,11 +562,17 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   setup = set_up(config, workdir, resume)
   writer = open_metrics(config, setup)
   try:
+    set_activity("building datasets")
+    if not distributed.is_primary():  # the datasets are built once, by process 0
+      distributed.barrier("datasets_built")
     build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    if distributed.is_primary():
+      distributed.barrier("datasets_built")
     # Malformed-record decisions of every input pipeline, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
+    set_activity("warm start (SFT, reward model)")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
                       setup.layouts["train"], progress)
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
@@ -541,14 +580,16 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])
     # Written only once the config is known to match any checkpoint it resumes.
-    with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    if distributed.is_primary():
+      with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
     samples_before = show_samples(built.actor_graphdef,
                                   built.system.actor_for_generation()[0], eval_batch,
                                   setup.tokenizer, built.sampling)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+    set_activity(f"PPO step {setup.start}")
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
     return report(setup, built, warm, tracer, writer, samples_before, eval_batch,
                   start_time)

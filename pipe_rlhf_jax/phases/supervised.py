@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
 from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
@@ -128,7 +129,7 @@ def evaluate_reward_model(graphdef, params, layout: StageLayout, batches: Iterat
 
   correct, margins = [], []
   for _ in range(num_batches):
-    chosen, rejected = jax.device_get(scores(params, layout.put_batch(next(batches))))
+    chosen, rejected = fetch(scores(params, layout.put_batch(next(batches))))
     correct.append(chosen > rejected)
     margins.append(chosen - rejected)
   correct, margins = np.concatenate(correct), np.concatenate(margins)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.ppo import advantages as adv_lib
 from pipe_rlhf_jax.ppo import kl as kl_lib
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
@@ -148,9 +149,11 @@ class InferStage:
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
     """Rule reward `fn` of each completion, from decoded text."""
-    prompts_np, pmask, completions_np, cmask = jax.device_get(
+    # One host transfer for the whole batch; every process of the stage scores the whole
+    # batch (rule rewards are cheap next to the model passes), so all hold equal scores.
+    prompts_np, pmask, completions_np, cmask = fetch(
         (rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens,
-         rollout.completion_mask))  # one host transfer for the whole batch
+         rollout.completion_mask))
     prompts = [self.decode(p[m]) for p, m in zip(prompts_np, pmask)]
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
     return np.asarray(fn(prompts, completions), np.float32)
@@ -169,7 +172,7 @@ class InferStage:
     batch = rollout.prompt_tokens.shape[0]
     host_scores = (self.score_on_host(rollout, self.reward_fn) if reward_model is None
                    else np.zeros((batch,), np.float32))
-    host_scores = jax.device_put(host_scores, self.layout.batch_sharding(1))
+    host_scores = put_global(host_scores, self.layout.batch_sharding(1))
     exp, metrics = self._make(ref, critic, reward_model, rollout, host_scores,
                               jnp.asarray(kl_coef, jnp.float32))
     if self.eval_fn is not None:

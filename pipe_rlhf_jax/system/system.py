@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
@@ -369,7 +370,7 @@ class PPOSystem:
     kl_coef = self.kl_coefs[actor_version]
     rollout, stats = reshard(rollout, self.layouts["infer"].batch_shardings(rollout))
     exp, metrics = self.infer_stage(self.reference, critic, self.reward, rollout, kl_coef)
-    metrics = jax.device_get(metrics)
+    metrics = fetch(metrics)
     versions = {"version/actor": float(actor_version)}
     if self.has_critic:
       versions["version/critic"] = float(critic_version)
@@ -383,7 +384,7 @@ class PPOSystem:
     exp, stats = reshard(exp, self.layouts["train"].batch_shardings(exp))
     rng = jax.random.fold_in(self.train_key, step)
     self.state, metrics = self.train_stage.update(self.state, exp, rng)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics = {k: float(v) for k, v in fetch(metrics).items()}
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
 
