@@ -1,0 +1,116 @@
+"""One process of the multi-process tests (started by `pipe_rlhf_jax.launch.launch`).
+
+  python tests/multihost_worker.py SCENARIO --out=DIR [scenario flags] [job flags]
+
+Job flags are those the launcher appends (`--coordinator_address`, `--num_processes`,
+`--process_id`, `--cpu_devices`); without them the worker is one plain process.
+
+Scenarios:
+  ppo       a few PPO steps of a tiny system through the library API (`--mode`,
+            `--steps`); process 0 writes the metrics to DIR/metrics.json. With
+            `--fail_at=K --fail_process=I`, process I raises at PPO step K instead.
+  transfer  weights and a queue between two process groups through
+            `distributed.transfer`; every process writes what it saw to DIR/p<i>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipe_rlhf_jax import distributed  # noqa: E402
+from pipe_rlhf_jax.distributed.faults import FaultWatch  # noqa: E402
+
+
+def parse():
+  p = argparse.ArgumentParser()
+  p.add_argument("scenario", choices=("ppo", "transfer"))
+  p.add_argument("--out", required=True)
+  p.add_argument("--mode", default="sequential")
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--fail_at", type=int, default=-1)
+  p.add_argument("--fail_process", type=int, default=1)
+  p.add_argument("--coordinator_address", default="")
+  p.add_argument("--num_processes", type=int, default=1)
+  p.add_argument("--process_id", type=int, default=0)
+  p.add_argument("--cpu_devices", type=int, default=0)
+  return p.parse_args()
+
+
+def tiny_system(mode: str):
+  """The quickstart's tiny model size, a rule reward, 16 prompts per batch."""
+  import jax
+  jax.config.update("jax_default_matmul_precision", "highest")
+  from pipe_rlhf_jax.generation import SamplingParams
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
+                                    StagePlan, prompts_from_texts)
+  tokenizer = load_tokenizer("byte")
+  policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                  head_dim=16, mlp_dim=64), seed=0)
+
+  def count_a(prompts, completions):
+    return [float(c.count("a")) / max(len(c), 1) for c in completions]
+
+  runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1),
+                          generate=StagePlan(MeshSpec(data=-1)),
+                          infer=StagePlan(MeshSpec(data=2, fsdp=-1)),
+                          train=StagePlan(MeshSpec(data=1, fsdp=-1)))
+  system = PPOSystem(
+      Models.from_policy(policy),
+      ppo=PPOConfig(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
+      sampling=SamplingParams(max_new_tokens=6, eos_id=tokenizer.eos_id,
+                              pad_id=tokenizer.pad_id),
+      runtime=runtime, reward_fn=count_a, decode=tokenizer.decode)
+  words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",
+           "bag", "dab", "egg", "hag", "aced"]
+  prompts = prompts_from_texts([f"rev {w}=" for w in words], tokenizer, batch_size=16,
+                               prompt_len=10)
+  return system, prompts
+
+
+def ppo(args) -> None:
+  from pipe_rlhf_jax.system import run
+  system, prompts = tiny_system(args.mode)
+  fail = args.fail_at >= 0 and distributed.process_index() == args.fail_process
+
+  def on_step(step, metrics):
+    if fail and step + 1 == args.fail_at:
+      raise RuntimeError(f"injected failure at PPO step {args.fail_at}")
+
+  result = run(system, prompts, steps=args.steps, on_step=on_step)
+  if distributed.is_primary():
+    with open(os.path.join(args.out, "metrics.json"), "w", encoding="utf-8") as f:
+      json.dump(result.metrics, f)
+
+
+def main() -> None:
+  args = parse()
+  os.makedirs(args.out, exist_ok=True)
+  distributed.initialize(distributed.DistributedConfig(
+      coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+      process_id=args.process_id, cpu_devices=args.cpu_devices, heartbeat_timeout_s=5,
+      shutdown_timeout_s=10))
+  watch = FaultWatch.start()
+  try:
+    if args.scenario == "ppo":
+      ppo(args)
+    else:
+      from transfer_scenario import transfer
+      transfer(args)
+  except Exception as e:  # pylint: disable=broad-except
+    if watch is None:
+      raise
+    watch.fail(e)
+  if watch is not None:
+    watch.finish()
+
+
+if __name__ == "__main__":
+  main()

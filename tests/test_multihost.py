@@ -1,0 +1,98 @@
+"""Multi-process runs on localhost: several JAX processes joined by jax.distributed.
+
+Each test starts real processes (`pipe_rlhf_jax.launch.launch`, a free coordinator port
+each time, hard timeouts, SIGKILL of anything left) running `tests/multihost_worker.py`,
+and checks what they wrote. Marked `multihost` (deselect with `-m "not multihost"`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from metric_helpers import assert_metrics_close
+from pipe_rlhf_jax.distributed import DistributedConfig
+from pipe_rlhf_jax.launch import launch
+
+pytestmark = pytest.mark.multihost
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = (sys.executable, "-u", os.path.join(HERE, "multihost_worker.py"))
+NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")
+
+
+def child_env():
+  """The test's environment without its own forced device count (the worker sets it)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def run_job(tmp_path, name, args, num_processes, cpu_devices, timeout_s=240, grace_s=30):
+  result = launch([*args, f"--out={tmp_path / name}"], num_processes=num_processes,
+                  cpu_devices=cpu_devices, log_dir=str(tmp_path / name / "logs"),
+                  timeout_s=timeout_s, grace_s=grace_s, command=WORKER, echo=False,
+                  env=child_env())
+  return result
+
+
+def run_plain(tmp_path, name, args, cpu_devices, timeout_s=240):
+  """The same worker as one ordinary process (no jax.distributed at all)."""
+  out = tmp_path / name
+  subprocess.run(["timeout", "-s", "KILL", str(timeout_s), *WORKER, *args, f"--out={out}",
+                  f"--cpu_devices={cpu_devices}"], check=True, env=child_env(),
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  return out
+
+
+def math_metrics(records):
+  return [{k: v for k, v in r.items() if not any(k.startswith(p) or p in k for p in NOT_MATH)}
+          for r in records]
+
+
+def read_metrics(path):
+  with open(path / "metrics.json", encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "per_stage"])
+def test_two_processes_match_one_process_on_the_same_global_mesh(tmp_path, mode):
+  # 2 processes x 4 CPU devices vs 1 process x 8 devices: the meshes have the same shape
+  # over 8 devices in the same order, so the PPO metrics agree at the tolerance of the
+  # mode-equivalence tests (rtol 1e-4); the sampled tokens agree exactly (response lengths
+  # and rule rewards are among the compared metrics).
+  args = ["ppo", f"--mode={mode}", "--steps=3"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
+  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  two = read_metrics(tmp_path / "two")
+  assert len(one) == len(two) == 3
+  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+  assert not os.path.exists(tmp_path / "two" / "p1.json")  # only process 0 wrote
+
+
+def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
+  job = run_job(tmp_path, "fail", ["ppo", "--steps=3", "--fail_at=2", "--fail_process=1"],
+                num_processes=2, cpu_devices=4)
+  assert job.returncodes == [1, 1], job.report()
+  assert job.killed == []  # both stopped by themselves
+  assert abs(job.exit_s[0] - job.exit_s[1]) < 15, job.report()
+  text = job.log_text(0)
+  assert "stopping process 0 of 2" in text
+  assert "process 1 of 2 (" in text and "injected failure at PPO step 2" in text
+
+
+def test_distributed_config_errors_name_the_field():
+  with pytest.raises(ValueError, match="distributed.process_id=2 must be < "):
+    DistributedConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="needs distributed.coordinator_address"):
+    DistributedConfig(num_processes=2)
+  with pytest.raises(ValueError, match="must be host:port"):
+    DistributedConfig(coordinator_address="localhost", num_processes=2)
+  with pytest.raises(ValueError, match="cluster_detection='pbs'"):
+    DistributedConfig(cluster_detection="pbs")
+  assert not DistributedConfig().wanted
