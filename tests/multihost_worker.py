@@ -90,6 +90,107 @@ def ppo(args) -> None:
       json.dump(result.metrics, f)
 
 
+def digest(tree) -> str:
+  """sha256 over every leaf's bytes, in tree order: equal iff bit-for-bit equal."""
+  import hashlib
+  import numpy as np
+  h = hashlib.sha256()
+  for leaf in jax_leaves(distributed.fetch(tree)):
+    h.update(np.ascontiguousarray(leaf).tobytes())
+  return h.hexdigest()
+
+
+def jax_leaves(tree):
+  import jax
+  return jax.tree.leaves(tree)
+
+
+def transfer(args) -> None:
+  """Process 0 trains, process 1 generates; weights 0 -> 1, rollouts 1 -> 0.
+
+  Both build every layout from the same description and global device list, as two stage
+  groups of a pipe-mode job would: train = fsdp 4 on process 0's devices, generate =
+  pipe 2 x tensor 2 on process 1's. Five batches with staleness bound 1 and a rollout
+  queue of capacity 1; then a subscriber whose target layout differs from what is
+  published must refuse before pulling.
+  """
+  import jax
+  import numpy as np
+  from flax import nnx
+  from pipe_rlhf_jax.distributed import transfer as tr
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.parallel import logical
+  from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+  from pipe_rlhf_jax.runtime.weights import required_version
+  from pipe_rlhf_jax.stages.common import StageLayout
+
+  steps, staleness, me = 5, 1, distributed.process_index()
+  groups = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
+  train = StageLayout("train", make_mesh(MeshShape(fsdp=4), groups[0]),
+                      logical.STAGE_RULES["train"])
+  gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2), groups[1]),
+                    logical.STAGE_RULES["generate"])
+  # A layout that must be refused: generation's mesh as tensor=4 (other specs and sizes).
+  wrong = StageLayout("generate", make_mesh(MeshShape(tensor=4), groups[1]),
+                      logical.STAGE_RULES["generate"])
+  cfg = tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+                    mlp_dim=64)
+  abstract = nnx.state(nnx.eval_shape(lambda: init_model(cfg)))
+  rollout_shape = jax.ShapeDtypeStruct((16, 6), np.float32)
+  seen = {}
+  if me == 0:
+    params, _ = train.put_params(nnx.state(init_model(cfg, seed=0)))
+    publisher = tr.WeightPublisher(
+        "actor", [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
+    wrong_publisher = tr.WeightPublisher(
+        "actor_b", [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
+    published = {}
+    publisher.publish(params, 0)
+    wrong_publisher.publish(params, 0)
+    published[0] = digest(params)
+    receiver = tr.QueueReceiver("rollouts", 1, lambda meta: jax.ShapeDtypeStruct(
+        rollout_shape.shape, rollout_shape.dtype, sharding=train.batch_sharding(2)))
+    batches = []
+    for rollout, meta in receiver:
+      # "Training" on the batch: a deterministic change of every parameter.
+      params = jax.tree.map(lambda x: x * 0.5 + 1.0, params)
+      version = meta["step"] + 1
+      publisher.publish(params, version)
+      published[version] = digest(params)
+      batches.append({**meta, "rollout_sum": float(np.asarray(distributed.fetch(rollout)).sum())})
+    distributed.barrier("transfer_done")
+    publisher.close()
+    wrong_publisher.close()
+    seen = {"published": published, "batches": batches}
+  else:
+    subscriber = tr.WeightSubscriber("actor", 0, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+        gen.param_shardings(abstract)))
+    sender = tr.QueueSender("rollouts", 0, capacity=1)
+    mirror = tr.mirror_shardings(train.batch_sharding(2), groups[1])
+    used, in_flight = [], []
+    for step in range(steps):
+      params, version = subscriber.acquire(required_version(step, staleness), timeout_s=120)
+      used.append({"step": step, "version": version, "digest": digest(params)})
+      rollout = jax.device_put(np.full(rollout_shape.shape, step, np.float32), mirror)
+      sender.put(rollout, {"step": step, "version": version}, timeout_s=120)
+      in_flight.append(sender._sent - (sender.endpoint.try_get("queue/rollouts/taken") or 0))
+    sender.close()
+    refused = ""
+    bad = tr.WeightSubscriber("actor_b", 0, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+        wrong.param_shardings(abstract)))
+    try:
+      bad.acquire(0, timeout_s=60)
+    except tr.LayoutMismatch as e:
+      refused = str(e)
+    distributed.barrier("transfer_done")
+    seen = {"used": used, "in_flight": in_flight, "refused": refused}
+  with open(os.path.join(args.out, f"p{me}.json"), "w", encoding="utf-8") as f:
+    json.dump(seen, f)
+
+
 def main() -> None:
   args = parse()
   os.makedirs(args.out, exist_ok=True)
@@ -102,7 +203,6 @@ def main() -> None:
     if args.scenario == "ppo":
       ppo(args)
     else:
-      from transfer_scenario import transfer
       transfer(args)
   except Exception as e:  # pylint: disable=broad-except
     if watch is None:

@@ -96,3 +96,32 @@ def test_distributed_config_errors_name_the_field():
   with pytest.raises(ValueError, match="cluster_detection='pbs'"):
     DistributedConfig(cluster_detection="pbs")
   assert not DistributedConfig().wanted
+
+
+def test_weights_and_rollouts_cross_process_groups_bit_for_bit(tmp_path):
+  # Process 0 = train group (fsdp=4), process 1 = generate group (pipe=2 x tensor=2):
+  # weights go 0 -> 1 through distributed.transfer, rollouts 1 -> 0 through a queue of
+  # capacity 1, with staleness bound 1 (see multihost_worker.transfer).
+  job = run_job(tmp_path, "transfer", ["transfer"], num_processes=2, cpu_devices=4,
+                timeout_s=180)
+  assert job.ok, job.report()
+  with open(tmp_path / "transfer" / "p0.json", encoding="utf-8") as f:
+    trainer = json.load(f)
+  with open(tmp_path / "transfer" / "p1.json", encoding="utf-8") as f:
+    generator = json.load(f)
+  used = generator["used"]
+  assert [u["step"] for u in used] == [0, 1, 2, 3, 4]
+  for u in used:
+    # Staleness bound 1: batch k needs version >= k - 1; version k + 1 cannot exist
+    # before batch k was generated and trained.
+    assert u["step"] - 1 <= u["version"] <= u["step"]
+    # The weights the generator used are the trainer's published version, bit for bit.
+    assert u["digest"] == trainer["published"][str(u["version"])]
+  # The trainer received every rollout once, in order, with its generating version.
+  assert [(b["step"], b["version"], b["rollout_sum"]) for b in trainer["batches"]] == [
+      (u["step"], u["version"], 96.0 * u["step"]) for u in used]
+  assert max(generator["in_flight"]) <= 1  # the queue's capacity
+  # A different layout at the receiver is refused before any data moves, naming the leaf.
+  assert "leaf ['embedding'].value is sent as float32[264, 32] on mesh(" in \
+      generator["refused"]
+  assert "nothing was moved" in generator["refused"]

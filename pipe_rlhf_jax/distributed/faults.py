@@ -3,10 +3,11 @@
 Owns `FaultWatch`, one per process of a multi-process job. Two kinds of failure:
 
 * an exception: the failing process records "process i (activity): error" under a
-  key of the coordination service's key-value store (`report_failure`), waits a moment
-  so the others can read it, and exits non-zero; every other process polls those keys
-  (`poll_s`), prints the message, and exits non-zero as well, even while its main thread
-  is blocked inside a collective that will never complete;
+  key of the coordination service's key-value store (`report_failure`) and exits
+  non-zero (process 0, which hosts that service, first waits until the others have read
+  it); every other process polls those keys (`poll_s`), prints the message, and exits
+  non-zero as well, even while its main thread is blocked inside a collective that will
+  never complete;
 * a killed or lost process: it stops sending heartbeats and, `heartbeat_timeout_s` later,
   jax's coordination service aborts every other process itself (its fatal message names
   the task). The watch cannot pre-empt that abort, so each process also records what it
@@ -34,8 +35,8 @@ class FaultWatch:
 
   Args:
     poll_s: how often the failure keys are read.
-    grace_s: how long a failing process waits after reporting, so that the others (and
-      process 0's coordination service, which they all need) see the report first.
+    grace_s: how long a failing process 0 waits after reporting until the others have
+      read the report (they need its coordination service to read it).
   """
 
   _current: "FaultWatch | None" = None
@@ -86,14 +87,28 @@ class FaultWatch:
     return message
 
   def fail(self, error: BaseException) -> None:
-    """Reports `error`, prints it with its traceback, and ends this process (exit 1)."""
+    """Reports `error`, prints it with its traceback, and ends this process (exit 1).
+
+    Process 0 hosts the coordination service, which every other process needs to read
+    the report: it waits (at most `grace_s`) until they have; any other process exits
+    at once (the others stop on reading its report, long before a heartbeat timeout).
+    """
     self._done.set()
     message = self.report_failure(error)
     traceback.print_exception(error)
     print(f"[pipe_rlhf_jax] {message}; stopping every process.", file=sys.stderr,
           flush=True)
-    time.sleep(self.grace_s)
+    if self.index == 0:
+      deadline = time.monotonic() + self.grace_s
+      while time.monotonic() < deadline and len(self._acks()) < self.count - 1:
+        time.sleep(0.05)
     os._exit(1)  # skip atexit: jax's shutdown barrier would wait for the others
+
+  def _acks(self) -> list:
+    try:
+      return self._client.key_value_dir_get(f"{_PREFIX}_ack/")
+    except Exception:  # pylint: disable=broad-except
+      return []
 
   def finish(self) -> None:
     """Stops watching (a normal end: the other processes are finishing too)."""
@@ -113,6 +128,10 @@ class FaultWatch:
         # heartbeat check aborts this process within its timeout.
         continue
       if failures and not self._done.is_set():
+        try:
+          self._client.key_value_set(f"{_PREFIX}_ack/{self.index}", "stopping")
+        except Exception:  # pylint: disable=broad-except
+          pass
         print(f"[pipe_rlhf_jax] stopping {self.describe()}: " + "; ".join(failures),
               file=sys.stderr, flush=True)
         os._exit(1)
