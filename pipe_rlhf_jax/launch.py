@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
 
@@ -104,7 +104,9 @@ def _tee(stream, path: str, echo: bool) -> None:
 def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
            log_dir: str = "runs/launch_logs", timeout_s: float = 3600.0,
            grace_s: float = 30.0, command: Sequence[str] = MAIN, echo: bool = True,
-           env: dict[str, str] | None = None, host: str = "127.0.0.1") -> LaunchResult:
+           env: dict[str, str] | None = None, host: str = "127.0.0.1",
+           watch: Callable[[list[subprocess.Popen], list[str]], None] | None = None
+           ) -> LaunchResult:
   """Runs `command + args + <job flags>` as `num_processes` processes and waits.
 
   Args:
@@ -119,6 +121,8 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
     echo: show process 0's output live.
     env: environment of the processes (default: this one's).
     host: the coordinator's address (loopback for local jobs).
+    watch: called as `watch(processes, log paths)` every 0.1 s while the job runs (e.g.
+      a preemption drill that SIGKILLs one process at a chosen moment).
 
   Returns:
     A `LaunchResult`.
@@ -161,6 +165,8 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
           exit_s[i] = now
           if proc.returncode != 0 and first_failure is None:
             first_failure, failed_at = i, now
+      if watch is not None:
+        watch(procs, logs)
       if now > timeout_s or (failed_at is not None and now > failed_at + grace_s):
         for i in range(num_processes):
           kill(i)

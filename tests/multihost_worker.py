@@ -42,7 +42,7 @@ def parse():
 
 
 def tiny_system(mode: str):
-  """The quickstart's tiny model size, a rule reward, 16 prompts per batch."""
+  """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   from pipe_rlhf_jax.generation import SamplingParams
@@ -52,14 +52,17 @@ def tiny_system(mode: str):
   from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
                                     StagePlan, prompts_from_texts)
   tokenizer = load_tokenizer("byte")
-  policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                  head_dim=16, mlp_dim=64), seed=0)
+  policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                                  head_dim=8, mlp_dim=64), seed=0)
 
   def count_a(prompts, completions):
     return [float(c.count("a")) / max(len(c), 1) for c in completions]
 
+  # per_stage: a 2-stage pipelined decoder whose stages are the two processes (its ring
+  # ppermute crosses them), tensor=4 inside each; inference and training data / fsdp.
   runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1),
-                          generate=StagePlan(MeshSpec(data=-1)),
+                          generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=4),
+                                             num_microbatches=2),
                           infer=StagePlan(MeshSpec(data=2, fsdp=-1)),
                           train=StagePlan(MeshSpec(data=1, fsdp=-1)))
   system = PPOSystem(

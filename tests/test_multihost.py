@@ -125,3 +125,51 @@ def test_weights_and_rollouts_cross_process_groups_bit_for_bit(tmp_path):
   assert "leaf ['embedding'].value is sent as float32[264, 32] on mesh(" in \
       generator["refused"]
   assert "nothing was moved" in generator["refused"]
+
+
+ROOT = os.path.dirname(HERE)
+MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
+
+
+def main_args(workdir):
+  return [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}:tiny",
+          "--config.runtime.mode=sequential", "--config.sft.steps=2",
+          "--config.reward_model.steps=2", "--config.ppo.steps=4",
+          "--config.checkpoint.every=1", "--config.log.tensorboard=False",
+          f"--workdir={workdir}", "--heartbeat_timeout_s=5"]
+
+
+@pytest.mark.slow
+def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
+  # The main job on 2 processes x 4 devices; process 1 is SIGKILLed after PPO step 3.
+  # Process 0 must end by itself (jax's heartbeat check, 5 s here) well within 30 s;
+  # `--resume` on 2 processes then finishes the run from the multi-host checkpoint.
+  workdir = tmp_path / "run"
+  env = {**child_env(), "PYTHONPATH": ROOT}
+  killed_at = []
+
+  def kill_after_step_3(procs, logs):
+    if killed_at or not os.path.exists(logs[0]):
+      return
+    with open(logs[0], encoding="utf-8", errors="replace") as f:
+      if "ppo step 3/4" in f.read():
+        procs[1].kill()
+        killed_at.append(time.monotonic())
+
+  start = time.monotonic()
+  job = launch(main_args(workdir), num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs1"), timeout_s=400, grace_s=60, command=MAIN,
+               echo=False, env=env, watch=kill_after_step_3)
+  assert killed_at, job.report()
+  assert job.returncodes[1] == -9
+  assert job.returncodes[0] != 0 and job.killed == [], job.report()
+  assert start + job.exit_s[0] - killed_at[0] < 30, job.report()
+
+  job = launch([*main_args(workdir), "--resume"], num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs2"), timeout_s=400, command=MAIN, echo=False,
+               env=env)
+  assert job.ok, job.report()
+  assert "resumed PPO at step" in job.log_text(0)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]

@@ -119,12 +119,14 @@ def initialize(config: DistributedConfig) -> bool:
   address, count, index = (config.coordinator_address or None,
                            config.num_processes if config.num_processes > 1 else None,
                            config.process_id if config.num_processes > 1 else None)
+  local_devices = None
   if config.detects:
     # jax's detection fills what is left unset from the pod's / allocation's environment.
     # Done here rather than inside `initialize` so that the coordinator then binds to the
     # detected address instead of jax's default of every interface.
     from jax._src.clusters import ClusterEnv
-    address, count, index, _ = ClusterEnv.auto_detect_unset_distributed_params(
+    # (On GPU clusters jax then makes one process per GPU: `local_devices` = [local rank].)
+    address, count, index, local_devices = ClusterEnv.auto_detect_unset_distributed_params(
         address, count, index, None,
         None if config.cluster_detection == "auto" else config.cluster_detection,
         config.init_timeout_s)
@@ -138,7 +140,8 @@ def initialize(config: DistributedConfig) -> bool:
   _listen_host = config.listen_host or _route_to(address)
   jax.distributed.initialize(
       coordinator_address=address, num_processes=count, process_id=index,
-      coordinator_bind_address=bind, cluster_detection_method="deactivate",
+      local_device_ids=local_devices, coordinator_bind_address=bind,
+      cluster_detection_method="deactivate",
       initialization_timeout=config.init_timeout_s,
       heartbeat_timeout_seconds=config.heartbeat_timeout_s,
       shutdown_timeout_seconds=config.shutdown_timeout_s)
