@@ -32,6 +32,7 @@ def parse():
   p.add_argument("--out", required=True)
   p.add_argument("--mode", default="sequential")
   p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--staleness", type=int, default=0)
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
   p.add_argument("--coordinator_address", default="")
@@ -41,7 +42,7 @@ def parse():
   return p.parse_args()
 
 
-def tiny_system(mode: str):
+def tiny_system(mode: str, staleness: int = 0):
   """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -60,8 +61,12 @@ def tiny_system(mode: str):
 
   # per_stage: a 2-stage pipelined decoder whose stages are the two processes (its ring
   # ppermute crosses them), tensor=4 inside each; inference and training data / fsdp.
-  runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1),
-                          generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=4),
+  # pipe: generation on devices 0-3 (process 0 of a 2 x 4 job), inference on 4-5 and
+  # training on 6-7 (process 1).
+  pipe = mode == "pipe"
+  runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
+                          placement=(4, 2, 2) if pipe else None,
+                          generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
                                              num_microbatches=2),
                           infer=StagePlan(MeshSpec(data=2, fsdp=-1)),
                           train=StagePlan(MeshSpec(data=1, fsdp=-1)))
@@ -80,7 +85,7 @@ def tiny_system(mode: str):
 
 def ppo(args) -> None:
   from pipe_rlhf_jax.system import run
-  system, prompts = tiny_system(args.mode)
+  system, prompts = tiny_system(args.mode, args.staleness)
   fail = args.fail_at >= 0 and distributed.process_index() == args.fail_process
 
   def on_step(step, metrics):
@@ -88,7 +93,9 @@ def ppo(args) -> None:
       raise RuntimeError(f"injected failure at PPO step {args.fail_at}")
 
   result = run(system, prompts, steps=args.steps, on_step=on_step)
-  if distributed.is_primary():
+  # Serial modes: every process has the metrics, process 0 writes them; pipe mode: only
+  # the training stage's process has them.
+  if result.metrics and (distributed.is_primary() or args.mode == "pipe"):
     with open(os.path.join(args.out, "metrics.json"), "w", encoding="utf-8") as f:
       json.dump(result.metrics, f)
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipe_rlhf_jax.distributed import cluster
+from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 
 _PREFIX = "pipe_rlhf_jax/transfer"
 DEFAULT_POLL_S = 0.005
@@ -48,8 +49,12 @@ class LayoutMismatch(ValueError):
   """A cross-process transfer whose sender and receiver layouts differ (refused)."""
 
 
-class TransferClosed(RuntimeError):
-  """A wait was abandoned because the stream was closed or a stop was requested."""
+class TransferClosed(PipelineShutdown):
+  """A wait was abandoned because a stop was requested (a clean exit of a worker)."""
+
+
+class StreamEnded(PipelineShutdown):
+  """The sender closed the queue: no item follows."""
 
 
 # ---- layouts ------------------------------------------------------------------------
@@ -381,12 +386,13 @@ class QueueReceiver:
 
   def get(self, *, stop: threading.Event | None = None, timeout_s: float | None = None
           ) -> tuple[Any, Any]:
-    """The next item; raises `TransferClosed` at the end of the stream."""
+    """The next item; raises `StreamEnded` at the end of the stream, `TransferClosed`
+    when `stop` is set while waiting."""
     seq = self._taken + 1
     item = self.endpoint.wait_get(f"queue/{self.name}/item/{seq}", stop=stop,
                                   timeout_s=timeout_s, poll_s=self.poll_s)
     if item.get("end"):
-      raise TransferClosed(f"queue {self.name!r} ended")
+      raise StreamEnded(f"queue {self.name!r} ended")
     target = self.target_of(item["meta"])
     check_same_layout([LeafLayout.from_json(l) for l in item["layout"]], layout_of(target),
                       f"queue {self.name!r} item {seq}")
@@ -400,5 +406,5 @@ class QueueReceiver:
     while True:
       try:
         yield self.get()
-      except TransferClosed:
+      except StreamEnded:
         return
