@@ -66,6 +66,13 @@ class DataFeed:
         raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
                            "endless (or long enough) source.") from None
 
+  def remember(self, step: int, state: dict | None) -> None:
+    """Records the source's state before batch `step` as read elsewhere (pipe mode
+    across processes: the generating process reads the prompts, the trainer's process
+    checkpoints)."""
+    with self._lock:
+      self._states[step] = state
+
   def state_before(self, step: int) -> dict | None:
     with self._lock:
       for old in [k for k in self._states if k < step - 8]:

@@ -41,6 +41,10 @@ from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.settings import STAGES
 
 
+# Key of the prompt source's state in the metrics that travel with a batch.
+DATA_STATE = "_data_state"
+
+
 def stage_processes(layouts) -> dict[str, int]:
   """The process of each stage; raises when a stage's mesh spans several processes."""
   out = {}
@@ -154,6 +158,27 @@ class _Weights:
 
 
 
+def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
+  """Copies every process's spans into the tracer of process `into` (which writes the
+  trace), on its time axis: spans travel as wall-clock times, so processes on different
+  hosts line up as well as their clocks do. Each span keeps its `process` annotation."""
+  me = distributed.process_index()
+  wall_at_origin = time.time() - tracer.now()
+  if me != into:
+    endpoint.put(f"trace/{run}/{me}", [
+        [s.stage, wall_at_origin + s.start, wall_at_origin + s.end, s.batch, s.version,
+         s.thread, s.args] for s in tracer.spans()])
+  distributed.barrier(f"pipe_trace_{run}")
+  if me == into:
+    for p in range(distributed.process_count()):
+      if p == into:
+        continue
+      for stage, begin, finish, batch, version, thread, args in endpoint.try_get(
+          f"trace/{run}/{p}") or []:
+        tracer.add(stage, begin - wall_at_origin, finish - wall_at_origin, batch=batch,
+                   version=version, thread=thread, **args)
+
+
 def run_pipe_across_processes(system, feed, start: int, end: int,
                               on_step: Callable[[int, dict], None], tracer: Tracer,
                               on_interrupt: Callable | None = None) -> None:
@@ -196,7 +221,11 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
         rollout, metrics = system.generate(params, batch, step, version)
       metrics["generate_version"] = version
       metrics["time/weights_wait_s"] = began - waited
-      metrics["time/generate_start"] = began
+      # Wall clock: the batch's step time is taken in the trainer's process.
+      metrics["time/generate_start"] = time.time()
+      # The prompt position a checkpoint after this step resumes from (read here, saved
+      # by the trainer's process).
+      metrics[DATA_STATE] = feed.state_before(step + 1)
       rollouts.put(step, rollout, metrics, stop)
     rollouts.close()
 
@@ -220,11 +249,11 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
         metrics.update(system.train(exp, step))
       metrics.update(rollouts.metrics())
       metrics.update(experience.metrics())
-      began = metrics.pop("time/generate_start", None)
-      # Wall clocks of different processes are not comparable: the step time is measured
-      # from generation start only when generation ran in this process.
-      if where["generate"] == me and began is not None:
-        metrics["time/step_s"] = time.perf_counter() - began
+      began = metrics.pop("time/generate_start")
+      feed.remember(step + 1, metrics.pop(DATA_STATE))
+      # From generation start to the end of the update, by wall clocks (exact on one
+      # machine, as good as the hosts' clock synchronisation across machines).
+      metrics["time/step_s"] = time.time() - began
       _finish_step(system, step, metrics, guard, on_step)
       with tracer.span("sync", batch=step, version=system.version, process=who):
         publish(system.version)
@@ -246,6 +275,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     group.join()
   # A peer may still pull the last items from this process's server.
   distributed.barrier(f"pipe_run_{start}_{end}_done")
+  gather_trace(tracer, endpoint, where["train"], f"{start}_{end}")
   for weights in (actor_link, critic_link):
     if not weights.local and weights.me == where["train"]:
       weights.publisher.close()
