@@ -116,9 +116,11 @@ def initialize(config: DistributedConfig) -> bool:
     return False
   if jax.distributed.is_initialized():
     return True
+  # With detection, fields left at their defaults are for jax to fill in.
+  given = config.num_processes > 1 or not config.detects
   address, count, index = (config.coordinator_address or None,
-                           config.num_processes if config.num_processes > 1 else None,
-                           config.process_id if config.num_processes > 1 else None)
+                           config.num_processes if given else None,
+                           config.process_id if given else None)
   local_devices = None
   if config.detects:
     # jax's detection fills what is left unset from the pod's / allocation's environment.
