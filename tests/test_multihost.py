@@ -197,3 +197,20 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
   with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]
+
+
+def test_launcher_kills_what_does_not_stop(tmp_path):
+  # Process 1 fails at once, process 0 would sleep a minute: after grace_s it is
+  # SIGKILLed; and a job past timeout_s is SIGKILLed whole.
+  code = ("import sys, time\n"
+          "if '--process_id=1' in sys.argv: sys.exit(3)\n"
+          "time.sleep(60)\n")
+  start = time.monotonic()
+  job = launch([], num_processes=2, log_dir=str(tmp_path / "a"), grace_s=1, timeout_s=30,
+               command=(sys.executable, "-c", code), echo=False)
+  assert job.returncodes == [-9, 3] and job.first_failure == 1 and job.killed == [0]
+  assert time.monotonic() - start < 15
+  job = launch([], num_processes=2, log_dir=str(tmp_path / "b"), timeout_s=1,
+               command=(sys.executable, "-c", "import time; time.sleep(60)"), echo=False)
+  assert job.returncodes == [-9, -9] and sorted(job.killed) == [0, 1]
+  assert "killed by SIGKILL (SIGKILLed by the launcher)" in job.report()
