@@ -21,11 +21,15 @@ another mode, with a warning where that changes the staleness bound.
 
 Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
 process runs `train` with the same config on a shared workdir (process 0's choice,
-agreed through the coordination service); `sequential` and `per_stage` meshes span all
-processes' devices and every process runs every program. Process 0 alone writes files
-(datasets first, then metrics, traces, samples, export); the others wait for the
-datasets and write nothing; Orbax checkpoints are written by all processes together.
-`pipe` mode across processes is refused here (see `set_up`); the library runs it.
+agreed through the coordination service). Process 0 alone writes files (datasets first,
+then metrics, traces, samples, export); the others wait for the datasets and write
+nothing. `sequential` and `per_stage` meshes span all processes' devices, every process
+runs every program, and Orbax checkpoints are written by all processes together. In
+`pipe` mode each stage lies in one process (`system/pipe_processes.py`) and the
+training stage is placed on process 0 (its devices come last in the device order
+`runtime.placement` cuts), which alone holds, checkpoints and writes the trainer state;
+the warm start still runs on `config.mesh` over every process, after which each process
+builds its own stages from host copies.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
                                          graphdef_of, with_backbone)
@@ -234,11 +242,25 @@ class RunSetup:
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  # Multi-process jobs: whether this process writes the run's files (process 0) and
+  # holds the trainer state (every process, except in pipe mode across processes).
+  writes: bool = True
+  trains: bool = True
+  across: bool = False  # pipe mode with its stages in different processes
 
 
 def select_devices(config) -> list:
-  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them)."""
+  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them).
+
+  In `pipe` mode across processes, process 0's devices are moved to the end, so that
+  `runtime.placement`'s last block, the training stage, is process 0's: the process that
+  writes the run's files also holds the trainer state (and Orbax saves the state of a
+  one-process group only from process 0).
+  """
   devices = jax.devices()
+  if config.runtime.mode == "pipe" and jax.process_count() > 1:
+    devices = ([d for d in devices if d.process_index != 0] +
+               [d for d in devices if d.process_index == 0])
   n = config.runtime.get("num_devices", 0)
   if n and n != len(devices) and jax.process_count() > 1:
     raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
@@ -301,32 +323,38 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   reads where a resume starts, refusing a checkpoint whose mathematics differs.
   """
   validate_config(config)
-  if jax.process_count() > 1 and config.runtime.mode == "pipe":
-    # The library runs it (system.run; system/pipe_processes.py), but this job
-    # checkpoints the trainer state, which then lives in one process of a multi-process
-    # job, and Orbax refuses to save such (fully addressable) arrays there.
-    raise NotImplementedError(
-        f"runtime.mode='pipe' across {jax.process_count()} processes: the main job cannot "
-        "checkpoint its trainer state yet (it lives in the training stage's one process, "
-        "and Orbax refuses to save arrays held by one process of a multi-process job). "
-        "Use runtime.mode='sequential' or 'per_stage' (meshes over every process), pipe "
-        "mode on one process, or the library API (pipe_rlhf_jax.system.run) for pipe mode "
-        "across processes without checkpoints.")
   devices = select_devices(config)
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
+  tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
+  cfgs = build_model_configs(config, tokenizer)
+  layouts = build_layouts(RuntimeConfig.from_config(config), devices)
+  me = jax.process_index()
+  across = config.runtime.mode == "pipe" and jax.process_count() > 1
+  writes, trains, group = me == 0, True, None
+  if across:
+    # Each stage in one process (checked here, before anything is built); process 0
+    # holds the training stage, writes and checkpoints alone; the others only read
+    # checkpoints (a manager over their own process, which writes nothing).
+    trainer = stage_processes(layouts)["train"]
+    if trainer != 0:
+      raise ValueError(
+          f"runtime.placement: in pipe mode across processes the training stage must fit "
+          f"in process 0's {jax.local_device_count()} devices (the last block of the "
+          f"device order); it lies in process {trainer}. Give runtime.placement.train at most "
+          f"{jax.local_device_count()} devices.")
+    trains = me == 0
+    group = [me]
   ppo_dir = os.path.join(workdir, "checkpoints")
-  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep)
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
+                                       processes=group)
   latest = checkpointer.latest_step()
   if latest is not None and not resume:
     raise FileExistsError(
         f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
         f"to continue, or choose a new --workdir. Nothing was changed.")
 
-  tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
-  cfgs = build_model_configs(config, tokenizer)
-  layouts = build_layouts(RuntimeConfig.from_config(config), devices)
   with_critic = PPOConfig.from_config(config.ppo).needs_critic
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
@@ -347,10 +375,26 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start)
+                  start, writes=writes, trains=trains, across=across)
 
 
 WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
+
+
+def warm_start_layout(config, setup: RunSetup) -> StageLayout:
+  """Where SFT and the reward model train: the training stage's mesh, or, in pipe mode
+  across processes (where that mesh is one process's), `config.mesh` over every device,
+  so that every process takes part."""
+  if not setup.across:
+    return setup.layouts["train"]
+  shape = MeshShape.from_config(config.mesh, len(setup.devices), field="mesh")
+  return StageLayout("train", make_mesh(shape, setup.devices), logical.DEFAULT_RULES)
+
+
+def sampling_params(setup: RunSetup, system: PPOSystem):
+  """The actor to show samples from: in the generation layout, or, in pipe mode across
+  processes, where the trainer holds it (generation is another process's)."""
+  return system.state.actor if setup.across else system.actor_for_generation()[0]
 
 
 def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
@@ -375,7 +419,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
     return ((phase == "ppo" and record.get("step", 0) >= setup.start) or phase == "data"
             or (phase in WARM_START_PHASES and not warm_restored))
 
-  if not distributed.is_primary():
+  if not setup.writes:
     return metrics_lib.SecondaryWriter(setup.workdir)
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
@@ -440,6 +484,11 @@ def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
   """
   if not setup.start:
     return
+  if not setup.trains:  # a pipe-mode process without the training stage: no arrays
+    meta = setup.checkpointer.read_metadata()
+    system.restore({"trainer": None}, meta)
+    prompts.set_state(meta["data_state"])
+    return
   state, meta = setup.checkpointer.restore(
       target=system.abstract_checkpoint_state(),
       expect_metadata={"config_fingerprint": setup.fingerprint})
@@ -461,11 +510,16 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress or not distributed.is_primary())
+                                disable=not progress or not setup.writes)
   plan = plan_of(config, setup.devices)
 
   def save(step: int) -> None:
-    checkpointer.save(step, system.checkpoint_state(), metadata={
+    state = system.checkpoint_state()
+    if setup.across:
+      # Orbax refuses device arrays held by one process of a multi-process job; host
+      # copies are written by process 0 and restored straight onto the devices.
+      state = distributed.fetch(state)
+    checkpointer.save(step, state, metadata={
         **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
         "plan": plan, "data_state": feed.state_before(step + 1)})
 
@@ -489,7 +543,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
 
   def on_interrupt() -> None:
     step = system.version - 1
-    if step >= 0 and step != last_saved[0]:
+    if setup.trains and step >= 0 and step != last_saved[0]:
       log.warning("Interrupted: writing a final checkpoint at PPO step %d", step)
       save(step)
     checkpointer.wait()
@@ -499,7 +553,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   finally:
     bar.close()
     checkpointer.wait()
-    if tracer.spans() and distributed.is_primary():
+    if tracer.spans() and setup.writes:
       tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
       tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
                    title=f"PPO stages ({system.mode})")
@@ -512,11 +566,13 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
            start_time: float) -> dict[str, Any]:
   """Samples after PPO, the Hugging Face export, the reward plot, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
-  # Both run programs on every process of a multi-process job; only process 0 then writes.
-  samples_after = show_samples(built.actor_graphdef, system.actor_for_generation()[0],
-                               eval_batch, setup.tokenizer, built.sampling)
-  actor = distributed.fetch(system.state.actor)
-  if not distributed.is_primary():
+  # Both run programs on every process holding the trainer state (all of them, except in
+  # pipe mode across processes); then only the writing process writes.
+  samples_after = (show_samples(built.actor_graphdef, sampling_params(setup, system),
+                                eval_batch, setup.tokenizer, built.sampling)
+                   if setup.trains else [])
+  actor = distributed.fetch(system.state.actor) if setup.trains else None
+  if not setup.writes:
     return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
             "summary": f"process {distributed.process_index()}: the run's files and "
                        "summary are written by process 0", "ppo_metrics": [],
@@ -579,20 +635,25 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for key, value in pipe.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
-                      setup.layouts["train"], progress)
+                      warm_start_layout(config, setup), progress)
+    if setup.across:
+      # Every stage's process builds its stages from host copies (SPMD: all fetch).
+      warm = {**warm, "actor": distributed.fetch(warm["actor"]),
+              "reward": distributed.fetch(warm["reward"])}
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])
     # Written only once the config is known to match any checkpoint it resumes.
-    if distributed.is_primary():
+    if setup.writes:
       with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    samples_before = show_samples(built.actor_graphdef,
-                                  built.system.actor_for_generation()[0], eval_batch,
-                                  setup.tokenizer, built.sampling)
+    samples_before = (show_samples(built.actor_graphdef,
+                                   sampling_params(setup, built.system), eval_batch,
+                                   setup.tokenizer, built.sampling)
+                      if setup.trains else [])
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     set_activity(f"PPO step {setup.start}")
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)

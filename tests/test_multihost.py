@@ -156,6 +156,7 @@ MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
 
 
 def main_args(workdir):
+  """The tiny quickstart, shortened, in sequential mode."""
   return [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}:tiny",
           "--config.runtime.mode=sequential", "--config.sft.steps=2",
           "--config.reward_model.steps=2", "--config.ppo.steps=4",
@@ -197,6 +198,29 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
   with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_main_job_in_pipe_mode_across_processes(tmp_path):
+  # The tiny quickstart in pipe mode on 2 processes x 4 devices: generation and inference
+  # on process 1, training (and all the run's files) on process 0.
+  workdir = tmp_path / "run"
+  args = [a for a in main_args(workdir) if "runtime.mode" not in a]
+  job = launch([*args, "--config.ppo.steps=3"], num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs"), timeout_s=500, command=MAIN, echo=False,
+               env={**child_env(), "PYTHONPATH": ROOT})
+  assert job.ok, job.report()
+  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [0..3]" in job.log_text(0)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if '"ppo"' in line]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert all(r["staleness/actor"] <= 1 for r in rows)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1", "2"]
+  with open(workdir / "trace.json", encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  where = {(e["name"].split()[0], e["args"].get("process")) for e in events
+           if e.get("ph") == "X"}
+  assert ("generate", "p1") in where and ("train", "p0") in where
 
 
 def test_launcher_kills_what_does_not_stop(tmp_path):
