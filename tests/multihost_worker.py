@@ -33,6 +33,7 @@ def parse():
   p.add_argument("--mode", default="sequential")
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--staleness", type=int, default=0)
+  p.add_argument("--placement", default="4,2,2", help="pipe: devices of gen,infer,train")
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
   p.add_argument("--coordinator_address", default="")
@@ -42,7 +43,7 @@ def parse():
   return p.parse_args()
 
 
-def tiny_system(mode: str, staleness: int = 0):
+def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2)):
   """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -61,11 +62,11 @@ def tiny_system(mode: str, staleness: int = 0):
 
   # per_stage: a 2-stage pipelined decoder whose stages are the two processes (its ring
   # ppermute crosses them), tensor=4 inside each; inference and training data / fsdp.
-  # pipe: generation on devices 0-3 (process 0 of a 2 x 4 job), inference on 4-5 and
-  # training on 6-7 (process 1).
+  # pipe: by default generation on devices 0-3 (process 0 of a 2 x 4 job), inference on
+  # 4-5 and training on 6-7 (process 1).
   pipe = mode == "pipe"
   runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
-                          placement=(4, 2, 2) if pipe else None,
+                          placement=tuple(placement) if pipe else None,
                           generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
                                              num_microbatches=2),
                           infer=StagePlan(MeshSpec(data=2, fsdp=-1)),
@@ -85,7 +86,8 @@ def tiny_system(mode: str, staleness: int = 0):
 
 def ppo(args) -> None:
   from pipe_rlhf_jax.system import run
-  system, prompts = tiny_system(args.mode, args.staleness)
+  system, prompts = tiny_system(args.mode, args.staleness,
+                                [int(n) for n in args.placement.split(",")])
   fail = args.fail_at >= 0 and distributed.process_index() == args.fail_process
 
   def on_step(step, metrics):

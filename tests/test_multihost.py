@@ -201,6 +201,18 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipe_mode_with_every_stage_in_its_own_process(tmp_path):
+  # 3 processes x 4 devices, one stage each: every link (rollouts, experience, actor and
+  # critic weights) crosses processes. On-policy it equals one process over 12 devices.
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", "--placement=4,4,4"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=12))
+  job = run_job(tmp_path, "three", args, num_processes=3, cpu_devices=4)
+  assert job.ok, job.report()
+  assert_metrics_close(math_metrics(one), math_metrics(read_metrics(tmp_path / "three")),
+                       rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_main_job_in_pipe_mode_across_processes(tmp_path):
   # The tiny quickstart in pipe mode on 2 processes x 4 devices: generation and inference
   # on process 1, training (and all the run's files) on process 0.
