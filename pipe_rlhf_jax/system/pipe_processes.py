@@ -157,7 +157,6 @@ class _Weights:
     return self.subscriber.acquire(min_version, stop=stop)
 
 
-
 def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
   """Copies every process's spans into the tracer of process `into` (which writes the
   trace), on its time axis: spans travel as wall-clock times, so processes on different
@@ -190,14 +189,17 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   mine = [s for s in STAGES if where[s] == me]
   endpoint = tr.Endpoint.get()
   abstract = system.abstract_params()
-  rollouts = _Link("rollouts", Rollout, where["generate"], where["infer"],
+  # Stream names are unique per run (a job may call `run` again): their keys and ids
+  # never meet a previous run's.
+  run = f"{start}-{end}"
+  rollouts = _Link(f"rollouts@{run}", Rollout, where["generate"], where["infer"],
                    system.layouts["infer"], cfg.queue_size)
-  experience = _Link("experience", Experience, where["infer"], where["train"],
+  experience = _Link(f"experience@{run}", Experience, where["infer"], where["train"],
                      system.layouts["train"], cfg.queue_size)
-  actor_link = _Weights("actor", where["train"], where["generate"],
+  actor_link = _Weights(f"actor@{run}", where["train"], where["generate"],
                         system.layouts["generate"], abstract["actor"])
-  critic_link = _Weights("critic", where["train"], where["infer"], system.layouts["infer"],
-                         abstract["critic"])
+  critic_link = _Weights(f"critic@{run}", where["train"], where["infer"],
+                         system.layouts["infer"], abstract["critic"])
   guard = BadStepGuard(system.ppo.max_bad_steps)
   step_start: dict[int, float] = {}
   who = f"p{me}"
@@ -274,8 +276,8 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     group.start()
     group.join()
   # A peer may still pull the last items from this process's server.
-  distributed.barrier(f"pipe_run_{start}_{end}_done")
-  gather_trace(tracer, endpoint, where["train"], f"{start}_{end}")
+  distributed.barrier(f"pipe_run_{run}_done")
+  gather_trace(tracer, endpoint, where["train"], run)
   for weights in (actor_link, critic_link):
     if not weights.local and weights.me == where["train"]:
       weights.publisher.close()
