@@ -2,8 +2,10 @@
 
 `cluster` joins `jax.distributed` and holds the host-side agreements (primary process,
 barriers, values decided by the primary); `arrays` moves data between host batches and
-arrays that span processes. On one process everything here is a no-op or the plain
-single-process call, so the rest of the code needs no separate path.
+arrays that span processes; `faults` stops every process when one fails; `transfer`
+moves versioned weights and queued pytrees between process groups (pipe mode). On one
+process everything here is a no-op or the plain single-process call, so the rest of the
+code needs no separate path.
 """
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
