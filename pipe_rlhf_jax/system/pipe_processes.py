@@ -61,12 +61,33 @@ def stage_processes(layouts) -> dict[str, int]:
   return out
 
 
-def _treedef(kind: type):
-  rollout = Rollout(*([0] * len(dataclasses.fields(Rollout))))
-  if kind is Rollout:
-    return jax.tree.structure(rollout)
-  return jax.tree.structure(Experience(rollout, *([0] * (len(dataclasses.fields(Experience))
-                                                        - 1))))
+def _absent_fields(tree: Any, prefix: str = "") -> list[str]:
+  """Dotted names of the fields of a Rollout / Experience that are None (e.g. the values
+  of a critic-free run): the receiver rebuilds the same pytree structure from them."""
+  out = []
+  for f in dataclasses.fields(tree):
+    value = getattr(tree, f.name)
+    if value is None:
+      out.append(prefix + f.name)
+    elif dataclasses.is_dataclass(value):
+      out.extend(_absent_fields(value, f"{prefix}{f.name}."))
+  return out
+
+
+def _treedef(kind: type, absent: list[str]):
+  """The pytree structure of a `kind` (Rollout / Experience) with `absent` fields None."""
+  def build(cls, prefix):
+    values = []
+    for f in dataclasses.fields(cls):
+      name = prefix + f.name
+      if name in absent:
+        values.append(None)
+      elif cls is Experience and f.name == "rollout":
+        values.append(build(Rollout, name + "."))
+      else:
+        values.append(0)
+    return cls(*values)
+  return jax.tree.structure(build(kind, ""))
 
 
 class _Link:
@@ -96,7 +117,7 @@ class _Link:
     leaves = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=(
         self.layout.batch_sharding(len(shape)) if shape else self.layout.replicated))
               for shape, dtype in meta["shapes"]]
-    return jax.tree.unflatten(_treedef(self.kind), leaves)
+    return jax.tree.unflatten(_treedef(self.kind, meta["absent"]), leaves)
 
   def put(self, step: int, tree: Any, metrics: dict, stop: threading.Event) -> None:
     if self.local:
@@ -106,7 +127,8 @@ class _Link:
     shardings = tr.mirror_shardings(self.layout.batch_shardings(tree), jax.local_devices())
     tree = jax.device_put(tree, shardings)
     shapes = [[list(x.shape), str(x.dtype)] for x in jax.tree.leaves(tree)]
-    self.sender.put(tree, {"step": step, "metrics": metrics, "shapes": shapes}, stop=stop)
+    self.sender.put(tree, {"step": step, "metrics": metrics, "shapes": shapes,
+                           "absent": _absent_fields(tree)}, stop=stop)
 
   def close(self) -> None:
     if self.local:
@@ -198,8 +220,10 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
                      system.layouts["train"], cfg.queue_size)
   actor_link = _Weights(f"actor@{run}", where["train"], where["generate"],
                         system.layouts["generate"], abstract["actor"])
-  critic_link = _Weights(f"critic@{run}", where["train"], where["infer"],
-                         system.layouts["infer"], abstract["critic"])
+  # Without a critic (critic-free estimators) there is nothing to publish.
+  critic_link = (_Weights(f"critic@{run}", where["train"], where["infer"],
+                          system.layouts["infer"], abstract["critic"])
+                 if system.has_critic else None)
   guard = BadStepGuard(system.ppo.max_bad_steps)
   step_start: dict[int, float] = {}
   who = f"p{me}"
@@ -208,8 +232,9 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     # The critic first (see modes.run_pipe); the KL coefficient of `version` before both,
     # for an inference stage in another process.
     endpoint.put(f"kl_coef/{version}", system.kl_coefs[version])
-    critic_link.publish(system.critic_for_inference()[0] if critic_link.local
-                        else system.state.critic, version)
+    if critic_link is not None:
+      critic_link.publish(system.critic_for_inference()[0] if critic_link.local
+                          else system.state.critic, version)
     actor_link.publish(system.actor_for_generation()[0] if actor_link.local
                        else system.state.actor, version)
 
@@ -237,8 +262,10 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
       if actor_version not in system.kl_coefs:
         system.kl_coefs[actor_version] = endpoint.wait_get(
             f"kl_coef/{actor_version}", stop=stop, timeout_s=None, poll_s=0.005)
-      # The newest critic, at least as new as the actor that sampled the batch.
-      critic, version = critic_link.acquire(actor_version, stop)
+      # The newest critic, at least as new as the actor that sampled the batch (without
+      # a critic the span carries the sampling policy's version).
+      critic, version = (critic_link.acquire(actor_version, stop)
+                         if critic_link is not None else (None, actor_version))
       with tracer.span("infer", batch=step, version=version, process=who):
         exp, inf_metrics = system.infer(rollout, critic, actor_version=actor_version,
                                         critic_version=version)
@@ -265,7 +292,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     if link.local:
       group.register_queue(link.queue)
   for weights in (actor_link, critic_link):
-    if weights.local:
+    if weights is not None and weights.local:
       group.register_queue(weights.store)
   if where["train"] == me:
     publish(system.version)
@@ -279,5 +306,5 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   distributed.barrier(f"pipe_run_{run}_done")
   gather_trace(tracer, endpoint, where["train"], run)
   for weights in (actor_link, critic_link):
-    if not weights.local and weights.me == where["train"]:
+    if weights is not None and not weights.local and weights.me == where["train"]:
       weights.publisher.close()
