@@ -201,6 +201,7 @@ class Checkpointer:
       *,
       max_to_keep: int | None = 3,
       async_save: bool = True,
+      processes: Iterable[int] | None = None,
   ):
     """Opens (creating if needed) a checkpoint directory.
 
@@ -208,16 +209,32 @@ class Checkpointer:
       directory: Root directory; one sub-directory per step.
       max_to_keep: Keep only the newest N steps (None keeps all).
       async_save: Write in a background thread.
+      processes: in a multi-process job, the processes that save and restore together
+        (the first one writes the shared files); None = all of them. A group of processes
+        (e.g. the training stage of a pipe-mode job) can then checkpoint while the others
+        run something else. A group of one process other than process 0 can only read:
+        Orbax writes host (numpy) arrays from process 0 only, and refuses device arrays
+        that one process holds entirely.
     """
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(
           f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}"
       )
     self.directory = pathlib.Path(directory).absolute()
+    multiprocessing = ocp.options.MultiprocessingOptions()
+    if processes is not None:
+      processes = sorted(set(processes))
+      multiprocessing = ocp.options.MultiprocessingOptions(
+          primary_host=processes[0], active_processes=set(processes),
+          barrier_sync_key_prefix="group_" + "_".join(map(str, processes)))
+    if processes is not None:
+      # Orbax creates the root itself only when every process takes part.
+      self.directory.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,
-        create=True,
+        create=processes is None,
+        multiprocessing_options=multiprocessing,
     )
     # Handlers are registered up front so that metadata and restore work in a
     # fresh process, before any save was made through this manager.

@@ -6,6 +6,11 @@
 `--warm_start_only` trains SFT and the reward model into DIR/warmstart and stops; runs in
 any runtime mode then start PPO from it with --config.warm_start.checkpoint=DIR/warmstart.
 
+Multi-process (one process per host): the same command on every host with
+`--coordinator_address=HOST0:PORT --num_processes=N --process_id=I` (or
+`--cluster_detection=auto` on a TPU pod / SLURM allocation); `python -m
+pipe_rlhf_jax.launch` starts such a job on one machine.
+
 Set XLA_FLAGS before jax is imported to get virtual CPU devices; when the flag is absent
 and the only platform is the CPU, this entry point asks for 8, so the embedded default
 exercises every mesh on a laptop.
@@ -34,25 +39,71 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/
 _RESUME = flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint in --workdir.")
 _WARM_START_ONLY = flags.DEFINE_bool(
     "warm_start_only", False, "Only train (or restore) the warm start into --workdir/warmstart.")
+# Joining a multi-process job (see pipe_rlhf_jax/distributed/cluster.py).
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", "", "host:port of process 0's coordination service (empty: "
+    "one process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index, 0-based.")
+_BIND = flags.DEFINE_string(
+    "coordinator_bind_address", "", "Where process 0's coordinator listens (default: "
+    "exactly --coordinator_address, never every interface).")
+_LISTEN_HOST = flags.DEFINE_string(
+    "listen_host", "", "Interface of this process's transfer servers (default: the one "
+    "that reaches the coordinator).")
+_DETECT = flags.DEFINE_string(
+    "cluster_detection", "off", "'auto' (or a method) lets jax read the job's shape from "
+    "a TPU pod / SLURM / Open MPI / Kubernetes environment.")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 0, "Devices per process on the CPU backend (0: the default).")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 10, "A process silent this long is dead; every other "
+    "process then aborts.")
+
+
+def distributed_config():
+  """The `DistributedConfig` the flags describe (checked, with errors naming the flag)."""
+  from pipe_rlhf_jax.distributed import DistributedConfig
+  return DistributedConfig(
+      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value, coordinator_bind_address=_BIND.value,
+      cluster_detection=_DETECT.value, listen_host=_LISTEN_HOST.value,
+      cpu_devices=_CPU_DEVICES.value, heartbeat_timeout_s=_HEARTBEAT.value)
 
 
 def main(argv):
   del argv
+  from pipe_rlhf_jax import distributed
+  from pipe_rlhf_jax.distributed.faults import FaultWatch
+  # Before anything touches a backend: jax enumerates devices once.
+  distributed.initialize(distributed_config())
+  watch = FaultWatch.start()
   from pipe_rlhf_jax.train import prepare_warm_start, train  # after flags: jax sees XLA_FLAGS
   # Library chatter (TFDS writers, Orbax) stays at WARNING; the run's own milestones are
   # printed by `train`.
   logging.set_verbosity(logging.WARNING)
-  if _WARM_START_ONLY.value:
-    if _RESUME.value:
-      raise app.UsageError("--warm_start_only and --resume: choose one.")
-    result = prepare_warm_start(_CONFIG.value, _WORKDIR.value,
-                                progress=sys.stderr.isatty())
-    print(f"warm start in {result['checkpoint']}; start PPO from it with "
-          f"--config.warm_start.checkpoint={result['checkpoint']}")
-    return
-  result = train(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value,
-                 progress=sys.stderr.isatty())
-  print(result["summary"])
+  if _WARM_START_ONLY.value and _RESUME.value:
+    raise app.UsageError("--warm_start_only and --resume: choose one.")
+  try:
+    if _WARM_START_ONLY.value:
+      result = prepare_warm_start(_CONFIG.value, _WORKDIR.value,
+                                  progress=sys.stderr.isatty())
+      message = (f"warm start in {result['checkpoint']}; start PPO from it with "
+                 f"--config.warm_start.checkpoint={result['checkpoint']}")
+    else:
+      result = train(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value,
+                     progress=sys.stderr.isatty())
+      message = result["summary"]
+  except KeyboardInterrupt:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if watch is None:
+      raise
+    watch.fail(e)  # tells every other process, then exits non-zero
+  if watch is not None:
+    watch.finish()
+  if message:
+    print(message)
 
 
 if __name__ == "__main__":

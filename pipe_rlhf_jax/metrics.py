@@ -586,3 +586,42 @@ def format_summary(
   for label, value in (extra or {}).items():
     lines.append(f"  {label}: {value}")
   return "\n".join(lines)
+
+
+class SecondaryWriter:
+  """The metrics writer of a process other than the primary in a multi-process job.
+
+  Process 0 owns the run's files; every other process computes the same records (its
+  metrics are the same global values) and `write` checks and returns them exactly like
+  `MetricsWriter.write`, but writes nothing, so the log holds each row once.
+
+  Attributes:
+    metrics_path: the primary's `metrics.jsonl` (the workdir is shared).
+    tensorboard_dir: None.
+  """
+
+  def __init__(self, workdir: PathLike):
+    self.workdir = pathlib.Path(workdir)
+    self.metrics_path = self.workdir / METRICS_FILENAME
+    self.tensorboard_dir = None
+
+  def write(self, step: int, metrics: Mapping[str, Any], phase: str = "ppo"
+            ) -> dict[str, Any]:
+    values = to_python(metrics)
+    clash = _RESERVED_KEYS.intersection(values)
+    if clash:
+      raise ValueError(f"metric names {sorted(clash)} are reserved for the record itself; "
+                       "rename them.")
+    return {"step": int(step), "phase": str(phase), **values}
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self) -> "SecondaryWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -30,6 +30,18 @@ plus a resumed N give identical metrics, and metrics.jsonl holds each step once.
 checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
 mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
 another mode, with a warning where that changes the staleness bound.
+
+Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
+process runs `train` with the same config on a shared workdir (process 0's choice,
+agreed through the coordination service). Process 0 alone writes files (datasets first,
+then metrics, traces, samples, export); the others wait for the datasets and write
+nothing. `sequential` and `per_stage` meshes span all processes' devices, every process
+runs every program, and Orbax checkpoints are written by all processes together. In
+`pipe` mode each stage lies in one process (`system/pipe_processes.py`) and the
+training stage is placed on process 0 (its devices come last in the device order
+`runtime.placement` cuts), which alone holds, checkpoints and writes the trainer state;
+the warm start still runs on `config.mesh` over every process, after which each process
+builds its own stages from host copies.
 """
 
 from __future__ import annotations
@@ -46,11 +58,13 @@ import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.data import builders, pipeline
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
+from pipe_rlhf_jax.distributed.faults import set_activity
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
@@ -60,6 +74,7 @@ from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
                                          graphdef_of, with_backbone)
@@ -70,7 +85,9 @@ log = logging.getLogger(__name__)
 
 def say(message: str) -> None:
   """A milestone the user should see, whatever the logging verbosity."""
-  print(f"[pipe_rlhf_jax] {message}", flush=True)
+  who = (f" p{distributed.process_index()}/{distributed.process_count()}"
+         if distributed.process_count() > 1 else "")
+  print(f"[pipe_rlhf_jax{who}] {message}", flush=True)
 
 
 def default_workdir(config) -> str:
@@ -229,7 +246,7 @@ def greedy_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
   out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
                  rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
                  pad_id=sampling.pad_id)
-  tokens, mask = jax.device_get((out.tokens, out.mask))
+  tokens, mask = distributed.fetch((out.tokens, out.mask))
   prompts = [tokenizer.decode(p[m]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
   completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
   lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[:num_samples], completions)]
@@ -378,12 +395,30 @@ class RunSetup:
   warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
   config: Any = None  # the config the run uses: the input, or the planner's plan applied
   planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
+  # Multi-process jobs: whether this process writes the run's files (process 0) and
+  # holds the trainer state (every process, except in pipe mode across processes).
+  writes: bool = True
+  trains: bool = True
+  across: bool = False  # pipe mode with its stages in different processes
 
 
 def select_devices(config) -> list:
-  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them)."""
+  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them).
+
+  In `pipe` mode across processes, process 0's devices are moved to the end, so that
+  `runtime.placement`'s last block, the training stage, is process 0's: the process that
+  writes the run's files also holds the trainer state (and Orbax saves the state of a
+  one-process group only from process 0).
+  """
   devices = jax.devices()
+  if config.runtime.mode == "pipe" and jax.process_count() > 1:
+    devices = ([d for d in devices if d.process_index != 0] +
+               [d for d in devices if d.process_index == 0])
   n = config.runtime.get("num_devices", 0)
+  if n and n != len(devices) and jax.process_count() > 1:
+    raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
+                     f"processes: every process must hold devices of the meshes; use 0 "
+                     f"(all {len(devices)} devices), or start fewer processes.")
   if n > len(devices):
     raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
                      f"at most {len(devices)} (0 = all).")
@@ -398,7 +433,8 @@ def plan_of(config, devices) -> dict[str, Any]:
   """
   plan = dataclasses.asdict(RuntimeConfig.from_config(config))
   # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
-  return json.loads(json.dumps({"num_devices": len(devices), **plan}))
+  return json.loads(json.dumps({"num_devices": len(devices),
+                                "num_processes": distributed.process_count(), **plan}))
 
 
 def effective_staleness(plan: dict[str, Any]) -> int:
@@ -443,16 +479,9 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """
   validate_config(config)
   devices = select_devices(config)
-  workdir = workdir or config.workdir or default_workdir(config)
+  # Every process must use process 0's workdir (a default one is named by the clock).
+  workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
-  ppo_dir = os.path.join(workdir, "checkpoints")
-  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep)
-  latest = checkpointer.latest_step()
-  if latest is not None and not resume:
-    raise FileExistsError(
-        f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
-        f"to continue, or choose a new --workdir. Nothing was changed.")
-
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
   # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
@@ -460,8 +489,35 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   # or reject here, before any data or compilation.
   config, planned = auto_plan.plan_run(config, cfgs["actor"], devices)
   say(planned.describe())
+  # The planner may choose another mode, and the device order depends on it.
+  devices = select_devices(config)
   # ----
   layouts = build_layouts(RuntimeConfig.from_config(config), devices)
+  me = jax.process_index()
+  across = config.runtime.mode == "pipe" and jax.process_count() > 1
+  writes, trains, group = me == 0, True, None
+  if across:
+    # Each stage in one process (checked here, before anything is built); process 0
+    # holds the training stage, writes and checkpoints alone; the others only read
+    # checkpoints (a manager over their own process, which writes nothing).
+    trainer = stage_processes(layouts)["train"]
+    if trainer != 0:
+      raise ValueError(
+          f"runtime.placement: in pipe mode across processes the training stage must fit "
+          f"in process 0's {jax.local_device_count()} devices (the last block of the "
+          f"device order); it lies in process {trainer}. Give runtime.placement.train at most "
+          f"{jax.local_device_count()} devices.")
+    trains = me == 0
+    group = [me]
+  ppo_dir = os.path.join(workdir, "checkpoints")
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
+                                       processes=group)
+  latest = checkpointer.latest_step()
+  if latest is not None and not resume:
+    raise FileExistsError(
+        f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
+        f"to continue, or choose a new --workdir. Nothing was changed.")
+
   with_critic = PPOConfig.from_config(config.ppo).needs_critic
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
@@ -489,10 +545,28 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, warm_layout, config, planned)
+                  start, warm_layout, config, planned, writes=writes, trains=trains,
+                  across=across)
 
 
 WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
+
+
+def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
+  """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
+  set_activity("building datasets")
+  if not distributed.is_primary():
+    distributed.barrier("datasets_built")
+  result = make_data(config, setup.workdir, setup.tokenizer)
+  if distributed.is_primary():
+    distributed.barrier("datasets_built")
+  return result
+
+
+def sampling_params(setup: RunSetup, system: PPOSystem):
+  """The actor to show samples from: in the generation layout, or, in pipe mode across
+  processes, where the trainer holds it (generation is another process's)."""
+  return system.state.actor if setup.across else system.actor_for_generation()[0]
 
 
 def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
@@ -518,6 +592,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
             or phase in ("data", "plan")
             or (phase in WARM_START_PHASES and not warm_restored))
 
+  if not setup.writes:
+    return metrics_lib.SecondaryWriter(setup.workdir)
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
     say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
@@ -582,6 +658,11 @@ def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
   """
   if not setup.start:
     return
+  if not setup.trains:  # a pipe-mode process without the training stage: no arrays
+    meta = setup.checkpointer.read_metadata()
+    system.restore({"trainer": None}, meta)
+    prompts.set_state(meta["data_state"])
+    return
   state, meta = setup.checkpointer.restore(
       target=system.abstract_checkpoint_state(),
       expect_metadata={"config_fingerprint": setup.fingerprint})
@@ -603,11 +684,16 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress)
+                                disable=not progress or not setup.writes)
   plan = plan_of(config, setup.devices)
 
   def save(step: int) -> None:
-    checkpointer.save(step, system.checkpoint_state(), metadata={
+    state = system.checkpoint_state()
+    if setup.across:
+      # Orbax refuses device arrays held by one process of a multi-process job; host
+      # copies are written by process 0 and restored straight onto the devices.
+      state = distributed.fetch(state)
+    checkpointer.save(step, state, metadata={
         **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
         "plan": plan, "data_state": feed.state_before(step + 1)})
 
@@ -620,6 +706,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
     if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
       writer.write(step, metrics, phase="ppo")
     bar.update(metrics)
+    set_activity(f"PPO step {step + 1}")
     if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
       kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
       say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
@@ -630,7 +717,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
 
   def on_interrupt() -> None:
     step = system.version - 1
-    if step >= 0 and step != last_saved[0]:
+    if setup.trains and step >= 0 and step != last_saved[0]:
       log.warning("Interrupted: writing a final checkpoint at PPO step %d", step)
       save(step)
     checkpointer.wait()
@@ -640,7 +727,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   finally:
     bar.close()
     checkpointer.wait()
-    if tracer.spans():
+    if tracer.spans() and setup.writes:
       tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
       tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
                    title=f"PPO stages ({system.mode})")
@@ -678,9 +765,16 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
   samples_before, samples_after = before.samples, after.samples
+  # Both run programs on every process holding the trainer state (all of them, except in
+  # pipe mode across processes); then only the writing process writes.
+  actor = distributed.fetch(system.state.actor) if setup.trains else None
+  if not setup.writes:
+    return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
+            "summary": f"process {distributed.process_index()}: the run's files and "
+                       "summary are written by process 0", "ppo_metrics": [],
+            "samples_after": samples_after, "tracer": tracer}
   export_dir = os.path.join(workdir, "export")
-  hf.save_pretrained(nnx.merge(built.actor_graphdef, jax.device_get(system.state.actor)),
-                     export_dir)
+  hf.save_pretrained(nnx.merge(built.actor_graphdef, actor), export_dir)
   plot = None
   records = metrics_lib.read_metrics(writer.metrics_path)
   if any(r.get("phase") == "ppo" for r in records):
@@ -730,26 +824,34 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   config = setup.config  # runtime.plan='auto': the planner's plan applied
   writer = open_metrics(config, setup)
   try:
-    build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    build_stats, data = build_data(config, setup)
     # Malformed-record decisions of every input pipeline, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
+    set_activity("warm start (SFT, reward model)")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
                       setup.warm_layout, progress)
+    if setup.across:
+      # Every stage's process builds its stages from host copies (SPMD: all fetch).
+      warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
+              for k, v in warm.items()}
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])
     # Written only once the config is known to match any checkpoint it resumes.
-    with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    if setup.writes:
+      with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
     rules = rule_rewards_to_report(config)
 
     def evaluate(step: int) -> GreedyEval:
-      result = greedy_eval(built.actor_graphdef, built.system.actor_for_generation()[0],
+      if not setup.trains:  # pipe mode across processes: the trainer's process evaluates
+        return GreedyEval([], {}, 0)
+      result = greedy_eval(built.actor_graphdef, sampling_params(setup, built.system),
                            eval_batch, setup.tokenizer, built.sampling, rules,
                            config.log.samples)
       if result.scores:
@@ -759,6 +861,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
 
     before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+    set_activity(f"PPO step {setup.start}")
     tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
     return report(setup, built, warm, tracer, writer, before, evaluate(end), start_time)
   finally:
@@ -786,7 +889,7 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
                      "empty (it names one to restore).")
   writer = open_metrics(config, setup)
   try:
-    build_stats, data = make_data(config, setup.workdir, setup.tokenizer)
+    build_stats, data = build_data(config, setup)
     writer.write(0, build_stats, phase="data")
     warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
                       setup.warm_layout, progress)

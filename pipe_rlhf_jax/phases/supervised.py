@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh
@@ -172,7 +173,7 @@ def evaluate_reward_model(graphdef, params, layout: StageLayout, batches: Iterat
 
   correct, margins = [], []
   for _ in range(num_batches):
-    chosen, rejected = jax.device_get(scores(params, layout.put_batch(next(batches))))
+    chosen, rejected = fetch(scores(params, layout.put_batch(next(batches))))
     correct.append(chosen > rejected)
     margins.append(chosen - rejected)
   correct, margins = np.concatenate(correct), np.concatenate(margins)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pipe_rlhf_jax.distributed.arrays import put_global
 from pipe_rlhf_jax.generation.sampling import policy_logprobs, token_logprob
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import describe
@@ -90,8 +91,12 @@ class StageLayout:
     return reshard(state, self.param_shardings(state))
 
   def put_batch(self, tree: Any) -> Any:
-    """Places a host batch (numpy dict / dataclass) on this stage, split over batch."""
-    return jax.device_put(tree, self.batch_shardings(tree))
+    """Places a host batch (numpy dict / dataclass) on this stage, split over batch.
+
+    On a mesh spanning several processes each process uploads only its own rows of the
+    (identical) global batch.
+    """
+    return put_global(tree, self.batch_shardings(tree))
 
   def rules_context(self):
     """Context activating this stage's activation constraints while tracing."""

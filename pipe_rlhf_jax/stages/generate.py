@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.ppo.types import Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
@@ -84,7 +85,7 @@ class GenerateStage:
                       policy_version=jnp.asarray(version, jnp.int32))
     # Counted on the host: a device reduction here could queue behind another stage's
     # program and pollute the timing (seen on virtual CPU devices sharing cores).
-    new_tokens = float(np.asarray(jax.device_get(out.mask)).sum())
+    new_tokens = float(fetch(out.mask).sum())
     seconds = time.perf_counter() - start
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9)}

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.ppo import advantages as adv_lib
 from pipe_rlhf_jax.ppo import kl as kl_lib
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
@@ -155,9 +156,11 @@ class InferStage:
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
     """Rule reward `fn` of each completion, from decoded text."""
-    prompts_np, pmask, completions_np, cmask = jax.device_get(
+    # One host transfer for the whole batch; every process of the stage scores the whole
+    # batch (rule rewards are cheap next to the model passes), so all hold equal scores.
+    prompts_np, pmask, completions_np, cmask = fetch(
         (rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens,
-         rollout.completion_mask))  # one host transfer for the whole batch
+         rollout.completion_mask))
     prompts = [self.decode(p[m]) for p, m in zip(prompts_np, pmask)]
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
     return np.asarray(fn(prompts, completions), np.float32)
@@ -177,8 +180,9 @@ class InferStage:
     # and scores the completions below.
     ref_logprobs, values, model_scores = self._forward(ref, critic, reward_model, rollout)
     if reward_model is None:
-      scores = jax.device_put(self.score_on_host(rollout, self.reward_fn),
-                              self.layout.batch_sharding(1))
+      # Each process holds the whole host batch; put_global keeps its own shards.
+      scores = put_global(self.score_on_host(rollout, self.reward_fn),
+                          self.layout.batch_sharding(1))
     else:
       scores = model_scores
     exp, metrics = self._make(rollout, ref_logprobs, values, scores,

@@ -16,6 +16,10 @@ re-generated from the restored policy (so no rollout is lost or trained on twice
 
 Without a critic (a critic-free advantage estimator) nothing of one is synced or
 published, and no critic version or staleness is reported.
+
+In a multi-process job `run` hands `pipe` mode to `pipe_processes`, which runs the same
+workers with each stage in its own process and the links between processes carried by
+`distributed.transfer`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ class DataFeed:
       except StopIteration:
         raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
                            "endless (or long enough) source.") from None
+
+  def remember(self, step: int, state: dict | None) -> None:
+    """Records the source's state before batch `step` as read elsewhere (pipe mode
+    across processes: the generating process reads the prompts, the trainer's process
+    checkpoints)."""
+    with self._lock:
+      self._states[step] = state
 
   def state_before(self, step: int) -> dict | None:
     with self._lock:
@@ -206,7 +217,12 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
 def run(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
         tracer: Tracer, on_interrupt: Callable | None = None) -> None:
   """Runs PPO steps [start, end) in `system.mode`."""
-  if system.mode == "pipe":
+  from pipe_rlhf_jax import distributed
+  if system.mode == "pipe" and distributed.process_count() > 1:
+    from pipe_rlhf_jax.system.pipe_processes import run_pipe_across_processes
+    run_pipe_across_processes(system, feed, start, end, on_step, tracer,
+                              on_interrupt=on_interrupt)
+  elif system.mode == "pipe":
     run_pipe(system, feed, start, end, on_step, tracer, on_interrupt=on_interrupt)
   else:
     try:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
@@ -287,6 +288,14 @@ class PPOSystem:
     self.runtime = runtime
     self.layouts = build_layouts(runtime, devices)
     self.mode = runtime.mode
+    # In a multi-process job a process holds (and initialises) only the stages that have
+    # devices in it; `pipe_processes` moves everything else between processes.
+    me = jax.process_index()
+    self.local_stages = tuple(s for s in STAGES if any(
+        d.process_index == me for d in self.layouts[s].mesh.devices.flat))
+    self._abstract = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         getattr(models, name))
+                      for name in ("actor", "critic")}
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
@@ -315,10 +324,14 @@ class PPOSystem:
                                   PPOHyper.from_settings(ppo, sampling.temperature),
                                   optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr) if self.has_critic else None)
-    self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
-                      else None)
-    self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
-    self.state: ActorCriticState = self.train_stage.init_state(models.actor, models.critic)
+    self.reference = self.reward = self.state = None
+    if "infer" in self.local_stages:
+      self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
+                        else None)
+      self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
+    if "train" in self.local_stages:
+      self.state: ActorCriticState = self.train_stage.init_state(models.actor,
+                                                                 models.critic)
     root = jax.random.key(ppo.seed)
     self.gen_key = jax.random.fold_in(root, 1)
     self.train_key = jax.random.fold_in(root, 2)
@@ -327,6 +340,10 @@ class PPOSystem:
     # v use kl_coefs[v], whichever thread computes them and whenever. Written by the
     # trainer before it publishes version v, so a reader always finds it.
     self.kl_coefs: dict[int, float] = {0: float(ppo.kl_coef)}
+
+  def abstract_params(self) -> dict[str, nnx.State]:
+    """Shapes and dtypes (with logical-axis metadata) of the actor and the critic."""
+    return self._abstract
 
   @property
   def kl_coef(self) -> float:
@@ -369,7 +386,7 @@ class PPOSystem:
     kl_coef = self.kl_coefs[actor_version]
     rollout, stats = reshard(rollout, self.layouts["infer"].batch_shardings(rollout))
     exp, metrics = self.infer_stage(self.reference, critic, self.reward, rollout, kl_coef)
-    metrics = jax.device_get(metrics)
+    metrics = fetch(metrics)
     versions = {"version/actor": float(actor_version)}
     if self.has_critic:
       versions["version/critic"] = float(critic_version)
@@ -383,7 +400,7 @@ class PPOSystem:
     exp, stats = reshard(exp, self.layouts["train"].batch_shardings(exp))
     rng = jax.random.fold_in(self.train_key, step)
     self.state, metrics = self.train_stage.update(self.state, exp, rng)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics = {k: float(v) for k, v in fetch(metrics).items()}
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
 

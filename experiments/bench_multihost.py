@@ -1,0 +1,220 @@
+"""Benchmark of multi-process runs on one machine: weight sync across processes, s/step.
+
+Owns two measurements, each a job of several local processes started with
+`pipe_rlhf_jax.launch` (virtual CPU devices, a free coordinator port, hard timeouts):
+
+* weight sync: process 0 holds an actor laid out for training (fsdp over its devices)
+  and publishes it through `distributed.transfer.WeightPublisher`; process 1 asks for
+  each version with a `WeightSubscriber` into a generation layout (pipe x tensor over
+  its devices) and times request -> arrays ready. Reported per model size: parameter
+  bytes, median seconds, bytes/s. (Includes the key-value round trips and the sender's
+  reshard onto the mirrored layout: what a generator waits for.)
+* seconds per PPO step of the library API (`system.run`, rule reward, no warm start) for
+  each process layout (1 x 8, 2 x 4, 4 x 2 processes x devices, the same 8 devices and
+  meshes) and each mode that runs across processes (`sequential`, `per_stage`; `pipe`
+  runs on one process only, so only 1 x 8 is measured for it). The first
+  --warmup steps (compilation) are excluded.
+
+On virtual CPU devices every process shares the host's cores, so these figures say what
+the multi-process machinery costs (collectives through gloo, transfer servers, the
+key-value store), not what a cluster's network would give.
+
+Usage:
+  python experiments/bench_multihost.py
+  python experiments/bench_multihost.py --sync-sizes 64,256 --layouts 1x8,2x4 --steps 6
+Writes `multihost.json` and prints the tables (default --out-dir experiments/out/multihost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+# ---- workers (one process of a job) -----------------------------------------------------
+def _join(args) -> None:
+  from pipe_rlhf_jax import distributed
+  distributed.initialize(distributed.DistributedConfig(
+      coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+      process_id=args.process_id, cpu_devices=args.cpu_devices))
+
+
+def _model_config(embed_dim: int):
+  from pipe_rlhf_jax.models.config import tiny_config
+  return tiny_config(embed_dim=embed_dim, num_layers=4, num_heads=4, num_kv_heads=4,
+                     head_dim=embed_dim // 4, mlp_dim=3 * embed_dim, vocab_size=512)
+
+
+def sync_worker(args) -> None:
+  import jax
+  import numpy as np
+  from flax import nnx
+  from pipe_rlhf_jax import distributed
+  from pipe_rlhf_jax.distributed import transfer as tr
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.parallel import logical
+  from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+  from pipe_rlhf_jax.stages.common import StageLayout
+  me = distributed.process_index()
+  groups = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
+  half = len(groups[1]) // 2
+  rows = []
+  for size in args.sizes:
+    cfg = _model_config(size)
+    train = StageLayout("train", make_mesh(MeshShape(fsdp=len(groups[0])), groups[0]),
+                        logical.STAGE_RULES["train"])
+    gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=half), groups[1]),
+                      logical.STAGE_RULES["generate"])
+    abstract = nnx.state(nnx.eval_shape(lambda: init_model(cfg)))
+    name = f"actor{size}"
+    if me == 0:
+      params, _ = train.put_params(nnx.state(init_model(cfg, seed=0)))
+      publisher = tr.WeightPublisher(
+          name, [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
+      for version in range(args.repeats + 1):
+        publisher.publish(params, version)
+        distributed.barrier(f"{name}/{version}")  # the subscriber took this version
+      publisher.close()
+    else:
+      target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            abstract, gen.param_shardings(abstract))
+      subscriber = tr.WeightSubscriber(name, 0, target)
+      seconds = []
+      for version in range(args.repeats + 1):
+        start = time.perf_counter()
+        params, got = subscriber.acquire(version, timeout_s=300)
+        jax.block_until_ready(params)
+        seconds.append(time.perf_counter() - start)
+        assert got == version
+        distributed.barrier(f"{name}/{version}")
+      nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(abstract))
+      median = statistics.median(seconds[1:])  # the first pull connects and compiles
+      rows.append({"embed_dim": size, "bytes": nbytes, "seconds": median,
+                   "bytes_per_s": nbytes / median, "first_s": seconds[0]})
+  if me == 1:
+    with open(os.path.join(args.out, "sync.json"), "w", encoding="utf-8") as f:
+      json.dump(rows, f)
+
+
+def ppo_worker(args) -> None:
+  import jax
+  from pipe_rlhf_jax import distributed
+  from pipe_rlhf_jax.generation import SamplingParams
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
+                                    StagePlan, prompts_from_texts, run)
+  del jax
+  tokenizer = load_tokenizer("byte")
+  policy = init_model(tiny_config(), seed=0)  # the quickstart's model
+  pipe = args.mode == "pipe"
+  runtime = RuntimeConfig(
+      mode=args.mode, max_staleness=1 if pipe else 0, placement=(4, 2, 2) if pipe else None,
+      mesh=MeshSpec(data=-1),
+      generate=StagePlan(MeshSpec(data=1, pipe=4) if pipe else MeshSpec(data=-1),
+                         num_microbatches=8 if pipe else 1),
+      infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=1, fsdp=-1)))
+  system = PPOSystem(
+      Models.from_policy(policy),
+      ppo=PPOConfig(steps=args.steps, batch_size=32, minibatch_size=16, actor_lr=1e-4),
+      sampling=SamplingParams(max_new_tokens=8, eos_id=tokenizer.eos_id,
+                              pad_id=tokenizer.pad_id),
+      runtime=runtime, reward_fn=lambda p, c: [float(x.count("a")) for x in c],
+      decode=tokenizer.decode)
+  words = [a + b + c for a in "abcd" for b in "efgh" for c in "ij"]
+  prompts = prompts_from_texts([f"rev {w}=" for w in words], tokenizer, batch_size=32,
+                               prompt_len=10)
+  ends = []
+  run(system, prompts, steps=args.steps, on_step=lambda s, m: ends.append(time.perf_counter()))
+  steady = ends[args.warmup - 1:]
+  if distributed.is_primary():
+    with open(os.path.join(args.out, "ppo.json"), "w", encoding="utf-8") as f:
+      json.dump({"s_per_step": (steady[-1] - steady[0]) / (len(steady) - 1)}, f)
+
+
+# ---- the driver -----------------------------------------------------------------------------
+def _job(kind: str, extra: list[str], out: str, processes: int, devices: int,
+         timeout_s: float) -> dict | list | None:
+  from pipe_rlhf_jax.launch import launch
+  os.makedirs(out, exist_ok=True)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  result = launch([kind, f"--out={out}", *extra], num_processes=processes,
+                  cpu_devices=devices, log_dir=os.path.join(out, "logs"),
+                  timeout_s=timeout_s, command=(sys.executable, "-u", __file__), echo=False,
+                  env=env)
+  if not result.ok:
+    print(f"{kind} {extra} on {processes} x {devices} failed:\n{result.report()}")
+    return None
+  with open(os.path.join(out, f"{kind}.json"), encoding="utf-8") as f:
+    return json.load(f)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("kind", nargs="?", choices=("sync", "ppo"),
+                 help="(internal: one process of a job)")
+  p.add_argument("--out", default="")
+  p.add_argument("--out-dir", default=os.path.join(ROOT, "experiments", "out", "multihost"))
+  p.add_argument("--sync-sizes", default="64,128,256,512",
+                 help="embedding widths of the 4-layer models whose weights are synced")
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--layouts", default="1x8,2x4,4x2", help="processes x devices each")
+  p.add_argument("--modes", default="sequential,per_stage,pipe")
+  p.add_argument("--mode", default="sequential")
+  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--timeout-s", type=float, default=900.0)
+  p.add_argument("--coordinator_address", default="")
+  p.add_argument("--num_processes", type=int, default=1)
+  p.add_argument("--process_id", type=int, default=0)
+  p.add_argument("--cpu_devices", type=int, default=0)
+  args = p.parse_args()
+  args.sizes = [int(s) for s in args.sync_sizes.split(",") if s]
+  if args.kind:
+    _join(args)
+    (sync_worker if args.kind == "sync" else ppo_worker)(args)
+    return
+
+  results = {"sync": None, "ppo": []}
+  if args.sizes:
+    results["sync"] = _job("sync", [f"--sync-sizes={args.sync_sizes}",
+                                    f"--repeats={args.repeats}"],
+                           os.path.join(args.out_dir, "sync"), 2, 4, args.timeout_s)
+    print("weight sync, process 0 (train, fsdp=4) -> process 1 (generate, pipe=2 x "
+          "tensor=2)")
+    print(f"{'embed_dim':>9} {'MB':>8} {'s (median)':>11} {'MB/s':>9} {'first s':>8}")
+    for r in results["sync"] or []:
+      print(f"{r['embed_dim']:>9} {r['bytes'] / 1e6:>8.2f} {r['seconds']:>11.4f} "
+            f"{r['bytes_per_s'] / 1e6:>9.1f} {r['first_s']:>8.2f}")
+  print(f"\nseconds per PPO step (steps {args.warmup}..{args.steps - 1})")
+  for mode in [m for m in args.modes.split(",") if m]:
+    for layout in [l for l in args.layouts.split(",") if l]:
+      processes, devices = (int(x) for x in layout.split("x"))
+      if mode == "pipe" and processes > 1:
+        continue  # pipe mode runs on one process (see the README's multi-host section)
+      out = os.path.join(args.out_dir, f"{mode}_{layout}")
+      got = _job("ppo", [f"--mode={mode}", f"--steps={args.steps}",
+                         f"--warmup={args.warmup}"], out, processes, devices, args.timeout_s)
+      row = {"mode": mode, "layout": layout,
+             "s_per_step": None if got is None else got["s_per_step"]}
+      results["ppo"].append(row)
+      shown = "failed" if got is None else f"{got['s_per_step']:.3f}"
+      print(f"  {mode:<11} {layout:>4}: {shown}")
+  os.makedirs(args.out_dir, exist_ok=True)
+  with open(os.path.join(args.out_dir, "multihost.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

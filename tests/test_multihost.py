@@ -1,0 +1,254 @@
+"""Multi-process runs on localhost: several JAX processes joined by jax.distributed.
+
+Each test starts real processes (`pipe_rlhf_jax.launch.launch`, a free coordinator port
+each time, hard timeouts, SIGKILL of anything left) running `tests/multihost_worker.py`,
+and checks what they wrote. Marked `multihost` (deselect with `-m "not multihost"`); the
+ones that compare whole runs also `slow`. Their hard bounds (600 s) are far above what
+they take on an idle machine: they are there so that nothing can hang.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from metric_helpers import assert_metrics_close
+from pipe_rlhf_jax.distributed import DistributedConfig
+from pipe_rlhf_jax.launch import launch
+
+pytestmark = pytest.mark.multihost
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = (sys.executable, "-u", os.path.join(HERE, "multihost_worker.py"))
+NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")
+
+
+def child_env():
+  """The test's environment without its own forced device count (the worker sets it)."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def run_job(tmp_path, name, args, num_processes, cpu_devices, timeout_s=600, grace_s=30):
+  result = launch([*args, f"--out={tmp_path / name}"], num_processes=num_processes,
+                  cpu_devices=cpu_devices, log_dir=str(tmp_path / name / "logs"),
+                  timeout_s=timeout_s, grace_s=grace_s, command=WORKER, echo=False,
+                  env=child_env())
+  return result
+
+
+def run_plain(tmp_path, name, args, cpu_devices, timeout_s=600):
+  """The same worker as one ordinary process (no jax.distributed at all)."""
+  out = tmp_path / name
+  subprocess.run(["timeout", "-s", "KILL", str(timeout_s), *WORKER, *args, f"--out={out}",
+                  f"--cpu_devices={cpu_devices}"], check=True, env=child_env(),
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  return out
+
+
+def math_metrics(records):
+  return [{k: v for k, v in r.items() if not any(k.startswith(p) or p in k for p in NOT_MATH)}
+          for r in records]
+
+
+def read_metrics(path):
+  with open(path / "metrics.json", encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sequential", "per_stage"])
+def test_two_processes_match_one_process_on_the_same_global_mesh(tmp_path, mode):
+  # 2 processes x 4 CPU devices vs 1 process x 8 devices: the meshes have the same shape
+  # over 8 devices in the same order, so the PPO metrics agree at the tolerance of the
+  # mode-equivalence tests (rtol 1e-4); the sampled tokens agree exactly (response lengths
+  # and rule rewards are among the compared metrics). per_stage generates with a 2-stage
+  # pipelined decoder whose stages are the two processes.
+  args = ["ppo", f"--mode={mode}", "--steps=3"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
+  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  two = read_metrics(tmp_path / "two")
+  assert len(one) == len(two) == 3
+  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+  assert not os.path.exists(tmp_path / "two" / "p1.json")  # only process 0 wrote
+
+
+@pytest.mark.slow
+def test_pipe_mode_with_generation_and_training_in_different_processes(tmp_path):
+  # Generation on process 0 (devices 0-3, pipe=2 x tensor=2), inference and training on
+  # process 1 (devices 4-5 and 6-7): rollouts and weights cross processes through
+  # distributed.transfer. On-policy it computes what one process computes with the same
+  # placement; with staleness 1 it trains every step and never lags more than 1.
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
+  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  two = read_metrics(tmp_path / "two")
+  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+
+  job = run_job(tmp_path, "lag", ["ppo", "--mode=pipe", "--steps=4", "--staleness=1"],
+                num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  lag = read_metrics(tmp_path / "lag")
+  assert len(lag) == 4
+  assert all(0 <= r["staleness/actor"] <= 1 and 0 <= r["staleness/critic"] <= 1
+             for r in lag)
+
+
+def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
+  job = run_job(tmp_path, "fail", ["ppo", "--steps=2", "--fail_at=1", "--fail_process=1"],
+                num_processes=2, cpu_devices=4)
+  assert job.returncodes == [1, 1], job.report()
+  assert job.killed == []  # both stopped by themselves
+  assert abs(job.exit_s[0] - job.exit_s[1]) < 15, job.report()
+  text = job.log_text(0)
+  assert "stopping process 0 of 2" in text
+  assert "process 1 of 2 (" in text and "injected failure at PPO step 1" in text
+
+
+def test_distributed_config_errors_name_the_field():
+  with pytest.raises(ValueError, match="distributed.process_id=2 must be < "):
+    DistributedConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="needs distributed.coordinator_address"):
+    DistributedConfig(num_processes=2)
+  with pytest.raises(ValueError, match="must be host:port"):
+    DistributedConfig(coordinator_address="localhost", num_processes=2)
+  with pytest.raises(ValueError, match="cluster_detection='pbs'"):
+    DistributedConfig(cluster_detection="pbs")
+  assert not DistributedConfig().wanted
+
+
+def test_weights_and_rollouts_cross_process_groups_bit_for_bit(tmp_path):
+  # Process 0 = train group (fsdp=4), process 1 = generate group (pipe=2 x tensor=2):
+  # weights go 0 -> 1 through distributed.transfer, rollouts 1 -> 0 through a queue of
+  # capacity 1, with staleness bound 1 (see multihost_worker.transfer).
+  job = run_job(tmp_path, "transfer", ["transfer"], num_processes=2, cpu_devices=4,
+                timeout_s=180)
+  assert job.ok, job.report()
+  with open(tmp_path / "transfer" / "p0.json", encoding="utf-8") as f:
+    trainer = json.load(f)
+  with open(tmp_path / "transfer" / "p1.json", encoding="utf-8") as f:
+    generator = json.load(f)
+  used = generator["used"]
+  assert [u["step"] for u in used] == [0, 1, 2, 3, 4]
+  for u in used:
+    # Staleness bound 1: batch k needs version >= k - 1; version k + 1 cannot exist
+    # before batch k was generated and trained.
+    assert u["step"] - 1 <= u["version"] <= u["step"]
+    # The weights the generator used are the trainer's published version, bit for bit.
+    assert u["digest"] == trainer["published"][str(u["version"])]
+  # The trainer received every rollout once, in order, with its generating version.
+  assert [(b["step"], b["version"], b["rollout_sum"]) for b in trainer["batches"]] == [
+      (u["step"], u["version"], 96.0 * u["step"]) for u in used]
+  assert max(generator["in_flight"]) <= 1  # the queue's capacity
+  # A different layout at the receiver is refused before any data moves, naming the leaf.
+  assert "leaf ['embedding'].value is sent as float32[264, 32] on mesh(" in \
+      generator["refused"]
+  assert "nothing was moved" in generator["refused"]
+
+
+ROOT = os.path.dirname(HERE)
+MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
+
+
+def main_args(workdir):
+  """The tiny quickstart, shortened, in sequential mode."""
+  return [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}:tiny",
+          "--config.runtime.mode=sequential", "--config.sft.steps=2",
+          "--config.reward_model.steps=2", "--config.ppo.steps=4",
+          "--config.checkpoint.every=1", "--config.log.tensorboard=False",
+          f"--workdir={workdir}", "--heartbeat_timeout_s=5"]
+
+
+@pytest.mark.slow
+def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
+  # The main job on 2 processes x 4 devices; process 1 is SIGKILLed after PPO step 3.
+  # Process 0 must end by itself (jax's heartbeat check, 5 s here) well within 30 s;
+  # `--resume` on 2 processes then finishes the run from the multi-host checkpoint.
+  workdir = tmp_path / "run"
+  env = {**child_env(), "PYTHONPATH": ROOT}
+  killed_at = []
+
+  def kill_after_step_3(procs, logs):
+    if killed_at or not os.path.exists(logs[0]):
+      return
+    with open(logs[0], encoding="utf-8", errors="replace") as f:
+      if "ppo step 3/4" in f.read():
+        procs[1].kill()
+        killed_at.append(time.monotonic())
+
+  start = time.monotonic()
+  job = launch(main_args(workdir), num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs1"), timeout_s=400, grace_s=60, command=MAIN,
+               echo=False, env=env, watch=kill_after_step_3)
+  assert killed_at, job.report()
+  assert job.returncodes[1] == -9
+  assert job.returncodes[0] != 0 and job.killed == [], job.report()
+  assert start + job.exit_s[0] - killed_at[0] < 30, job.report()
+
+  job = launch([*main_args(workdir), "--resume"], num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs2"), timeout_s=400, command=MAIN, echo=False,
+               env=env)
+  assert job.ok, job.report()
+  assert "resumed PPO at step" in job.log_text(0)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_pipe_mode_with_every_stage_in_its_own_process(tmp_path):
+  # 3 processes x 4 devices, one stage each: every link (rollouts, experience, actor and
+  # critic weights) crosses processes. On-policy it equals one process over 12 devices.
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", "--placement=4,4,4"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=12))
+  job = run_job(tmp_path, "three", args, num_processes=3, cpu_devices=4)
+  assert job.ok, job.report()
+  assert_metrics_close(math_metrics(one), math_metrics(read_metrics(tmp_path / "three")),
+                       rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_main_job_in_pipe_mode_across_processes(tmp_path):
+  # The tiny quickstart in pipe mode on 2 processes x 4 devices: generation and inference
+  # on process 1, training (and all the run's files) on process 0.
+  workdir = tmp_path / "run"
+  args = [a for a in main_args(workdir) if "runtime.mode" not in a]
+  job = launch([*args, "--config.ppo.steps=3"], num_processes=2, cpu_devices=4,
+               log_dir=str(tmp_path / "logs"), timeout_s=500, command=MAIN, echo=False,
+               env={**child_env(), "PYTHONPATH": ROOT})
+  assert job.ok, job.report()
+  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [0..3]" in job.log_text(0)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if '"ppo"' in line]
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert all(r["staleness/actor"] <= 1 for r in rows)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1", "2"]
+  with open(workdir / "trace.json", encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  where = {(e["name"].split()[0], e["args"].get("process")) for e in events
+           if e.get("ph") == "X"}
+  assert ("generate", "p1") in where and ("train", "p0") in where
+
+
+def test_launcher_kills_what_does_not_stop(tmp_path):
+  # Process 1 fails at once, process 0 would sleep a minute: after grace_s it is
+  # SIGKILLed; and a job past timeout_s is SIGKILLed whole.
+  code = ("import sys, time\n"
+          "if '--process_id=1' in sys.argv: sys.exit(3)\n"
+          "time.sleep(60)\n")
+  start = time.monotonic()
+  job = launch([], num_processes=2, log_dir=str(tmp_path / "a"), grace_s=1, timeout_s=30,
+               command=(sys.executable, "-c", code), echo=False)
+  assert job.returncodes == [-9, 3] and job.first_failure == 1 and job.killed == [0]
+  assert time.monotonic() - start < 15
+  job = launch([], num_processes=2, log_dir=str(tmp_path / "b"), timeout_s=1,
+               command=(sys.executable, "-c", "import time; time.sleep(60)"), echo=False)
+  assert job.returncodes == [-9, -9] and sorted(job.killed) == [0, 1]
+  assert "killed by SIGKILL (SIGKILLed by the launcher)" in job.report()
