@@ -31,7 +31,7 @@ Outputs under --out (default experiments/out/learning_curves/<config name>[-<tag
 
 Warm starts live beside the output directories, in
 experiments/out/learning_curves/warm_starts/<fingerprint>/ (the hash of the seed and the
-sections that decide the warm start: `train.warm_start_fingerprint`), so experiments that
+sections that decide the warm start: `phases.warm_start.warm_start_fingerprint`), so experiments that
 change only PPO settings (--set ppo.kl_coef=..., another --tag) reuse them, and two
 invocations running at once wait for each other's warm start instead of training it twice.
 
@@ -192,7 +192,7 @@ def shared_warm_start(config, store: str, prepare) -> dict:
     store: the warm-start store directory.
     prepare: `train.prepare_warm_start`.
   """
-  from pipe_rlhf_jax.train import warm_start_fingerprint
+  from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
   directory = os.path.join(store, warm_start_fingerprint(config))
   with locked(os.path.join(directory, ".lock")):
     return prepare(config, os.path.join(directory, "run"), progress=False)

@@ -76,7 +76,7 @@ class LaunchResult:
       return f.read()
 
   def last_milestone(self, index: int) -> str:
-    """The last line the process printed through `train.say` (its last known activity)."""
+    """The last line the process printed through `metrics.say` (its last known activity)."""
     lines = [l for l in self.log_text(index).splitlines() if l.startswith("[pipe_rlhf_jax")]
     return lines[-1] if lines else "(no milestone printed)"
 

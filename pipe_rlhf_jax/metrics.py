@@ -12,7 +12,9 @@ Owns everything that turns per-step scalars into something a person reads:
 * `read_metrics`, `plot_reward_curve`, `format_summary`: reading the log back,
   the reward-vs-step PNG and the end-of-run text; `drop_metrics`: removing the
   rows a resumed run is about to write again (atomically).
-* `ProgressBar`: a thin tqdm wrapper that shows a few live values.
+* `ProgressBar`: a thin tqdm wrapper that shows a few live values; `say`: a milestone
+  line printed whatever the logging verbosity (tagged with the process in multi-process
+  jobs).
 
 Metric names are slash separated ("reward/mean"); TensorBoard tags are
 f"{phase}/{name}" so that the stages of the asynchronous runtime (which may
@@ -33,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.checks import check_int
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,13 @@ NONFINITE_KEY = "nonfinite_metrics"
 _RESERVED_KEYS = frozenset({"step", "phase", "time", NONFINITE_KEY})
 
 PathLike = str | os.PathLike
+
+
+def say(message: str) -> None:
+  """A milestone the user should see, whatever the logging verbosity."""
+  who = (f" p{distributed.process_index()}/{distributed.process_count()}"
+         if distributed.process_count() > 1 else "")
+  print(f"[pipe_rlhf_jax{who}] {message}", flush=True)
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -12,16 +12,15 @@ export/ (the final policy in Hugging Face format) and summary.txt.
 
 `train` runs five phases, each a function here: `set_up` (validate, choose devices,
 build and check the stage layouts on abstract parameters, read where a resume starts:
-all before any data are built), `open_metrics` + `make_data` + `warm_start`,
-`build_system` (the one place the PPO system is constructed), `restore_ppo` + `run_ppo`,
-and `report`.
+all before any data are built), `open_metrics` + `build_data` + the warm start
+(`phases.warm_start`), `build_system` (the one place the PPO system is constructed),
+`restore_ppo` + `run_ppo`, and `report` (with `phases.heldout`'s greedy answers before
+and after PPO).
 
-Warm start: SFT and the reward model train on one layout of their own (`warm_start.mesh`
-over all the job's devices), never on a PPO stage's mesh, so a seed's warm start is the
-same, to the last bit, in every runtime mode. `warm_start.checkpoint` names another run's
-`<workdir>/warmstart`: a run without a warm start of its own restores that one instead of
-training (its fingerprint must match), so runs of one seed in several modes start PPO
-from one checkpoint; `prepare_warm_start` runs the warm-start phases alone to write it.
+Warm start (`phases/warm_start.py`): SFT and the reward model train on a layout of their
+own, the same in every runtime mode; `warm_start.checkpoint` names another run's
+`<workdir>/warmstart` to start PPO from; `prepare_warm_start` runs the warm-start phases
+alone to write one.
 
 Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
@@ -54,7 +53,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
@@ -65,12 +63,15 @@ from pipe_rlhf_jax.data import builders, pipeline
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import set_activity
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
-from pipe_rlhf_jax.models.transformer import Transformer, init_model
-from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.metrics import say
+from pipe_rlhf_jax.phases import heldout, supervised
+from pipe_rlhf_jax.phases import warm_start as warm_lib
+from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import modes
@@ -81,13 +82,6 @@ from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
-
-
-def say(message: str) -> None:
-  """A milestone the user should see, whatever the logging verbosity."""
-  who = (f" p{distributed.process_index()}/{distributed.process_count()}"
-         if distributed.process_count() > 1 else "")
-  print(f"[pipe_rlhf_jax{who}] {message}", flush=True)
 
 
 def default_workdir(config) -> str:
@@ -115,22 +109,6 @@ def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
                        pad_token_id=tokenizer.pad_id)
   return {"actor": base, "critic": base.replace(head="value"),
           "reward": base.replace(head="score")}
-
-
-def init_policy(config, cfg: TransformerConfig) -> Transformer:
-  if config.model.path:
-    return hf.from_pretrained(config.model.path, dtype=config.model.dtype,
-                              param_dtype=config.model.param_dtype)
-  return init_model(cfg, seed=config.seed)
-
-
-def uses_reward_model(config) -> bool:
-  """Whether the run trains a reward model (`reward.fn == "model"`) or scores by a rule.
-
-  With a rule there are no preference pipelines, no reward-model phase and no reward
-  model in the PPO system.
-  """
-  return config.reward.fn == "model"
 
 
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
@@ -206,178 +184,6 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
         built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
   return build_stats, data
-
-
-def rule_rewards_to_report(config) -> dict[str, Any]:
-  """The rules scored on the held-out prompts (name -> function): none when
-  `log.eval_prompts` is 0 (or absent); else `reward.fn` when it is a rule, and
-  `reward.eval_fn` when set."""
-  if not config.log.get("eval_prompts", 0):
-    return {}
-  names = [] if uses_reward_model(config) else [config.reward.fn]
-  if config.reward.eval_fn and config.reward.eval_fn not in names:
-    names.append(config.reward.eval_fn)
-  return {name: REWARD_FUNCTIONS.get(name) for name in names}
-
-
-@dataclasses.dataclass
-class GreedyEval:
-  """Greedy completions of the held-out prompts at one point of the run.
-
-  Attributes:
-    samples: 'prompt -> completion' lines of the first `log.samples` prompts.
-    scores: rule name -> mean score over all `num_prompts` held-out prompts.
-    num_prompts: how many held-out prompts were scored.
-  """
-
-  samples: list[str]
-  scores: dict[str, float]
-  num_prompts: int
-
-
-def greedy_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
-                rules: dict[str, Any], num_samples: int) -> GreedyEval:
-  """Greedy (temperature 0) completions of a batch of held-out prompts, and their scores.
-
-  Greedy answers say what the policy has learned without the luck of sampling: the
-  number to compare before and after RL.
-  """
-  model = nnx.merge(graphdef, params)
-  out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
-                 rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
-                 pad_id=sampling.pad_id)
-  tokens, mask = distributed.fetch((out.tokens, out.mask))
-  prompts = [tokenizer.decode(p[m]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
-  completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
-  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[:num_samples], completions)]
-  scores = {name: float(np.mean(fn(prompts, completions))) for name, fn in rules.items()}
-  return GreedyEval(lines, scores, len(prompts))
-
-
-def heldout_summary(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
-  """Summary lines "held-out greedy <rule>": "before -> after (N prompts)"."""
-  return {f"held-out greedy {name}": f"{before.scores[name]:.3f} -> {after.scores[name]:.3f} "
-                                     f"({after.num_prompts} prompts)"
-          for name in after.scores}
-
-
-def warm_start_config(config) -> tuple[Any, str]:
-  """(`warm_start.mesh`, `warm_start.checkpoint`); configs without the section get data
-  parallelism over all devices and no shared checkpoint."""
-  section = config.get("warm_start") or {}
-  return section.get("mesh", {"data": -1}), section.get("checkpoint", "")
-
-
-def warm_start_fingerprint(config) -> str:
-  """Hash of what decides the warm start's result: the seed, and the model, data, SFT and
-  reward-model sections (not `data.dir`, a location, nor any part of the PPO plan).
-
-  A rule-reward run trains no reward model, so the reward_model settings do not decide
-  its warm start (and a reward-model checkpoint is never mistaken for one).
-  """
-  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
-  sections["reward_model"] = (config.reward_model.to_dict() if uses_reward_model(config)
-                              else "none: rule reward")
-  return ckpt_lib.config_fingerprint(
-      {"seed": config.seed, **sections},
-      ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
-
-
-def warm_start_source(config, workdir: str) -> str | None:
-  """The warm-start checkpoint this run restores, or None when it must train one.
-
-  Its own `<workdir>/warmstart` when that holds a checkpoint (a resume), else the
-  directory `warm_start.checkpoint` names, when set.
-  """
-  own = os.path.join(workdir, "warmstart")
-  if os.path.isdir(own):  # (opening a Checkpointer would create the directory)
-    with ckpt_lib.Checkpointer(own, async_save=False) as ckpt:
-      if ckpt.latest_step() is not None:
-        return own
-  shared = warm_start_config(config)[1]
-  if not shared:
-    return None
-  with ckpt_lib.Checkpointer(shared, async_save=False) as ckpt:
-    if ckpt.latest_step() is None:
-      raise FileNotFoundError(
-          f"warm_start.checkpoint={shared!r} holds no warm-start checkpoint; give the "
-          "warmstart/ directory of a finished run (or of `prepare_warm_start`), or set "
-          "--config.warm_start.checkpoint='' to train the warm start here.")
-  return shared
-
-
-def check_warm_start_source(config, workdir: str) -> None:
-  """Refuses, before any data are built, a shared warm start (`warm_start.checkpoint`)
-  written under another seed, model, data, sft or reward_model config (or reward)."""
-  source = warm_start_source(config, workdir)
-  if source is None or source == os.path.join(workdir, "warmstart"):
-    return  # trained here, or this run's own (checked when it is restored)
-  with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
-    saved = ckpt.read_metadata().get("fingerprint")
-  if saved != warm_start_fingerprint(config):
-    raise ckpt_lib.CheckpointError(
-        f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
-        f"sft or reward_model config than this run's (fingerprint {saved!r}, this run "
-        f"{warm_start_fingerprint(config)!r}); give the warm start of this seed and config, "
-        "or set --config.warm_start.checkpoint='' to train one here.")
-
-
-def warm_start(config, workdir, tokenizer, data, cfgs, writer, layout, progress: bool
-               ) -> dict[str, Any]:
-  """SFT and reward-model phases on `layout`, or the checkpoint `warm_start_source` finds.
-
-  With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
-  result has no "reward" entry and `rm_eval` is None.
-
-  `layout` is the warm-start layout (`phases.supervised.warm_start_layout`), the same in
-  every runtime mode. A checkpoint is restored onto it (replicated over its mesh),
-  whatever devices wrote it; its fingerprint (`warm_start_fingerprint`) covers what
-  decides its result, never the plan, so a preempted run may continue on another slice
-  and runs in other modes may share it.
-  """
-  use_rm = uses_reward_model(config)
-  policy = init_policy(config, cfgs["actor"])
-  actor_gd, actor = nnx.split(policy)
-  target = {"actor": actor}
-  if use_rm:
-    reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
-    if config.model.path:
-      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
-    target["reward"] = reward
-  fingerprint = warm_start_fingerprint(config)
-  source = warm_start_source(config, workdir)
-  if source is not None:
-    with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
-      state, meta = ckpt.restore(target=jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout.replicated),
-          target), expect_metadata={"fingerprint": fingerprint})
-    say(f"warm start restored from {source}")
-    return {**state, "rm_eval": meta["rm_eval"]}
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
-                               async_save=False)
-  t0 = time.perf_counter()
-  actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
-                            steps=config.sft.steps, learning_rate=config.sft.learning_rate,
-                            warmup_steps=config.sft.warmup_steps, phase="sft", writer=writer,
-                            progress=progress)
-  say(f"SFT done in {time.perf_counter() - t0:.1f}s")
-  state, rm_eval = {"actor": actor}, None
-  if use_rm:
-    rm = config.reward_model
-    state["reward"], _ = supervised.fit(
-        supervised.reward_model_loss(reward_gd), reward, layout, iter(data["prefs"]),
-        steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
-        phase="reward_model", writer=writer, progress=progress)
-    rm_eval = supervised.evaluate_reward_model(reward_gd, state["reward"], layout,
-                                               iter(data["prefs_eval"]), rm.eval_batches)
-    writer.write(rm.steps, rm_eval, phase="reward_model_eval")
-    say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
-        f"on {rm_eval['eval_pairs']} pairs")
-  else:
-    say(f"reward: the rule {config.reward.fn!r}; no reward model is trained")
-  ckpt.save(0, state, metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
-  ckpt.close()
-  return {**state, "rm_eval": rm_eval}
 
 
 @dataclasses.dataclass
@@ -523,12 +329,12 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
               for name in ("actor", "critic") if name == "actor" or with_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
   warm_layout = supervised.warm_start_layout(
-      warm_start_config(config)[0], devices,
+      warm_lib.warm_start_config(config)[0], devices,
       {"sft.batch_size": config.sft.batch_size,
        **({"reward_model.batch_size": config.reward_model.batch_size}
           if uses_reward_model(config) else {})})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
-  check_warm_start_source(config, workdir)
+  warm_lib.check_warm_start_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
@@ -547,9 +353,6 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
                   start, warm_layout, config, planned, writes=writes, trains=trains,
                   across=across)
-
-
-WARM_START_PHASES = ("sft", "reward_model", "reward_model_eval")
 
 
 def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
@@ -573,8 +376,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   """The metrics writer, after removing the rows this run is about to write again.
 
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
-  their rows from before (phases "ppo" and "heldout") are dropped and the log holds each step once; the "data" row is
-  written by every run, and the warm-start phases' rows again when their checkpoint is
+  their rows from before (phases "ppo" and "heldout") are dropped and the log holds each
+  step once; the "data" row is written by every run, and the warm-start phases' rows again when their checkpoint is
   missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
   the newest value of a step: it keeps every event it reads, so the re-trained steps are
   plotted twice. (It drops events only after a SessionLog.START event, which tensorboardX
@@ -584,13 +387,13 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   """
   # Trained here before (restored now) or restored from `warm_start.checkpoint`: either
   # way this run writes no warm-start rows, so the ones from before stay.
-  warm_restored = warm_start_source(config, setup.workdir) is not None
+  warm_restored = warm_lib.warm_start_source(config, setup.workdir) is not None
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
     return ((phase in ("ppo", "heldout") and record.get("step", 0) >= setup.start)
             or phase in ("data", "plan")
-            or (phase in WARM_START_PHASES and not warm_restored))
+            or (phase in warm_lib.PHASES and not warm_restored))
 
   if not setup.writes:
     return metrics_lib.SecondaryWriter(setup.workdir)
@@ -760,7 +563,8 @@ def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
 
 
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
-           writer: metrics_lib.MetricsWriter, before: GreedyEval, after: GreedyEval,
+           writer: metrics_lib.MetricsWriter, before: heldout.GreedyEval,
+           after: heldout.GreedyEval,
            start_time: float) -> dict[str, Any]:
   """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
   workdir, system = setup.workdir, built.system
@@ -789,7 +593,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, **reward_summary(warm), **heldout_summary(before, after),
+      extra={"mode": system.mode, **reward_summary(warm), **heldout.summary_lines(before, after),
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()}),
              "plan": str(system.runtime), **step_s})
@@ -830,8 +634,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
-    warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
-                      setup.warm_layout, progress)
+    warm = warm_lib.fit_or_restore(config, setup.workdir, data, setup.cfgs, writer,
+                                  setup.warm_layout, progress)
     if setup.across:
       # Every stage's process builds its stages from host copies (SPMD: all fetch).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
@@ -846,12 +650,12 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
         f.write(config.to_json_best_effort(indent=2))
 
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    rules = rule_rewards_to_report(config)
+    rules = heldout.rule_rewards_to_report(config)
 
-    def evaluate(step: int) -> GreedyEval:
+    def evaluate(step: int) -> heldout.GreedyEval:
       if not setup.trains:  # pipe mode across processes: the trainer's process evaluates
-        return GreedyEval([], {}, 0)
-      result = greedy_eval(built.actor_graphdef, sampling_params(setup, built.system),
+        return heldout.GreedyEval([], {}, 0)
+      result = heldout.greedy_eval(built.actor_graphdef, sampling_params(setup, built.system),
                            eval_batch, setup.tokenizer, built.sampling, rules,
                            config.log.samples)
       if result.scores:
@@ -884,15 +688,15 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
   """
   setup = set_up(config, workdir, resume=False)
   config = setup.config  # runtime.plan='auto': the planner's plan applied
-  if warm_start_config(config)[1]:
+  if warm_lib.warm_start_config(config)[1]:
     raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
                      "empty (it names one to restore).")
   writer = open_metrics(config, setup)
   try:
     build_stats, data = build_data(config, setup)
     writer.write(0, build_stats, phase="data")
-    warm = warm_start(config, setup.workdir, setup.tokenizer, data, setup.cfgs, writer,
-                      setup.warm_layout, progress)
+    warm = warm_lib.fit_or_restore(config, setup.workdir, data, setup.cfgs, writer,
+                                  setup.warm_layout, progress)
   finally:
     writer.close()
     setup.checkpointer.close()

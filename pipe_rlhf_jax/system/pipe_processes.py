@@ -225,7 +225,6 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
                           system.layouts["infer"], abstract["critic"])
                  if system.has_critic else None)
   guard = BadStepGuard(system.ppo.max_bad_steps)
-  step_start: dict[int, float] = {}
   who = f"p{me}"
 
   def publish(version: int) -> None:
