@@ -199,6 +199,7 @@ class RunSetup:
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
   warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
+  warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
   config: Any = None  # the config the run uses: the input, or the planner's plan applied
   planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
   # Multi-process jobs: whether this process writes the run's files (process 0) and
@@ -334,7 +335,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
        **({"reward_model.batch_size": config.reward_model.batch_size}
           if uses_reward_model(config) else {})})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
-  warm_lib.check_warm_start_source(config, workdir)
+  warm_source = warm_lib.resolve_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
@@ -351,8 +352,8 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, warm_layout, config, planned, writes=writes, trains=trains,
-                  across=across)
+                  start, warm_layout, warm_source, config, planned, writes=writes,
+                  trains=trains, across=across)
 
 
 def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
@@ -377,8 +378,8 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
 
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
   their rows from before (phases "ppo" and "heldout") are dropped and the log holds each
-  step once; the "data" row is written by every run, and the warm-start phases' rows again when their checkpoint is
-  missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
+  step once; the "data" row is written by every run, and the warm-start phases' rows
+  again when their checkpoint is missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
   the newest value of a step: it keeps every event it reads, so the re-trained steps are
   plotted twice. (It drops events only after a SessionLog.START event, which tensorboardX
   writes for `purge_step`; but that drops every tag of the run directory at steps >= the
@@ -387,7 +388,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   """
   # Trained here before (restored now) or restored from `warm_start.checkpoint`: either
   # way this run writes no warm-start rows, so the ones from before stay.
-  warm_restored = warm_lib.warm_start_source(config, setup.workdir) is not None
+  warm_restored = setup.warm_source is not None
 
   def rewritten(record) -> bool:
     phase = record.get("phase")
@@ -634,8 +635,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for name, pipe in data.items()
                                        for key, value in pipe.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
-    warm = warm_lib.fit_or_restore(config, setup.workdir, data, setup.cfgs, writer,
-                                  setup.warm_layout, progress)
+    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+                                  setup.cfgs, writer, setup.warm_layout, progress)
     if setup.across:
       # Every stage's process builds its stages from host copies (SPMD: all fetch).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
@@ -695,8 +696,8 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
   try:
     build_stats, data = build_data(config, setup)
     writer.write(0, build_stats, phase="data")
-    warm = warm_lib.fit_or_restore(config, setup.workdir, data, setup.cfgs, writer,
-                                  setup.warm_layout, progress)
+    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+                                  setup.cfgs, writer, setup.warm_layout, progress)
   finally:
     writer.close()
     setup.checkpointer.close()

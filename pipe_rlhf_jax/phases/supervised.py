@@ -30,6 +30,23 @@ from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
 from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 
 
+def _warm_start_devices(devices: Sequence[Any], wanted: int) -> list:
+  """The first `wanted` devices; in a multi-process job the first `wanted / processes` of
+  each process (in process order), since every process takes part in the warm start's
+  programs and a process without a device of the mesh could not."""
+  devices = list(devices)
+  processes = sorted({d.process_index for d in devices})
+  if len(processes) == 1:
+    return devices[:wanted]
+  if wanted % len(processes):
+    raise ValueError(
+        f"warm_start.mesh needs {wanted} devices, which do not split evenly over the job's "
+        f"{len(processes)} processes (each takes part in the warm start); use a multiple "
+        f"of {len(processes)} devices, or -1 for all of them.")
+  per = wanted // len(processes)
+  return [d for p in processes for d in [d for d in devices if d.process_index == p][:per]]
+
+
 def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, int]
                       ) -> StageLayout:
   """The one layout of the warm-start phases, whatever the PPO plan.
@@ -37,8 +54,9 @@ def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, 
   Args:
     mesh: the `warm_start.mesh` mapping. With a -1 it spans all of `devices` ({"data": -1}:
       data parallel over the job); with explicit sizes only the first `product` devices
-      ({"fsdp": 2}: devices 0-1), which on a few CPU cores shared by many virtual devices
-      is the faster choice for a small model (fewer threads to meet at every collective).
+      ({"fsdp": 2}: devices 0-1; in a multi-process job as many from each process), which
+      on a few CPU cores shared by many virtual devices is the faster choice for a small
+      model (fewer threads to meet at every collective).
     devices: the job's devices (all of `runtime.num_devices`).
     batch_sizes: {config field: batch size} of the phases, checked to split evenly.
 
@@ -56,7 +74,7 @@ def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, 
     raise ValueError(f"warm_start.mesh={sizes} needs {wanted} devices but the job has "
                      f"{len(devices)}; shrink it (or use -1 for all devices).")
   shape = MeshShape.from_config(sizes, wanted, field="warm_start.mesh")
-  layout = StageLayout("warm_start", make_mesh(shape, list(devices)[:wanted]),
+  layout = StageLayout("warm_start", make_mesh(shape, _warm_start_devices(devices, wanted)),
                        logical.STAGE_RULES["train"])
   ways = layout.batch_ways()
   for field, size in batch_sizes.items():

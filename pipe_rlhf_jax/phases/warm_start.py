@@ -96,12 +96,18 @@ def warm_start_source(config, workdir: str) -> str | None:
   return shared
 
 
-def check_warm_start_source(config, workdir: str) -> None:
-  """Refuses, before any data are built, a shared warm start (`warm_start.checkpoint`)
-  written under another seed, model, data, sft or reward_model config (or reward)."""
+def resolve_source(config, workdir: str) -> str | None:
+  """`warm_start_source`, decided once per run, before any data are built.
+
+  Refuses a shared warm start (`warm_start.checkpoint`) written under another seed,
+  model, data, sft or reward_model config (or reward). The run then passes the result
+  on, never asking the file system again: in a multi-process job every process must
+  make the same choice, and a later look could see the directory another process has
+  just created (and open a checkpoint manager, a collective, the others never open).
+  """
   source = warm_start_source(config, workdir)
   if source is None or source == os.path.join(workdir, "warmstart"):
-    return  # trained here, or this run's own (checked when it is restored)
+    return source  # trained here, or this run's own (checked when it is restored)
   with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
     saved = ckpt.read_metadata().get("fingerprint")
   if saved != warm_start_fingerprint(config):
@@ -110,11 +116,12 @@ def check_warm_start_source(config, workdir: str) -> None:
         f"sft or reward_model config than this run's (fingerprint {saved!r}, this run "
         f"{warm_start_fingerprint(config)!r}); give the warm start of this seed and config, "
         "or set --config.warm_start.checkpoint='' to train one here.")
+  return source
 
 
-def fit_or_restore(config, workdir, data, cfgs, writer, layout, progress: bool
-                   ) -> dict[str, Any]:
-  """SFT and reward-model phases on `layout`, or the checkpoint `warm_start_source` finds.
+def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layout,
+                   progress: bool) -> dict[str, Any]:
+  """SFT and reward-model phases on `layout`, or restores `source` (`resolve_source`).
 
   With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
   result has no "reward" entry and `rm_eval` is None.
@@ -135,7 +142,6 @@ def fit_or_restore(config, workdir, data, cfgs, writer, layout, progress: bool
       reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
     target["reward"] = reward
   fingerprint = warm_start_fingerprint(config)
-  source = warm_start_source(config, workdir)
   if source is not None:
     with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
       state, meta = ckpt.restore(target=jax.tree.map(
