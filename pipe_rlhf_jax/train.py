@@ -637,8 +637,12 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     set_activity("warm start (SFT, reward model)")
     warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
                                   setup.cfgs, writer, setup.warm_layout, progress)
-    if setup.across:
-      # Every stage's process builds its stages from host copies (SPMD: all fetch).
+    warm_devices = set(setup.warm_layout.mesh.devices.flat)
+    if setup.across or (distributed.process_count() > 1
+                        and warm_devices != set(setup.devices)):
+      # jax moves arrays across processes only between meshes of the same devices: a
+      # stage in one process (pipe mode across processes) or a warm-start mesh on some
+      # of the devices hands over host copies instead (SPMD: every process fetches).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)

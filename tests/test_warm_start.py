@@ -105,3 +105,17 @@ def test_bad_warm_start_fields_name_the_field(tmp_path):
                                        r"warm_start.mesh"):
     train(config, str(tmp_path / "batch"), progress=False)
   assert not os.path.exists(tmp_path / "batch" / "data")  # all before any data are built
+
+
+def test_warm_start_devices_come_from_every_process():
+  # A multi-process job: an explicit warm_start.mesh takes as many devices from each
+  # process (each process runs the warm start's programs), in process order.
+  from types import SimpleNamespace
+  from pipe_rlhf_jax.phases.supervised import _warm_start_devices
+  devices = [SimpleNamespace(id=i, process_index=p) for p, i in
+             [(1, 4), (1, 5), (1, 6), (1, 7), (0, 0), (0, 1), (0, 2), (0, 3)]]
+  assert [d.id for d in _warm_start_devices(devices, 2)] == [0, 4]
+  assert [d.id for d in _warm_start_devices(devices, 4)] == [0, 1, 4, 5]
+  assert [d.id for d in _warm_start_devices(devices[4:], 2)] == [0, 1]  # one process
+  with pytest.raises(ValueError, match="warm_start.mesh needs 3 devices"):
+    _warm_start_devices(devices, 3)
