@@ -105,3 +105,15 @@ def test_hand_written_plan_over_memory_fails_with_the_memory_models_reason(tmp_p
                       head_dim=128)
   _rejected_before_building(config, tmp_path,
                             r"GiB per device on the .* devices, over the .* usable of cpu")
+
+
+def test_pipe_plans_across_processes_keep_each_stage_in_one_process():
+  runnable = auto.runnable_across_processes
+  pipe = lambda placement: RuntimeConfig(mode="pipe", placement=placement)
+  # 2 processes x 4 devices: blocks of at most 4 devices lie in one process each.
+  assert runnable(pipe((4, 2, 2)), processes=2, devices_per_process=4)
+  # 4 processes x 2 devices: a 4-device training block would span two processes.
+  assert not runnable(pipe((2, 2, 4)), processes=4, devices_per_process=2)
+  assert not runnable(pipe((2, 1, 5)), processes=2, devices_per_process=4)
+  assert runnable(pipe((2, 1, 5)), processes=1, devices_per_process=8)
+  assert runnable(RuntimeConfig(mode="sequential"), processes=2, devices_per_process=4)

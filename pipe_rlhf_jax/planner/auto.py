@@ -154,6 +154,16 @@ def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
                     hardware=m.hw.name, efficiency=m.eff.source, search_s=seconds)
 
 
+def runnable_across_processes(plan: RuntimeConfig, processes: int,
+                              devices_per_process: int) -> bool:
+  """Whether the runtime can run `plan` in a job of `processes` processes: `pipe` mode
+  there keeps each stage within one process (`system/pipe_processes.py`); one process
+  runs anything."""
+  if processes == 1 or plan.mode != "pipe" or plan.placement is None:
+    return True
+  return all(size <= devices_per_process for size in plan.placement)
+
+
 def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun]:
   """(the config to run, the planned run) for `runtime.plan` on `devices`.
 
@@ -172,8 +182,12 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
       raise ValueError(f"runtime.plan='auto' plans with each stage's default logical "
                        f"rules, but stages.{custom[0]}.rules is set; remove it, or use "
                        "runtime.plan='manual'.")
+  import jax  # (the backend exists by now: `devices` came from it)
+  processes = jax.process_count()
   m = machine_of(config, devices)
-  work = workload(config, actor, len(devices), m.hw.devices_per_host)
+  # In a multi-process job a process is a host: placements align to its devices.
+  per_host = len(devices) // processes if processes > 1 else m.hw.devices_per_host
+  work = workload(config, actor, len(devices), per_host)
   if choice == "manual":
     runtime = RuntimeConfig.from_config(config)
     reason = space.plan_error(runtime, work)
@@ -187,7 +201,9 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
           f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
           "or let the planner choose: --config.runtime.plan=auto.")
     return config, _planned(c, False, m, 0.0)
-  best, rejected, stats = search.search(work, m, options_of(config), k=1)
+  best, rejected, stats = search.search(work, m, options_of(config),
+                                        k=1 if processes == 1 else 64)
+  best = [c for c in best if runnable_across_processes(c.plan, processes, per_host)][:1]
   if not best:
     reasons = "; ".join(f"{c.plan}: {c.rejected}" for c in rejected[:3])
     raise ValueError(f"runtime.plan='auto': no plan of the space fits {len(devices)} "
