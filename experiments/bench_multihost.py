@@ -11,9 +11,9 @@ Owns two measurements, each a job of several local processes started with
   reshard onto the mirrored layout: what a generator waits for.)
 * seconds per PPO step of the library API (`system.run`, rule reward, no warm start) for
   each process layout (1 x 8, 2 x 4, 4 x 2 processes x devices, the same 8 devices and
-  meshes) and each mode that runs across processes (`sequential`, `per_stage`; `pipe`
-  runs on one process only, so only 1 x 8 is measured for it). The first
-  --warmup steps (compilation) are excluded.
+  meshes) and each mode (`pipe` across processes keeps each stage in one process, so it
+  runs on 1 x 8 and 2 x 4, not 4 x 2). The first --warmup steps (compilation) are
+  excluded.
 
 On virtual CPU devices every process shares the host's cores, so these figures say what
 the multi-process machinery costs (collectives through gloo, transfer servers, the
@@ -36,6 +36,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# pipe mode's devices of (generate, infer, train): in a 2 x 4 job generation is process
+# 0's, inference and training process 1's.
+PIPE_PLACEMENT = (4, 2, 2)
 
 
 # ---- workers (one process of a job) -----------------------------------------------------
@@ -118,7 +121,8 @@ def ppo_worker(args) -> None:
   policy = init_model(tiny_config(), seed=0)  # the quickstart's model
   pipe = args.mode == "pipe"
   runtime = RuntimeConfig(
-      mode=args.mode, max_staleness=1 if pipe else 0, placement=(4, 2, 2) if pipe else None,
+      mode=args.mode, max_staleness=1 if pipe else 0,
+      placement=PIPE_PLACEMENT if pipe else None,
       mesh=MeshSpec(data=-1),
       generate=StagePlan(MeshSpec(data=1, pipe=4) if pipe else MeshSpec(data=-1),
                          num_microbatches=8 if pipe else 1),
@@ -136,7 +140,11 @@ def ppo_worker(args) -> None:
   ends = []
   run(system, prompts, steps=args.steps, on_step=lambda s, m: ends.append(time.perf_counter()))
   steady = ends[args.warmup - 1:]
-  if distributed.is_primary():
+  # Steps complete on the training stage's process (in pipe mode across processes, not
+  # necessarily process 0's); one process writes.
+  writer = ("train" in system.local_stages if system.mode == "pipe"
+            else distributed.is_primary())
+  if writer:
     with open(os.path.join(args.out, "ppo.json"), "w", encoding="utf-8") as f:
       json.dump({"s_per_step": (steady[-1] - steady[0]) / (len(steady) - 1)}, f)
 
@@ -201,8 +209,11 @@ def main() -> None:
   for mode in [m for m in args.modes.split(",") if m]:
     for layout in [l for l in args.layouts.split(",") if l]:
       processes, devices = (int(x) for x in layout.split("x"))
-      if mode == "pipe" and processes > 1:
-        continue  # pipe mode runs on one process (see the README's multi-host section)
+      if mode == "pipe" and processes > 1 and devices < max(PIPE_PLACEMENT):
+        # pipe mode across processes keeps each stage within one process.
+        print(f"  {mode:<11} {layout:>4}: not run (a {max(PIPE_PLACEMENT)}-device stage "
+              f"would span processes of {devices} devices)")
+        continue
       out = os.path.join(args.out_dir, f"{mode}_{layout}")
       got = _job("ppo", [f"--mode={mode}", f"--steps={args.steps}",
                          f"--warmup={args.warmup}"], out, processes, devices, args.timeout_s)
