@@ -9,7 +9,11 @@ reward. The first `--warmup` steps (compilation) are left out.
 For each stage it reports the achieved FLOP/s (analytic counts, `models/flops.py`) next to
 the f32 matmul peak measured in the same process (a jitted 2048x2048 matmul, best of 5),
 and for decoding the bytes/s it must read (weights + KV cache per step) next to the
-measured memory bandwidth (a jitted sum over 256 MiB, best of 5).
+measured memory bandwidth (a jitted sum over 256 MiB, best of 5). The update is also
+set against the rate of its own GEMM shapes run alone (`gemm_shapes`: every projection
+and head matmul of the forward and backward, one jitted program): small projections
+([batch x length, d] x [d, f] with d = 64..512) do not reach the 2048^2 peak even alone,
+so this says how much of the gap is the shapes and how much the rest of the update.
 
 Usage:
   python experiments/bench_ppo_step.py
@@ -69,6 +73,30 @@ def machine_limits() -> dict[str, float]:
   return {"matmul_gflops": 2 * n**3 / t / 1e9, "mem_gbps": big.nbytes / tb / 1e9}
 
 
+def gemm_shapes(cfg, tokens: int, head_tokens: int) -> list[tuple[int, int, int]]:
+  """The (M, K, N) matmuls of one forward+backward over `tokens` tokens: per layer the
+  q/k/v/o and gate/up/down projections (each also as its input- and weight-gradient
+  matmul), and the head over `head_tokens` positions. Attention's batched score and value
+  products are left out: they are not [M, K] x [K, N] GEMMs of the 2048^2 peak's kind."""
+  d, heads, kv, hd, f = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.mlp_dim)
+  layer = [(tokens, d, heads * hd), (tokens, d, kv * hd), (tokens, d, kv * hd),
+           (tokens, heads * hd, d), (tokens, d, f), (tokens, d, f), (tokens, f, d)]
+  forward = layer * cfg.num_layers + [(head_tokens, d, cfg.vocab_size)]
+  # Backward of y[M, N] = x[M, K] w[K, N]: dx = dy w^T (M, N, K) and dw = x^T dy (K, M, N).
+  return forward + [(m, n, k) for m, k, n in forward] + [(k, m, n) for m, k, n in forward]
+
+
+def shape_rate(shapes: list[tuple[int, int, int]]) -> float:
+  """GFLOP/s of exactly these matmuls, alone in one jitted program (best of 5): what the
+  update could reach if it did nothing but its GEMMs."""
+  operands = [(jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32))
+              for m, k, n in shapes]
+  products = jax.jit(lambda ops: [a @ b for a, b in ops])
+  t = best_of(lambda: jax.block_until_ready(products(operands)))
+  return sum(2 * m * k * n for m, k, n in shapes) / t / 1e9
+
+
 def bench_size(size: int, steps: int, warmup: int) -> dict:
   layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = SIZES[size]
   cfg = tiny_config(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads,
@@ -112,7 +140,10 @@ def bench_size(size: int, steps: int, warmup: int) -> dict:
            "train": mean("time/train_s")}
   step_s = mean("time/step_s")
   decode_bytes = sum(flops.decode_step_bytes(actor, batch, prompt + t) for t in range(gen))
+  # The update's own GEMM shapes (the actor's; the critic's are the same but its head).
+  train_shapes = gemm_shapes(actor, batch * length, batch * gen)
   return {
+      "train_shapes_gflops": shape_rate(train_shapes),
       "size": size, "dims": SIZES[size], "params": cfg.num_params(), "steps": steps,
       "warmup": warmup, "wall_s": wall, "s_per_step": step_s,
       **{f"{k}_s": v for k, v in times.items()},
@@ -148,7 +179,8 @@ def main() -> None:
            f"{limits['matmul_gflops']:.0f} GFLOP/s, memory {limits['mem_gbps']:.1f} GB/s)",
            "", "| dims (layers, d, heads/kv, ffn, vocab; batch, prompt, gen) | s/step | "
            "generate / infer / train / other s | train GFLOP/s (% of peak) | "
-           "infer GFLOP/s | decode GB/s |", "|---|---|---|---|---|---|"]
+           "its GEMM shapes alone: GFLOP/s (train as %) | infer GFLOP/s | decode GB/s |",
+           "|---|---|---|---|---|---|---|"]
   for r in rows:
     d = r["dims"]
     lines.append(
@@ -156,6 +188,8 @@ def main() -> None:
         f"{r['s_per_step']:.3f} | {r['generate_s']:.3f} / {r['infer_s']:.3f} / "
         f"{r['train_s']:.3f} / {r['other_s']:.3f} | {r['train_gflops']:.1f} "
         f"({100 * r['train_gflops'] / limits['matmul_gflops']:.0f}%) | "
+        f"{r['train_shapes_gflops']:.1f} "
+        f"({100 * r['train_gflops'] / r['train_shapes_gflops']:.0f}%) | "
         f"{r['infer_gflops']:.1f} | {r['decode_gbps']:.2f} |")
   with open(os.path.join(args.out_dir, "ppo_step.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
