@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -92,6 +93,9 @@ def main() -> None:
   parser.add_argument("--window", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--quick-calibration", action="store_true")
+  parser.add_argument("--calibration", default="",
+                      help="a `planner.calibrate` JSON of this model on this machine: refit "
+                           "from its samples instead of measuring them again")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "planner_accuracy"))
   args = parser.parse_args()
@@ -108,7 +112,17 @@ def main() -> None:
   work = space.Workload(actor=cfg, batch_size=32, minibatch_size=16, epochs=1,
                         prompt_len=16, gen_len=8, num_devices=8, reward_model=False)
   start = time.time()
-  fits = calibrate.fit(calibrate.measure(cfg, quick=args.quick_calibration))
+  if args.calibration:
+    with open(args.calibration) as f:
+      samples = json.load(f)
+    samples = samples.get("samples", samples)
+    if samples.get("model") != json.loads(json.dumps(dataclasses.asdict(cfg))):
+      raise SystemExit(f"{args.calibration} was measured on another model.")
+  else:
+    samples = calibrate.measure(cfg, quick=args.quick_calibration)
+    with open(os.path.join(args.out_dir, "calibration_samples.json"), "w") as f:
+      json.dump(samples, f, indent=1)
+  fits = calibrate.fit(samples)
   eff = cost.Efficiency(**{k: v for k, v in calibrate.efficiency_dict(
       fits, "calibrated in planner_accuracy").items()})
   print("calibration:", {k: round(v, 6) for k, (v, _) in fits.items()},

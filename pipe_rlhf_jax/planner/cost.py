@@ -98,7 +98,6 @@ class Efficiency:
     generate_call_s / infer_call_s / train_call_s: host seconds of one stage call beyond
       the jit dispatch (placing inputs, the rule reward's decoding and scoring, reading
       metrics back).
-    forward_overhead_s: seconds per model pass of inference (one model's program part).
     train_step_s: seconds per minibatch step per trained model (its loss, gradient norm
       and update ops, beyond their FLOPs and bytes).
     source: where these numbers come from.
@@ -125,7 +124,6 @@ class Efficiency:
   generate_call_s: float = 0.0
   infer_call_s: float = 0.0
   train_call_s: float = 0.0
-  forward_overhead_s: float = 0.0
   train_step_s: float = 0.0
   source: str = "assumed defaults (no calibration)"
 
@@ -239,18 +237,21 @@ class StageTerms:
 
 
 # Per stage: the Efficiency fields of (scale, per call, per unit, per device unit).
+# Inference has no per-pass constant of its own: its passes are the models the algorithm
+# runs, the same at every calibration point, so a per-pass cost cannot be told from the
+# per-call one there (both would be fitted to one number); per call it is.
 STAGE_CONSTANTS = {
     "generate": ("generate_scale", "generate_call_s", "tick_overhead_s",
                  "tick_device_overhead_s"),
-    "infer": ("infer_scale", "infer_call_s", "forward_overhead_s",
-              "forward_device_overhead_s"),
+    "infer": ("infer_scale", "infer_call_s", None, "forward_device_overhead_s"),
     "train": ("train_scale", "train_call_s", "train_step_s", "train_device_overhead_s"),
 }
 
 
 def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:
   """The stage's seconds from its terms and the fitted constants of `eff`."""
-  scale, call, unit, device = (getattr(eff, name) for name in STAGE_CONSTANTS[stage])
+  scale, call, unit, device = (getattr(eff, name) if name else 0.0
+                                for name in STAGE_CONSTANTS[stage])
   return StageCost(compute=scale * terms.roofline + terms.memory, comm=terms.comm,
                    overhead=terms.fixed + call + unit * terms.units
                    + device * terms.device_units)
