@@ -132,6 +132,14 @@ def main() -> None:
   rows = []
   for i, plan in enumerate(choose_plans(work, args.plans)):
     cand = search.price(plan, work, machine, simulate=True)
+    # Each stage's mean span in the simulated run (pipe: slowed by the stages it shares
+    # the host with), the counterpart of the measured spans; the solo seconds are
+    # `{stage}_s`.
+    sim = search.simulate_plan(plan, cand.cost, machine)
+    sim_spans = {}
+    for span in sim.tracer.spans():
+      if span.batch is not None and span.batch >= 8:  # the steady part
+        sim_spans.setdefault(span.stage, []).append(span.duration)
     t0 = time.time()
     try:
       periods, spans = measure_plan(plan, cfg, work, tokenizer, texts, args.warmup,
@@ -148,12 +156,14 @@ def main() -> None:
            "generate_s": cand.cost.stage("generate"), "infer_s": cand.cost.stage("infer"),
            "train_s": cand.cost.stage("train"), "sync_s": cand.cost.sync,
            "repeats": " ".join(f"{p:.4f}" for p in periods), "error": "",
+           **{f"simulated_{stage}_s": float(np.mean(d)) for stage, d in sim_spans.items()},
            **{f"measured_{stage}_s": v for stage, v in spans.items()}}
     rows.append(row)
-    stages = " ".join(f"{s[:3]} {cand.cost.stage(s):.3f}/{spans.get(s, 0):.3f}"
+    stages = " ".join(f"{s[:3]} {cand.cost.stage(s):.3f}/"
+                      f"{np.mean(sim_spans.get(s, [0])):.3f}/{spans.get(s, 0):.3f}"
                       for s in ("generate", "infer", "train"))
     print(f"[{i}] predicted {cand.step_time:.3f} s measured {measured:.3f} s "
-          f"(spread {row['spread']:.0%}, {time.time() - t0:.0f} s; predicted/measured "
+          f"(spread {row['spread']:.0%}, {time.time() - t0:.0f} s; solo/simulated/measured "
           f"{stages}) {plan}", flush=True)
   ok = [r for r in rows if not r["error"]]
   pred = np.array([r["predicted_s"] for r in ok])

@@ -514,13 +514,32 @@ def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
 
 
 def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
-                  dtype: str) -> dict[str, float] | None:
+                  dtype: str, costs: dict[str, StageCost] | None = None
+                  ) -> dict[str, float] | None:
   """Shared hardware: each stage's share of the host's throughput when alone (None on
-  dedicated hardware). The sync is a host memory copy: all of it."""
+  dedicated hardware). The sync is a host memory copy: all of it.
+
+  The host does `compute_rate(all)` (C devices' worth of work at once, C the measured
+  concurrency). A stage's compute on n devices uses min(n, C) of them; the rest of its
+  time (per-call, per-tick and per-device-program overheads, collectives: work the
+  fitted constants say is not the matmuls) is serial host work, one device's worth. So
+  alone a stage uses (compute x min(n, C) + rest x 1) / (C x total) of the host, and two
+  stages that each leave part of it idle do overlap. Without `costs`, all of a stage's
+  time is taken as compute (an upper bound on its demand).
+  """
   if not m.hw.shared_host:
     return None
   host = m.compute_rate(dtype, 10 ** 9)
-  out = {s: m.compute_rate(dtype, math.prod(shapes[s].values())) / host for s in STAGES}
+  one = m.compute_rate(dtype, 1)
+  out = {}
+  for s in STAGES:
+    rate = m.compute_rate(dtype, math.prod(shapes[s].values()))
+    c = costs.get(s) if costs else None
+    if c is None or c.total <= 0:
+      out[s] = rate / host
+      continue
+    compute = min(c.compute, c.total)
+    out[s] = (compute * rate + (c.total - compute) * one) / (c.total * host)
   out["sync"] = 1.0
   return out
 
@@ -532,5 +551,5 @@ def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
   costs = tuple((s, stage_cost(s, runtime.stage(s), shapes[s], work, m)) for s in STAGES)
   sync = sync_time(runtime, shapes, work, m)
   times = {s: c.total for s, c in costs}
-  demands = stage_demands(runtime, shapes, m, work.actor.dtype)
+  demands = stage_demands(runtime, shapes, m, work.actor.dtype, dict(costs))
   return PlanCost(costs, sync, closed_form(times, sync, runtime, demands), demands)
