@@ -220,8 +220,8 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
         times = {s: c[0] for s, c in zip(STAGES, combo)}
         shapes = {s: c[2].mesh.as_dict() for s, c in zip(STAGES, combo)}
         sync = cost_mod.sync_time(plan, shapes, work, m)
-        costs = {s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
-                 for s, c in zip(STAGES, combo)}
+        costs = ({s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
+                  for s, c in zip(STAGES, combo)} if m.hw.shared_host else None)
         demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, costs)
         offer(plan, cost_mod.closed_form(times, sync, plan, demands))
   best = []
