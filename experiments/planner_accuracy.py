@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -92,6 +93,9 @@ def main() -> None:
   parser.add_argument("--window", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--quick-calibration", action="store_true")
+  parser.add_argument("--calibration", default="",
+                      help="a `planner.calibrate` JSON of this model on this machine: refit "
+                           "from its samples instead of measuring them again")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "planner_accuracy"))
   args = parser.parse_args()
@@ -108,7 +112,17 @@ def main() -> None:
   work = space.Workload(actor=cfg, batch_size=32, minibatch_size=16, epochs=1,
                         prompt_len=16, gen_len=8, num_devices=8, reward_model=False)
   start = time.time()
-  fits = calibrate.fit(calibrate.measure(cfg, quick=args.quick_calibration))
+  if args.calibration:
+    with open(args.calibration) as f:
+      samples = json.load(f)
+    samples = samples.get("samples", samples)
+    if samples.get("model") != json.loads(json.dumps(dataclasses.asdict(cfg))):
+      raise SystemExit(f"{args.calibration} was measured on another model.")
+  else:
+    samples = calibrate.measure(cfg, quick=args.quick_calibration)
+    with open(os.path.join(args.out_dir, "calibration_samples.json"), "w") as f:
+      json.dump(samples, f, indent=1)
+  fits = calibrate.fit(samples)
   eff = cost.Efficiency(**{k: v for k, v in calibrate.efficiency_dict(
       fits, "calibrated in planner_accuracy").items()})
   print("calibration:", {k: round(v, 6) for k, (v, _) in fits.items()},
@@ -118,6 +132,14 @@ def main() -> None:
   rows = []
   for i, plan in enumerate(choose_plans(work, args.plans)):
     cand = search.price(plan, work, machine, simulate=True)
+    # Each stage's mean span in the simulated run (pipe: slowed by the stages it shares
+    # the host with), the counterpart of the measured spans; the solo seconds are
+    # `{stage}_s`.
+    sim = search.simulate_plan(plan, cand.cost, machine)
+    sim_spans = {}
+    for span in sim.tracer.spans():
+      if span.batch is not None and span.batch >= 8:  # the steady part
+        sim_spans.setdefault(span.stage, []).append(span.duration)
     t0 = time.time()
     try:
       periods, spans = measure_plan(plan, cfg, work, tokenizer, texts, args.warmup,
@@ -134,12 +156,14 @@ def main() -> None:
            "generate_s": cand.cost.stage("generate"), "infer_s": cand.cost.stage("infer"),
            "train_s": cand.cost.stage("train"), "sync_s": cand.cost.sync,
            "repeats": " ".join(f"{p:.4f}" for p in periods), "error": "",
+           **{f"simulated_{stage}_s": float(np.mean(d)) for stage, d in sim_spans.items()},
            **{f"measured_{stage}_s": v for stage, v in spans.items()}}
     rows.append(row)
-    stages = " ".join(f"{s[:3]} {cand.cost.stage(s):.3f}/{spans.get(s, 0):.3f}"
+    stages = " ".join(f"{s[:3]} {cand.cost.stage(s):.3f}/"
+                      f"{np.mean(sim_spans.get(s, [0])):.3f}/{spans.get(s, 0):.3f}"
                       for s in ("generate", "infer", "train"))
     print(f"[{i}] predicted {cand.step_time:.3f} s measured {measured:.3f} s "
-          f"(spread {row['spread']:.0%}, {time.time() - t0:.0f} s; predicted/measured "
+          f"(spread {row['spread']:.0%}, {time.time() - t0:.0f} s; solo/simulated/measured "
           f"{stages}) {plan}", flush=True)
   ok = [r for r in rows if not r["error"]]
   pred = np.array([r["predicted_s"] for r in ok])

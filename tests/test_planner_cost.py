@@ -161,3 +161,22 @@ def test_critic_free_and_reference_free_workloads_price_only_their_models():
                        train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
   assert cost.plan_cost(pipe, grpo, m).sync < cost.plan_cost(pipe, WORK, m).sync
   assert space.plan_error(pipe, grpo) is None
+
+
+def test_shared_host_demand_counts_overheads_as_one_device_of_work():
+  # Host of 2 devices' worth (C = 2): a stage on 4 devices whose time is all compute
+  # uses the whole host; one whose time is all overhead (serial host work) half of it.
+  m = cost.Machine(hardware.get("cpu"), cost.Efficiency(host_concurrency=2.0,
+                                                        device_peak_flops=1e9))
+  rt = RuntimeConfig(mode="pipe", placement=(4, 2, 2))
+  shapes = {"generate": dict(data=4, fsdp=1, tensor=1, pipe=1),
+            "infer": dict(data=2, fsdp=1, tensor=1, pipe=1),
+            "train": dict(data=2, fsdp=1, tensor=1, pipe=1)}
+  costs = {"generate": cost.StageCost(1.0, 0.0, 0.0), "infer": cost.StageCost(0.0, 0.0, 1.0),
+           "train": cost.StageCost(0.5, 0.0, 0.5)}
+  d = cost.stage_demands(rt, shapes, m, "float32", costs)
+  assert d["generate"] == pytest.approx(1.0)
+  assert d["infer"] == pytest.approx(0.5)
+  assert d["train"] == pytest.approx(0.75)
+  # Without the breakdown: the devices' compute rate alone (the upper bound).
+  assert cost.stage_demands(rt, shapes, m, "float32")["infer"] == pytest.approx(1.0)

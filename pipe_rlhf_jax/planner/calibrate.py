@@ -18,6 +18,14 @@ Measures (median of repeats, after a compile-and-warm-up call):
                 all devices).
   split         the same forward / forward+backward / decode steps with the batch split
                 over all local devices (same FLOPs, one program per device).
+  optimizer     the Adam update (optax.adam, update + apply) of the model's parameters on
+                one device.
+  stages        the REAL stage calls, as the runtime makes them (`PPOSystem.generate`,
+                `.infer`, `.train`: sampler or pipelined decoder, reference + critic
+                passes + rule reward + experience, the whole PPO update with the
+                critic and both optimizers), on calibration workloads of their own
+                (`STAGE_POINTS`: 1 device, and 2, 4 and all devices with data, fsdp,
+                tensor and pipe meshes), median of repeats after a compile call.
 Fits (each printed and saved with how it was obtained):
   device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
   hbm_bw                               bandwidth bytes/s
@@ -30,9 +38,19 @@ Fits (each printed and saved with how it was obtained):
   host_concurrency                     best k x t(1 copy) / t(k copies at once)
   forward/train/tick_device_overhead_s (t(split over k) - t(one device)) / (k - 1), per
                                        call (forward, train) or per decode step (tick)
+                                       (replaced by the stage fits below when measured)
+  optimizer_bw                         Adam bytes (7 x parameters) / (seconds - dispatch)
+                                       / hbm_bw
+  per stage (`cost.STAGE_CONSTANTS`)   the stage's seconds = scale x roofline + per call +
+                                       per unit x units + per device unit x units x
+                                       (devices - 1) + (collectives, dispatch, Adam bytes:
+                                       the analytic terms), the terms from `cost.*_terms`
+                                       with the constants above; non-negative least squares
+                                       on relative residuals over the stage samples
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -72,7 +90,7 @@ def fit_line(xs, ys) -> tuple[float, float]:
   return intercept, slope
 
 
-def measure(cfg, quick: bool = False) -> dict:
+def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   """Raw samples: lists of dicts with the sizes, analytic work and median seconds."""
   import jax
   import jax.numpy as jnp
@@ -86,7 +104,12 @@ def measure(cfg, quick: bool = False) -> dict:
   devices = jax.devices()
   dev0 = devices[0]
   out = {"backend": jax.default_backend(), "devices": len(devices),
-         "device_kind": dev0.device_kind}
+         "device_kind": dev0.device_kind, "model": dataclasses.asdict(cfg)}
+  if out["backend"] == "cpu":
+    out["hardware"] = "cpu"
+  else:
+    from pipe_rlhf_jax.planner.auto import detect_hardware
+    out["hardware"] = detect_hardware(devices).name
   sizes = (256, 512) if quick else (256, 512, 1024)
 
   # Matmul peak: one device, then one matmul per device at once.
@@ -198,6 +221,18 @@ def measure(cfg, quick: bool = False) -> dict:
       out["split"].append({"kind": "tick", "devices": k, "seconds": t_split,
                            "seconds_one": t})
 
+  # The Adam update alone: what every minibatch step of training pays per model.
+  import optax
+  tx = optax.adam(1e-4)
+  opt_state = jax.device_put(tx.init(params), dev0)
+
+  def adam(params, opt_state):
+    updates, opt_state = tx.update(params, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  from pipe_rlhf_jax.planner.memory import param_bytes
+  out["optimizer"] = {"bytes": 7 * param_bytes(cfg),
+                      "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
+
   # All-gather over all local devices.
   out["all_gather"] = []
   k = len(devices)
@@ -208,6 +243,166 @@ def measure(cfg, quick: bool = False) -> dict:
       gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
       t = timeit(gather, buf)
       out["all_gather"].append({"devices": k, "bytes": 4 * k * per_device, "seconds": t})
+  if stages:
+    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
+  return out
+
+
+# Calibration workloads of the real stages: (devices, mode, generate / infer / train
+# meshes, generation micro-batches, batch, minibatch, prompt length, new tokens). Their
+# own sizes, not an experiment's: the fit must extrapolate, not remember.
+_SMALL = (16, 8, 12, 6)
+_LARGE = (48, 16, 20, 10)
+STAGE_POINTS = (
+    (1, "sequential", {}, {}, {}, 1, _SMALL),
+    (1, "sequential", {}, {}, {}, 1, _LARGE),
+    (8, "per_stage", dict(data=8), dict(data=8), dict(data=8), 1, _LARGE),
+    (8, "per_stage", dict(pipe=4, tensor=2), dict(fsdp=8), dict(fsdp=8), 4, _SMALL),
+    (4, "per_stage", dict(pipe=2, tensor=2), dict(data=2, tensor=2), dict(data=2, fsdp=2), 2,
+     _LARGE),
+    (2, "per_stage", dict(tensor=2), dict(pipe=2), dict(tensor=2), 1, _SMALL),
+)
+QUICK_STAGE_POINTS = (STAGE_POINTS[0], STAGE_POINTS[2], STAGE_POINTS[3])
+
+
+def _mesh(axes: dict) -> dict:
+  return {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1, **axes}
+
+
+def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
+  """Median seconds of the real stage calls at each calibration point.
+
+  Each point builds a `PPOSystem` (random-init actor, critic and reference from `cfg`, a
+  host rule reward) on its first `devices` devices and times, after one compile call,
+  `generate`, `infer` and `train` as `system/modes.py` calls them (each returns only after
+  its device work: they read metrics back).
+  """
+  import jax
+  import numpy as np
+  from pipe_rlhf_jax.generation.sampler import SamplingParams
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+  from pipe_rlhf_jax.system.system import Models, PPOSystem
+
+  devices = jax.devices()
+  out = []
+  for k, mode, gen, inf, trn, micro, (batch, minibatch, prompt_len, gen_len) in points:
+    if k > len(devices):
+      continue
+    meshes = {"generate": _mesh(gen), "infer": _mesh(inf), "train": _mesh(trn)}
+    if mode == "sequential":
+      runtime = RuntimeConfig(mesh=MeshSpec(**_mesh({"data": k})))
+      meshes = {s: _mesh({"data": k}) for s in meshes}
+    else:
+      runtime = RuntimeConfig(
+          mode=mode, generate=StagePlan(mesh=MeshSpec(**meshes["generate"]),
+                                        num_microbatches=micro),
+          infer=StagePlan(mesh=MeshSpec(**meshes["infer"])),
+          train=StagePlan(mesh=MeshSpec(**meshes["train"])))
+    system = PPOSystem(
+        Models.from_policy(init_model(cfg)),
+        ppo=PPOConfig(steps=1000, batch_size=batch, minibatch_size=minibatch, epochs=1),
+        sampling=SamplingParams(max_new_tokens=gen_len, eos_id=None, pad_id=0),
+        runtime=runtime, reward_fn=lambda p, c: [float(len(x)) for x in c],
+        decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices[:k])
+    rng = np.random.default_rng(0)
+    prompts = {"prompt_tokens": rng.integers(3, cfg.vocab_size, (batch, prompt_len)
+                                             ).astype(np.int32),
+               "prompt_mask": np.ones((batch, prompt_len), bool), "index": np.arange(batch)}
+    times = {"generate": [], "infer": [], "train": []}
+    for step in range(repeats + 1):  # step 0 compiles
+      actor, _ = system.actor_for_generation()
+      critic, _ = system.critic_for_inference()
+      jax.block_until_ready((actor, critic))
+      t0 = time.perf_counter()
+      rollout, _ = system.generate(actor, prompts, step, system.version)
+      t1 = time.perf_counter()
+      exp, _ = system.infer(rollout, critic, actor_version=system.version,
+                            critic_version=system.version)
+      t2 = time.perf_counter()
+      system.train(exp, step)
+      t3 = time.perf_counter()
+      system.advance(0.0)
+      if step:
+        for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+          times[stage].append(seconds)
+    for stage, values in times.items():
+      out.append({"stage": stage, "devices": k, "mode": mode, "mesh": meshes[stage],
+                  "num_microbatches": micro if stage == "generate" else 1,
+                  "batch": batch, "minibatch": minibatch, "prompt_len": prompt_len,
+                  "gen_len": gen_len, "seconds": statistics.median(values)})
+  return out
+
+
+def nnls(columns: list[list[float]], target: list[float], weights: list[float]
+         ) -> list[float]:
+  """Non-negative least squares min sum (w (X c - y))^2, c >= 0, by trying every subset
+  of the (few) columns: the best unconstrained fit among those with no negative entry."""
+  import itertools
+  import numpy as np
+  x = np.asarray(columns, float).T * np.asarray(weights, float)[:, None]  # [samples, k]
+  y = np.asarray(target, float) * np.asarray(weights, float)
+  k = x.shape[1]
+  best, best_err = np.zeros(k), float(np.sum(y ** 2))
+  for size in range(1, k + 1):
+    for subset in itertools.combinations(range(k), size):
+      sol, *_ = np.linalg.lstsq(x[:, subset], y, rcond=None)
+      if np.any(sol < 0):
+        continue
+      coef = np.zeros(k)
+      coef[list(subset)] = sol
+      err = float(np.sum((x @ coef - y) ** 2))
+      if err < best_err - 1e-18:
+        best, best_err = coef, err
+  return [float(c) for c in best]
+
+
+def fit_stages(samples: dict, fits: dict) -> dict:
+  """Per-stage constants (`cost.STAGE_CONSTANTS`) from the real-stage samples.
+
+  The analytic terms of each sample come from the cost model itself (`cost.*_terms`)
+  with the microbenchmark constants in `fits`, so the fitted constants mean exactly what
+  the planner multiplies them by. Relative residuals: small stages count as much as big.
+  """
+  import dataclasses as dc
+  from pipe_rlhf_jax.models.config import TransformerConfig
+  from pipe_rlhf_jax.planner import cost, hardware, space
+  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
+  cfg = TransformerConfig(**samples["model"])
+  hw = hardware.get(samples.get("hardware", "cpu"))
+  known = {f.name for f in dc.fields(cost.Efficiency)}
+  fitted_here = {name for names in cost.STAGE_CONSTANTS.values() for name in names}
+  machine = cost.Machine(hw, cost.Efficiency(
+      **{k: v for k, (v, _) in fits.items() if k in known and k not in fitted_here}))
+  out = {}
+  for stage, names in cost.STAGE_CONSTANTS.items():
+    rows = [s for s in samples["stages"] if s["stage"] == stage]
+    if not rows:
+      continue
+    cols, target, weights = [[], [], [], []], [], []
+    for s in rows:
+      work = space.Workload(actor=cfg, batch_size=s["batch"], minibatch_size=s["minibatch"],
+                            epochs=1, prompt_len=s["prompt_len"], gen_len=s["gen_len"],
+                            num_devices=s["devices"], reward_model=False)
+      plan = StagePlan(mesh=MeshSpec(**s["mesh"]), num_microbatches=s["num_microbatches"])
+      terms = cost.STAGE_TERMS[stage](plan, s["mesh"], work, machine)
+      for col, value in zip(cols, (terms.roofline, 1.0, terms.units, terms.device_units)):
+        col.append(value)
+      target.append(s["seconds"] - terms.memory - terms.comm - terms.fixed)
+      weights.append(1.0 / s["seconds"])
+    used = [i for i, name in enumerate(names) if name]
+    coef = nnls([cols[i] for i in used], target, weights)
+    what = {"generate": ("decode tick", "prefill + decode"),
+            "infer": ("model pass", "reference + critic passes"),
+            "train": ("minibatch step x model", "PPO update")}[stage]
+    how = (f"{stage} stage ({what[1]}) timed at {len(rows)} calibration points; seconds = "
+           "scale x roofline + per call + per {0} + per {0} x (devices - 1) + analytic "
+           "collectives/dispatch/Adam; non-negative least squares, relative residuals"
+           ).format(what[0])
+    labels = ("seconds per analytic roofline second", "seconds per call",
+              f"seconds per {what[0]}", f"seconds per {what[0]} per extra device")
+    for i, value in zip(used, coef):
+      out[names[i]] = (value, f"{labels[i]}: {how}")
   return out
 
 
@@ -255,6 +450,17 @@ def fit(samples: dict) -> dict:
                     [s["seconds"] for s in samples["all_gather"]])
     fits["link_latency"] = (a, "all-gather: seconds = alpha + V (k-1)/k / W; alpha")
     fits["link_bw"] = (1 / b if b > 0 else 0.0, "the same fit's W (bytes/s)")
+  if samples.get("optimizer"):
+    o = samples["optimizer"]
+    busy = max(o["seconds"] - samples["dispatch"]["seconds"], 1e-12)
+    fits["optimizer_bw"] = (o["bytes"] / busy / bw, "Adam update: 7 x parameter bytes / "
+                            "(seconds - dispatch) / hbm_bw")
+  if samples.get("stages"):
+    stage_fits = fit_stages(samples, fits)
+    for name, value in stage_fits.items():
+      if name in fits:  # the microbenchmark's estimate, kept for the record
+        fits["microbenchmark_" + name] = fits[name]
+      fits[name] = value
   return fits
 
 

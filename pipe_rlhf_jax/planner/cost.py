@@ -84,6 +84,22 @@ class Efficiency:
       there).
     hbm_bw: measured memory bandwidth, bytes/s (0 = the profile's).
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
+    optimizer_bw: achieved / peak memory bandwidth of the Adam update (7 parameter-sized
+      reads and writes; 0 = decode_bw).
+    The per-stage constants below are fitted (`planner.calibrate`) on timings of the real
+    stage functions (`GenerateStage`, `InferStage`, `TrainStage.update` through
+    `PPOSystem`), by least squares over the analytic terms of this module, so they hold
+    what the microbenchmarks above do not see; defaults leave the analytic model as is.
+    generate_scale / infer_scale / train_scale: real-stage seconds per second of the
+      analytic compute (the rooflines above, at the microbenchmarked efficiencies):
+      above 1 when the stage does work the FLOP count leaves out (log-softmax over the
+      vocabulary, the PPO and value losses, gradient norms, sampling) or runs its matmuls
+      below the microbenchmark's rate.
+    generate_call_s / infer_call_s / train_call_s: host seconds of one stage call beyond
+      the jit dispatch (placing inputs, the rule reward's decoding and scoring, reading
+      metrics back).
+    train_step_s: seconds per minibatch step per trained model (its loss, gradient norm
+      and update ops, beyond their FLOPs and bytes).
     source: where these numbers come from.
   """
 
@@ -101,6 +117,14 @@ class Efficiency:
   hbm_bw: float = 0.0
   link_bw: float = 0.0
   link_latency: float = 0.0
+  optimizer_bw: float = 0.0
+  generate_scale: float = 1.0
+  infer_scale: float = 1.0
+  train_scale: float = 1.0
+  generate_call_s: float = 0.0
+  infer_call_s: float = 0.0
+  train_call_s: float = 0.0
+  train_step_s: float = 0.0
   source: str = "assumed defaults (no calibration)"
 
   @classmethod
@@ -188,6 +212,55 @@ class StageCost:
     return self.compute + self.comm + self.overhead
 
 
+@dataclasses.dataclass(frozen=True)
+class StageTerms:
+  """The analytic pieces of one stage call, before the per-stage fitted constants.
+
+  Attributes:
+    roofline: seconds of the matmul work at the microbenchmarked rates (times
+      `{stage}_scale`).
+    memory: seconds of memory-bound work priced on its own (the Adam update).
+    comm: seconds of collectives (alpha-beta).
+    fixed: analytic overheads (jit dispatches).
+    units: what a per-unit overhead is charged on: decode ticks (generate), model passes
+      (infer), minibatch steps x trained models (train).
+    device_units: units x (devices - 1) on a shared host, else 0: each extra virtual
+      device runs its own copy of the unit's program on the same cores.
+  """
+
+  roofline: float
+  memory: float
+  comm: float
+  fixed: float
+  units: float
+  device_units: float
+
+
+# Per stage: the Efficiency fields of (scale, per call, per unit, per device unit).
+# Inference has no per-pass constant of its own: its passes are the models the algorithm
+# runs, the same at every calibration point, so a per-pass cost cannot be told from the
+# per-call one there (both would be fitted to one number); per call it is.
+STAGE_CONSTANTS = {
+    "generate": ("generate_scale", "generate_call_s", "tick_overhead_s",
+                 "tick_device_overhead_s"),
+    "infer": ("infer_scale", "infer_call_s", None, "forward_device_overhead_s"),
+    "train": ("train_scale", "train_call_s", "train_step_s", "train_device_overhead_s"),
+}
+
+
+def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:
+  """The stage's seconds from its terms and the fitted constants of `eff`."""
+  scale, call, unit, device = (getattr(eff, name) if name else 0.0
+                                for name in STAGE_CONSTANTS[stage])
+  return StageCost(compute=scale * terms.roofline + terms.memory, comm=terms.comm,
+                   overhead=terms.fixed + call + unit * terms.units
+                   + device * terms.device_units)
+
+
+def _device_units(m: "Machine", units: float, devices: int) -> float:
+  return units * (devices - 1) if m.hw.shared_host else 0.0
+
+
 def _sizes(plan_mesh) -> tuple[int, int, int, int]:
   m = plan_mesh if isinstance(plan_mesh, dict) else plan_mesh.as_dict()
   return m["data"], m["fsdp"], m["tensor"], m["pipe"]
@@ -232,7 +305,11 @@ def tick_counts(num_stages: int, num_microbatches: int, gen_len: int, fraction: 
 
 
 def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
-  """Seconds of one generation call (prefill + decode of the batch) under `plan`.
+  return priced("generate", generate_terms(plan, mesh, work, m), m.eff)
+
+
+def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
+  """Terms of one generation call (prefill + decode of the batch) under `plan`.
 
   Ticks run in lock step, so a tick costs what its busy stages cost together: on
   dedicated devices the slowest busy stage (a prefill, else a decode step); on a shared
@@ -289,9 +366,10 @@ def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> St
     ticks += count
     compute += count * tick_compute(prefilling, decoding)
     comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
-  per_tick = m.eff.tick_overhead_s + _device_overhead(m, n, "tick")
-  return StageCost(compute=compute, comm=comm,
-                   overhead=ticks * per_tick + 2 * m.eff.call_overhead_s)
+  # Two jitted calls: prefill and decode (or the pipelined decoder's one, and its setup).
+  return StageTerms(roofline=compute, memory=0.0, comm=comm,
+                    fixed=2 * m.eff.call_overhead_s, units=ticks,
+                    device_units=_device_units(m, ticks, n))
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:
@@ -299,6 +377,11 @@ def _models(work: Workload, stage: str) -> list[TransformerConfig]:
 
 
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  return priced("infer", infer_terms(plan, mesh, work, m), m.eff)
+
+
+def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
+  """Terms of one inference call: a forward pass of each model it runs."""
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
   hosts = _axis_hosts(mesh, m)
@@ -314,34 +397,32 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
                                               hosts["tensor"])
     comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts["pipe"])
-  overhead = len(_models(work, "infer")) * (m.eff.call_overhead_s
-                                            + _device_overhead(m, n, "forward"))
-  return StageCost(compute, comm, overhead)
-
-
-def _device_overhead(m: Machine, devices: int, kind: str) -> float:
-  """Shared host: what `devices` - 1 extra device programs add to one call."""
-  if not m.hw.shared_host:
-    return 0.0
-  per = getattr(m.eff, f"{kind}_device_overhead_s")
-  return per * (devices - 1)
+  passes = len(_models(work, "infer"))
+  return StageTerms(roofline=compute, memory=0.0, comm=comm,
+                    fixed=passes * m.eff.call_overhead_s, units=passes,
+                    device_units=_device_units(m, passes, n))
 
 
 def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
+  return priced("train", train_terms(plan, mesh, work, m), m.eff)
+
+
+def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
+  """Terms of one PPO update: epochs x minibatch steps of each trained model."""
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
   hosts = _axis_hosts(mesh, m)
   steps = work.epochs * (work.batch_size // work.minibatch_size)
   rows = work.minibatch_size / (d * f)
-  compute = comm = 0.0
+  compute = memory = comm = 0.0
   for cfg in _models(work, "train"):
     act = _BYTES[cfg.dtype]
     fl = flops.train_flops(cfg, work.minibatch_size, work.length, remat=plan.remat,
                            head_positions=work.gen_len)
     w = param_bytes(cfg)
     adam_bytes = 7 * w * d  # every replica updates its copy
-    compute += steps * (m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
-                        + adam_bytes / (m.bw_rate(n) * m.eff.decode_bw))
+    compute += steps * m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
+    memory += steps * adam_bytes / (m.bw_rate(n) * (m.eff.optimizer_bw or m.eff.decode_bw))
     shard = w / (t * p)
     comm_step = (2 * m.all_gather(shard, f, hosts["fsdp"])
                  + m.reduce_scatter(shard, f, hosts["fsdp"]))
@@ -349,12 +430,13 @@ def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts["tensor"])
     comm += steps * comm_step
-  overhead = m.eff.call_overhead_s + steps * len(_models(work, "train")) * _device_overhead(
-      m, n, "train")
-  return StageCost(compute, comm, overhead)
+  units = steps * len(_models(work, "train"))
+  return StageTerms(roofline=compute, memory=memory, comm=comm, fixed=m.eff.call_overhead_s,
+                    units=units, device_units=_device_units(m, units, n))
 
 
 STAGE_COSTS = {"generate": generate_cost, "infer": infer_cost, "train": train_cost}
+STAGE_TERMS = {"generate": generate_terms, "infer": infer_terms, "train": train_terms}
 
 
 def stage_cost(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machine
@@ -432,13 +514,32 @@ def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
 
 
 def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
-                  dtype: str) -> dict[str, float] | None:
+                  dtype: str, costs: dict[str, StageCost] | None = None
+                  ) -> dict[str, float] | None:
   """Shared hardware: each stage's share of the host's throughput when alone (None on
-  dedicated hardware). The sync is a host memory copy: all of it."""
+  dedicated hardware). The sync is a host memory copy: all of it.
+
+  The host does `compute_rate(all)` (C devices' worth of work at once, C the measured
+  concurrency). A stage's compute on n devices uses min(n, C) of them; the rest of its
+  time (per-call, per-tick and per-device-program overheads, collectives: work the
+  fitted constants say is not the matmuls) is serial host work, one device's worth. So
+  alone a stage uses (compute x min(n, C) + rest x 1) / (C x total) of the host, and two
+  stages that each leave part of it idle do overlap. Without `costs`, all of a stage's
+  time is taken as compute (an upper bound on its demand).
+  """
   if not m.hw.shared_host:
     return None
   host = m.compute_rate(dtype, 10 ** 9)
-  out = {s: m.compute_rate(dtype, math.prod(shapes[s].values())) / host for s in STAGES}
+  one = m.compute_rate(dtype, 1)
+  out = {}
+  for s in STAGES:
+    rate = m.compute_rate(dtype, math.prod(shapes[s].values()))
+    c = costs.get(s) if costs else None
+    if c is None or c.total <= 0:
+      out[s] = rate / host
+      continue
+    compute = min(c.compute, c.total)
+    out[s] = (compute * rate + (c.total - compute) * one) / (c.total * host)
   out["sync"] = 1.0
   return out
 
@@ -450,5 +551,5 @@ def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
   costs = tuple((s, stage_cost(s, runtime.stage(s), shapes[s], work, m)) for s in STAGES)
   sync = sync_time(runtime, shapes, work, m)
   times = {s: c.total for s, c in costs}
-  demands = stage_demands(runtime, shapes, m, work.actor.dtype)
+  demands = stage_demands(runtime, shapes, m, work.actor.dtype, dict(costs))
   return PlanCost(costs, sync, closed_form(times, sync, runtime, demands), demands)

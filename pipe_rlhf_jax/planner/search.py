@@ -86,7 +86,7 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
                      rejected=mem_mod.memory_error(plan, work, m.hw))
   costs = tuple((s, parts[s][0]) for s in STAGES)
   sync = cost_mod.sync_time(plan, shapes, work, m)
-  demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype)
+  demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, dict(costs))
   times = {s: c.total for s, c in costs}
   pc = cost_mod.PlanCost(costs, sync, cost_mod.closed_form(times, sync, plan, demands),
                          demands)
@@ -220,7 +220,9 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
         times = {s: c[0] for s, c in zip(STAGES, combo)}
         shapes = {s: c[2].mesh.as_dict() for s, c in zip(STAGES, combo)}
         sync = cost_mod.sync_time(plan, shapes, work, m)
-        demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype)
+        costs = ({s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
+                  for s, c in zip(STAGES, combo)} if m.hw.shared_host else None)
+        demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, costs)
         offer(plan, cost_mod.closed_form(times, sync, plan, demands))
   best = []
   for _, _, plan in sorted(heap, key=lambda x: -x[0]):
