@@ -100,7 +100,6 @@ def _ctrl_c_when_armed(prompts, completions):
   return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
 
 
-@pytest.mark.usefixtures("ctrl_c_reaches_the_test")
 def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   # The restored checkpoint is the newest on disk: an interrupt before the first resumed
   # step has nothing to save (it used to re-save that step: CheckpointExistsError).

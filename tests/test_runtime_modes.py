@@ -170,7 +170,6 @@ def _ctrl_c(prompts, completions):
   return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
 
 
-@pytest.mark.usefixtures("ctrl_c_reaches_the_test")
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_loses_nothing(tmp_path):
   _INTERRUPT["n"] = 0
   config = tiny("pipe", max_staleness=1)
