@@ -54,6 +54,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.num_demos = 4096
   config.data.num_pairs = 4096
   config.data.num_eval = 256  # held-out prompts (and pairs) of the embedded tasks
+  # Share of the reverse task's preference pairs that differ by one neighbour-copy error
+  # ('dcba' vs 'dcca'): the reward model's blind spot without them (data/task.py).
+  config.data.hard_pairs = 0.0
   config.data.prompt_len = 16
   config.data.completion_len = 8
   config.data.on_invalid = "skip"

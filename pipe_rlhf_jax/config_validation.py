@@ -73,6 +73,14 @@ def _check_task(config) -> None:
                else "no prefs: reward.fn is a rule")
         raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
                          f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
+  hard_pairs = config.data.get("hard_pairs", 0.0)
+  if not (isinstance(hard_pairs, (int, float)) and 0.0 <= hard_pairs <= 1.0):
+    raise ValueError(f"data.hard_pairs={hard_pairs!r} must be a probability in [0, 1] (the "
+                     "share of reverse-task preference pairs that differ by one "
+                     "neighbour-copy error).")
+  if hard_pairs and task != "reverse":
+    raise ValueError(f"data.hard_pairs={hard_pairs} shapes the embedded reverse task's pairs, "
+                     f"but data.task={task!r}: set it to 0.")
   if task == "arith":
     if "arith" not in config.data:
       raise ValueError("data.task='arith' needs a data.arith section (operators, min_digits, "

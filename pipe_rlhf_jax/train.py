@@ -128,7 +128,8 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   if d.task == "reverse":
     built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
                                         num_demos=d.num_demos, num_pairs=d.num_pairs,
-                                        num_eval=d.get("num_eval", 256))
+                                        num_eval=d.get("num_eval", 256),
+                                        hard_pairs=d.get("hard_pairs", 0.0))
   elif d.task == "arith":
     built = builders.make_arith_datasets(data_dir, seed=config.seed,
                                          spec=ArithSpec.from_config(d.arith),

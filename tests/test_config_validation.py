@@ -94,3 +94,15 @@ def test_arith_settings_and_rule_rewards_name_their_field():
   with pytest.raises(ValueError, match=r"reward.fn='arith_exact_match' scores the embedded "
                                        r"arith task only, but data.task='reverse'"):
     validate_config(config)
+
+
+def test_hard_pairs_is_a_probability_of_the_reverse_task():
+  config = quickstart.get_config("tiny")
+  config.data.hard_pairs = 1.5
+  with pytest.raises(ValueError, match=r"data.hard_pairs=1.5 must be a probability"):
+    validate_config(config)
+  from configs import grpo_arith
+  config = grpo_arith.get_config("tiny")
+  config.data.hard_pairs = 0.5
+  with pytest.raises(ValueError, match=r"data.hard_pairs=0.5 .* data.task='arith'"):
+    validate_config(config)

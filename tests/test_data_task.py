@@ -125,3 +125,34 @@ def test_rewards_reject_bad_input():
     rewards.reverse_accuracy(["hello"], ["olleh"])
   with pytest.raises(ValueError, match="completions"):
     rewards.reverse_exact(["rev ab="], ["ba", "ba"])
+
+
+def test_hard_pairs_differ_by_one_neighbour_copy():
+  recs = _records(13, hard_pairs=1.0)
+  pairs = recs["prefs"] + recs["prefs_eval"]
+  prompts = [p["prompt"] for p in pairs]
+  answers = [rewards.reverse_target(p) for p in prompts]
+  copies = 0
+  for pair, answer in zip(pairs, answers):
+    chosen, rejected = pair["chosen"], pair["rejected"]
+    assert len(chosen) == len(rejected) == len(answer)
+    diff = [i for i in range(len(answer)) if chosen[i] != rejected[i]]
+    assert len(diff) == 1 and chosen[diff[0]] == answer[diff[0]]  # one more error
+    i = diff[0]
+    copies += rejected[i] in {rejected[j] for j in (i - 1, i + 1) if 0 <= j < len(answer)}
+  # Only answers whose every neighbour holds the right letter fall back to a random letter.
+  assert copies / len(pairs) > 0.8
+  chosen_acc = rewards.reverse_accuracy(prompts, [p["chosen"] for p in pairs])
+  rejected_acc = rewards.reverse_accuracy(prompts, [p["rejected"] for p in pairs])
+  assert np.all(chosen_acc > rejected_acc)
+
+
+def test_hard_pairs_off_keeps_the_records_and_mixes_when_on():
+  assert _records(2, hard_pairs=0.0) == _records(2)
+  mixed = _records(2, hard_pairs=0.5)
+  assert mixed["prompts"] == _records(2)["prompts"]  # only the pairs' stream changes
+  one_diff = np.mean([sum(a != b for a, b in zip(p["chosen"], p["rejected"])) == 1
+                      and len(p["chosen"]) == len(p["rejected"]) for p in mixed["prefs"]])
+  assert 0.5 < one_diff < 0.75  # half hard, plus the random pairs one error apart
+  with pytest.raises(ValueError, match="hard_pairs"):
+    make_task_records(1, 1, 1, 0, hard_pairs=2.0)

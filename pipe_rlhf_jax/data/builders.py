@@ -322,6 +322,7 @@ def make_task_datasets(
     max_len: int = 6,
     demo_noise: float = 0.3,
     length_noise: float = 0.2,
+    hard_pairs: float = 0.0,
     prefix: str = "reverse",
 ) -> dict[str, Any]:
   """Generates the reverse task (when absent or different) and builds its TFDS datasets.
@@ -332,8 +333,8 @@ def make_task_datasets(
 
   Args:
     data_dir: TFDS data directory (also holds the JSONL).
-    seed / num_* / alphabet / min_len / max_len / demo_noise / length_noise: see
-      `task.make_task_records`.
+    seed / num_* / alphabet / min_len / max_len / demo_noise / length_noise / hard_pairs:
+      see `task.make_task_records`.
     prefix: dataset names are "<prefix>_prompts", "<prefix>_demos", "<prefix>_prefs".
 
   Returns:
@@ -346,9 +347,11 @@ def make_task_datasets(
   config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
                 alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
                 num_eval=num_eval, length_noise=length_noise)
+  if hard_pairs:  # as task.write_task_jsonl records it
+    config["hard_pairs"] = hard_pairs
   write = lambda out_dir: task_lib.write_task_jsonl(
       out_dir, num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
-      demo_noise, num_eval=num_eval, length_noise=length_noise)
+      demo_noise, num_eval=num_eval, length_noise=length_noise, hard_pairs=hard_pairs)
   return _generated_datasets(
       data_dir, prefix, config, task_lib.TASK_FILES, write,
       {"prompts": {"train": "prompts", "eval": "prompts_eval"}, "demos": {"train": "demos"},

@@ -10,8 +10,12 @@ are built so that every RLHF stage has something to learn:
 * Preference pairs are two corruptions of the right answer with different numbers of
   substitutions; the one with fewer is "chosen". With probability `length_noise` the
   rejected answer additionally loses or gains its last character, so a reward model
-  also sees that stopping early or late is worse. Chosen is always strictly better
-  under the positional accuracy of data/rewards.py.
+  also sees that stopping early or late is worse. With probability `hard_pairs` a pair
+  is instead "hard": the rejected answer is the chosen one with one more error, a letter
+  replaced by a copy of its neighbour ('dcba' -> 'dcca'). That is the error a sampling
+  policy makes most and the one a reward model trained on random substitutions alone
+  cannot see (issue 11: PPO found exactly those answers). Chosen is always strictly
+  better under the positional accuracy of data/rewards.py.
 * Held-out eval prompts (and eval pairs built on them) never occur among the training
   prompts.
 
@@ -55,14 +59,16 @@ def reverse_answer(letters: str) -> str:
   return letters[::-1]
 
 
-def _check_args(alphabet: str, min_len: int, max_len: int, demo_noise: float, length_noise: float):
+def _check_args(alphabet: str, min_len: int, max_len: int, demo_noise: float, length_noise: float,
+                hard_pairs: float):
   if len(set(alphabet)) < 2 or len(set(alphabet)) != len(alphabet):
     raise ValueError(f"alphabet must have >= 2 distinct characters, got {alphabet!r}.")
   if any(c.isspace() or c == PROMPT_SUFFIX for c in alphabet):
     raise ValueError(f"alphabet must not contain whitespace or {PROMPT_SUFFIX!r}: {alphabet!r}.")
   if not 1 <= min_len <= max_len:
     raise ValueError(f"Need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}.")
-  for name, p in (("demo_noise", demo_noise), ("length_noise", length_noise)):
+  for name, p in (("demo_noise", demo_noise), ("length_noise", length_noise),
+                  ("hard_pairs", hard_pairs)):
     if not 0.0 <= p <= 1.0:
       raise ValueError(f"{name} must be in [0, 1], got {p}.")
 
@@ -102,8 +108,29 @@ def _change_length(rng: np.random.Generator, text: str, alphabet: str) -> str:
   return text + alphabet[int(rng.integers(0, len(alphabet)))]
 
 
-def _pair(rng: np.random.Generator, letters: str, alphabet: str, length_noise: float):
+def _neighbour_copy(rng: np.random.Generator, text: str, answer: str, alphabet: str) -> str:
+  """One more error in `text`: a still-correct letter becomes a copy of a neighbour.
+
+  The neighbour is one whose letter differs from the right one (so the copy is an
+  error); with none such (or a one-letter answer) the letter becomes a random other one.
+  """
+  correct = [i for i, (a, b) in enumerate(zip(text, answer)) if a == b]
+  i = correct[int(rng.integers(0, len(correct)))]
+  copies = [text[j] for j in (i - 1, i + 1) if 0 <= j < len(text) and text[j] != answer[i]]
+  if not copies:
+    return _substitute(rng, text, [i], alphabet)
+  return text[:i] + copies[int(rng.integers(0, len(copies)))] + text[i + 1:]
+
+
+def _pair(rng: np.random.Generator, letters: str, alphabet: str, length_noise: float,
+          hard_pairs: float = 0.0):
   answer = reverse_answer(letters)
+  # The draw happens only when hard pairs are asked for, so that hard_pairs=0 keeps the
+  # records (and every warm start made from them) of before the option existed.
+  if hard_pairs > 0 and rng.random() < hard_pairs:
+    chosen = _corrupt(rng, answer, int(rng.integers(0, len(answer))), alphabet)
+    rejected = _neighbour_copy(rng, chosen, answer, alphabet)
+    return {"prompt": make_prompt(letters), "chosen": chosen, "rejected": rejected}
   # Two distinct error counts in [0, len]; the smaller one is the better answer.
   few, many = sorted(rng.choice(len(answer) + 1, size=2, replace=False).tolist())
   chosen = _corrupt(rng, answer, few, alphabet)
@@ -125,6 +152,7 @@ def make_task_records(
     *,
     num_eval: int = 0,
     length_noise: float = 0.2,
+    hard_pairs: float = 0.0,
 ) -> dict[str, list[dict[str, Any]]]:
   """Generates the reverse task's records deterministically from `seed`.
 
@@ -138,12 +166,14 @@ def make_task_records(
     demo_noise: per-character probability that a demo answer character is wrong.
     num_eval: held-out prompts and held-out pairs (each), disjoint from training prompts.
     length_noise: probability that a rejected answer also has a wrong length.
+    hard_pairs: probability that a pair differs by one neighbour-copy error (module
+      docstring), in the training and the held-out pairs alike.
 
   Returns:
     {"prompts": [{"prompt"}], "demos": [{"prompt", "completion"}],
      "prefs": [{"prompt", "chosen", "rejected"}], "prompts_eval": [...], "prefs_eval": [...]}.
   """
-  _check_args(alphabet, min_len, max_len, demo_noise, length_noise)
+  _check_args(alphabet, min_len, max_len, demo_noise, length_noise, hard_pairs)
   for name, n in (("num_prompts", num_prompts), ("num_demos", num_demos),
                   ("num_pairs", num_pairs), ("num_eval", num_eval)):
     check_int(n, name, low=0)
@@ -177,12 +207,12 @@ def make_task_records(
     letters = train_letters(demo_rng)
     completion = _noisy_demo(demo_rng, reverse_answer(letters), alphabet, demo_noise)
     demos.append({"prompt": make_prompt(letters), "completion": completion})
-  prefs = [_pair(pair_rng, train_letters(pair_rng), alphabet, length_noise)
+  prefs = [_pair(pair_rng, train_letters(pair_rng), alphabet, length_noise, hard_pairs)
            for _ in range(num_pairs)]
   prefs_eval = []
   for _ in range(num_eval):
     letters = eval_letters[int(eval_pair_rng.integers(0, num_eval))]
-    prefs_eval.append(_pair(eval_pair_rng, letters, alphabet, length_noise))
+    prefs_eval.append(_pair(eval_pair_rng, letters, alphabet, length_noise, hard_pairs))
   return {
       "prompts": prompts,
       "demos": demos,
@@ -214,6 +244,7 @@ def write_task_jsonl(
     *,
     num_eval: int = 256,
     length_noise: float = 0.2,
+    hard_pairs: float = 0.0,
 ) -> dict[str, str]:
   """Generates the task and writes its JSONL files into `out_dir`.
 
@@ -225,7 +256,7 @@ def write_task_jsonl(
   """
   records = make_task_records(
       num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len, demo_noise,
-      num_eval=num_eval, length_noise=length_noise,
+      num_eval=num_eval, length_noise=length_noise, hard_pairs=hard_pairs,
   )
   os.makedirs(out_dir, exist_ok=True)
   paths = {}
@@ -235,6 +266,8 @@ def write_task_jsonl(
   config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
                 alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
                 num_eval=num_eval, length_noise=length_noise)
+  if hard_pairs:  # absent when off: the task_config.json of older data stays current
+    config["hard_pairs"] = hard_pairs
   with open(os.path.join(out_dir, "task_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   return paths
@@ -253,11 +286,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--max_len", type=int, default=6)
   parser.add_argument("--demo_noise", type=float, default=0.3)
   parser.add_argument("--length_noise", type=float, default=0.2)
+  parser.add_argument("--hard_pairs", type=float, default=0.0)
   args = parser.parse_args(argv)
   paths = write_task_jsonl(
       args.out_dir, args.num_prompts, args.num_demos, args.num_pairs, args.seed, args.alphabet,
       args.min_len, args.max_len, args.demo_noise, num_eval=args.num_eval,
-      length_noise=args.length_noise,
+      length_noise=args.length_noise, hard_pairs=args.hard_pairs,
   )
   for role, path in paths.items():
     print(f"{role}: {path}")
