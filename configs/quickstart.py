@@ -74,6 +74,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward_model.learning_rate = 1e-3
   config.reward_model.warmup_steps = 20
   config.reward_model.eval_batches = 8
+  # "base": from the base model (here: freshly initialised); "sft": from the SFT policy's
+  # backbone, as InstructGPT-style pipelines do, with a new score head.
+  config.reward_model.init = "base"
 
   # Where the warm start (SFT, reward model) runs, the same whatever runtime.mode: so all
   # the modes of a seed start PPO from the same weights. Explicit sizes use the first

@@ -73,6 +73,8 @@ def _check_task(config) -> None:
                else "no prefs: reward.fn is a rule")
         raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
                          f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
+  if "init" in config.reward_model:
+    _choice(config, "reward_model.init", ("base", "sft"))
   hard_pairs = config.data.get("hard_pairs", 0.0)
   if not (isinstance(hard_pairs, (int, float)) and 0.0 <= hard_pairs <= 1.0):
     raise ValueError(f"data.hard_pairs={hard_pairs!r} must be a probability in [0, 1] (the "

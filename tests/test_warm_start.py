@@ -119,3 +119,30 @@ def test_warm_start_devices_come_from_every_process():
   assert [d.id for d in _warm_start_devices(devices[4:], 2)] == [0, 1]  # one process
   with pytest.raises(ValueError, match="warm_start.mesh needs 3 devices"):
     _warm_start_devices(devices, 3)
+
+
+def test_reward_model_can_start_from_the_sft_backbone(tmp_path, monkeypatch):
+  # reward_model.init="sft": the reward phase starts from the SFT result's backbone (to
+  # the bit) with a fresh score head; "base" from the freshly initialised model.
+  from pipe_rlhf_jax.phases import supervised
+  real_fit, started = supervised.fit, {}
+
+  def recording_fit(loss_fn, params, layout, batches, **kw):
+    before = jax.device_get(params)  # fit donates its input
+    trained = real_fit(loss_fn, params, layout, batches, **kw)
+    started[kw["phase"]] = (before, jax.device_get(trained[0]))
+    return trained
+
+  monkeypatch.setattr(supervised, "fit", recording_fit)
+  for init in ("sft", "base"):
+    prepare_warm_start(tiny("sequential", **{"reward_model.init": init}),
+                       str(tmp_path / init), progress=False)
+    _, sft = started["sft"]
+    reward_start, _ = started["reward_model"]
+    for key in ("embedding", "layers", "final_norm"):
+      same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(sft[key]),
+                                                   jax.tree.leaves(reward_start[key]))]
+      assert all(same) if init == "sft" else not any(same), (init, key)
+  config = tiny("sequential", **{"reward_model.init": "policy"})
+  with pytest.raises(ValueError, match=r"reward_model.init='policy'; choose one of"):
+    train(config, str(tmp_path / "bad"), progress=False)

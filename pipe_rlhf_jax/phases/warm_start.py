@@ -124,7 +124,10 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   """SFT and reward-model phases on `layout`, or restores `source` (`resolve_source`).
 
   With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
-  result has no "reward" entry and `rm_eval` is None.
+  result has no "reward" entry and `rm_eval` is None. The reward model starts from the
+  run's base model (`reward_model.init="base"`: the embedded model freshly initialised,
+  or the backbone of `model.path`) or from the SFT policy's backbone ("sft"), with a
+  new score head either way.
 
   `layout` is the warm-start layout (`phases.supervised.warm_start_layout`), the same in
   every runtime mode. A checkpoint is restored onto it (replicated over its mesh),
@@ -160,6 +163,10 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   state, rm_eval = {"actor": actor}, None
   if use_rm:
     rm = config.reward_model
+    if rm.get("init", "base") == "sft":
+      # The reward model reads answers with the SFT policy's features (which already
+      # predict the right letter), only its score head starting afresh.
+      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
     state["reward"], _ = supervised.fit(
         supervised.reward_model_loss(reward_gd), reward, layout, iter(data["prefs"]),
         steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
