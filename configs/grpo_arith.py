@@ -44,6 +44,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.num_prompts = 4096
   config.data.num_demos = 4096
   config.data.num_pairs = 0  # unused: a rule reward needs no preference pairs
+  del config.data["hard_pairs"]  # a knob of the reverse task's pairs
   config.data.num_eval = 64  # held-out problems, never trained on
   config.data.prompt_len = 8  # BOS + "7*8=" with room for 2-digit operands
   config.data.completion_len = 4  # "-6" / "56" + EOS, and room for a wrong longer answer
