@@ -402,6 +402,7 @@ def _receive(endpoint: Endpoint, source: int, uid: int, target: Any, sent: list,
   wanted = [dataclasses.replace(l, start=b.start)
             for l, b in zip(layout_of(jax.tree.unflatten(treedef, local)), blocks)]
   check_same_layout([LeafLayout.from_json(l) for l in sent], wanted, what)
+  # Complete before the caller reports the pull (the sender then frees the block).
   pulled = jax.block_until_ready(endpoint.connection(source).pull(uid, local))
   out = [p if x.sharding.is_fully_addressable else
          jax.make_array_from_single_device_arrays(
