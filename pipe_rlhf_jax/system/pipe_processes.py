@@ -214,7 +214,8 @@ class _Weights:
 def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
   """Copies every process's spans into the tracer of process `into` (which writes the
   trace), on its time axis: spans travel as wall-clock times, so processes on different
-  hosts line up as well as their clocks do. Each span keeps its `process` annotation."""
+  hosts line up as well as their clocks do. Each span keeps its `process` annotation (a
+  stage spanning processes has one span per process and batch)."""
   me = distributed.process_index()
   wall_at_origin = time.time() - tracer.now()
   if me != into:
