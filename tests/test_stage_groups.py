@@ -7,6 +7,8 @@ are tested without starting any; the transfers themselves are tested across real
 processes in test_multihost.py.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -104,3 +106,26 @@ def test_a_multi_process_stage_sharing_a_process_is_refused():
       r"holds the infer stage: .* could deadlock. Cut runtime.placement at process "
       r"boundaries")):
     stage_processes(layouts, PAIRS)
+
+
+def test_a_multi_process_stage_whose_processes_are_not_blocks_is_refused():
+  # Generation data=2 x tensor=2 on devices 0-3, cut into processes of one device from
+  # each data row: process 0 holds devices 0 and 2, a column, but devices 0 and 3 would
+  # not be a rectangle.
+  layouts = build_layouts(pipe_runtime((4, 2, 2), MeshSpec(data=2, tensor=2)))
+  odd = {0: 0, 3: 0, 1: 1, 2: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+  with pytest.raises(ValueError, match=r"runtime.placement: process 0's devices in the "
+                     r"mesh .* are not a rectangular block"):
+    stage_processes(layouts, lambda d: odd[d.id])
+
+
+def test_a_block_sent_for_another_place_in_the_array_is_refused():
+  sharding = NamedSharding(make_mesh(MeshShape(pipe=4, tensor=2)), P("pipe", "tensor"))
+  mine = tr.block_of(sharding, (8, 6), 1, PAIRS)
+  theirs = tr.block_of(sharding, (8, 6), 2, PAIRS)  # same shape and sub-mesh, rows 4-5
+  layout = lambda b: [dataclasses.replace(l, start=b.start) for l in tr.layout_of(
+      {"w": jax.ShapeDtypeStruct(b.shape, np.float32, sharding=b.sharding)})]
+  with pytest.raises(tr.LayoutMismatch, match=r"leaf \['w'\] is sent as float32\[2, 6\] "
+                     r"at \[4, 0\] .* but the receiver expects float32\[2, 6\] at \[2, 0\]"
+                     r".*nothing was moved"):
+    tr.check_same_layout(layout(theirs), layout(mine), "test")
