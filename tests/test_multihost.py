@@ -9,6 +9,7 @@ they take on an idle machine: they are there so that nothing can hang.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -325,3 +326,37 @@ def test_pipe_mode_with_a_stage_spanning_two_processes(tmp_path, placement, mesh
   for u in generators[0]:
     assert u["step"] - 1 <= u["version"] <= u["step"]
     assert u["digest"] == trainers[0][str(u["version"])]
+
+
+@pytest.mark.slow
+def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_resumes(
+    tmp_path):
+  # The tiny quickstart in pipe mode on 4 processes x 2 devices: process 0's devices come
+  # last, so generation is process 1's, inference process 2's and training (fsdp=4) spans
+  # processes 3 and 0, which hold, checkpoint and restore the trainer state together.
+  workdir = tmp_path / "run"
+  args = [a for a in main_args(workdir) if "runtime.mode" not in a and "ppo.steps" not in a]
+  args += ["--config.ppo.steps=2", "--config.warm_start.mesh.fsdp=-1"]
+  env = {**child_env(), "PYTHONPATH": ROOT}
+  job = launch(args, num_processes=4, cpu_devices=2, log_dir=str(tmp_path / "logs1"),
+               timeout_s=500, command=MAIN, echo=False, env=env)
+  assert job.ok, job.report()
+  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [6144,6145,0,1]" in \
+      job.log_text(0)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1"]
+  with open(workdir / "trace.json", encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  where = {(e["name"].split()[0], e["args"].get("process")) for e in events
+           if e.get("ph") == "X"}
+  assert {("generate", "p1"), ("infer", "p2"), ("train", "p0"), ("train", "p3")} <= where
+  # Resume from step 0's checkpoint: the training group restores it and re-trains step 1.
+  shutil.rmtree(workdir / "checkpoints" / "1")
+  job = launch([*args, "--resume"], num_processes=4, cpu_devices=2,
+               log_dir=str(tmp_path / "logs2"), timeout_s=500, command=MAIN, echo=False,
+               env=env)
+  assert job.ok, job.report()
+  assert "resumed PPO at step 1" in job.log_text(0)
+  assert "resumed PPO at step 1" in job.log_text(3)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if '"ppo"' in line]
+  assert [r["step"] for r in rows] == [0, 1]
