@@ -11,9 +11,9 @@ Owns two measurements, each a job of several local processes started with
   reshard onto the mirrored layout: what a generator waits for.)
 * seconds per PPO step of the library API (`system.run`, rule reward, no warm start) for
   each process layout (1 x 8, 2 x 4, 4 x 2 processes x devices, the same 8 devices and
-  meshes) and each mode (`pipe` across processes keeps each stage in one process, so it
-  runs on 1 x 8 and 2 x 4, not 4 x 2). The first --warmup steps (compilation) are
-  excluded.
+  meshes) and each mode (`pipe` on 4 x 2 runs generation's 4-stage pipeline over two
+  whole processes, SPMD in that group). The first --warmup steps (compilation) are
+  excluded; a layout the runtime cannot run is reported as such.
 
 On virtual CPU devices every process shares the host's cores, so these figures say what
 the multi-process machinery costs (collectives through gloo, transfer servers, the
@@ -37,7 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # pipe mode's devices of (generate, infer, train): in a 2 x 4 job generation is process
-# 0's, inference and training process 1's.
+# 0's, inference and training process 1's; in a 4 x 2 job generation spans processes
+# 0-1, inference is process 2's and training process 3's.
 PIPE_PLACEMENT = (4, 2, 2)
 
 
@@ -79,8 +80,7 @@ def sync_worker(args) -> None:
     name = f"actor{size}"
     if me == 0:
       params, _ = train.put_params(nnx.state(init_model(cfg, seed=0)))
-      publisher = tr.WeightPublisher(
-          name, [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
+      publisher = tr.WeightPublisher(name, [1], gen.param_shardings(abstract))
       for version in range(args.repeats + 1):
         publisher.publish(params, version)
         distributed.barrier(f"{name}/{version}")  # the subscriber took this version
@@ -107,6 +107,19 @@ def sync_worker(args) -> None:
       json.dump(rows, f)
 
 
+def _runtime(mode: str):
+  """The plan of the PPO measurement in `mode` (the same meshes in every layout)."""
+  from pipe_rlhf_jax.system import MeshSpec, RuntimeConfig, StagePlan
+  pipe = mode == "pipe"
+  return RuntimeConfig(
+      mode=mode, max_staleness=1 if pipe else 0,
+      placement=PIPE_PLACEMENT if pipe else None,
+      mesh=MeshSpec(data=-1),
+      generate=StagePlan(MeshSpec(data=1, pipe=4) if pipe else MeshSpec(data=-1),
+                         num_microbatches=8 if pipe else 1),
+      infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=1, fsdp=-1)))
+
+
 def ppo_worker(args) -> None:
   import jax
   from pipe_rlhf_jax import distributed
@@ -114,19 +127,11 @@ def ppo_worker(args) -> None:
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
-                                    StagePlan, prompts_from_texts, run)
+  from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, prompts_from_texts, run
   del jax
   tokenizer = load_tokenizer("byte")
   policy = init_model(tiny_config(), seed=0)  # the quickstart's model
-  pipe = args.mode == "pipe"
-  runtime = RuntimeConfig(
-      mode=args.mode, max_staleness=1 if pipe else 0,
-      placement=PIPE_PLACEMENT if pipe else None,
-      mesh=MeshSpec(data=-1),
-      generate=StagePlan(MeshSpec(data=1, pipe=4) if pipe else MeshSpec(data=-1),
-                         num_microbatches=8 if pipe else 1),
-      infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=1, fsdp=-1)))
+  runtime = _runtime(args.mode)
   system = PPOSystem(
       Models.from_policy(policy),
       ppo=PPOConfig(steps=args.steps, batch_size=32, minibatch_size=16, actor_lr=1e-4),
@@ -140,10 +145,13 @@ def ppo_worker(args) -> None:
   ends = []
   run(system, prompts, steps=args.steps, on_step=lambda s, m: ends.append(time.perf_counter()))
   steady = ends[args.warmup - 1:]
-  # Steps complete on the training stage's process (in pipe mode across processes, not
-  # necessarily process 0's); one process writes.
-  writer = ("train" in system.local_stages if system.mode == "pipe"
-            else distributed.is_primary())
+  # Steps complete on the training stage's processes (in pipe mode across processes, not
+  # necessarily process 0's); one process (its leader) writes.
+  if system.mode == "pipe" and distributed.process_count() > 1:
+    from pipe_rlhf_jax.system.pipe_processes import stage_processes
+    writer = stage_processes(system.layouts)["train"][0] == distributed.process_index()
+  else:
+    writer = distributed.is_primary()
   if writer:
     with open(os.path.join(args.out, "ppo.json"), "w", encoding="utf-8") as f:
       json.dump({"s_per_step": (steady[-1] - steady[0]) / (len(steady) - 1)}, f)
@@ -169,6 +177,7 @@ def _job(kind: str, extra: list[str], out: str, processes: int, devices: int,
 
 
 def main() -> None:
+  from pipe_rlhf_jax.planner.auto import runnable_across_processes
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("kind", nargs="?", choices=("sync", "ppo"),
                  help="(internal: one process of a job)")
@@ -209,10 +218,9 @@ def main() -> None:
   for mode in [m for m in args.modes.split(",") if m]:
     for layout in [l for l in args.layouts.split(",") if l]:
       processes, devices = (int(x) for x in layout.split("x"))
-      if mode == "pipe" and processes > 1 and devices < max(PIPE_PLACEMENT):
-        # pipe mode across processes keeps each stage within one process.
-        print(f"  {mode:<11} {layout:>4}: not run (a {max(PIPE_PLACEMENT)}-device stage "
-              f"would span processes of {devices} devices)")
+      if not runnable_across_processes(_runtime(mode), processes, devices):
+        print(f"  {mode:<11} {layout:>4}: not runnable (the placement does not cut at "
+              f"process boundaries of {devices} devices)")
         continue
       out = os.path.join(args.out_dir, f"{mode}_{layout}")
       got = _job("ppo", [f"--mode={mode}", f"--steps={args.steps}",

@@ -36,9 +36,10 @@ agreed through the coordination service). Process 0 alone writes files (datasets
 then metrics, traces, samples, export); the others wait for the datasets and write
 nothing. `sequential` and `per_stage` meshes span all processes' devices, every process
 runs every program, and Orbax checkpoints are written by all processes together. In
-`pipe` mode each stage lies in one process (`system/pipe_processes.py`) and the
-training stage is placed on process 0 (its devices come last in the device order
-`runtime.placement` cuts), which alone holds, checkpoints and writes the trainer state;
+`pipe` mode each stage lives on a group of processes (`system/pipe_processes.py`: one
+process, or several whole processes of its own) and the training stage includes process
+0 (its devices come last in the device order `runtime.placement` cuts); the training
+group alone holds and checkpoints the trainer state (host copies, written by process 0);
 the warm start still runs on `config.mesh` over every process, after which each process
 builds its own stages from host copies.
 """
@@ -305,18 +306,20 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   across = config.runtime.mode == "pipe" and jax.process_count() > 1
   writes, trains, group = me == 0, True, None
   if across:
-    # Each stage in one process (checked here, before anything is built); process 0
-    # holds the training stage, writes and checkpoints alone; the others only read
-    # checkpoints (a manager over their own process, which writes nothing).
-    trainer = stage_processes(layouts)["train"]
-    if trainer != 0:
+    # Each stage on its group of processes (checked here, before anything is built); the
+    # training group holds process 0 (which writes the run's files) and holds,
+    # checkpoints (together) the trainer state; the others only read checkpoints (a
+    # manager over their own process, which writes nothing).
+    trainers = stage_processes(layouts)["train"]
+    if 0 not in trainers:
       raise ValueError(
-          f"runtime.placement: in pipe mode across processes the training stage must fit "
-          f"in process 0's {jax.local_device_count()} devices (the last block of the "
-          f"device order); it lies in process {trainer}. Give runtime.placement.train at most "
-          f"{jax.local_device_count()} devices.")
-    trains = me == 0
-    group = [me]
+          f"runtime.placement: in pipe mode across processes the training stage must "
+          f"include process 0's devices (the last block of the device order, "
+          f"{jax.local_device_count()} per process); it lies in processes "
+          f"{list(trainers)}. Make runtime.placement.train the last block: a multiple of "
+          f"{jax.local_device_count()} devices, or at most {jax.local_device_count()}.")
+    trains = me in trainers
+    group = list(trainers) if trains else [me]
   ppo_dir = os.path.join(workdir, "checkpoints")
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
                                        processes=group)

@@ -9,8 +9,13 @@ Scenarios:
   ppo       a few PPO steps of a tiny system through the library API (`--mode`,
             `--steps`); process 0 writes the metrics to DIR/metrics.json. With
             `--fail_at=K --fail_process=I`, process I raises at PPO step K instead.
+            In pipe mode `--placement` and `--meshes` place the stages, and every
+            process writes DIR/p<i>.json: the digest of the actor each generation used
+            and of each version the trainer published.
   transfer  weights and a queue between two process groups through
             `distributed.transfer`; every process writes what it saw to DIR/p<i>.json.
+  groups    the same between a one-process group and a group spanning two processes
+            (3 processes): blocks of weights and queue items both ways.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from pipe_rlhf_jax.distributed.faults import FaultWatch  # noqa: E402
 
 def parse():
   p = argparse.ArgumentParser()
-  p.add_argument("scenario", choices=("ppo", "transfer"))
+  p.add_argument("scenario", choices=("ppo", "transfer", "groups"))
   p.add_argument("--out", required=True)
   p.add_argument("--mode", default="sequential")
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--staleness", type=int, default=0)
   p.add_argument("--placement", default="4,2,2", help="pipe: devices of gen,infer,train")
+  p.add_argument("--meshes", default="data=1,pipe=2,tensor=2/data=2,fsdp=-1/data=1,fsdp=-1",
+                 help="pipe: the generate/infer/train meshes (axis=size, comma-separated)")
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
   p.add_argument("--coordinator_address", default="")
@@ -43,7 +50,15 @@ def parse():
   return p.parse_args()
 
 
-def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2)):
+def mesh_specs(text: str):
+  """'data=1,pipe=2,tensor=2/...' -> the three stages' MeshSpecs."""
+  from pipe_rlhf_jax.system import MeshSpec
+  return [MeshSpec(**{axis: int(size) for axis, size in
+                      (item.split("=") for item in part.split(","))})
+          for part in text.split("/")]
+
+
+def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None):
   """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -65,12 +80,12 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2)):
   # pipe: by default generation on devices 0-3 (process 0 of a 2 x 4 job), inference on
   # 4-5 and training on 6-7 (process 1).
   pipe = mode == "pipe"
+  gen, inf, trn = meshes or (MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
+                             MeshSpec(data=2, fsdp=-1), MeshSpec(data=1, fsdp=-1))
   runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
                           placement=tuple(placement) if pipe else None,
-                          generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
-                                             num_microbatches=2),
-                          infer=StagePlan(MeshSpec(data=2, fsdp=-1)),
-                          train=StagePlan(MeshSpec(data=1, fsdp=-1)))
+                          generate=StagePlan(gen, num_microbatches=2),
+                          infer=StagePlan(inf), train=StagePlan(trn))
   system = PPOSystem(
       Models.from_policy(policy),
       ppo=PPOConfig(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
@@ -86,20 +101,44 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2)):
 
 def ppo(args) -> None:
   from pipe_rlhf_jax.system import run
+  pipe = args.mode == "pipe"
   system, prompts = tiny_system(args.mode, args.staleness,
-                                [int(n) for n in args.placement.split(",")])
-  fail = args.fail_at >= 0 and distributed.process_index() == args.fail_process
+                                [int(n) for n in args.placement.split(",")],
+                                mesh_specs(args.meshes) if pipe else None)
+  me = distributed.process_index()
+  fail = args.fail_at >= 0 and me == args.fail_process
+  across = pipe and distributed.process_count() > 1
+  if across:
+    from pipe_rlhf_jax.system.pipe_processes import stage_processes
+    where = stage_processes(system.layouts)
+  # Pipe mode across processes: what each process saw of the actor, as digests (the
+  # fetches in them are programs of the stage's own group, run in lockstep by it).
+  published, used = {}, []
+  if across and me in where["train"]:
+    published[system.version] = digest(system.state.actor)
+  if across and me in where["generate"]:
+    generate = system.generate
+
+    def recording(params, batch, step, version):
+      used.append({"step": step, "version": version, "digest": digest(params)})
+      return generate(params, batch, step, version)
+    system.generate = recording
 
   def on_step(step, metrics):
     if fail and step + 1 == args.fail_at:
       raise RuntimeError(f"injected failure at PPO step {args.fail_at}")
+    if across:  # after the update: the version the trainer publishes next
+      published[system.version] = digest(system.state.actor)
 
   result = run(system, prompts, steps=args.steps, on_step=on_step)
   # Serial modes: every process has the metrics, process 0 writes them; pipe mode: only
-  # the training stage's process has them.
-  if result.metrics and (distributed.is_primary() or args.mode == "pipe"):
+  # the training stage's processes have them, its leader writes.
+  if result.metrics and (me == where["train"][0] if across else distributed.is_primary()):
     with open(os.path.join(args.out, "metrics.json"), "w", encoding="utf-8") as f:
       json.dump(result.metrics, f)
+  if across:
+    with open(os.path.join(args.out, f"p{me}.json"), "w", encoding="utf-8") as f:
+      json.dump({"published": published, "used": used}, f)
 
 
 def digest(tree) -> str:
@@ -153,10 +192,8 @@ def transfer(args) -> None:
   seen = {}
   if me == 0:
     params, _ = train.put_params(nnx.state(init_model(cfg, seed=0)))
-    publisher = tr.WeightPublisher(
-        "actor", [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
-    wrong_publisher = tr.WeightPublisher(
-        "actor_b", [1], tr.mirror_shardings(gen.param_shardings(abstract), groups[0]))
+    publisher = tr.WeightPublisher("actor", [1], gen.param_shardings(abstract))
+    wrong_publisher = tr.WeightPublisher("actor_b", [1], gen.param_shardings(abstract))
     published = {}
     publisher.publish(params, 0)
     wrong_publisher.publish(params, 0)
@@ -179,15 +216,16 @@ def transfer(args) -> None:
     subscriber = tr.WeightSubscriber("actor", 0, jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
         gen.param_shardings(abstract)))
-    sender = tr.QueueSender("rollouts", 0, capacity=1)
-    mirror = tr.mirror_shardings(train.batch_sharding(2), groups[1])
+    sender = tr.QueueSender("rollouts", [0], capacity=1)
     used, in_flight = [], []
     for step in range(steps):
       params, version = subscriber.acquire(required_version(step, staleness), timeout_s=120)
       used.append({"step": step, "version": version, "digest": digest(params)})
-      rollout = jax.device_put(np.full(rollout_shape.shape, step, np.float32), mirror)
-      sender.put(rollout, {"step": step, "version": version}, timeout_s=120)
-      in_flight.append(sender._sent - (sender.endpoint.try_get("queue/rollouts/taken") or 0))
+      rollout = jax.device_put(np.full(rollout_shape.shape, step, np.float32),
+                               gen.batch_sharding(2))
+      sender.put(rollout, train.batch_sharding(2), {"step": step, "version": version},
+                 timeout_s=120)
+      in_flight.append(sender.in_flight())
     sender.close()
     refused = ""
     bad = tr.WeightSubscriber("actor_b", 0, jax.tree.map(
@@ -203,6 +241,109 @@ def transfer(args) -> None:
     json.dump(seen, f)
 
 
+def groups(args) -> None:
+  """Process 0 is a one-process group, processes 1-2 one group spanning both (SPMD).
+
+  Every layout is built from the same description and global device list on every
+  process. Weights 0 -> {1, 2} (generation's pipe=2 x tensor=2 over the group: each
+  process pulls its own pipe row, and both must get the same version); rollouts
+  {1, 2} -> 0 (gathered within the group, sent by its leader); experience 0 -> {1, 2}
+  into data=2 x fsdp=2 (each process pulls its own rows); weights {1, 2} -> 0 (published
+  by the group). Five steps, staleness bound 1, queues of capacity 1. Then a publisher
+  that lays generation's mesh out with the processes swapped: each process's block
+  starts elsewhere, and both refuse it before pulling.
+  """
+  import jax
+  import numpy as np
+  from flax import nnx
+  from pipe_rlhf_jax.distributed import transfer as tr
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.parallel import logical
+  from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+  from pipe_rlhf_jax.runtime.weights import required_version
+  from pipe_rlhf_jax.stages.common import StageLayout
+
+  steps, staleness, me = 5, 1, distributed.process_index()
+  devs = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1, 2)}
+  group = [1, 2]
+  train = StageLayout("train", make_mesh(MeshShape(fsdp=2), devs[0]),
+                      logical.STAGE_RULES["train"])
+  gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2), devs[1] + devs[2]),
+                    logical.STAGE_RULES["generate"])
+  swapped = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2),
+                                              devs[2] + devs[1]),
+                        logical.STAGE_RULES["generate"])
+  rows = StageLayout("infer", make_mesh(MeshShape(data=2, fsdp=2), devs[1] + devs[2]),
+                     logical.STAGE_RULES["infer"])
+  cfg = tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+                    mlp_dim=64)
+  abstract = nnx.state(nnx.eval_shape(lambda: init_model(cfg)))
+  target = lambda layout: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+      layout.param_shardings(abstract))
+  batch = lambda layout: (lambda meta: jax.ShapeDtypeStruct((16, 6), np.float32,
+                                                            sharding=layout.batch_sharding(2)))
+  expected = lambda step: np.arange(96, dtype=np.float32).reshape(16, 6) + 1000.0 * step
+  if me == 0:
+    params, _ = train.put_params(nnx.state(init_model(cfg, seed=0)))
+    actor = tr.WeightPublisher("actor", group, gen.param_shardings(abstract))
+    wrong = tr.WeightPublisher("actor_b", group, swapped.param_shardings(abstract))
+    critic = tr.WeightSubscriber("critic", 1, target(train))
+    rollouts = tr.QueueReceiver("rollouts", 1, batch(train))
+    experience = tr.QueueSender("experience", group, capacity=1)
+    published, batches, critics = {}, [], []
+    actor.publish(params, 0)
+    wrong.publish(params, 0)
+    published[0] = digest(params)
+    for rollout, meta in rollouts:
+      step = meta["step"]
+      batches.append({**meta, "exact": bool(np.array_equal(distributed.fetch(rollout),
+                                                           expected(step)))})
+      values, version = critic.acquire(step, timeout_s=120)
+      critics.append({"step": step, "version": version, "digest": digest(values),
+                      "actor_version": meta["version"]})
+      experience.put(rollout * 2, rows.batch_sharding(2), {"step": step}, timeout_s=120)
+      params = jax.tree.map(lambda x: x * 0.5 + 1.0, params)
+      actor.publish(params, step + 1)
+      published[step + 1] = digest(params)
+    experience.close()
+    distributed.barrier("groups_done")
+    actor.close()
+    wrong.close()
+    seen = {"published": published, "batches": batches, "critics": critics}
+  else:
+    actor = tr.WeightSubscriber("actor", 0, target(gen), group=group)
+    critic = tr.WeightPublisher("critic", [0], train.param_shardings(abstract), group=group)
+    rollouts = tr.QueueSender("rollouts", [0], capacity=1, group=group)
+    experience = tr.QueueReceiver("experience", 0, batch(rows))
+    used, exact, in_flight = [], [], []
+    for step in range(steps):
+      params, version = actor.acquire(required_version(step, staleness), timeout_s=120)
+      used.append({"step": step, "version": version, "digest": digest(params)})
+      critic.publish(params, step)
+      rollout = distributed.put_global(expected(step), rows.batch_sharding(2))
+      rollouts.put(rollout, train.batch_sharding(2), {"step": step, "version": version},
+                   timeout_s=120)
+      in_flight.append(rollouts.in_flight())
+      got, meta = experience.get(timeout_s=120)
+      # This process's rows arrived where the global layout puts them.
+      exact.append(meta["step"] == step and all(
+          np.array_equal(np.asarray(s.data), 2 * expected(step)[s.index])
+          for s in got.addressable_shards))
+    rollouts.close()
+    refused = ""
+    try:
+      tr.WeightSubscriber("actor_b", 0, target(gen), group=group).acquire(0, timeout_s=60)
+    except tr.LayoutMismatch as e:
+      refused = str(e)
+    distributed.barrier("groups_done")
+    critic.close()
+    seen = {"used": used, "exact": exact, "in_flight": in_flight, "refused": refused}
+  with open(os.path.join(args.out, f"p{me}.json"), "w", encoding="utf-8") as f:
+    json.dump(seen, f)
+
+
 def main() -> None:
   args = parse()
   os.makedirs(args.out, exist_ok=True)
@@ -212,10 +353,7 @@ def main() -> None:
       shutdown_timeout_s=10))
   watch = FaultWatch.start()
   try:
-    if args.scenario == "ppo":
-      ppo(args)
-    else:
-      transfer(args)
+    {"ppo": ppo, "transfer": transfer, "groups": groups}[args.scenario](args)
   except Exception as e:  # pylint: disable=broad-except
     if watch is None:
       raise

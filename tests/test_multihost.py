@@ -9,6 +9,7 @@ they take on an idle machine: they are there so that nothing can hang.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -252,3 +253,110 @@ def test_launcher_kills_what_does_not_stop(tmp_path):
                command=(sys.executable, "-c", "import time; time.sleep(60)"), echo=False)
   assert job.returncodes == [-9, -9] and sorted(job.killed) == [0, 1]
   assert "killed by SIGKILL (SIGKILLed by the launcher)" in job.report()
+
+
+def test_weights_and_queues_cross_a_stage_spanning_two_processes_bit_for_bit(tmp_path):
+  # 3 processes x 2 devices: process 0 alone, processes 1-2 one group (SPMD) holding
+  # generation's pipe=2 x tensor=2 and a data=2 x fsdp=2 batch layout; weights and queue
+  # items both ways (see multihost_worker.groups).
+  job = run_job(tmp_path, "groups", ["groups"], num_processes=3, cpu_devices=2,
+                timeout_s=180)
+  assert job.ok, job.report()
+  seen = []
+  for p in range(3):
+    with open(tmp_path / "groups" / f"p{p}.json", encoding="utf-8") as f:
+      seen.append(json.load(f))
+  trainer, group = seen[0], seen[1:]
+  # Both processes of the group used the same versions, each the trainer's bit for bit.
+  assert group[0]["used"] == group[1]["used"]
+  used = group[0]["used"]
+  assert [u["step"] for u in used] == [0, 1, 2, 3, 4]
+  for u in used:
+    assert u["step"] - 1 <= u["version"] <= u["step"]
+    assert u["digest"] == trainer["published"][str(u["version"])]
+  # Rollouts gathered in the group and sent by its leader arrived whole and in order;
+  # the weights the group published back are what it had received, bit for bit.
+  assert [(b["step"], b["version"], b["exact"]) for b in trainer["batches"]] == [
+      (u["step"], u["version"], True) for u in used]
+  for c in trainer["critics"]:
+    assert c["version"] == c["step"]
+    assert c["digest"] == trainer["published"][str(c["actor_version"])]
+  # Each process of the group pulled exactly its own rows of every experience item.
+  assert all(all(g["exact"]) and len(g["exact"]) == 5 for g in group)
+  assert max(group[0]["in_flight"]) <= 1
+  # A block laid out for the processes in the other order is refused by each process
+  # before any data moves (the block's start in the array differs).
+  for p, g in zip((1, 2), group):
+    assert f"(process {p})" in g["refused"] and "nothing was moved" in g["refused"]
+    assert " at [1" in g["refused"], g["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement, meshes, spanning", [
+    # Generation on processes 0-1 (pipe=2 x tensor=2: a pipe row each), inference and
+    # training on process 2.
+    ("4,1,1", "data=1,pipe=2,tensor=2/data=1/data=1", "generate"),
+    # Generation and inference on process 0, training on processes 1-2 (fsdp=4).
+    ("1,1,4", "data=1/data=1/data=1,fsdp=4", "train"),
+])
+def test_pipe_mode_with_a_stage_spanning_two_processes(tmp_path, placement, meshes,
+                                                       spanning):
+  # 3 processes x 2 devices, staleness 1: it trains every step, never lags more than 1,
+  # and every generating process used the same weights as its peer, bit for bit the
+  # version the trainer published.
+  job = run_job(tmp_path, "three", ["ppo", "--mode=pipe", "--steps=3", "--staleness=1",
+                                    f"--placement={placement}", f"--meshes={meshes}"],
+                num_processes=3, cpu_devices=2, timeout_s=300)
+  assert job.ok, job.report()
+  rows = read_metrics(tmp_path / "three")
+  assert len(rows) == 3
+  assert all(0 <= r["staleness/actor"] <= 1 and 0 <= r["staleness/critic"] <= 1
+             for r in rows)
+  seen = []
+  for p in range(3):
+    with open(tmp_path / "three" / f"p{p}.json", encoding="utf-8") as f:
+      seen.append(json.load(f))
+  generators = [s["used"] for s in seen if s["used"]]
+  trainers = [s["published"] for s in seen if s["published"]]
+  assert len(generators) == (2 if spanning == "generate" else 1)
+  assert len(trainers) == (2 if spanning == "train" else 1)
+  assert all(t == trainers[0] for t in trainers)  # the training group in lockstep
+  assert all(g == generators[0] for g in generators)
+  assert [u["step"] for u in generators[0]] == [0, 1, 2]
+  for u in generators[0]:
+    assert u["step"] - 1 <= u["version"] <= u["step"]
+    assert u["digest"] == trainers[0][str(u["version"])]
+
+
+@pytest.mark.slow
+def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_resumes(
+    tmp_path):
+  # The tiny quickstart in pipe mode on 4 processes x 2 devices: process 0's devices come
+  # last, so generation is process 1's, inference process 2's and training (fsdp=4) spans
+  # processes 3 and 0, which hold, checkpoint and restore the trainer state together.
+  workdir = tmp_path / "run"
+  args = [a for a in main_args(workdir) if "runtime.mode" not in a and "ppo.steps" not in a]
+  args += ["--config.ppo.steps=2", "--config.warm_start.mesh.fsdp=-1"]
+  env = {**child_env(), "PYTHONPATH": ROOT}
+  job = launch(args, num_processes=4, cpu_devices=2, log_dir=str(tmp_path / "logs1"),
+               timeout_s=500, command=MAIN, echo=False, env=env)
+  assert job.ok, job.report()
+  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [6144,6145,0,1]" in \
+      job.log_text(0)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1"]
+  with open(workdir / "trace.json", encoding="utf-8") as f:
+    events = json.load(f)["traceEvents"]
+  where = {(e["name"].split()[0], e["args"].get("process")) for e in events
+           if e.get("ph") == "X"}
+  assert {("generate", "p1"), ("infer", "p2"), ("train", "p0"), ("train", "p3")} <= where
+  # Resume from step 0's checkpoint: the training group restores it and re-trains step 1.
+  shutil.rmtree(workdir / "checkpoints" / "1")
+  job = launch([*args, "--resume"], num_processes=4, cpu_devices=2,
+               log_dir=str(tmp_path / "logs2"), timeout_s=500, command=MAIN, echo=False,
+               env=env)
+  assert job.ok, job.report()
+  assert "resumed PPO at step 1" in job.log_text(0)
+  assert "resumed PPO at step 1" in job.log_text(3)
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if '"ppo"' in line]
+  assert [r["step"] for r in rows] == [0, 1]

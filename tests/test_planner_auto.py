@@ -12,7 +12,7 @@ from configs import quickstart
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.planner import auto, hardware, search
 from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.system.settings import RuntimeConfig
+from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
 from pipe_rlhf_jax.train import build_model_configs, train
 
 
@@ -107,13 +107,22 @@ def test_hand_written_plan_over_memory_fails_with_the_memory_models_reason(tmp_p
                             r"GiB per device on the .* devices, over the .* usable of cpu")
 
 
-def test_pipe_plans_across_processes_keep_each_stage_in_one_process():
+def test_pipe_plans_across_processes_place_stages_on_whole_processes():
   runnable = auto.runnable_across_processes
-  pipe = lambda placement: RuntimeConfig(mode="pipe", placement=placement)
+  pipe = lambda placement, **stages: RuntimeConfig(mode="pipe", placement=placement,
+                                                   **stages)
   # 2 processes x 4 devices: blocks of at most 4 devices lie in one process each.
   assert runnable(pipe((4, 2, 2)), processes=2, devices_per_process=4)
-  # 4 processes x 2 devices: a 4-device training block would span two processes.
-  assert not runnable(pipe((2, 2, 4)), processes=4, devices_per_process=2)
+  # 4 processes x 2 devices: a 4-device stage spans two whole processes of its own.
+  assert runnable(pipe((2, 2, 4)), processes=4, devices_per_process=2)
+  assert runnable(pipe((4, 2, 2), generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=2))),
+                  processes=4, devices_per_process=2)
+  # A block that starts inside a process would share it with another stage.
   assert not runnable(pipe((2, 1, 5)), processes=2, devices_per_process=4)
+  assert not runnable(pipe((3, 3, 2)), processes=4, devices_per_process=2)
+  # A process's devices must be a rectangular block of the stage's mesh: data=3 x
+  # tensor=2 cut into processes of 3 devices is not.
+  assert not runnable(pipe((6, 3, 3), generate=StagePlan(MeshSpec(data=3, tensor=2))),
+                      processes=4, devices_per_process=3)
   assert runnable(pipe((2, 1, 5)), processes=1, devices_per_process=8)
   assert runnable(RuntimeConfig(mode="sequential"), processes=2, devices_per_process=4)

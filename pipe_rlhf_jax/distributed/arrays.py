@@ -10,7 +10,9 @@ whether the job has one process or many:
 * `fetch(tree)`: a host numpy copy of arrays whatever their layout. An array this process
   cannot see entirely is first gathered to a replicated copy *on its own mesh* (a
   program only the processes of that mesh run), so a stage living on a group of
-  processes never waits for processes outside its group.
+  processes never waits for processes outside its group;
+* `local_copy(tree)`: the same gather, kept on device: arrays this process holds wholly
+  (what a multi-process stage's leader sends to another stage, `distributed.transfer`).
 
 On one process both reduce to `jax.device_put` / `jax.device_get`.
 """
@@ -76,6 +78,25 @@ def _gather_on(mesh: jax.sharding.Mesh):
 def _replicated_copy(x: jax.Array) -> jax.Array:
   """`x` gathered to every device of its own mesh (only that mesh's processes run it)."""
   return _gather_on(x.sharding.mesh)(x)
+
+
+def local_copy(tree: Any) -> Any:
+  """Each array of `tree` as one this process holds wholly, on its devices.
+
+  Fully addressable arrays pass through; an array spanning processes is gathered within
+  its own mesh (so, as for `fetch`, every process of that mesh must call this on it in
+  the same order) and this process's replica (one device) is returned.
+  """
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    if not x.is_fully_replicated:
+      if not isinstance(x.sharding, NamedSharding):
+        raise TypeError(f"local_copy: an array spanning several processes needs a "
+                        f"NamedSharding to be gathered, got {x.sharding!r}.")
+      x = _replicated_copy(x)
+    return x.addressable_data(0)
+  return jax.tree.map(one, tree)
 
 
 def fetch(tree: Any) -> Any:

@@ -156,12 +156,32 @@ def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
 
 def runnable_across_processes(plan: RuntimeConfig, processes: int,
                               devices_per_process: int) -> bool:
-  """Whether the runtime can run `plan` in a job of `processes` processes: `pipe` mode
-  there keeps each stage within one process (`system/pipe_processes.py`); one process
-  runs anything."""
+  """Whether the runtime can run `plan` in a job of `processes` processes.
+
+  `pipe` mode there (`system/pipe_processes.py`) places each stage within one process
+  (several stages may share it) or on whole processes of its own, with each process's
+  devices a rectangular block of the stage's mesh (so it can receive its block of an
+  array); the device order cuts at process boundaries. One process runs anything.
+  """
   if processes == 1 or plan.mode != "pipe" or plan.placement is None:
     return True
-  return all(size <= devices_per_process for size in plan.placement)
+  import numpy as np
+  from pipe_rlhf_jax.distributed.transfer import is_rectangular
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  try:
+    shapes = stage_mesh_shapes(plan, processes * devices_per_process)
+  except ValueError:
+    return False
+  for shape, _, indices in shapes.values():
+    owners = np.asarray(indices) // devices_per_process
+    if owners[0] == owners[-1]:
+      continue  # within one process
+    if indices[0] % devices_per_process or len(indices) % devices_per_process:
+      return False  # shares a process with another stage
+    grid = owners.reshape(shape.axis_sizes())
+    if not all(is_rectangular(grid == p) for p in np.unique(owners)):
+      return False
+  return True
 
 
 def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun]:

@@ -18,7 +18,8 @@ Without a critic (a critic-free advantage estimator) nothing of one is synced or
 published, and no critic version or staleness is reported.
 
 In a multi-process job `run` hands `pipe` mode to `pipe_processes`, which runs the same
-workers with each stage in its own process and the links between processes carried by
+workers with each stage on its own group of processes (one process, or several whole
+processes running the stage SPMD) and the links between groups carried by
 `distributed.transfer`.
 """
 

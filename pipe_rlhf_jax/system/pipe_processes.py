@@ -1,24 +1,38 @@
-"""`pipe` mode across processes: each stage in one process, links between processes.
+"""`pipe` mode across processes: stage groups of whole processes, links between them.
 
 The schedule is `modes.run_pipe`'s (the same workers, staleness gate, versioning and
-metrics); what changes is where each piece lives. Every stage lies within one process
-(`stage_processes`; a process may hold several stages), and each process runs only the
-workers of its own stages. A link between two stages of one process is the usual
-bounded queue or versioned-weights slot; a link between processes goes through
-`distributed.transfer` (transfer servers for the arrays, the key-value store for ids,
-versions, layouts and back-pressure), the sender first laying the arrays out as the
-receiver's stage will hold them (a mirror of its mesh on the sender's devices):
+metrics); what changes is where each piece lives. Each stage lives on a group of
+processes (`stage_processes`): either within one process (a process may then hold
+several stages, as on one machine) or spanning several whole processes, which then hold
+no other stage. Each process runs only the workers of its own stages; the processes of
+a multi-process stage all run its worker, in lockstep, issuing the same programs in the
+same order (SPMD inside the group; the stage's programs and `distributed.fetch` are
+collectives over the group's mesh only). The first process of a group is its leader.
+
+A link between two stages of one process is the usual bounded queue or versioned-weights
+slot; a link between groups goes through `distributed.transfer` (transfer servers for the
+arrays, the key-value store for ids, versions, layouts and back-pressure): the sending
+group gathers within itself when its arrays span processes, its leader lays out each
+receiving process's block as that process will hold it (a mirror of its sub-mesh on the
+leader's devices) and offers it; each receiving process pulls its own block, checks its
+layout first, and assembles the stage's global arrays from its shards:
 
   generate --rollouts--> infer --experience--> train
   train --actor vK--> generate        train --critic vK--> infer
 
-The KL coefficient of each policy version is fixed by the trainer; an inference stage in
-another process reads it from the key-value store. `on_step` runs in the training
-stage's process only, and so do metrics and the trainer state; the run ends with a
-barrier so that no process leaves while a peer may still pull from its server.
+Every process of a consuming group receives the same weights version for a step (its
+leader asks; the grant names the version for all). The KL coefficient of each policy
+version is fixed by the trainer; an inference stage in another process reads it from the
+key-value store. `on_step` runs in the training stage's processes only (in every one of
+a multi-process training group, in lockstep), and so do metrics and the trainer state;
+the trace is gathered into the training group's leader; the run ends with a barrier so
+that no process leaves while a peer may still pull from its server.
 
-Limits (errors say so): a stage may not span processes, and a sending stage needs at
-least as many devices as the receiving stage's mesh.
+Limits (errors say so): a stage spanning several processes must have them to itself
+(two stages' threads in one process issuing cross-process programs in different orders
+could deadlock), each of its processes' devices must be a rectangular block of its mesh,
+and a sending process needs at least as many devices as a receiving process holds of the
+receiving stage's mesh.
 """
 
 from __future__ import annotations
@@ -45,19 +59,35 @@ from pipe_rlhf_jax.system.settings import STAGES
 DATA_STATE = "_data_state"
 
 
-def stage_processes(layouts) -> dict[str, int]:
-  """The process of each stage; raises when a stage's mesh spans several processes."""
-  out = {}
-  for stage in STAGES:
-    mesh = layouts[stage].mesh
-    procs = sorted({d.process_index for d in mesh.devices.flat})
-    if len(procs) != 1:
-      raise ValueError(
-          f"runtime.placement: in pipe mode across processes each stage must lie within "
-          f"one process, but the {stage} stage ({describe(mesh)}) spans processes "
-          f"{procs}; make each stage's device count a block of whole processes' devices "
-          f"({jax.local_device_count()} per process here).")
-    out[stage] = procs[0]
+def stage_processes(layouts, owner: Callable[[Any], int] = tr.process_of
+                    ) -> dict[str, tuple[int, ...]]:
+  """Each stage's group of processes (sorted; the first is the group's leader).
+
+  `owner(device)` is a device's process (tests simulate processes with it).
+
+  Raises ValueError (naming runtime.placement) when a stage spanning several processes
+  shares one of them with another stage, or when a process's devices are not a
+  rectangular block of a stage's mesh (it could not receive its block of an array).
+  """
+  out = {s: tuple(sorted({owner(d) for d in layouts[s].mesh.devices.flat}))
+         for s in STAGES}
+  for stage, procs in out.items():
+    if len(procs) == 1:
+      continue
+    for other in STAGES:
+      shared = sorted(set(procs) & set(out[other])) if other != stage else []
+      if shared:
+        raise ValueError(
+            f"runtime.placement: in pipe mode across processes a stage spanning several "
+            f"processes must have them to itself, but the {stage} stage "
+            f"({describe(layouts[stage].mesh)}) spans processes {list(procs)} and "
+            f"process {shared[0]} also holds the {other} stage: their threads would "
+            f"issue cross-process programs in different orders and could deadlock. Cut "
+            f"runtime.placement at process boundaries ({jax.local_device_count()} "
+            f"devices per process here) so that the {stage} stage's processes hold no "
+            f"other stage, or fit the {stage} stage within one process.")
+    for p in procs:
+      tr.process_submesh(layouts[stage].mesh, p, owner)
   return out
 
 
@@ -91,27 +121,29 @@ def _treedef(kind: type, absent: list[str]):
 
 
 class _Link:
-  """A stage-to-stage queue of (step, pytree, metrics): local, or between two processes.
+  """A stage-to-stage queue of (step, pytree, metrics): local, or between two groups.
 
   Args:
     name: the stream's name ("rollouts", "experience").
     kind: the pytree's class (`Rollout`, `Experience`).
-    producer / consumer: the processes of the two stages.
+    producer / consumer: the two stages' groups of processes (`stage_processes`).
     layout: the consuming stage's `StageLayout` (batch-sharded arrays on arrival).
     capacity: items in flight at most.
   """
 
-  def __init__(self, name: str, kind: type, producer: int, consumer: int, layout,
-               capacity: int):
+  def __init__(self, name: str, kind: type, producer: tuple[int, ...],
+               consumer: tuple[int, ...], layout, capacity: int):
     self.name, self.kind, self.layout = name, kind, layout
     self.me = distributed.process_index()
+    # Equal groups are one process holding both stages (a multi-process stage's
+    # processes hold no other stage).
     self.local = producer == consumer
     if self.local:
       self.queue = BoundedQueue(capacity, name)
-    elif self.me == producer:
-      self.sender = tr.QueueSender(name, consumer, capacity)
-    elif self.me == consumer:
-      self.receiver = tr.QueueReceiver(name, producer, self._target)
+    elif self.me in producer:
+      self.sender = tr.QueueSender(name, consumer, capacity, group=producer)
+    elif self.me in consumer:
+      self.receiver = tr.QueueReceiver(name, producer[0], self._target)
 
   def _target(self, meta: dict) -> Any:
     leaves = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=(
@@ -123,12 +155,12 @@ class _Link:
     if self.local:
       self.queue.put((step, tree, metrics), stop_event=stop)
       return
-    # Laid out as the consumer's stage will hold it, on this process's devices.
-    shardings = tr.mirror_shardings(self.layout.batch_shardings(tree), jax.local_devices())
-    tree = jax.device_put(tree, shardings)
+    # Every process of the producing group calls this (SPMD); the sender lays out each
+    # consuming process's block as the consumer's stage will hold it.
     shapes = [[list(x.shape), str(x.dtype)] for x in jax.tree.leaves(tree)]
-    self.sender.put(tree, {"step": step, "metrics": metrics, "shapes": shapes,
-                           "absent": _absent_fields(tree)}, stop=stop)
+    self.sender.put(tree, self.layout.batch_shardings(tree),
+                    {"step": step, "metrics": metrics, "shapes": shapes,
+                     "absent": _absent_fields(tree)}, stop=stop)
 
   def close(self) -> None:
     if self.local:
@@ -153,22 +185,22 @@ class _Link:
 
 
 class _Weights:
-  """A versioned-weights link from the trainer to a stage: local or between processes."""
+  """A versioned-weights link from the trainer to a stage: local or between groups."""
 
-  def __init__(self, name: str, source: int, consumer: int, layout, abstract: Any):
+  def __init__(self, name: str, source: tuple[int, ...], consumer: tuple[int, ...], layout,
+               abstract: Any):
     self.me = distributed.process_index()
     self.local = source == consumer
     self.name = name
     if self.local:
       self.store = VersionedWeights()
-    elif self.me == source:
-      self.publisher = tr.WeightPublisher(
-          name, [consumer], tr.mirror_shardings(layout.param_shardings(abstract),
-                                                jax.local_devices()))
-    elif self.me == consumer:
-      self.subscriber = tr.WeightSubscriber(name, source, jax.tree.map(
+    elif self.me in source:
+      self.publisher = tr.WeightPublisher(name, consumer, layout.param_shardings(abstract),
+                                          group=source)
+    elif self.me in consumer:
+      self.subscriber = tr.WeightSubscriber(name, source[0], jax.tree.map(
           lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-          layout.param_shardings(abstract)))
+          layout.param_shardings(abstract)), group=consumer)
 
   def publish(self, params: Any, version: int) -> None:
     (self.store if self.local else self.publisher).publish(params, version)
@@ -182,7 +214,8 @@ class _Weights:
 def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
   """Copies every process's spans into the tracer of process `into` (which writes the
   trace), on its time axis: spans travel as wall-clock times, so processes on different
-  hosts line up as well as their clocks do. Each span keeps its `process` annotation."""
+  hosts line up as well as their clocks do. Each span keeps its `process` annotation (a
+  stage spanning processes has one span per process and batch)."""
   me = distributed.process_index()
   wall_at_origin = time.time() - tracer.now()
   if me != into:
@@ -208,7 +241,8 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   cfg = system.runtime
   where = stage_processes(system.layouts)
   me = distributed.process_index()
-  mine = [s for s in STAGES if where[s] == me]
+  mine = [s for s in STAGES if me in where[s]]
+  trainer = where["train"][0]  # the training group's leader
   endpoint = tr.Endpoint.get()
   abstract = system.abstract_params()
   # Stream names are unique per run (a job may call `run` again): their keys and ids
@@ -229,8 +263,9 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
 
   def publish(version: int) -> None:
     # The critic first (see modes.run_pipe); the KL coefficient of `version` before both,
-    # for an inference stage in another process.
-    endpoint.put(f"kl_coef/{version}", system.kl_coefs[version])
+    # for an inference stage in another process (written once, by the training leader).
+    if me == trainer:
+      endpoint.put(f"kl_coef/{version}", system.kl_coefs[version])
     if critic_link is not None:
       critic_link.publish(system.critic_for_inference()[0] if critic_link.local
                           else system.state.critic, version)
@@ -293,7 +328,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   for weights in (actor_link, critic_link):
     if weights is not None and weights.local:
       group.register_queue(weights.store)
-  if where["train"] == me:
+  if me in where["train"]:
     publish(system.version)
   workers = {"generate": generate_worker, "infer": infer_worker, "train": train_worker}
   for stage in mine:
@@ -303,7 +338,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     group.join()
   # A peer may still pull the last items from this process's server.
   distributed.barrier(f"pipe_run_{run}_done")
-  gather_trace(tracer, endpoint, where["train"], run)
+  gather_trace(tracer, endpoint, trainer, run)
   for weights in (actor_link, critic_link):
-    if weights is not None and not weights.local and weights.me == where["train"]:
+    if weights is not None and not weights.local and me in where["train"]:
       weights.publisher.close()
