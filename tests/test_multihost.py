@@ -204,6 +204,7 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_pipe_mode_with_every_stage_in_its_own_process(tmp_path):
   # 3 processes x 4 devices, one stage each: every link (rollouts, experience, actor and
   # critic weights) crosses processes. On-policy it equals one process over 12 devices.
@@ -297,7 +298,8 @@ def test_weights_and_queues_cross_a_stage_spanning_two_processes_bit_for_bit(tmp
     # training on process 2.
     ("4,1,1", "data=1,pipe=2,tensor=2/data=1/data=1", "generate"),
     # Generation and inference on process 0, training on processes 1-2 (fsdp=4).
-    ("1,1,4", "data=1/data=1/data=1,fsdp=4", "train"),
+    pytest.param("1,1,4", "data=1/data=1/data=1,fsdp=4", "train",
+                 marks=pytest.mark.extended),
 ])
 def test_pipe_mode_with_a_stage_spanning_two_processes(tmp_path, placement, meshes,
                                                        spanning):
@@ -329,6 +331,7 @@ def test_pipe_mode_with_a_stage_spanning_two_processes(tmp_path, placement, mesh
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_resumes(
     tmp_path):
   # The tiny quickstart in pipe mode on 4 processes x 2 devices: process 0's devices come
