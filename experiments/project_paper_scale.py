@@ -119,7 +119,7 @@ def _fmt(x, spec: str) -> str:
 
 def markdown(rows: list[dict], label: str) -> str:
   """The rows as one markdown table per model, headed by the projection label."""
-  out = [f"# PROJECTIONS (not measured): PPO step time at paper scale", "", label, ""]
+  out = ["# PROJECTIONS (not measured): PPO step time at paper scale", "", label, ""]
   for model in dict.fromkeys(r["model"] for r in rows):
     out += [f"## {model}", "",
             "| hardware | devices | gen len | chosen plan | s/step | generated tok/s | "

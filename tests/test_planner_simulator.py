@@ -74,6 +74,6 @@ def test_shared_host_concurrency_adds_no_compute():
 def test_gantt_draws_the_prediction(tmp_path):
   r = simulator.simulate({"generate": 1.0, "infer": 0.5, "train": 0.7}, 0.1, "pipe",
                          max_staleness=1, steps=8)
-  path = r.tracer.gantt(str(tmp_path / "predicted.png"))
+  r.tracer.gantt(str(tmp_path / "predicted.png"))
   assert (tmp_path / "predicted.png").stat().st_size > 0
   assert {"generate", "infer", "train", "sync"} <= set(r.tracer.stages())
