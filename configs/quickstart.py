@@ -56,7 +56,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.num_pairs = 8192
   config.data.num_eval = 256  # held-out prompts (and pairs) of the embedded tasks
   # Share of the reverse task's preference pairs that differ by one neighbour-copy error
-  # ('dcba' vs 'dcca'): the reward model's blind spot without them (data/task.py).
+  # ('dcba' vs 'dcca'): the reward model's blind spot without them (data/task.py). Only
+  # data.task='reverse' uses it.
   config.data.hard_pairs = 0.5
   config.data.prompt_len = 16
   config.data.completion_len = 8

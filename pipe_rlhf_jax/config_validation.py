@@ -80,9 +80,8 @@ def _check_task(config) -> None:
     raise ValueError(f"data.hard_pairs={hard_pairs!r} must be a probability in [0, 1] (the "
                      "share of reverse-task preference pairs that differ by one "
                      "neighbour-copy error).")
-  if hard_pairs and task != "reverse":
-    raise ValueError(f"data.hard_pairs={hard_pairs} shapes the embedded reverse task's pairs, "
-                     f"but data.task={task!r}: set it to 0.")
+  # Other tasks ignore it (the quickstart sets it, and a user switching the quickstart to
+  # data.task='jsonl' must not have to unset a knob of data they no longer generate).
   if task == "arith":
     if "arith" not in config.data:
       raise ValueError("data.task='arith' needs a data.arith section (operators, min_digits, "

@@ -103,6 +103,5 @@ def test_hard_pairs_is_a_probability_of_the_reverse_task():
     validate_config(config)
   from configs import grpo_arith
   config = grpo_arith.get_config("tiny")
-  config.data.hard_pairs = 0.5
-  with pytest.raises(ValueError, match=r"data.hard_pairs=0.5 .* data.task='arith'"):
-    validate_config(config)
+  config.data.hard_pairs = 0.5  # a knob of the reverse task: other tasks ignore it
+  validate_config(config)
