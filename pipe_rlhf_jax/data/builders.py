@@ -344,11 +344,9 @@ def make_task_datasets(
      "prefs": BuiltDataset (splits "train", "eval")}.
   """
   check_int(num_eval, "num_eval", hint=" The eval splits need records.")
-  config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
-                alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
-                num_eval=num_eval, length_noise=length_noise)
-  if hard_pairs:  # as task.write_task_jsonl records it
-    config["hard_pairs"] = hard_pairs
+  config = task_lib.task_settings(num_prompts, num_demos, num_pairs, seed, alphabet, min_len,
+                                  max_len, demo_noise, num_eval=num_eval,
+                                  length_noise=length_noise, hard_pairs=hard_pairs)
   write = lambda out_dir: task_lib.write_task_jsonl(
       out_dir, num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
       demo_noise, num_eval=num_eval, length_noise=length_noise, hard_pairs=hard_pairs)

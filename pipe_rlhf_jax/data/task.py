@@ -231,6 +231,18 @@ def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
   os.replace(tmp, path)
 
 
+def task_settings(num_prompts: int, num_demos: int, num_pairs: int, seed: int, alphabet: str,
+                  min_len: int, max_len: int, demo_noise: float, *, num_eval: int,
+                  length_noise: float, hard_pairs: float) -> dict[str, Any]:
+  """The arguments that decide the records, as `task_config.json` records them."""
+  config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
+                alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
+                num_eval=num_eval, length_noise=length_noise)
+  if hard_pairs:  # absent when off: the task_config.json of older data stays current
+    config["hard_pairs"] = hard_pairs
+  return config
+
+
 def write_task_jsonl(
     out_dir: str,
     num_prompts: int = 4096,
@@ -263,11 +275,9 @@ def write_task_jsonl(
   for role, name in TASK_FILES.items():
     paths[role] = os.path.join(out_dir, name)
     write_jsonl(paths[role], records[role])
-  config = dict(num_prompts=num_prompts, num_demos=num_demos, num_pairs=num_pairs, seed=seed,
-                alphabet=alphabet, min_len=min_len, max_len=max_len, demo_noise=demo_noise,
-                num_eval=num_eval, length_noise=length_noise)
-  if hard_pairs:  # absent when off: the task_config.json of older data stays current
-    config["hard_pairs"] = hard_pairs
+  config = task_settings(num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
+                         demo_noise, num_eval=num_eval, length_noise=length_noise,
+                         hard_pairs=hard_pairs)
   with open(os.path.join(out_dir, "task_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   return paths
