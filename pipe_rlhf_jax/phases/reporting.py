@@ -1,0 +1,97 @@
+"""The end of a run: the Hugging Face export, the reward plot, samples and the summary.
+
+`report` turns a finished PPO phase into the run's files (process 0 alone writes them)
+and `train`'s result dict; `planned_vs_measured` and `reward_summary` are its summary
+lines. Split from train.py, which owns the phases' order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from flax import nnx
+
+from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.phases import heldout
+from pipe_rlhf_jax.planner import auto as auto_plan
+from pipe_rlhf_jax.runtime.tracing import Tracer
+
+if TYPE_CHECKING:  # train.py imports this module
+  from pipe_rlhf_jax.train import BuiltSystem, RunSetup
+
+
+def planned_vs_measured(planned: auto_plan.PlannedRun | None, tracer: Tracer,
+                        writer: metrics_lib.MetricsWriter) -> dict[str, str]:
+  """The planner's predicted steady s/step next to the trace's measured one: a metrics
+  row (phase "plan") and the summary's line."""
+  if planned is None:
+    return {}
+  measured = auto_plan.steady_step_time(tracer)
+  row = {"plan/predicted_step_s": planned.predicted_step_s}
+  if measured is not None:
+    row["plan/measured_step_s"] = measured
+  writer.write(0, row, phase="plan")
+  text = f"{planned.predicted_step_s:.4g} predicted ({planned.hardware}, " + (
+      "planner's choice" if planned.chosen else "hand-written plan") + ") / " + (
+      f"{measured:.4g} measured" if measured is not None else "not measured (< 2 steps)")
+  return {"steady s/step": text}
+
+
+def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
+  """The summary line about the reward: the reward model's held-out accuracy, if any."""
+  if warm["rm_eval"] is None:
+    return {"reward model": "none (rule reward)"}
+  return {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+
+
+def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer: Tracer,
+           writer: metrics_lib.MetricsWriter, before: heldout.GreedyEval,
+           after: heldout.GreedyEval,
+           start_time: float) -> dict[str, Any]:
+  """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
+  workdir, system = setup.workdir, built.system
+  samples_before, samples_after = before.samples, after.samples
+  # Both run programs on every process holding the trainer state (all of them, except in
+  # pipe mode across processes); then only the writing process writes.
+  actor = distributed.fetch(system.state.actor) if setup.trains else None
+  if not setup.writes:
+    return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
+            "summary": f"process {distributed.process_index()}: the run's files and "
+                       "summary are written by process 0", "ppo_metrics": [],
+            "samples_after": samples_after, "tracer": tracer}
+  export_dir = os.path.join(workdir, "export")
+  hf.save_pretrained(nnx.merge(built.actor_graphdef, actor), export_dir)
+  plot = None
+  records = metrics_lib.read_metrics(writer.metrics_path)
+  if any(r.get("phase") == "ppo" for r in records):
+    plot = metrics_lib.plot_reward_curve(writer.metrics_path,
+                                         os.path.join(workdir, "reward_curve.png"))
+  wall = time.perf_counter() - start_time
+  step_s = planned_vs_measured(setup.planned, tracer, writer)
+  with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
+    f.write("before PPO:\n  " + "\n  ".join(samples_before) + "\n")
+    f.write("after PPO:\n  " + "\n  ".join(samples_after) + "\n")
+  summary_text = metrics_lib.format_summary(
+      records, wall_time_s=wall, metrics_path=writer.metrics_path,
+      tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
+      plot_path=plot, export_dir=export_dir,
+      extra={"mode": system.mode, **reward_summary(warm), **heldout.summary_lines(before, after),
+             "busy fraction": json.dumps({k: round(v, 3) for k, v in
+                                          tracer.busy_fraction().items()}),
+             "plan": str(system.runtime), **step_s})
+  with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
+    f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
+            + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
+  ppo_records = [r for r in records if r.get("phase") == "ppo"]
+  return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
+          "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
+          "samples_before": samples_before, "samples_after": samples_after,
+          "heldout_before": before.scores, "heldout_after": after.scores,
+          # How many held-out prompts those scores average (0 when none were scored).
+          "heldout_prompts": after.num_prompts if after.scores else 0,
+          "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
