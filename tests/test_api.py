@@ -53,6 +53,7 @@ def _tiny_system(tmp_path, batch_size=8, **runtime):
   return system, tok
 
 
+@pytest.mark.slow
 def test_run_continues_from_the_systems_version(tmp_path):
   system, tok = _tiny_system(tmp_path)
   prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
@@ -129,6 +130,7 @@ def test_models_from_policy_checks_heads_and_reference(tmp_path):
     m.check(SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.slow
 def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
   results = []
   for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full", logits_chunk=3)):
@@ -148,6 +150,7 @@ def test_stage_plan_names_a_bad_execution_field():
     StagePlan.from_config({"remat": "some"}, "stages.train")
 
 
+@pytest.mark.slow
 def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
   from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
   path = write_tiny_llama(tmp_path / "m")

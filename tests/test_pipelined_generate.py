@@ -62,8 +62,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("pipe, num_mb, tensor, sampling", CASES,
-                         ids=[f"P{p}-M{m}-T{t}-{s}" for p, m, t, s in CASES])
+# The default run keeps one case of each kind (M < P, M = P, M > P, greedy, tensor);
+# the slow tier runs the rest.
+DEFAULT_CASES = {(2, 4, 1, "sampled"), (4, 1, 1, "sampled"), (4, 4, 1, "sampled"),
+                 (4, 4, 2, "greedy")}
+
+
+@pytest.mark.parametrize("pipe, num_mb, tensor, sampling", [
+    pytest.param(*case, id="P{}-M{}-T{}-{}".format(*case),
+                 marks=[] if case in DEFAULT_CASES else [pytest.mark.slow])
+    for case in CASES])
 def test_matches_plain_generate(setup, pipe, num_mb, tensor, sampling):
   model, prompt, mask, ids, refs = setup
   kw = GREEDY if sampling == "greedy" else SAMPLED

@@ -56,6 +56,7 @@ def test_bad_plan_fields_name_the_field(tmp_path):
     train(tiny(plan="auto", calibration="nope.json"), str(tmp_path), progress=False)
 
 
+@pytest.mark.slow
 def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   config = tiny(plan="auto")
   workdir = str(tmp_path / "run")

@@ -100,6 +100,7 @@ def _ctrl_c_when_armed(prompts, completions):
   return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
 
 
+@pytest.mark.slow
 def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   # The restored checkpoint is the newest on disk: an interrupt before the first resumed
   # step has nothing to save (it used to re-save that step: CheckpointExistsError).
@@ -117,6 +118,7 @@ def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_crash_and_resume_leave_each_step_once_in_the_metrics(tmp_path, tiny_run):
   # A real `kill -9` right after step 3's row is written (checkpoints every 2 steps: the
   # newest is step 1, so steps 2 and 3 are trained again on resume). Their rows from the
@@ -167,6 +169,7 @@ train(config, {workdir!r}, progress=False)
           ].count("data") == 1
 
 
+@pytest.mark.slow
 def test_resume_on_fewer_devices_in_another_mode(tmp_path, caplog):
   # Preempted on 8 devices in `pipe` mode, continued on 4 in `sequential` mode on another
   # mesh: the plan is not part of the fingerprint, but changing the staleness bound
@@ -189,6 +192,7 @@ def test_resume_on_fewer_devices_in_another_mode(tmp_path, caplog):
   assert plan["num_devices"] == 4 and plan["mode"] == "sequential"
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_gives_the_uninterrupted_metrics(tmp_path, tiny_run):
   # 2 steps on data=8, then 2 on data=2 x fsdp=4, against 4 steps on data=8. (Not
   # tensor=2: the tiny model has one kv head.) The same mathematics; only the order of
@@ -208,6 +212,7 @@ def test_resume_on_another_mesh_gives_the_uninterrupted_metrics(tmp_path, tiny_r
   assert_metrics_close(full[2:], resumed[2:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_log_every_writes_every_nth_row_and_the_last(tmp_path):
   config = tiny(steps=3)
   config.log.every = 2
@@ -259,6 +264,7 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
 
 
+@pytest.mark.slow
 def test_user_jsonl_data_with_malformed_lines(tmp_path):
   # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
   # both are skipped and counted, and the run completes.

@@ -88,6 +88,7 @@ def train_stage(layout, models, ppo):
                     PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
 
 
+@pytest.mark.slow
 def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, models):
   # Regression (issue #8): with top-k / top-p, a token outside the REFERENCE's nucleus
   # got log-prob -1e30, so the KL was ~1e30 and whitening wiped out every other

@@ -62,6 +62,7 @@ def _distinct_letters(prompts, completions):
   return np.array([len(set(c)) / max(len(c), 1) for c in completions], np.float32)
 
 
+@pytest.mark.slow
 def test_grpo_pipe_with_zero_staleness_matches_sequential(tmp_path):
   # Critic-free GRPO, 4 samples per prompt generated together (in the pipe run by the
   # pipelined decoder, P=2, M=4), KL to the reference in the loss: the same mathematics
@@ -99,7 +100,9 @@ def _slow_until_batch_1_has_weights(prompts, completions):
 CRITIC_FREE = dict(advantage_estimator="rloo", group_size=4, whiten_advantages=False)
 
 
-@pytest.mark.parametrize("algorithm", [{}, CRITIC_FREE], ids=["gae", "rloo"])
+@pytest.mark.parametrize("algorithm", [
+    pytest.param({}, id="gae"),
+    pytest.param(CRITIC_FREE, id="rloo", marks=pytest.mark.slow)])
 def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypatch,
                                                               algorithm):
   _BATCH_1_HAS_WEIGHTS.clear()
@@ -170,6 +173,7 @@ def _ctrl_c(prompts, completions):
   return np.array([c.count("a") / max(len(c), 1) for c in completions], np.float32)
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_a_final_checkpoint_and_resume_loses_nothing(tmp_path):
   _INTERRUPT["n"] = 0
   config = tiny("pipe", max_staleness=1)
@@ -191,6 +195,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_loses_nothing(tmp_path):
   assert sorted(trained) == list(range(6))
 
 
+@pytest.mark.slow
 def test_per_stage_strategies_match_sequential_and_count_weight_sync(tmp_path):
   # per_stage: every stage on all 8 devices, each with its own mesh; weights move between
   # layouts after every update (counted), the mathematics stays the sequential one.

@@ -61,6 +61,7 @@ def test_warm_start_is_identical_in_every_mode(warm_starts):
   assert warm_starts["pipe"]["rm_eval"] == warm_starts["sequential"]["rm_eval"]
 
 
+@pytest.mark.slow
 def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
   shared = warm_starts["sequential"]["checkpoint"]
   workdir = str(tmp_path / "pipe")
