@@ -79,6 +79,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # "base": from the base model (here: freshly initialised); "sft": from the SFT policy's
   # backbone, as InstructGPT-style pipelines do, with a new score head.
   config.reward_model.init = "base"
+  # Share of each reward-model batch made of the SFT policy's own samples: k per prompt,
+  # the best and the worst by reward_model.label_fn ("" = reward.eval_fn) as chosen and
+  # rejected, as a labeller would rank them (phases/policy_pairs.py). 0 = dataset pairs
+  # only.
+  config.reward_model.policy_pairs = 0.0
+  config.reward_model.policy_samples = 4
+  config.reward_model.label_fn = ""
 
   # Where the warm start (SFT, reward model) runs, the same whatever runtime.mode: so all
   # the modes of a seed start PPO from the same weights. Explicit sizes use the first

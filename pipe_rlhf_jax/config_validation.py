@@ -80,6 +80,7 @@ def _check_task(config) -> None:
     raise ValueError(f"data.hard_pairs={hard_pairs!r} must be a probability in [0, 1] (the "
                      "share of reverse-task preference pairs that differ by one "
                      "neighbour-copy error).")
+  _check_policy_pairs(config, use_rm)
   # Other tasks ignore it (the quickstart sets it, and a user switching the quickstart to
   # data.task='jsonl' must not have to unset a knob of data they no longer generate).
   if task == "arith":
@@ -174,3 +175,25 @@ def validate_config(config) -> None:
   if config.model.num_heads % config.model.num_kv_heads:
     raise ValueError(f"model.num_heads={config.model.num_heads} must be a multiple of "
                      f"model.num_kv_heads={config.model.num_kv_heads}.")
+
+
+def _check_policy_pairs(config, use_rm: bool) -> None:
+  """reward_model.policy_pairs / policy_samples / label_fn (phases.policy_pairs)."""
+  rm = config.reward_model
+  share = rm.get("policy_pairs", 0.0)
+  if not (isinstance(share, (int, float)) and 0.0 <= share <= 1.0):
+    raise ValueError(f"reward_model.policy_pairs={share!r} must be a fraction in [0, 1] (the "
+                     "share of each reward-model batch made of the SFT policy's samples).")
+  if not share or not use_rm:
+    return
+  k = rm.get("policy_samples", 4)
+  if not (isinstance(k, int) and k >= 2):
+    raise ValueError(f"reward_model.policy_samples={k!r}: a pair is the best and the worst "
+                     "of at least 2 samples per prompt; set an int >= 2.")
+  label = rm.get("label_fn", "") or config.reward.eval_fn
+  if not label:
+    raise ValueError("reward_model.policy_pairs needs a rule to rank the samples: set "
+                     "reward_model.label_fn (or reward.eval_fn) to a registered reward "
+                     "function, or policy_pairs=0.")
+  REWARD_FUNCTIONS.get(label, field="reward_model.label_fn" if rm.get("label_fn", "")
+                       else "reward.eval_fn (ranking reward_model.policy_pairs)")

@@ -568,7 +568,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
                                        for key, value in pipe.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
     warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
-                                  setup.cfgs, writer, setup.warm_layout, progress)
+                                  setup.cfgs, writer, setup.warm_layout, progress,
+                                  setup.tokenizer)
     warm_devices = set(setup.warm_layout.mesh.devices.flat)
     if setup.across or (distributed.process_count() > 1
                         and warm_devices != set(setup.devices)):
@@ -634,7 +635,8 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
     build_stats, data = build_data(config, setup)
     writer.write(0, build_stats, phase="data")
     warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
-                                  setup.cfgs, writer, setup.warm_layout, progress)
+                                  setup.cfgs, writer, setup.warm_layout, progress,
+                                  setup.tokenizer)
   finally:
     writer.close()
     setup.checkpointer.close()

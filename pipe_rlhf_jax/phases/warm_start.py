@@ -28,7 +28,10 @@ from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
+from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system.system import with_backbone
 
 # The metrics phases the warm start writes (rewritten when its checkpoint is missing).
@@ -68,6 +71,12 @@ def warm_start_fingerprint(config) -> str:
   sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
   sections["reward_model"] = (config.reward_model.to_dict() if uses_reward_model(config)
                               else "none: rule reward")
+  if isinstance(sections["reward_model"], dict) and not sections["reward_model"].get(
+      "policy_pairs", 0.0):
+    # Policy pairs off: their settings decide nothing (and warm starts written before
+    # they existed keep their fingerprint).
+    for key in ("policy_pairs", "policy_samples", "label_fn"):
+      sections["reward_model"].pop(key, None)
   return ckpt_lib.config_fingerprint(
       {"seed": config.seed, **sections},
       ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
@@ -120,7 +129,7 @@ def resolve_source(config, workdir: str) -> str | None:
 
 
 def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layout,
-                   progress: bool) -> dict[str, Any]:
+                   progress: bool, tokenizer=None) -> dict[str, Any]:
   """SFT and reward-model phases on `layout`, or restores `source` (`resolve_source`).
 
   With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
@@ -134,6 +143,10 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   whatever devices wrote it; its fingerprint (`warm_start_fingerprint`) covers what
   decides its result, never the plan, so a preempted run may continue on another slice
   and runs in other modes may share it.
+
+  With `reward_model.policy_pairs` > 0 that share of every reward-model batch is made of
+  the SFT policy's own samples, ranked by `reward_model.label_fn` (`phases.policy_pairs`;
+  `tokenizer` decodes them for the rule).
   """
   use_rm = uses_reward_model(config)
   policy = init_policy(config, cfgs["actor"])
@@ -167,12 +180,21 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
       # The reward model reads answers with the SFT policy's features (which already
       # predict the right letter), only its score head starting afresh.
       reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+    pairs = iter(data["prefs"])
+    if rm.get("policy_pairs", 0.0):
+      pairs = policy_pairs_of(config, pairs, actor_gd, actor, tokenizer)
     state["reward"], _ = supervised.fit(
-        supervised.reward_model_loss(reward_gd), reward, layout, iter(data["prefs"]),
+        supervised.reward_model_loss(reward_gd), reward, layout, pairs,
         steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
         phase="reward_model", writer=writer, progress=progress)
     rm_eval = supervised.evaluate_reward_model(reward_gd, state["reward"], layout,
                                                iter(data["prefs_eval"]), rm.eval_batches)
+    if isinstance(pairs, PolicyPairs):
+      rm_eval.update(pairs.summary())
+      say(f"reward model: {rm_eval['policy_pairs']} pairs from the SFT policy's samples "
+          f"(labels {rm_eval['policy_chosen_label']:.3f} chosen vs "
+          f"{rm_eval['policy_rejected_label']:.3f} rejected; "
+          f"{rm_eval['policy_pairs_tied']} rows tied, kept from the dataset)")
     writer.write(rm.steps, rm_eval, phase="reward_model_eval")
     say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
         f"on {rm_eval['eval_pairs']} pairs")
@@ -181,3 +203,18 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   ckpt.save(0, state, metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
   ckpt.close()
   return {**state, "rm_eval": rm_eval}
+
+
+def policy_pairs_of(config, batches, actor_gd, actor, tokenizer) -> PolicyPairs:
+  """The reward model's batches with `reward_model.policy_pairs` of their rows made of
+  the SFT policy's samples, sampled as PPO will sample (`ppo.temperature`, top-k,
+  top-p) and ranked by `reward_model.label_fn` (empty: `reward.eval_fn`)."""
+  rm = config.reward_model
+  label = rm.get("label_fn", "") or config.reward.eval_fn
+  sampling = SamplingParams(max_new_tokens=config.data.completion_len,
+                            temperature=config.ppo.temperature, top_k=config.ppo.top_k,
+                            top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
+                            pad_id=tokenizer.pad_id)
+  return PolicyPairs(batches, actor_gd, actor, tokenizer, REWARD_FUNCTIONS.get(label),
+                     share=rm.policy_pairs, samples_per_prompt=rm.get("policy_samples", 4),
+                     sampling=sampling, seed=config.seed + 2)
