@@ -38,7 +38,7 @@ def test_timeouts_raise_stdlib_exceptions_and_count_blocked_time():
   t0 = time.perf_counter()
   with pytest.raises(queue.Empty):
     q.get(timeout=0.1)
-  assert time.perf_counter() - t0 < 1.0
+  assert time.perf_counter() - t0 < 10.0  # it gave up (loose: a loaded host is slow)
   assert q.get_blocked_s >= 0.09
   q.put("x")
   with pytest.raises(queue.Full):

@@ -36,8 +36,8 @@ def test_exception_in_one_worker_stops_all_and_is_reraised():
   group.start()
   t0 = time.perf_counter()
   with pytest.raises(ValueError, match="boom from stage") as info:
-    group.join(timeout=10.0)
-  assert time.perf_counter() - t0 < 5.0
+    group.join(timeout=60.0)
+  assert time.perf_counter() - t0 < 30.0  # the failure ended the join, not the timeout
   assert info.value is raised[0]  # the original object, not a copy
   assert any("fails" in n for n in info.value.__notes__)
   frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
@@ -96,8 +96,11 @@ def test_keyboard_interrupt_runs_on_interrupt_and_reraises():
   group.start()
   t0 = time.perf_counter()
   with pytest.raises(KeyboardInterrupt):
-    group.join(timeout=10.0)
-  assert time.perf_counter() - t0 < 2.0
+    group.join(timeout=60.0)
+  # It returned because of the interrupt, not the join timeout. (Not a promptness bound:
+  # a CI run at load 8 took 2.5 s here; that every worker stopped by itself, within the
+  # shutdown timeout, is what the next two lines check.)
+  assert time.perf_counter() - t0 < 30.0
   assert seen_alive == [[]]  # called once, after every worker had stopped
   assert started and started == finished  # no item abandoned half-way
 
@@ -107,7 +110,7 @@ def test_stuck_worker_raises_runtime_error_naming_it():
   group = WorkerGroup(shutdown_timeout=0.3)
 
   def stuck(stop):
-    release.wait(10.0)  # ignores stop on purpose; released at test end
+    release.wait(60.0)  # ignores stop on purpose; released at test end
 
   def fails(stop):
     time.sleep(0.05)
@@ -119,8 +122,9 @@ def test_stuck_worker_raises_runtime_error_naming_it():
   t0 = time.perf_counter()
   try:
     with pytest.raises(RuntimeError, match="stuck_stage") as info:
-      group.join(timeout=10.0)
-    assert time.perf_counter() - t0 < 2.0
+      group.join(timeout=60.0)
+    # Given up after the shutdown timeout, not after the stuck worker's 60 s.
+    assert time.perf_counter() - t0 < 30.0
     assert isinstance(info.value.__cause__, KeyError)
   finally:
     release.set()
