@@ -93,19 +93,18 @@ class PolicyPairs:
     prompts = [decode(p[m]) for p, m in zip(prompt, prompt_mask)]
     labels = np.asarray(self._label(prompts, [decode(c[m]) for c, m in zip(tokens, mask)]),
                         np.float32).reshape(rows, k)  # [rows, k]
-    best, worst = labels.argmax(axis=1), labels.argmin(axis=1)
+    rows_at = np.arange(rows)
+    best, worst = labels.argmax(axis=1), labels.argmin(axis=1)  # [rows]
+    # A row whose samples all tie has nothing to prefer: its dataset pair stays.
+    kept = rows_at[labels[rows_at, best] > labels[rows_at, worst]]
     tokens, mask = tokens.reshape(rows, k, length), mask.reshape(rows, k, length)
-    for row in range(rows):
-      if labels[row, best[row]] == labels[row, worst[row]]:
-        self.stats["tied"] += 1  # nothing to prefer: the dataset pair stays
-        continue
-      batch["chosen_tokens"][row] = tokens[row, best[row]]
-      batch["chosen_mask"][row] = mask[row, best[row]]
-      batch["rejected_tokens"][row] = tokens[row, worst[row]]
-      batch["rejected_mask"][row] = mask[row, worst[row]]
-      self.stats["replaced"] += 1
-      self.stats["chosen_label"] += float(labels[row, best[row]])
-      self.stats["rejected_label"] += float(labels[row, worst[row]])
+    for side, pick in (("chosen", best[kept]), ("rejected", worst[kept])):
+      batch[f"{side}_tokens"][kept] = tokens[kept, pick]
+      batch[f"{side}_mask"][kept] = mask[kept, pick]
+    self.stats["replaced"] += len(kept)
+    self.stats["tied"] += rows - len(kept)
+    self.stats["chosen_label"] += float(labels[kept, best[kept]].sum())
+    self.stats["rejected_label"] += float(labels[kept, worst[kept]].sum())
 
   def summary(self) -> dict[str, Any]:
     """Rows replaced and tied so far, and the mean label of chosen and rejected samples."""

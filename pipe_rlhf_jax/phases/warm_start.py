@@ -24,11 +24,11 @@ import jax
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
-from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
