@@ -8,7 +8,8 @@ Job flags are those the launcher appends (`--coordinator_address`, `--num_proces
 Scenarios:
   ppo       a few PPO steps of a tiny system through the library API (`--mode`,
             `--steps`); process 0 writes the metrics to DIR/metrics.json. With
-            `--fail_at=K --fail_process=I`, process I raises at PPO step K instead.
+            `--fail_at=K --fail_process=I`, process I raises as PPO step K's inference
+            begins (serial modes).
             In pipe mode `--placement` and `--meshes` place the stages, and every
             process writes DIR/p<i>.json: the digest of the actor each generation used
             and of each version the trainer published.
@@ -123,10 +124,10 @@ def ppo(args) -> None:
       used.append({"step": step, "version": version, "digest": digest(params)})
       return generate(params, batch, step, version)
     system.generate = recording
+  if fail:
+    fail_as_step_infers(system, args.fail_at)
 
   def on_step(step, metrics):
-    if fail and step + 1 == args.fail_at:
-      raise RuntimeError(f"injected failure at PPO step {args.fail_at}")
     if across:  # after the update: the version the trainer publishes next
       published[system.version] = digest(system.state.actor)
 
@@ -139,6 +140,23 @@ def ppo(args) -> None:
   if across:
     with open(os.path.join(args.out, f"p{me}.json"), "w", encoding="utf-8") as f:
       json.dump({"published": published, "used": used}, f)
+
+
+def fail_as_step_infers(system, fail_at: int) -> None:
+  """Makes this process raise as PPO step `fail_at`'s inference begins (serial modes):
+  the other processes are then inside that step, soon waiting in a collective that this
+  one never joins, which is the case the fault watch exists for."""
+  generate, infer, current = system.generate, system.infer, {}
+
+  def noting_step(params, batch, step, version):
+    current["step"] = step
+    return generate(params, batch, step, version)
+
+  def failing(*args, **kwargs):
+    if current.get("step") == fail_at:
+      raise RuntimeError(f"injected failure at PPO step {fail_at}")
+    return infer(*args, **kwargs)
+  system.generate, system.infer = noting_step, failing
 
 
 def digest(tree) -> str:

@@ -104,14 +104,17 @@ def test_pipe_mode_with_generation_and_training_in_different_processes(tmp_path)
 
 
 def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
-  job = run_job(tmp_path, "fail", ["ppo", "--steps=2", "--fail_at=1", "--fail_process=1"],
+  # Process 1 raises as step 0's inference begins, while process 0 is inside that step:
+  # its collective then fails too ("connection closed by peer"), yet it must name process
+  # 1's error as the cause, not its own echo of it.
+  job = run_job(tmp_path, "fail", ["ppo", "--steps=2", "--fail_at=0", "--fail_process=1"],
                 num_processes=2, cpu_devices=4)
   assert job.returncodes == [1, 1], job.report()
   assert job.killed == []  # both stopped by themselves
   assert abs(job.exit_s[0] - job.exit_s[1]) < 15, job.report()
   text = job.log_text(0)
   assert "stopping process 0 of 2" in text
-  assert "process 1 of 2 (" in text and "injected failure at PPO step 1" in text
+  assert "process 1 of 2 (" in text and "injected failure at PPO step 0" in text
 
 
 def test_distributed_config_errors_name_the_field():

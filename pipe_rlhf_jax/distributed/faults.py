@@ -37,13 +37,16 @@ class FaultWatch:
     poll_s: how often the failure keys are read.
     grace_s: how long a failing process 0 waits after reporting until the others have
       read the report (they need its coordination service to read it).
+    settle_s: how long a failing process first looks for another's report, of which
+      its own error may be the consequence.
   """
 
   _current: "FaultWatch | None" = None
 
-  def __init__(self, poll_s: float = 0.5, grace_s: float = 2.0):
+  def __init__(self, poll_s: float = 0.5, grace_s: float = 2.0, settle_s: float = 1.0):
     self.poll_s = poll_s
     self.grace_s = grace_s
+    self.settle_s = settle_s
     self.index = cluster.process_index()
     self.count = cluster.process_count()
     self._client = cluster.key_value_store()
@@ -89,20 +92,52 @@ class FaultWatch:
   def fail(self, error: BaseException) -> None:
     """Reports `error`, prints it with its traceback, and ends this process (exit 1).
 
+    An error here is often the echo of another process's failure: a collective whose
+    peer has exited fails too ("connection closed by peer"), sometimes before the watch
+    has read the other's report. So the reports of the others are read first (for at
+    most `settle_s`); if one is there, this process stops naming that cause, with its
+    own error as the consequence, instead of reporting a failure of its own.
+
     Process 0 hosts the coordination service, which every other process needs to read
     the report: it waits (at most `grace_s`) until they have; any other process exits
     at once (the others stop on reading its report, long before a heartbeat timeout).
     """
     self._done.set()
-    message = self.report_failure(error)
-    traceback.print_exception(error)
-    print(f"[pipe_rlhf_jax] {message}; stopping every process.", file=sys.stderr,
-          flush=True)
+    own = "".join(traceback.format_exception_only(type(error), error)).strip()
+    causes = self._wait_for_failures(self.settle_s)
+    if causes:
+      self._ack()
+      print(f"[pipe_rlhf_jax] stopping {self.describe()}: " + "; ".join(causes)
+            + f" (then here: {own})", file=sys.stderr, flush=True)
+    else:
+      message = self.report_failure(error)
+      traceback.print_exception(error)
+      print(f"[pipe_rlhf_jax] {message}; stopping every process.", file=sys.stderr,
+            flush=True)
     if self.index == 0:
+      # Processes that failed themselves never acknowledge: they are gone already.
       deadline = time.monotonic() + self.grace_s
-      while time.monotonic() < deadline and len(self._acks()) < self.count - 1:
+      while (time.monotonic() < deadline
+             and len(self._acks()) + len(causes) < self.count - 1):
         time.sleep(0.05)
     os._exit(1)  # skip atexit: jax's shutdown barrier would wait for the others
+
+  def _wait_for_failures(self, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+      try:
+        failures = self._failures()
+      except Exception:  # pylint: disable=broad-except
+        return []  # the coordination service is gone: nothing more to learn from it
+      if failures or time.monotonic() >= deadline:
+        return failures
+      time.sleep(0.05)
+
+  def _ack(self) -> None:
+    try:
+      self._client.key_value_set(f"{_PREFIX}_ack/{self.index}", "stopping")
+    except Exception:  # pylint: disable=broad-except
+      pass
 
   def _acks(self) -> list:
     try:
@@ -128,10 +163,7 @@ class FaultWatch:
         # heartbeat check aborts this process within its timeout.
         continue
       if failures and not self._done.is_set():
-        try:
-          self._client.key_value_set(f"{_PREFIX}_ack/{self.index}", "stopping")
-        except Exception:  # pylint: disable=broad-except
-          pass
+        self._ack()
         print(f"[pipe_rlhf_jax] stopping {self.describe()}: " + "; ".join(failures),
               file=sys.stderr, flush=True)
         os._exit(1)
