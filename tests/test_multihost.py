@@ -81,19 +81,13 @@ def test_two_processes_match_one_process_on_the_same_global_mesh(tmp_path, mode)
   assert not os.path.exists(tmp_path / "two" / "p1.json")  # only process 0 wrote
 
 
-@pytest.mark.slow
-def test_pipe_mode_with_generation_and_training_in_different_processes(tmp_path):
-  # Generation on process 0 (devices 0-3, pipe=2 x tensor=2), inference and training on
-  # process 1 (devices 4-5 and 6-7): rollouts and weights cross processes through
-  # distributed.transfer. On-policy it computes what one process computes with the same
-  # placement; with staleness 1 it trains every step and never lags more than 1.
-  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0"]
-  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
-  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
-  assert job.ok, job.report()
-  two = read_metrics(tmp_path / "two")
-  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+# Pipe mode over 2 processes: generation on process 0 (devices 0-3, pipe=2 x tensor=2),
+# inference and training on process 1 (devices 4-5 and 6-7); rollouts and weights cross
+# processes through distributed.transfer.
 
+
+def test_pipe_mode_across_processes_trains_within_its_staleness_bound(tmp_path):
+  # With staleness 1 it trains every step and never lags more than 1.
   job = run_job(tmp_path, "lag", ["ppo", "--mode=pipe", "--steps=4", "--staleness=1"],
                 num_processes=2, cpu_devices=4)
   assert job.ok, job.report()
@@ -101,6 +95,17 @@ def test_pipe_mode_with_generation_and_training_in_different_processes(tmp_path)
   assert len(lag) == 4
   assert all(0 <= r["staleness/actor"] <= 1 and 0 <= r["staleness/critic"] <= 1
              for r in lag)
+
+
+@pytest.mark.slow
+def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path):
+  # On-policy it computes what one process computes with the same placement.
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
+  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  two = read_metrics(tmp_path / "two")
+  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
 
 
 def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
