@@ -3,8 +3,8 @@
 Each test starts real processes (`pipe_rlhf_jax.launch.launch`, a free coordinator port
 each time, hard timeouts, SIGKILL of anything left) running `tests/multihost_worker.py`,
 and checks what they wrote. Marked `multihost` (deselect with `-m "not multihost"`); the
-longer ones also `slow` (the default run keeps one run equality, the failure stop and the
-transfers). Their hard bounds (600 s) are far above what
+longer ones also `slow` (the default run keeps one run equality, pipe mode's staleness
+bound, the failure stop and the transfers). Their hard bounds (600 s) are far above what
 they take on an idle machine: they are there so that nothing can hang.
 """
 
