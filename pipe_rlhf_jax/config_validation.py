@@ -190,10 +190,17 @@ def _check_policy_pairs(config, use_rm: bool) -> None:
   if not (isinstance(k, int) and k >= 2):
     raise ValueError(f"reward_model.policy_samples={k!r}: a pair is the best and the worst "
                      "of at least 2 samples per prompt; set an int >= 2.")
-  label = rm.get("label_fn", "") or config.reward.eval_fn
+  policy_pairs_label(config)
+
+
+def policy_pairs_label(config):
+  """The registered rule that ranks the policy's samples for `reward_model.policy_pairs`
+  (`reward_model.label_fn`, empty: `reward.eval_fn`); errors name the field it came from."""
+  own = config.reward_model.get("label_fn", "")
+  label = own or config.reward.eval_fn
   if not label:
     raise ValueError("reward_model.policy_pairs needs a rule to rank the samples: set "
                      "reward_model.label_fn (or reward.eval_fn) to a registered reward "
                      "function, or policy_pairs=0.")
-  REWARD_FUNCTIONS.get(label, field="reward_model.label_fn" if rm.get("label_fn", "")
-                       else "reward.eval_fn (ranking reward_model.policy_pairs)")
+  return REWARD_FUNCTIONS.get(label, field="reward_model.label_fn" if own
+                              else "reward.eval_fn (ranking reward_model.policy_pairs)")

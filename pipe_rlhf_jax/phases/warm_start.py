@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.config_validation import policy_pairs_label
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
@@ -31,7 +32,6 @@ from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
-from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system.system import with_backbone
 
 # The metrics phases the warm start writes (rewritten when its checkpoint is missing).
@@ -210,11 +210,10 @@ def policy_pairs_of(config, batches, actor_gd, actor, tokenizer) -> PolicyPairs:
   the SFT policy's samples, sampled as PPO will sample (`ppo.temperature`, top-k,
   top-p) and ranked by `reward_model.label_fn` (empty: `reward.eval_fn`)."""
   rm = config.reward_model
-  label = rm.get("label_fn", "") or config.reward.eval_fn
   sampling = SamplingParams(max_new_tokens=config.data.completion_len,
                             temperature=config.ppo.temperature, top_k=config.ppo.top_k,
                             top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id)
-  return PolicyPairs(batches, actor_gd, actor, tokenizer, REWARD_FUNCTIONS.get(label),
+  return PolicyPairs(batches, actor_gd, actor, tokenizer, policy_pairs_label(config),
                      share=rm.policy_pairs, samples_per_prompt=rm.get("policy_samples", 4),
                      sampling=sampling, seed=config.seed + 2)
