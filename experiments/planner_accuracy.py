@@ -4,16 +4,25 @@ For a tiny model on the 8 virtual CPU devices, a set of plans spanning the three
 several meshes per stage, generation micro-batches M in {1, P, 2P} and staleness 0/1/2 is
 (1) priced by the planner (cost model with efficiencies calibrated here, in this process,
 by `planner.calibrate`, then the simulator), and (2) run by the real runtime
-(`pipe_rlhf_jax.system.run`, random-init actor/critic, a rule reward): after a warm-up
-(compiles), 3 repeats of `--window` steps each; a repeat's steady seconds per step is the
-mean gap between consecutive step completions (the end of each batch's last span), and
-the spread over repeats is reported.
+(`pipe_rlhf_jax.system.run`, random-init actor/critic, a rule reward): every plan is
+built and warmed up (compiles) first, then measured in `--repeats` rounds, each round
+running `--window` steps of every plan in a fresh random order. A repeat's steady seconds
+per step is the mean gap between consecutive step completions (the end of each batch's
+last span); the spread over repeats is reported.
+
+Why rounds: this host's speed drifts by +-15% over minutes (a 1024^2 matmul measured
+170-230 GFLOP/s within one minute, with nothing else running), and the same plan measured
+0.22-0.36 s/step in runs minutes apart. Measured one plan after another, in mode order,
+that drift lands on whole modes and reads as model error; in interleaved rounds every plan
+sees the same mix of fast and slow moments. Before each window a fixed matmul probe
+records the host's speed (`host_gflops` per repeat in the CSV, its range in the summary):
+reported, never used to rescale the measurements.
 
 Reports mean / max absolute percentage error, Spearman rank correlation, and how the plan
 the planner ranks first measures against the best measured plan. Writes
 experiments/out/planner_accuracy/{accuracy.csv, summary.json, scatter.png}.
 
-  python experiments/planner_accuracy.py [--plans 20] [--window 3] [--warmup 2]
+  python experiments/planner_accuracy.py [--plans 20] [--window 3] [--warmup 2] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -59,10 +68,10 @@ def choose_plans(work, count: int):
   return chosen
 
 
-def measure_plan(plan, cfg, work, tokenizer, texts, warmup: int, window: int, repeats: int):
+def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
+  """The plan's system and prompt source, compiled and warmed up by `warmup` steps."""
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.planner import auto
   from pipe_rlhf_jax.system.api import prompts_from_texts, run
   from pipe_rlhf_jax.system.settings import PPOConfig
   from pipe_rlhf_jax.system.system import Models, PPOSystem
@@ -76,14 +85,36 @@ def measure_plan(plan, cfg, work, tokenizer, texts, warmup: int, window: int, re
       decode=tokenizer.decode)
   prompts = prompts_from_texts(texts, tokenizer, work.batch_size, work.prompt_len)
   run(system, prompts, steps=warmup)
-  periods, spans = [], {}
-  for _ in range(repeats):
-    tracer = run(system, prompts, steps=window).tracer
-    done = auto.completion_times(tracer)
-    periods.append((done[-1] - done[0]) / (len(done) - 1))
-    for span in tracer.spans():
-      spans.setdefault(span.stage, []).append(span.duration)
-  return periods, {stage: float(np.mean(d)) for stage, d in spans.items()}
+  return system, prompts
+
+
+def measure_window(system, prompts, window: int) -> tuple[float, dict[str, list[float]]]:
+  """Steady seconds per step over `window` steps, and every stage span's duration."""
+  from pipe_rlhf_jax.planner import auto
+  from pipe_rlhf_jax.system.api import run
+  tracer = run(system, prompts, steps=window).tracer
+  done = auto.completion_times(tracer)
+  spans: dict[str, list[float]] = {}
+  for span in tracer.spans():
+    spans.setdefault(span.stage, []).append(span.duration)
+  return (done[-1] - done[0]) / (len(done) - 1), spans
+
+
+def host_probe(seconds: float = 0.3) -> float:
+  """GFLOP/s of a fixed 1024^2 f32 matmul over all devices' shared cores, now."""
+  import jax
+  import jax.numpy as jnp
+  f = _PROBE.setdefault("f", jax.jit(lambda a: a @ a))
+  a = _PROBE.setdefault("a", jnp.ones((1024, 1024), jnp.float32))
+  f(a).block_until_ready()
+  start, n = time.perf_counter(), 0
+  while time.perf_counter() - start < seconds:
+    f(a).block_until_ready()
+    n += 1
+  return 2 * 1024 ** 3 * n / (time.perf_counter() - start) / 1e9
+
+
+_PROBE: dict = {}
 
 
 def main() -> None:
@@ -91,7 +122,7 @@ def main() -> None:
   parser.add_argument("--plans", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--window", type=int, default=3)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--quick-calibration", action="store_true")
   parser.add_argument("--calibration", default="",
                       help="a `planner.calibrate` JSON of this model on this machine: refit "
@@ -111,7 +142,23 @@ def main() -> None:
                     num_kv_heads=2, head_dim=16, mlp_dim=192)
   work = space.Workload(actor=cfg, batch_size=32, minibatch_size=16, epochs=1,
                         prompt_len=16, gen_len=8, num_devices=8, reward_model=False)
+  texts = [f"rev {chr(97 + i % 26)}{chr(97 + (i * 7) % 26)}{i}=" for i in range(256)]
+  plans = choose_plans(work, args.plans)
+  # Compiling every plan first puts the calibration and the measurements minutes apart,
+  # not the half hour the compiles take, so host drift between them stays small.
+  built, failed = {}, {}
+  for i, plan in enumerate(plans):
+    t0 = time.time()
+    try:
+      built[i] = build_plan(plan, cfg, work, tokenizer, texts, args.warmup)
+    except Exception as e:  # a plan the runtime refuses: recorded, not hidden
+      print(f"[{i}] {plan}: FAILED {type(e).__name__}: {e}", flush=True)
+      failed[i] = str(e)
+      continue
+    print(f"[{i}] built and warmed up in {time.time() - t0:.0f} s: {plan}", flush=True)
+
   start = time.time()
+  calibration_probes = [host_probe()]
   if args.calibration:
     with open(args.calibration) as f:
       samples = json.load(f)
@@ -122,15 +169,15 @@ def main() -> None:
     samples = calibrate.measure(cfg, quick=args.quick_calibration)
     with open(os.path.join(args.out_dir, "calibration_samples.json"), "w") as f:
       json.dump(samples, f, indent=1)
+  calibration_probes.append(host_probe())
   fits = calibrate.fit(samples)
   eff = cost.Efficiency(**{k: v for k, v in calibrate.efficiency_dict(
       fits, "calibrated in planner_accuracy").items()})
   print("calibration:", {k: round(v, 6) for k, (v, _) in fits.items()},
         f"({time.time() - start:.0f} s)", flush=True)
   machine = cost.Machine(hardware.get("cpu"), eff)
-  texts = [f"rev {chr(97 + i % 26)}{chr(97 + (i * 7) % 26)}{i}=" for i in range(256)]
-  rows = []
-  for i, plan in enumerate(choose_plans(work, args.plans)):
+  priced, rows = {}, {}
+  for i, plan in enumerate(plans):
     cand = search.price(plan, work, machine, simulate=True)
     # Each stage's mean span in the simulated run (pipe: slowed by the stages it shares
     # the host with), the counterpart of the measured spans; the solo seconds are
@@ -140,31 +187,46 @@ def main() -> None:
     for span in sim.tracer.spans():
       if span.batch is not None and span.batch >= 8:  # the steady part
         sim_spans.setdefault(span.stage, []).append(span.duration)
-    t0 = time.time()
-    try:
-      periods, spans = measure_plan(plan, cfg, work, tokenizer, texts, args.warmup,
-                                    args.window, args.repeats)
-    except Exception as e:  # a plan the runtime refuses: recorded, not hidden
-      print(f"[{i}] {plan}: FAILED {type(e).__name__}: {e}", flush=True)
-      rows.append({"plan": str(plan), "mode": plan.mode, "predicted_s": cand.step_time,
-                   "measured_s": float("nan"), "spread": float("nan"), "error": str(e)})
-      continue
-    measured = float(np.mean(periods))
-    row = {"plan": str(plan), "mode": plan.mode, "predicted_s": cand.step_time,
-           "measured_s": measured,
-           "spread": float((max(periods) - min(periods)) / measured),
-           "generate_s": cand.cost.stage("generate"), "infer_s": cand.cost.stage("infer"),
-           "train_s": cand.cost.stage("train"), "sync_s": cand.cost.sync,
-           "repeats": " ".join(f"{p:.4f}" for p in periods), "error": "",
-           **{f"simulated_{stage}_s": float(np.mean(d)) for stage, d in sim_spans.items()},
-           **{f"measured_{stage}_s": v for stage, v in spans.items()}}
-    rows.append(row)
+    priced[i] = (cand, {stage: float(np.mean(d)) for stage, d in sim_spans.items()})
+    if i in failed:
+      rows[i] = {"plan": str(plan), "mode": plan.mode, "predicted_s": cand.step_time,
+                 "measured_s": float("nan"), "spread": float("nan"), "error": failed[i]}
+
+  periods = {i: [] for i in built}
+  spans = {i: {} for i in built}
+  probes = {i: [] for i in built}
+  order_rng = np.random.default_rng(1)
+  for r in range(args.repeats):
+    for i in order_rng.permutation(sorted(built)):
+      i = int(i)
+      probes[i].append(host_probe())
+      period, window_spans = measure_window(*built[i], args.window)
+      periods[i].append(period)
+      for stage, d in window_spans.items():
+        spans[i].setdefault(stage, []).extend(d)
+    print(f"round {r + 1}/{args.repeats} done", flush=True)
+
+  for i in built:
+    plan, (cand, sim_spans) = plans[i], priced[i]
+    measured = float(np.mean(periods[i]))
+    mean_spans = {stage: float(np.mean(d)) for stage, d in spans[i].items()}
+    rows[i] = {"plan": str(plan), "mode": plan.mode, "predicted_s": cand.step_time,
+               "measured_s": measured,
+               "spread": float((max(periods[i]) - min(periods[i])) / measured),
+               "generate_s": cand.cost.stage("generate"), "infer_s": cand.cost.stage("infer"),
+               "train_s": cand.cost.stage("train"), "sync_s": cand.cost.sync,
+               "repeats": " ".join(f"{p:.4f}" for p in periods[i]),
+               "host_gflops": " ".join(f"{g:.0f}" for g in probes[i]), "error": "",
+               **{f"simulated_{stage}_s": v for stage, v in sim_spans.items()},
+               **{f"measured_{stage}_s": v for stage, v in mean_spans.items()}}
     stages = " ".join(f"{s[:3]} {cand.cost.stage(s):.3f}/"
-                      f"{np.mean(sim_spans.get(s, [0])):.3f}/{spans.get(s, 0):.3f}"
+                      f"{sim_spans.get(s, 0):.3f}/{mean_spans.get(s, 0):.3f}"
                       for s in ("generate", "infer", "train"))
     print(f"[{i}] predicted {cand.step_time:.3f} s measured {measured:.3f} s "
-          f"(spread {row['spread']:.0%}, {time.time() - t0:.0f} s; solo/simulated/measured "
-          f"{stages}) {plan}", flush=True)
+          f"(spread {rows[i]['spread']:.0%}; solo/simulated/measured {stages}) {plan}",
+          flush=True)
+  rows = [rows[i] for i in sorted(rows)]
+  all_probes = [g for i in probes for g in probes[i]]
   ok = [r for r in rows if not r["error"]]
   pred = np.array([r["predicted_s"] for r in ok])
   meas = np.array([r["measured_s"] for r in ok])
@@ -176,6 +238,8 @@ def main() -> None:
              "picked_plan": picked["plan"], "picked_measured_s": picked["measured_s"],
              "best_measured_plan": best["plan"], "best_measured_s": best["measured_s"],
              "picked_vs_best": picked["measured_s"] / best["measured_s"] - 1,
+             "host_gflops_range": [float(min(all_probes)), float(max(all_probes))],
+             "host_gflops_at_calibration": calibration_probes,
              "calibration": {k: v for k, (v, _) in fits.items()}}
   with open(os.path.join(args.out_dir, "accuracy.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
