@@ -180,3 +180,23 @@ def test_shared_host_demand_counts_overheads_as_one_device_of_work():
   assert d["train"] == pytest.approx(0.75)
   # Without the breakdown: the devices' compute rate alone (the upper bound).
   assert cost.stage_demands(rt, shapes, m, "float32")["infer"] == pytest.approx(1.0)
+
+
+def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
+  # jax's CPU backend runs programs over several devices one at a time
+  # (experiments/bench_cpu_concurrency.py): there, pipe stages on more than one device
+  # cannot overlap, and the closed form's bound includes their sum.
+  rt = RuntimeConfig(mode="pipe", max_staleness=2, placement=(1, 3, 4),
+                     generate=StagePlan(MeshSpec(data=1)), infer=StagePlan(MeshSpec(data=3)),
+                     train=StagePlan(MeshSpec(fsdp=4)))
+  shapes = {"generate": {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1},
+            "infer": {"data": 3, "fsdp": 1, "tensor": 1, "pipe": 1},
+            "train": {"data": 1, "fsdp": 4, "tensor": 1, "pipe": 1}}
+  cpu = cost.Machine(hardware.get("cpu"))
+  assert cost.exclusive_stages(rt, shapes, cpu) == {"infer", "train"}
+  assert cost.exclusive_stages(rt, shapes, cost.Machine(hardware.get("h100"))) == set()
+  serial = dataclasses.replace(rt, mode="sequential", placement=None)
+  assert cost.exclusive_stages(serial, shapes, cpu) == set()
+  times = {"generate": 1.0, "infer": 1.0, "train": 2.0}
+  assert cost.closed_form(times, 0.0, rt) == pytest.approx(2.0)
+  assert cost.closed_form(times, 0.0, rt, exclusive={"infer", "train"}) == pytest.approx(3.0)

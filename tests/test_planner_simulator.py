@@ -71,6 +71,26 @@ def test_shared_host_concurrency_adds_no_compute():
   assert r.step_time == pytest.approx(2.0)
 
 
+def test_exclusive_stages_never_run_together():
+  # Generation 1 s, inference 1 s, training 2 s, staleness high enough to overlap all:
+  # free, the period is the bottleneck (2 s); with inference and training exclusive
+  # (multi-device programs that run one at a time) it is their sum (3 s), generation
+  # still overlapping; with all three exclusive, the whole chain (4 s).
+  times = {"generate": 1.0, "infer": 1.0, "train": 2.0}
+  for exclusive, expected in ((frozenset(), 2.0), ({"infer", "train"}, 3.0),
+                              ({"generate", "infer", "train"}, 4.0)):
+    r = simulator.simulate(times, 0.0, "pipe", max_staleness=4, queue_size=4,
+                           exclusive=exclusive, steps=30)
+    assert r.step_time == pytest.approx(expected), exclusive
+  # A waiting stage's span includes its wait (as a runtime stage call that waits for its
+  # program does): no two exclusive spans overlap in their working part, so the spans of
+  # inference cover the training it waited for.
+  r = simulator.simulate(times, 0.0, "pipe", max_staleness=4, queue_size=4,
+                         exclusive={"infer", "train"}, steps=30)
+  infer = sorted(r.tracer.spans("infer"), key=lambda s: s.start)[10:]
+  assert all(s.duration >= 1.0 - 1e-9 for s in infer)
+
+
 def test_gantt_draws_the_prediction(tmp_path):
   r = simulator.simulate({"generate": 1.0, "infer": 0.5, "train": 0.7}, 0.1, "pipe",
                          max_staleness=1, steps=8)

@@ -484,6 +484,7 @@ class PlanCost:
   sync: float
   closed_form: float
   demands: dict[str, float] | None = dataclasses.field(default=None, hash=False)
+  exclusive: frozenset = frozenset()
 
   def stage(self, name: str) -> float:
     return dict(self.stages)[name].total
@@ -494,23 +495,36 @@ class PlanCost:
 
 
 def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
-                demands: dict[str, float] | None = None) -> float:
+                demands: dict[str, float] | None = None,
+                exclusive: frozenset = frozenset()) -> float:
   """Steady seconds per step without queueing detail.
 
   Time-shared modes: the stages and the sync one after another. pipe: the slowest worker
   (the trainer's update includes the sync), and the staleness gate: generation of batch k
   waits for the update of batch k - s - 1, so (s + 1) periods cover one batch's whole
   chain. With `demands` (shared hardware: the fraction of the host each stage uses alone),
-  the host's throughput bounds the period from below by the demand-weighted work.
+  the host's throughput bounds the period from below by the demand-weighted work; the
+  `exclusive` stages (`exclusive_stages`) never overlap, so their sum bounds it too.
   """
   serial = sum(times.values()) + sync
   if runtime.mode != "pipe":
     return serial
   period = max(times["generate"], times["infer"], times["train"] + sync,
-               serial / (runtime.max_staleness + 1))
+               serial / (runtime.max_staleness + 1),
+               sum(times[s] for s in exclusive))
   if demands is not None:
     period = max(period, sum(times[s] * demands[s] for s in times) + sync * demands["sync"])
   return period
+
+
+def exclusive_stages(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine
+                     ) -> frozenset:
+  """`pipe` stages that cannot overlap one another: on hardware whose multi-device
+  programs run one at a time (`Hardware.serial_multi_device`), the stages on more than
+  one device."""
+  if runtime.mode != "pipe" or not m.hw.serial_multi_device:
+    return frozenset()
+  return frozenset(s for s in STAGES if math.prod(shapes[s].values()) > 1)
 
 
 def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
@@ -552,4 +566,6 @@ def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
   sync = sync_time(runtime, shapes, work, m)
   times = {s: c.total for s, c in costs}
   demands = stage_demands(runtime, shapes, m, work.actor.dtype, dict(costs))
-  return PlanCost(costs, sync, closed_form(times, sync, runtime, demands), demands)
+  exclusive = exclusive_stages(runtime, shapes, m)
+  return PlanCost(costs, sync, closed_form(times, sync, runtime, demands, exclusive),
+                  demands, exclusive)

@@ -37,6 +37,9 @@ class Hardware:
       TPU: ICI, which joins every host of a slice; None = the intra-host values).
     devices_per_host: devices sharing one host (placement blocks align to it).
     shared_host: virtual devices sharing one host's compute (the cpu profile).
+    serial_multi_device: programs spanning several devices run one at a time, even on
+      disjoint devices (jax's CPU backend: `experiments/bench_cpu_concurrency.py`);
+      single-device programs still overlap.
     source: where the numbers come from.
   """
 
@@ -50,6 +53,7 @@ class Hardware:
   inter_latency: float | None
   devices_per_host: int
   shared_host: bool = False
+  serial_multi_device: bool = False
   source: str = ""
 
   def peak(self, dtype: str) -> float:
@@ -198,6 +202,7 @@ CPU = _register(Hardware(
     inter_bw=10 * GB, inter_latency=20e-6,
     devices_per_host=8,
     shared_host=True,
+    serial_multi_device=True,
     source="measured on this machine (bench_ppo_step); placeholders until calibrated"))
 
 

@@ -58,7 +58,7 @@ def simulate_plan(plan: RuntimeConfig, pc: cost_mod.PlanCost, m: cost_mod.Machin
   times = {s: pc.stage(s) for s in STAGES}
   return simulator.simulate(times, pc.sync, plan.mode, max_staleness=plan.max_staleness,
                             queue_size=plan.queue_size, shared_host=m.hw.shared_host,
-                            demands=pc.demands, steps=steps)
+                            demands=pc.demands, exclusive=pc.exclusive, steps=steps)
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -87,9 +87,11 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
   costs = tuple((s, parts[s][0]) for s in STAGES)
   sync = cost_mod.sync_time(plan, shapes, work, m)
   demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, dict(costs))
+  exclusive = cost_mod.exclusive_stages(plan, shapes, m)
   times = {s: c.total for s, c in costs}
-  pc = cost_mod.PlanCost(costs, sync, cost_mod.closed_form(times, sync, plan, demands),
-                         demands)
+  pc = cost_mod.PlanCost(costs, sync,
+                         cost_mod.closed_form(times, sync, plan, demands, exclusive),
+                         demands, exclusive)
   if not simulate:
     return Candidate(plan, pc.closed_form, pc, memory)
   sim = simulate_plan(plan, pc, m)
@@ -223,7 +225,8 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
         costs = ({s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
                   for s, c in zip(STAGES, combo)} if m.hw.shared_host else None)
         demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, costs)
-        offer(plan, cost_mod.closed_form(times, sync, plan, demands))
+        offer(plan, cost_mod.closed_form(times, sync, plan, demands,
+                                         cost_mod.exclusive_stages(plan, shapes, m)))
   best = []
   for _, _, plan in sorted(heap, key=lambda x: -x[0]):
     c = price(plan, work, m, simulate=True)

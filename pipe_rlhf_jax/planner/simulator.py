@@ -13,7 +13,10 @@ at one moment share the host: a task alone uses a fraction `demand` of the host 
 devices' share of the host's throughput, 1 when they can use all of it); when the running
 tasks' demands sum to D > 1, each progresses at 1/D of its solo speed (processor sharing),
 so concurrency adds no compute beyond the host's. Otherwise each worker runs at
-full speed on its own devices.
+full speed on its own devices. `exclusive` stages (on hardware whose multi-device
+programs run one at a time: `Hardware.serial_multi_device`) never progress together: the
+one that started first runs, the others wait inside their spans (as a stage call waits
+for its program in the runtime), first come first served.
 
 Outputs steady-state seconds per step (mean step period after a warm-up), per-stage busy
 fractions, mean staleness, and one span per stage per batch in a `runtime.tracing.Tracer`,
@@ -27,6 +30,7 @@ import dataclasses
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 _EPS = 1e-12
+STAGE_ORDER = ("generate", "infer", "train", "sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +61,8 @@ def _steady(finish: list[float], warmup: int) -> float:
 
 def simulate(times: dict[str, float], sync: float, mode: str, *, max_staleness: int = 0,
              queue_size: int = 2, shared_host: bool = False,
-             demands: dict[str, float] | None = None, steps: int = 24,
-             warmup: int | None = None) -> SimResult:
+             demands: dict[str, float] | None = None, exclusive=frozenset(),
+             steps: int = 24, warmup: int | None = None) -> SimResult:
   """Simulates `steps` PPO steps.
 
   Args:
@@ -69,6 +73,7 @@ def simulate(times: dict[str, float], sync: float, mode: str, *, max_staleness: 
     shared_host: concurrent tasks share one host's throughput.
     demands: with shared_host, the fraction of the host each stage ("generate", "infer",
       "train", "sync") uses alone (default 1).
+    exclusive: stages that cannot run at the same time as one another.
     steps: PPO steps simulated; the steady period is measured after `warmup` of them
       (default steps // 3).
   """
@@ -87,12 +92,12 @@ def simulate(times: dict[str, float], sync: float, mode: str, *, max_staleness: 
             for s in ("generate", "infer", "train", "sync")}
     return SimResult(_steady(finish, warmup), busy, 0.0, tracer, tuple(finish))
   demands = {s: 1.0 for s in ("generate", "infer", "train", "sync")} | dict(demands or {})
-  return _simulate_pipe(times, sync, max_staleness, queue_size, shared_host, demands, steps,
-                        warmup, tracer)
+  return _simulate_pipe(times, sync, max_staleness, queue_size, shared_host, demands,
+                        frozenset(exclusive), steps, warmup, tracer)
 
 
-def _simulate_pipe(times, sync, staleness, queue_size, shared_host, demands, steps, warmup,
-                   tracer):
+def _simulate_pipe(times, sync, staleness, queue_size, shared_host, demands, exclusive,
+                   steps, warmup, tracer):
   now = 0.0
   version = 0  # published actor version
   rollouts: list = []  # (batch, version) waiting for inference
@@ -143,14 +148,19 @@ def _simulate_pipe(times, sync, staleness, queue_size, shared_host, demands, ste
     if not running:
       raise RuntimeError("simulator deadlock: no task can run (a bug in the plan's "
                          "bounds or in the simulator).")
+    # Of the exclusive tasks, only the earliest started progresses; the rest wait.
+    waiting = sorted((w for w, task in running.items() if task.stage in exclusive),
+                     key=lambda w: (running[w].start, STAGE_ORDER.index(running[w].stage)))
+    active = [w for w in running if w not in waiting[1:]]
     # Processor sharing on a shared host: demands summing to D > 1 each go at 1/D.
-    load = sum(demands[task.stage] for task in running.values())
+    load = sum(demands[running[w].stage] for w in active)
     rate = 1.0 / max(1.0, load) if shared_host else 1.0
-    worker = min(running, key=lambda w: running[w].remaining)
+    worker = min(active, key=lambda w: running[w].remaining)
     dt = running[worker].remaining / rate
     now += dt
-    for task in running.values():
-      task.remaining -= dt * rate
+    for w, task in running.items():
+      if w in active:
+        task.remaining -= dt * rate
       busy_time[task.stage] += dt
     done = [w for w, task in running.items() if task.remaining <= _EPS * max(1.0, now)]
     for w in done:
