@@ -23,6 +23,9 @@ the planner ranks first measures against the best measured plan. Writes
 experiments/out/planner_accuracy/{accuracy.csv, summary.json, scatter.png}.
 
   python experiments/planner_accuracy.py [--plans 20] [--window 3] [--warmup 2] [--repeats 5]
+  # the current model against an earlier run's measurements, measuring nothing:
+  python experiments/planner_accuracy.py --calibration OUT/calibration_samples.json \
+      --measured OUT/accuracy.csv
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def spearman(a, b) -> float:
   ra = np.argsort(np.argsort(a))
   rb = np.argsort(np.argsort(b))
   return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def scores(rows: list[dict]) -> dict:
+  """Mean / max absolute percentage error, Spearman, and the pick against the best, over
+  rows with "plan", "predicted_s" and "measured_s"."""
+  pred = np.array([r["predicted_s"] for r in rows])
+  meas = np.array([r["measured_s"] for r in rows])
+  ape = np.abs(pred - meas) / meas
+  picked, best = rows[int(np.argmin(pred))], rows[int(np.argmin(meas))]
+  return {"mape": float(ape.mean()), "max_ape": float(ape.max()),
+          "spearman": spearman(pred, meas),
+          "picked_plan": picked["plan"], "picked_measured_s": picked["measured_s"],
+          "best_measured_plan": best["plan"], "best_measured_s": best["measured_s"],
+          "picked_vs_best": picked["measured_s"] / best["measured_s"] - 1}
 
 
 def choose_plans(work, count: int):
@@ -117,6 +134,25 @@ def host_probe(seconds: float = 0.3) -> float:
 _PROBE: dict = {}
 
 
+def reprice(plans, work, machine, measured_csv: str, out_dir: str) -> None:
+  """The current model's predictions against an earlier run's measurements."""
+  from pipe_rlhf_jax.planner import search
+  with open(measured_csv, newline="") as f:
+    measured = {r["plan"]: float(r["measured_s"]) for r in csv.DictReader(f)
+                if not r["error"]}
+  rows = [{"plan": str(p), "mode": p.mode,
+           "predicted_s": search.price(p, work, machine, simulate=True).step_time,
+           "measured_s": measured[str(p)]} for p in plans if str(p) in measured]
+  summary = {"measured_in": measured_csv, "plans": len(rows), **scores(rows),
+             "by_mode_mape": {mode: float(np.mean([
+                 abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                 for r in rows if r["mode"] == mode]))
+                 for mode in sorted({r["mode"] for r in rows})}}
+  with open(os.path.join(out_dir, "repriced_summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  print(json.dumps(summary, indent=1))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--plans", type=int, default=20)
@@ -127,6 +163,10 @@ def main() -> None:
   parser.add_argument("--calibration", default="",
                       help="a `planner.calibrate` JSON of this model on this machine: refit "
                            "from its samples instead of measuring them again")
+  parser.add_argument("--measured", default="",
+                      help="an accuracy.csv of an earlier run: price its plans with the "
+                           "current model (and --calibration) against its measurements, "
+                           "measuring nothing")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "planner_accuracy"))
   args = parser.parse_args()
@@ -146,8 +186,11 @@ def main() -> None:
   plans = choose_plans(work, args.plans)
   # Compiling every plan first puts the calibration and the measurements minutes apart,
   # not the half hour the compiles take, so host drift between them stays small.
+  if args.measured and not args.calibration:
+    raise SystemExit("--measured needs --calibration: the calibration samples of the run "
+                     "that measured them.")
   built, failed = {}, {}
-  for i, plan in enumerate(plans):
+  for i, plan in enumerate([] if args.measured else plans):
     t0 = time.time()
     try:
       built[i] = build_plan(plan, cfg, work, tokenizer, texts, args.warmup)
@@ -176,6 +219,9 @@ def main() -> None:
   print("calibration:", {k: round(v, 6) for k, (v, _) in fits.items()},
         f"({time.time() - start:.0f} s)", flush=True)
   machine = cost.Machine(hardware.get("cpu"), eff)
+  if args.measured:
+    reprice(plans, work, machine, args.measured, args.out_dir)
+    return
   priced, rows = {}, {}
   for i, plan in enumerate(plans):
     cand = search.price(plan, work, machine, simulate=True)
@@ -230,14 +276,7 @@ def main() -> None:
   ok = [r for r in rows if not r["error"]]
   pred = np.array([r["predicted_s"] for r in ok])
   meas = np.array([r["measured_s"] for r in ok])
-  ape = np.abs(pred - meas) / meas
-  picked = ok[int(np.argmin(pred))]
-  best = ok[int(np.argmin(meas))]
-  summary = {"plans": len(rows), "measured": len(ok), "mape": float(ape.mean()),
-             "max_ape": float(ape.max()), "spearman": spearman(pred, meas),
-             "picked_plan": picked["plan"], "picked_measured_s": picked["measured_s"],
-             "best_measured_plan": best["plan"], "best_measured_s": best["measured_s"],
-             "picked_vs_best": picked["measured_s"] / best["measured_s"] - 1,
+  summary = {"plans": len(rows), "measured": len(ok), **scores(ok),
              "host_gflops_range": [float(min(all_probes)), float(max(all_probes))],
              "host_gflops_at_calibration": calibration_probes,
              "calibration": {k: v for k, (v, _) in fits.items()}}
