@@ -9,8 +9,11 @@ should be verified before publishing a projection that depends on them. Peaks ar
 SHARE the host's cores. There, splitting work over more devices adds no compute: the sum
 of the work running at one moment, over all virtual devices, goes at the host's rate
 (`shared_host=True`; the cost model divides by the host's throughput, not the device
-count's, and the simulator shares it among concurrent stages). Its numbers are
-placeholders until `planner.calibrate` measures them.
+count's, and the simulator shares it among concurrent stages). Programs spanning several
+of its devices run one at a time even on disjoint devices (`serial_multi_device`,
+measured by `experiments/bench_cpu_concurrency.py`), so `pipe` stages on multi-device
+meshes do not overlap there. Its numbers are placeholders until `planner.calibrate`
+measures them.
 """
 
 from __future__ import annotations
