@@ -30,7 +30,7 @@ import dataclasses
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 _EPS = 1e-12
-STAGE_ORDER = ("generate", "infer", "train", "sync")
+TASKS = ("generate", "infer", "train", "sync")  # what a worker runs, in this order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +89,9 @@ def simulate(times: dict[str, float], sync: float, mode: str, *, max_staleness: 
       finish.append(now)
     total = now
     busy = {s: (steps * (times[s] if s != "sync" else sync)) / total if total else 0.0
-            for s in ("generate", "infer", "train", "sync")}
+            for s in TASKS}
     return SimResult(_steady(finish, warmup), busy, 0.0, tracer, tuple(finish))
-  demands = {s: 1.0 for s in ("generate", "infer", "train", "sync")} | dict(demands or {})
+  demands = {s: 1.0 for s in TASKS} | dict(demands or {})
   return _simulate_pipe(times, sync, max_staleness, queue_size, shared_host, demands,
                         frozenset(exclusive), steps, warmup, tracer)
 
@@ -108,7 +108,7 @@ def _simulate_pipe(times, sync, staleness, queue_size, shared_host, demands, exc
   train_batch = None
   finish: list[float] = []
   staleness_of: dict[int, int] = {}
-  busy_time = {"generate": 0.0, "infer": 0.0, "train": 0.0, "sync": 0.0}
+  busy_time = {s: 0.0 for s in TASKS}
 
   def start(worker, stage, batch, ver, work):
     task = _Task(worker, stage, batch, ver, work)
@@ -149,9 +149,9 @@ def _simulate_pipe(times, sync, staleness, queue_size, shared_host, demands, exc
       raise RuntimeError("simulator deadlock: no task can run (a bug in the plan's "
                          "bounds or in the simulator).")
     # Of the exclusive tasks, only the earliest started progresses; the rest wait.
-    waiting = sorted((w for w, task in running.items() if task.stage in exclusive),
-                     key=lambda w: (running[w].start, STAGE_ORDER.index(running[w].stage)))
-    active = [w for w in running if w not in waiting[1:]]
+    queued = sorted((w for w, task in running.items() if task.stage in exclusive),
+                    key=lambda w: (running[w].start, TASKS.index(running[w].stage)))
+    active = [w for w in running if w not in queued[1:]]
     # Processor sharing on a shared host: demands summing to D > 1 each go at 1/D.
     load = sum(demands[running[w].stage] for w in active)
     rate = 1.0 / max(1.0, load) if shared_host else 1.0
