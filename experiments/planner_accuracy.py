@@ -148,6 +148,10 @@ def reprice(plans, work, machine, measured_csv: str, out_dir: str) -> None:
                  abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
                  for r in rows if r["mode"] == mode]))
                  for mode in sorted({r["mode"] for r in rows})}}
+  with open(os.path.join(out_dir, "repriced.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
   with open(os.path.join(out_dir, "repriced_summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   print(json.dumps(summary, indent=1))

@@ -19,8 +19,11 @@ def _synthetic(peak=1e11, matmul=0.5, train=0.25, overhead=2e-3, tick=1e-4, bw=5
                   for f in (1e8, 1e9, 4e9)],
       "train": [{"flops": f, "seconds": overhead + f / (peak * train)} for f in (1e8, 1e9)],
       "decode": [{"bytes": b, "seconds": tick + b / (bw * decode_bw)} for b in (1e6, 1e7)],
-      "all_gather": [{"devices": k, "bytes": v, "seconds": alpha + v * (k - 1) / k / link}
-                     for v in (1e5, 1e7)],
+      # Per collective, 16 in a program; the cpu profile's collectives are k - 1
+      # exchanges, each paying alpha.
+      "all_gather": [{"devices": d, "bytes": v, "count": 16,
+                      "seconds": (d - 1) * alpha + v * (d - 1) / d / link}
+                     for d in (2, 4, k) for v in (1e3, 1e5, 1e7)],
       "concurrency": [{"copies": 1, "seconds": 1.0}, {"copies": 2, "seconds": 1.25},
                       {"copies": 8, "seconds": 5.0}],
   }
@@ -59,7 +62,60 @@ def test_cost_model_loads_the_calibration(tmp_path):
   no_concurrency = cost.Machine(hardware.get("cpu"), cost.Efficiency(
       host_peak_flops=1e11, device_peak_flops=1e11))
   assert no_concurrency.compute_rate("float32", 8) == pytest.approx(1e11)
-  assert m.all_gather(1e7, 8) == pytest.approx(3e-5 + 1e7 * 7 / 8 / 2e9)
+  assert m.all_gather(1e7, 8) == pytest.approx(7 * 3e-5 + 1e7 * 7 / 8 / 2e9)
+  # Three arrays gathered one by one: three times the latency, the same bytes.
+  assert m.all_gather(1e7, 8, count=3) == pytest.approx(3 * 7 * 3e-5 + 1e7 * 7 / 8 / 2e9)
+  # On accelerators the profile's latency is per collective.
+  h100 = cost.Machine(hardware.get("h100"), cost.Efficiency())
+  bw, lat = h100.link(False)
+  assert h100.all_gather(1e7, 8) == pytest.approx(lat + 1e7 * 7 / 8 / bw)
+
+
+def test_an_earlier_calibrations_single_all_gathers_still_fit():
+  samples = _synthetic()
+  samples["all_gather"] = [{"devices": 8, "bytes": v, "seconds": 3e-5 + v * 7 / 8 / 2e9}
+                           for v in (1e5, 1e7)]
+  fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
+  assert fits["link_latency"] == pytest.approx(3e-5)
+  assert fits["link_bw"] == pytest.approx(2e9)
+
+
+def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
+  import dataclasses
+  from pipe_rlhf_jax.models.config import tiny_config
+  samples = {**_synthetic(), "model": dataclasses.asdict(tiny_config())}
+  # seconds = 2e-4 per array + bytes x replicas / 1e9
+  samples["stages"] = [{"stage": "reshard", "arrays": a, "bytes": b, "replicas": r,
+                        "seconds": a * 2e-4 + b * r / 1e9}
+                       for a, b, r in ((12, 1e6, 1), (12, 1e6, 8), (6, 1e4, 2),
+                                       (14, 5e4, 4))]
+  fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
+  assert fits["reshard_array_s"] == pytest.approx(2e-4)
+  assert fits["reshard_bw"] == pytest.approx(1e9)
+  from pipe_rlhf_jax.planner import space
+  from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+  work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
+                        prompt_len=8, gen_len=4, num_devices=8)
+  m = cost.Machine(hardware.get("cpu"), cost.Efficiency(reshard_array_s=2e-4,
+                                                        reshard_bw=1e9))
+  shapes = {"generate": dict(data=1, fsdp=1, tensor=2, pipe=4),
+            "infer": dict(data=4, fsdp=1, tensor=1, pipe=2),
+            "train": dict(data=4, fsdp=1, tensor=2, pipe=1)}
+  plan = lambda mode: RuntimeConfig(mode=mode, **{s: StagePlan(mesh=MeshSpec(**v))
+                                                  for s, v in shapes.items()})
+  assert cost.batch_moves(plan("sequential"), shapes, work, m) == {
+      "generate": 0.0, "infer": 0.0, "train": 0.0}
+  per_stage = cost.batch_moves(plan("per_stage"), shapes, work, m)
+  arrays, nbytes = cost.batch_arrays(work)["infer"]
+  # The rollout goes to infer's 4 batch shards, each on 2 devices; the experience stays
+  # where it is (the same data x fsdp split on the same devices).
+  assert per_stage == {"generate": 0.0, "infer": pytest.approx(arrays * 2e-4 + nbytes * 2 / 1e9),
+                       "train": 0.0}
+  # The sync: actor to generate (8 ways, no replicas) and critic to infer (2 replicas).
+  per_layer, other = work.actor.num_param_arrays()
+  assert cost.sync_time(plan("per_stage"), shapes, work, m) == pytest.approx(
+      2 * (per_layer + other) * 2e-4 + cost.param_bytes(work.actor) * 1 / 1e9
+      + cost.param_bytes(work.critic) * 4 / 1e9 + 2 * m.eff.call_overhead_s)
 
 
 def test_device_overhead_is_fitted_and_charged_on_shared_hosts_only():

@@ -119,6 +119,24 @@ def test_alpha_beta_collectives():
   assert hosts == {"tensor": False, "pipe": False, "fsdp": False, "data": True}
 
 
+@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}, {"tie_embeddings": True},
+                                       {"head": "value"}])
+def test_weight_collectives_count_the_models_own_arrays(overrides):
+  import jax
+  from flax import nnx
+  from pipe_rlhf_jax.models.transformer import init_model
+  cfg = tiny_config(num_layers=3, **overrides)
+  _, state = nnx.split(init_model(cfg))
+  leaves = jax.tree.leaves(state)
+  per_layer, other = cfg.num_param_arrays()
+  assert per_layer + other == len(leaves)  # the layers are stacked: one array each
+  assert per_layer == sum(1 for x in leaves if x.ndim >= 1 and x.shape[0] == 3)
+  cpu, h100 = cost.Machine(hardware.get("cpu")), cost.Machine(hardware.get("h100"))
+  # XLA:CPU gathers every layer's arrays one by one; accelerators combine them per layer.
+  assert cost.weight_collectives(cfg, 3, cpu) == 3 * per_layer + other
+  assert cost.weight_collectives(cfg, 3, h100) == 4
+
+
 def test_sequential_syncs_nothing_and_pipe_moves_weights():
   m = cost.Machine(hardware.get("h100"))
   seq = RuntimeConfig(mode="sequential")

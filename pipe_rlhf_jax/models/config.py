@@ -177,6 +177,14 @@ class TransformerConfig:
       total += e
     return total
 
+  def num_param_arrays(self) -> tuple[int, int]:
+    """(arrays per layer, arrays outside the layers): how many separate weights a
+    collective over sharded parameters moves one by one (the planner prices each one's
+    latency)."""
+    per_layer = 9 + (3 if self.qkv_bias else 0) + (1 if self.out_bias else 0)
+    head = 0 if self.head == "lm" and self.tie_embeddings else 1
+    return per_layer, 2 + head  # embedding and final norm, and the head
+
 
 def tiny_config(vocab_size: int = 264, **overrides) -> TransformerConfig:
   """The embedded default: a 4-layer GQA model that trains in minutes on 2 CPU cores."""

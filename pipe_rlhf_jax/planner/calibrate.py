@@ -11,8 +11,8 @@ Measures (median of repeats, after a compile-and-warm-up call):
                 (batch, length) points; forward+backward (value_and_grad) likewise.
   decode        K = 16 cached decode steps inside one jitted `lax.fori_loop` (as the
                 sampler runs them) over a few (batch, cache slots) points.
-  all-gather    an f32 buffer sharded over all local devices gathered to every device,
-                over a few sizes.
+  all-gather    16 f32 buffers sharded over 2, 4 and all local devices gathered to every
+                device in one program, against one buffer alone, over a few sizes.
   dispatch      a trivial jitted call.
   concurrency   k copies of the forward+backward, one per device, run at once (k = 1, 2,
                 all devices).
@@ -34,13 +34,18 @@ Fits (each printed and saved with how it was obtained):
   train                                forward+backward time = c + FLOPs / (peak x train)
   tick_overhead_s, decode_bw           decode step = tick + bytes / (hbm_bw x decode_bw)
                                        (least squares over the decode points)
-  link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W
+  link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W ((k-1)
+                                       alpha where `Hardware.serial_collectives`)
   host_concurrency                     best k x t(1 copy) / t(k copies at once)
   forward/train/tick_device_overhead_s (t(split over k) - t(one device)) / (k - 1), per
                                        call (forward, train) or per decode step (tick)
                                        (replaced by the stage fits below when measured)
   optimizer_bw                         Adam bytes (7 x parameters) / (seconds - dispatch)
                                        / hbm_bw
+  reshard_array_s, reshard_bw          the stage points' own moves (weight sync, rollout
+                                       and experience in): seconds = arrays x a + bytes x
+                                       destination replicas / W (the stage samples are
+                                       timed without their batch's move)
   per stage (`cost.STAGE_CONSTANTS`)   the stage's seconds = scale x roofline + per call +
                                        per unit x units + per device unit x units x
                                        (devices - 1) + (collectives, dispatch, Adam bytes:
@@ -233,16 +238,23 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   out["optimizer"] = {"bytes": 7 * param_bytes(cfg),
                       "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
 
-  # All-gather over all local devices.
+  # All-gathers: `count` independent ones in one program against one alone (the
+  # difference has no dispatch in it), on 2, 4 and all local devices; small buffers
+  # show the latency, larger ones the bandwidth. "seconds" is per collective.
   out["all_gather"] = []
-  k = len(devices)
-  if k > 1:
-    for per_device in ((2 ** 12, 2 ** 16, 2 ** 20) if not quick else (2 ** 12, 2 ** 18)):
-      buf = jax.device_put(jnp.ones((k * per_device,), jnp.float32),
-                           NamedSharding(mesh, P("d")))
-      gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
-      t = timeit(gather, buf)
-      out["all_gather"].append({"devices": k, "bytes": 4 * k * per_device, "seconds": t})
+  count = 16
+  for k in sorted({min(2, len(devices)), min(4, len(devices)), len(devices)} - {1}):
+    sub = jax.sharding.Mesh(np.array(devices[:k]), ("d",))
+    for per_device in ((2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16)):
+      def seconds(c, k=k, sub=sub, per_device=per_device):
+        bufs = [jax.device_put(jnp.full((k * per_device,), float(i), jnp.float32),
+                               NamedSharding(sub, P("d"))) for i in range(c)]
+        gather = jax.jit(lambda xs: [2 * x for x in xs],
+                         out_shardings=[NamedSharding(sub, P())] * c)
+        return timeit(gather, bufs, repeats=10)
+      one, many = seconds(1), seconds(count)
+      out["all_gather"].append({"devices": k, "bytes": 4 * k * per_device, "count": count,
+                                "seconds": max(many - one, 0.0) / (count - 1)})
   if stages:
     out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
   return out
@@ -310,27 +322,51 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
                                              ).astype(np.int32),
                "prompt_mask": np.ones((batch, prompt_len), bool), "index": np.arange(batch)}
     times = {"generate": [], "infer": [], "train": []}
+    # The reshard helper's moves at this point (weights, and each stage's batch in):
+    # [(arrays, bytes, seconds)] per move.
+    moves = {"actor": [], "critic": [], "infer": [], "train": []}
     for step in range(repeats + 1):  # step 0 compiles
-      actor, _ = system.actor_for_generation()
-      critic, _ = system.critic_for_inference()
+      actor, actor_stats = system.actor_for_generation()
+      critic, critic_stats = system.critic_for_inference()
       jax.block_until_ready((actor, critic))
       t0 = time.perf_counter()
       rollout, _ = system.generate(actor, prompts, step, system.version)
       t1 = time.perf_counter()
-      exp, _ = system.infer(rollout, critic, actor_version=system.version,
-                            critic_version=system.version)
+      exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
+                                critic_version=system.version)
       t2 = time.perf_counter()
-      system.train(exp, step)
+      trn_m = system.train(exp, step)
       t3 = time.perf_counter()
       system.advance(0.0)
       if step:
         for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
           times[stage].append(seconds)
+        for name, st in (("actor", actor_stats), ("critic", critic_stats)):
+          moves[name].append((st.num_arrays, st.bytes, st.seconds))
+        for stage, metrics, key in (("infer", inf_m, "rollout"), ("train", trn_m,
+                                                                   "experience")):
+          moves[stage].append(tuple(metrics[f"transfer/{key}/{field}"]
+                                    for field in ("num_arrays", "bytes", "seconds")))
+    # Destination replicas of each move: weights are split fsdp x tensor x pipe ways,
+    # batches data x fsdp ways.
+    dest = {"actor": "generate", "critic": "infer", "infer": "infer", "train": "train"}
+    for name, values in moves.items():
+      mesh = meshes[dest[name]]
+      ways = (mesh["fsdp"] * mesh["tensor"] * mesh["pipe"] if name in ("actor", "critic")
+              else mesh["data"] * mesh["fsdp"])
+      arrays, nbytes, _ = values[0]
+      if arrays:
+        out.append({"stage": "reshard", "what": name, "devices": k, "mesh": mesh,
+                    "arrays": arrays, "bytes": nbytes, "replicas": k / ways,
+                    "seconds": statistics.median(v[2] for v in values)})
     for stage, values in times.items():
+      # The batch's move in is priced on its own (`cost.batch_moves`).
+      moved = statistics.median(v[2] for v in moves[stage]) if stage in moves else 0.0
       out.append({"stage": stage, "devices": k, "mode": mode, "mesh": meshes[stage],
                   "num_microbatches": micro if stage == "generate" else 1,
                   "batch": batch, "minibatch": minibatch, "prompt_len": prompt_len,
-                  "gen_len": gen_len, "seconds": statistics.median(values)})
+                  "gen_len": gen_len, "seconds": statistics.median(values) - moved,
+                  "moved_s": moved})
   return out
 
 
@@ -444,10 +480,25 @@ def fit(samples: dict) -> dict:
   fits["tick_overhead_s"] = (a, "decode step (in a fori_loop): seconds = tick + bytes / "
                              "(hbm_bw x decode_bw), least squares intercept")
   fits["decode_bw"] = (1 / (b * bw) if b > 0 else 1.0, "the same fit's slope vs hbm_bw")
-  if samples["all_gather"]:
-    k = samples["all_gather"][0]["devices"]
-    a, b = fit_line([s["bytes"] * (k - 1) / k for s in samples["all_gather"]],
-                    [s["seconds"] for s in samples["all_gather"]])
+  gathers = samples["all_gather"]
+  if gathers and "count" in gathers[0]:
+    from pipe_rlhf_jax.planner import hardware
+    serial = hardware.get(samples.get("hardware", "cpu")).serial_collectives
+    hops = [(s["devices"] - 1) if serial else 1.0 for s in gathers]
+    moved = [s["bytes"] * (s["devices"] - 1) / s["devices"] for s in gathers]
+    alpha, beta = nnls([hops, moved], [s["seconds"] for s in gathers],
+                       [1 / max(s["seconds"], 1e-9) for s in gathers])
+    how = ("all-gathers of {} - {} B on {} devices, {} per program: seconds each = "
+           "{}alpha + V (k-1)/k / W, non-negative least squares, relative residuals"
+           ).format(min(s["bytes"] for s in gathers), max(s["bytes"] for s in gathers),
+                    "/".join(str(k) for k in sorted({s["devices"] for s in gathers})),
+                    gathers[0]["count"], "(k-1) " if serial else "")
+    fits["link_latency"] = (alpha, how + "; alpha" + (" (per exchange)" if serial else ""))
+    fits["link_bw"] = (1 / beta if beta > 0 else 0.0, "the same fit's W (bytes/s)")
+  elif gathers:  # samples of an earlier calibration: one all-gather per program
+    k = gathers[0]["devices"]
+    a, b = fit_line([s["bytes"] * (k - 1) / k for s in gathers],
+                    [s["seconds"] for s in gathers])
     fits["link_latency"] = (a, "all-gather: seconds = alpha + V (k-1)/k / W; alpha")
     fits["link_bw"] = (1 / b if b > 0 else 0.0, "the same fit's W (bytes/s)")
   if samples.get("optimizer"):
@@ -455,6 +506,17 @@ def fit(samples: dict) -> dict:
     busy = max(o["seconds"] - samples["dispatch"]["seconds"], 1e-12)
     fits["optimizer_bw"] = (o["bytes"] / busy / bw, "Adam update: 7 x parameter bytes / "
                             "(seconds - dispatch) / hbm_bw")
+  moves = [s for s in samples.get("stages", []) if s["stage"] == "reshard"]
+  if moves:
+    per_array, per_byte = nnls([[s["arrays"] for s in moves],
+                                [s["bytes"] * s["replicas"] for s in moves]],
+                               [s["seconds"] for s in moves],
+                               [1 / max(s["seconds"], 1e-9) for s in moves])
+    how = (f"the reshard helper's {len(moves)} moves (weights, rollouts, experience) at "
+           "the stage points: seconds = arrays x a + bytes x destination replicas / W, "
+           "non-negative least squares, relative residuals")
+    fits["reshard_array_s"] = (per_array, how + "; a")
+    fits["reshard_bw"] = (1 / per_byte if per_byte > 0 else 0.0, "the same fit's W")
   if samples.get("stages"):
     stage_fits = fit_stages(samples, fits)
     for name, value in stage_fits.items():

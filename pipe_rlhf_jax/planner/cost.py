@@ -17,7 +17,8 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             BW) per device, + all-gather of the fsdp-sharded weights, + 2 all-reduces per
             layer over tensor, + one ppermute hop over pipe, + a fixed per-tick overhead.
   infer     forward passes (reference, critic, reward model) over [B, Lp + T]; layers
-            on a pipe axis run one after another (n / p devices busy).
+            on a pipe axis are gathered (each stacked weight over pipe) and the pass runs
+            on n / p devices' worth of work.
   train     epochs x B / minibatch steps of actor and critic: train_flops (3 forwards; 4
             with full remat), fsdp all-gathers (forward, backward) and reduce-scatter,
             data all-reduce of gradients, tensor all-reduces (4 per layer), the Adam update
@@ -26,7 +27,10 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             train -> infer (`sequential`: one layout, nothing moves).
 Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
 device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
-alpha + V/W (k-1)/k, all-reduce twice that, ppermute (V bytes sent) alpha + V/W. On shared
+c alpha + V/W (k-1)/k for c collectives moving V (one per weight array or per layer:
+`weight_collectives`; c (k-1) alpha where every collective is k - 1 exchanges,
+`Hardware.serial_collectives`), all-reduce twice that, ppermute (V bytes sent)
+alpha + V/W. On shared
 hardware (cpu) the host's throughput bounds the sum of all devices' work: a stage's time
 is its total work over the host's rate.
 
@@ -86,6 +90,11 @@ class Efficiency:
     link_bw / link_latency: measured collective bandwidth / latency (0 = the profile's).
     optimizer_bw: achieved / peak memory bandwidth of the Adam update (7 parameter-sized
       reads and writes; 0 = decode_bw).
+    reshard_array_s / reshard_bw: the reshard helper (`parallel.reshard`, a
+      `jax.device_put` between layouts: weight sync, rollouts and experience between
+      stages): seconds per array moved and bytes/s of the copies (every destination
+      replica counted), fitted on the real moves of the calibration's stage points (0 =
+      price moves as collectives over the link).
     The per-stage constants below are fitted (`planner.calibrate`) on timings of the real
     stage functions (`GenerateStage`, `InferStage`, `TrainStage.update` through
     `PPOSystem`), by least squares over the analytic terms of this module, so they hold
@@ -118,6 +127,8 @@ class Efficiency:
   link_bw: float = 0.0
   link_latency: float = 0.0
   optimizer_bw: float = 0.0
+  reshard_array_s: float = 0.0
+  reshard_bw: float = 0.0
   generate_scale: float = 1.0
   infer_scale: float = 1.0
   train_scale: float = 1.0
@@ -183,16 +194,22 @@ class Machine:
                bytes_total / (self.bw_rate(devices) * self.eff.decode_bw))
 
   # ---- collectives (V: the full buffer's bytes per device; k: axis size) -------------
-  def all_gather(self, v: float, k: int, spans_hosts: bool = False) -> float:
+  # `count`: how many separate collectives move those V bytes (`weight_collectives`):
+  # each pays the latency, k - 1 times where they run as k - 1 exchanges
+  # (`Hardware.serial_collectives`).
+  def all_gather(self, v: float, k: int, spans_hosts: bool = False, count: float = 1
+                 ) -> float:
     if k <= 1:
       return 0.0
     bw, lat = self.link(spans_hosts)
-    return lat + v / bw * (k - 1) / k
+    hops = k - 1 if self.hw.serial_collectives else 1
+    return count * hops * lat + v / bw * (k - 1) / k
 
   reduce_scatter = all_gather
 
-  def all_reduce(self, v: float, k: int, spans_hosts: bool = False) -> float:
-    return 2 * self.all_gather(v, k, spans_hosts)
+  def all_reduce(self, v: float, k: int, spans_hosts: bool = False, count: float = 1
+                 ) -> float:
+    return 2 * self.all_gather(v, k, spans_hosts, count)
 
   def ppermute(self, v: float, spans_hosts: bool = False) -> float:
     bw, lat = self.link(spans_hosts)
@@ -255,6 +272,16 @@ def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:
   return StageCost(compute=scale * terms.roofline + terms.memory, comm=terms.comm,
                    overhead=terms.fixed + call + unit * terms.units
                    + device * terms.device_units)
+
+
+def weight_collectives(cfg: TransformerConfig, layers: float, m: Machine) -> float:
+  """Collectives that gather the weights of `layers` layers of `cfg` and those outside
+  the layers: one per weight array where collectives are not combined
+  (`Hardware.serial_collectives`), else one per layer and one for the rest."""
+  per_layer, other = cfg.num_param_arrays()
+  if m.hw.serial_collectives:
+    return per_layer * layers + other
+  return layers + 1
 
 
 def _device_units(m: "Machine", units: float, devices: int) -> float:
@@ -350,7 +377,8 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
 
   hosts = _axis_hosts(mesh, m)
   layers = cfg.num_layers / p
-  gather = m.all_gather(weights, f, hosts["fsdp"])
+  gather = m.all_gather(weights, f, hosts["fsdp"],
+                        count=weight_collectives(cfg, layers, m))
   ring_tick = m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"]) if p > 1 else 0.0
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
@@ -393,10 +421,14 @@ def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     # Layers on a pipe axis run one after another: n / p devices busy at a time.
     compute += m.roofline(fl, d * f * param_bytes(cfg), n // p, cfg.dtype, m.eff.matmul)
     weights = param_bytes(cfg) / (t * p)
-    comm += m.all_gather(weights, f, hosts["fsdp"])
+    comm += m.all_gather(weights, f, hosts["fsdp"],
+                         count=weight_collectives(cfg, cfg.num_layers, m))
     comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
                                               hosts["tensor"])
-    comm += (p - 1) * m.ppermute(rows * work.length * cfg.embed_dim * act, hosts["pipe"])
+    # Layers sharded over pipe: the forward's layer scan gathers each stacked weight
+    # (XLA's partitioner does; no activation ring in a single forward pass).
+    comm += m.all_gather(param_bytes(cfg) / t, p, hosts["pipe"],
+                         count=cfg.num_param_arrays()[0])
   passes = len(_models(work, "infer"))
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=passes * m.eff.call_overhead_s, units=passes,
@@ -424,9 +456,13 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     compute += steps * m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
     memory += steps * adam_bytes / (m.bw_rate(n) * (m.eff.optimizer_bw or m.eff.decode_bw))
     shard = w / (t * p)
-    comm_step = (2 * m.all_gather(shard, f, hosts["fsdp"])
-                 + m.reduce_scatter(shard, f, hosts["fsdp"]))
-    comm_step += m.all_reduce(shard / f, d, hosts["data"])
+    gathers = weight_collectives(cfg, cfg.num_layers, m)
+    # Gradients are reduced per layer, a layer's arrays in one collective (seen in XLA:CPU's
+    # compiled update too).
+    reductions = cfg.num_layers + 1
+    comm_step = (2 * m.all_gather(shard, f, hosts["fsdp"], count=gathers)
+                 + m.reduce_scatter(shard, f, hosts["fsdp"], count=reductions))
+    comm_step += m.all_reduce(shard / f, d, hosts["data"], count=reductions)
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts["tensor"])
     comm += steps * comm_step
@@ -442,6 +478,48 @@ STAGE_TERMS = {"generate": generate_terms, "infer": infer_terms, "train": train_
 def stage_cost(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machine
                ) -> StageCost:
   return STAGE_COSTS[stage](plan, mesh, work, m)
+
+
+def reshard_seconds(arrays: float, copied_bytes: float, m: Machine) -> float:
+  """One call of the reshard helper moving `arrays` arrays, `copied_bytes` written over
+  all destination devices: the calibrated model when there is one, else the bytes over
+  the link."""
+  if m.eff.reshard_bw:
+    return arrays * m.eff.reshard_array_s + copied_bytes / m.eff.reshard_bw
+  bw, lat = m.link(False)
+  return lat + copied_bytes / bw
+
+
+def batch_arrays(work: Workload) -> dict[str, tuple[int, float]]:
+  """(arrays, bytes) of the batch each stage receives from the one before it: the
+  rollout (`ppo.types.Rollout`: prompt and completion tokens and masks, behaviour
+  log-probs, version) and the experience (`Experience`: the rollout and 7 f32
+  [batch, T] fields (no values without a critic) and the scores)."""
+  b, lp, t = work.batch_size, work.prompt_len, work.gen_len
+  rollout = (6, b * (lp * (4 + 1) + t * (4 + 1 + 4)) + 4)
+  per_token = 7 if work.critic_model else 6
+  return {"infer": rollout,
+          "train": (rollout[0] + per_token + 1, rollout[1] + b * (per_token * t + 1) * 4)}
+
+
+def batch_moves(runtime: RuntimeConfig, shapes: dict[str, dict], work: Workload,
+                m: Machine) -> dict[str, float]:
+  """Seconds each stage spends moving its batch in from the previous stage's layout
+  (`PPOSystem.infer` / `.train` reshard it first): nothing in `sequential` or where the
+  two stages split the batch the same way over the same devices."""
+  out = {s: 0.0 for s in STAGES}
+  if runtime.mode == "sequential":
+    return out
+  for src, dst in (("generate", "infer"), ("infer", "train")):
+    a, b = shapes[src], shapes[dst]
+    # Devices fill (data, fsdp, pipe, tensor) row-major: equal data and fsdp sizes put
+    # every batch shard on the same devices.
+    if runtime.mode == "per_stage" and (a["data"], a["fsdp"]) == (b["data"], b["fsdp"]):
+      continue
+    arrays, nbytes = batch_arrays(work)[dst]
+    replicas = math.prod(b.values()) / (b["data"] * b["fsdp"])
+    out[dst] = reshard_seconds(arrays, nbytes * replicas, m)
+  return out
 
 
 def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workload,
@@ -466,8 +544,7 @@ def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workloa
     dst_ways = dst["fsdp"] * dst["tensor"] * dst["pipe"]
     replicas = n_dst / dst_ways
     if m.hw.shared_host:
-      bw, lat = m.link(False)
-      total += lat + w * replicas / bw
+      total += reshard_seconds(sum(cfg.num_param_arrays()), w * replicas, m)
       continue
     hosts = runtime.mode == "pipe" and (n_src + n_dst > m.hw.devices_per_host)
     bw, lat = m.link(hosts)
@@ -558,14 +635,25 @@ def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
   return out
 
 
-def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
-  from pipe_rlhf_jax.system.system import stage_mesh_shapes
-  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(runtime,
-                                                           work.num_devices).items()}
-  costs = tuple((s, stage_cost(s, runtime.stage(s), shapes[s], work, m)) for s in STAGES)
+def compose(runtime: RuntimeConfig, shapes: dict[str, dict], costs: dict[str, StageCost],
+            work: Workload, m: Machine) -> PlanCost:
+  """The plan's cost from its stages' own: each stage with its batch moved in
+  (`batch_moves`, as a fixed overhead), the weight sync, the shared host's demands and
+  the closed-form step time."""
+  moves = batch_moves(runtime, shapes, work, m)
+  costs = tuple((s, dataclasses.replace(costs[s], overhead=costs[s].overhead + moves[s]))
+                for s in STAGES)
   sync = sync_time(runtime, shapes, work, m)
   times = {s: c.total for s, c in costs}
   demands = stage_demands(runtime, shapes, m, work.actor.dtype, dict(costs))
   exclusive = exclusive_stages(runtime, shapes, m)
   return PlanCost(costs, sync, closed_form(times, sync, runtime, demands, exclusive),
                   demands, exclusive)
+
+
+def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(runtime,
+                                                           work.num_devices).items()}
+  costs = {s: stage_cost(s, runtime.stage(s), shapes[s], work, m) for s in STAGES}
+  return compose(runtime, shapes, costs, work, m)

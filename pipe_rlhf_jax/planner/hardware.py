@@ -43,6 +43,11 @@ class Hardware:
     serial_multi_device: programs spanning several devices run one at a time, even on
       disjoint devices (jax's CPU backend: `experiments/bench_cpu_concurrency.py`);
       single-device programs still overlap.
+    serial_collectives: collectives are neither combined nor pipelined: every weight
+      array gathered is a collective of its own (XLA:CPU's compiled programs gather a
+      layer's nine weights one by one; XLA on GPU / TPU combines them per layer), and one
+      over k devices is k - 1 exchanges, each paying the latency (all-gathers of 256
+      bytes measured 16 / 94 / 203 us at k = 2 / 4 / 8 on this host).
     source: where the numbers come from.
   """
 
@@ -57,6 +62,7 @@ class Hardware:
   devices_per_host: int
   shared_host: bool = False
   serial_multi_device: bool = False
+  serial_collectives: bool = False
   source: str = ""
 
   def peak(self, dtype: str) -> float:
@@ -206,6 +212,7 @@ CPU = _register(Hardware(
     devices_per_host=8,
     shared_host=True,
     serial_multi_device=True,
+    serial_collectives=True,
     source="measured on this machine (bench_ppo_step); placeholders until calibrated"))
 
 

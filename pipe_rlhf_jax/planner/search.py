@@ -73,8 +73,8 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
           simulate: bool = False) -> Candidate:
   """Memory check, cost and (optionally) simulation of one valid plan.
 
-  Composes the memoised per-stage cost and memory (the same functions `cost.plan_cost`
-  and `memory.plan_memory` compose).
+  Composes the memoised per-stage cost and memory (with `cost.compose`, as
+  `cost.plan_cost` does, and the functions `memory.plan_memory` composes).
   """
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(plan, work.num_devices).items()}
@@ -84,14 +84,7 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
   if max(memory.values()) > mem_mod.capacity(m.hw):
     return Candidate(plan, math.inf, None, memory,
                      rejected=mem_mod.memory_error(plan, work, m.hw))
-  costs = tuple((s, parts[s][0]) for s in STAGES)
-  sync = cost_mod.sync_time(plan, shapes, work, m)
-  demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, dict(costs))
-  exclusive = cost_mod.exclusive_stages(plan, shapes, m)
-  times = {s: c.total for s, c in costs}
-  pc = cost_mod.PlanCost(costs, sync,
-                         cost_mod.closed_form(times, sync, plan, demands, exclusive),
-                         demands, exclusive)
+  pc = cost_mod.compose(plan, shapes, {s: parts[s][0] for s in STAGES}, work, m)
   if not simulate:
     return Candidate(plan, pc.closed_form, pc, memory)
   sim = simulate_plan(plan, pc, m)
@@ -219,14 +212,10 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
         plan = RuntimeConfig(placement=counts if sch.mode == "pipe" else None,
                              generate=combo[0][2], infer=combo[1][2], train=combo[2][2],
                              **common)
-        times = {s: c[0] for s, c in zip(STAGES, combo)}
         shapes = {s: c[2].mesh.as_dict() for s, c in zip(STAGES, combo)}
-        sync = cost_mod.sync_time(plan, shapes, work, m)
-        costs = ({s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
-                  for s, c in zip(STAGES, combo)} if m.hw.shared_host else None)
-        demands = cost_mod.stage_demands(plan, shapes, m, work.actor.dtype, costs)
-        offer(plan, cost_mod.closed_form(times, sync, plan, demands,
-                                         cost_mod.exclusive_stages(plan, shapes, m)))
+        costs = {s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
+                 for s, c in zip(STAGES, combo)}
+        offer(plan, cost_mod.compose(plan, shapes, costs, work, m).closed_form)
   best = []
   for _, _, plan in sorted(heap, key=lambda x: -x[0]):
     c = price(plan, work, m, simulate=True)
