@@ -183,6 +183,8 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
   # `--resume` on 2 processes then finishes the run from the multi-host checkpoint.
   workdir = tmp_path / "run"
   env = {**child_env(), "PYTHONPATH": ROOT}
+  # The resumed job loads the programs the first one compiled (one cache per process).
+  cache = f"--compilation_cache_dir={tmp_path / 'xla_cache'}"
   killed_at = []
 
   def kill_after_step_3(procs, logs):
@@ -194,7 +196,7 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
         killed_at.append(time.monotonic())
 
   start = time.monotonic()
-  job = launch(main_args(workdir), num_processes=2, cpu_devices=4,
+  job = launch([*main_args(workdir), cache], num_processes=2, cpu_devices=4,
                log_dir=str(tmp_path / "logs1"), timeout_s=400, grace_s=60, command=MAIN,
                echo=False, env=env, watch=kill_after_step_3)
   assert killed_at, job.report()
@@ -202,11 +204,12 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
   assert job.returncodes[0] != 0 and job.killed == [], job.report()
   assert start + job.exit_s[0] - killed_at[0] < 30, job.report()
 
-  job = launch([*main_args(workdir), "--resume"], num_processes=2, cpu_devices=4,
+  job = launch([*main_args(workdir), cache, "--resume"], num_processes=2, cpu_devices=4,
                log_dir=str(tmp_path / "logs2"), timeout_s=400, command=MAIN, echo=False,
                env=env)
   assert job.ok, job.report()
   assert "resumed PPO at step" in job.log_text(0)
+  assert sorted(os.listdir(tmp_path / "xla_cache")) == ["process_0", "process_1"]
   with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]

@@ -137,6 +137,22 @@ def test_weight_collectives_count_the_models_own_arrays(overrides):
   assert cost.weight_collectives(cfg, 3, h100) == 4
 
 
+def test_a_pipe_axis_outside_generation_repeats_the_work_on_each_pipe_group():
+  # Inference and training shard the layers' weights over pipe, not the batch: each
+  # pipe group runs every layer on its batch shard. Dedicated devices do that side by
+  # side; the shared host does all of it.
+  work = dataclasses.replace(WORK, num_devices=8)
+  split, layered = dict(data=4, fsdp=1, tensor=1, pipe=1), dict(data=4, fsdp=1, tensor=1,
+                                                                 pipe=2)
+  cpu = cost.Machine(hardware.get("cpu"), cost.Efficiency(host_concurrency=1.0))
+  h100 = cost.Machine(hardware.get("h100"))
+  for stage in ("infer", "train"):
+    plan = StagePlan()
+    on = lambda m, mesh: cost.STAGE_TERMS[stage](plan, mesh, work, m).roofline
+    assert on(cpu, layered) == pytest.approx(2 * on(cpu, split))
+    assert on(h100, layered) == pytest.approx(on(h100, split))
+
+
 def test_sequential_syncs_nothing_and_pipe_moves_weights():
   m = cost.Machine(hardware.get("h100"))
   seq = RuntimeConfig(mode="sequential")

@@ -288,6 +288,20 @@ def _device_units(m: "Machine", units: float, devices: int) -> float:
   return units * (devices - 1) if m.hw.shared_host else 0.0
 
 
+def _replicated_roofline(m: Machine, flops_total: float, bytes_total: float, devices: int,
+                         copies: int, dtype: str, eff: float) -> float:
+  """Seconds of work that `copies` groups of `devices` devices each repeat in full.
+
+  A pipe axis outside the pipelined decoder shards the layers' weights, not the batch:
+  the pass gathers them and every pipe group runs all layers on the same batch shard.
+  Dedicated devices run the copies side by side; a shared host runs every one of them.
+  """
+  if m.hw.shared_host:
+    return m.roofline(copies * flops_total, copies * bytes_total, copies * devices, dtype,
+                      eff)
+  return m.roofline(flops_total, bytes_total, devices, dtype, eff)
+
+
 def _sizes(plan_mesh) -> tuple[int, int, int, int]:
   m = plan_mesh if isinstance(plan_mesh, dict) else plan_mesh.as_dict()
   return m["data"], m["fsdp"], m["tensor"], m["pipe"]
@@ -418,8 +432,8 @@ def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
   for cfg in _models(work, "infer"):
     act = _BYTES[cfg.dtype]
     fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
-    # Layers on a pipe axis run one after another: n / p devices busy at a time.
-    compute += m.roofline(fl, d * f * param_bytes(cfg), n // p, cfg.dtype, m.eff.matmul)
+    compute += _replicated_roofline(m, fl, d * f * param_bytes(cfg), n // p, p, cfg.dtype,
+                                    m.eff.matmul)
     weights = param_bytes(cfg) / (t * p)
     comm += m.all_gather(weights, f, hosts["fsdp"],
                          count=weight_collectives(cfg, cfg.num_layers, m))
@@ -453,7 +467,7 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
                            head_positions=work.gen_len)
     w = param_bytes(cfg)
     adam_bytes = 7 * w * d  # every replica updates its copy
-    compute += steps * m.roofline(fl, 0.0, n // p, cfg.dtype, m.eff.train)
+    compute += steps * _replicated_roofline(m, fl, 0.0, n // p, p, cfg.dtype, m.eff.train)
     memory += steps * adam_bytes / (m.bw_rate(n) * (m.eff.optimizer_bw or m.eff.decode_bw))
     shard = w / (t * p)
     gathers = weight_collectives(cfg, cfg.num_layers, m)
