@@ -1,5 +1,6 @@
 """Calibration fits recover known constants; the cost model loads the file."""
 
+import dataclasses
 import json
 
 import pytest
@@ -227,3 +228,38 @@ def test_stage_fit_never_returns_negative_constants():
   fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
   for name in _STAGE_CONSTANTS:
     assert fits[name] >= 0.0, name
+
+
+@pytest.mark.slow
+def test_real_stage_points_record_the_reshard_helpers_moves_apart_from_the_stages():
+  # One per_stage point on 2 devices, as `planner.calibrate` measures it: the weight sync
+  # and each stage's batch moved in become reshard samples, and the stage samples are
+  # timed without their batch's move.
+  from pipe_rlhf_jax.models.config import tiny_config
+  cfg = tiny_config(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16,
+                    mlp_dim=64)
+  point = (2, "per_stage", dict(tensor=2), dict(data=2), dict(fsdp=2), 1, (8, 4, 6, 3))
+  rows = calibrate.measure_stages(cfg, (point,), repeats=1)
+  moves = {r["what"]: r for r in rows if r["stage"] == "reshard"}
+  per_layer, other = cfg.num_param_arrays()
+  assert moves["actor"]["arrays"] == per_layer + other  # the whole model, stacked layers
+  assert moves["actor"]["replicas"] == 1  # generate splits the weights over tensor=2
+  assert moves["critic"]["replicas"] == 2  # infer holds them whole on both devices
+  assert moves["infer"]["arrays"] == 6  # the rollout's arrays
+  assert all(r["seconds"] > 0 for r in moves.values())
+  stages = {r["stage"]: r for r in rows if r["stage"] != "reshard"}
+  assert stages["infer"]["moved_s"] == moves["infer"]["seconds"]
+  assert stages["generate"]["moved_s"] == 0.0
+  fits = calibrate.fit({**_synthetic(), "model": dataclasses.asdict(cfg), "stages": rows})
+  assert fits["reshard_array_s"][0] >= 0 and fits["reshard_bw"][0] >= 0
+
+
+def test_all_gathers_are_timed_per_collective_on_2_4_and_all_devices():
+  import jax
+  samples = calibrate.measure_all_gathers(jax.devices(), (2 ** 4,), count=4)
+  assert [(s["devices"], s["bytes"], s["count"]) for s in samples] == [
+      (2, 128, 4), (4, 256, 4), (8, 512, 4)]
+  assert all(s["seconds"] >= 0 for s in samples)
+  fits = {k: v for k, (v, _) in calibrate.fit({**_synthetic(), "all_gather": samples,
+                                                "hardware": "cpu"}).items()}
+  assert fits["link_latency"] >= 0 and fits["link_bw"] >= 0

@@ -238,14 +238,25 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   out["optimizer"] = {"bytes": 7 * param_bytes(cfg),
                       "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
 
-  # All-gathers: `count` independent ones in one program against one alone (the
-  # difference has no dispatch in it), on 2, 4 and all local devices; small buffers
-  # show the latency, larger ones the bandwidth. "seconds" is per collective.
-  out["all_gather"] = []
-  count = 16
+  out["all_gather"] = measure_all_gathers(
+      devices, (2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16))
+  if stages:
+    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
+  return out
+
+
+def measure_all_gathers(devices, per_device_sizes, count: int = 16) -> list[dict]:
+  """Seconds per all-gather of f32 buffers of each size per device, on 2, 4 and all of
+  `devices`: `count` independent ones in one program against one alone (the difference
+  has no dispatch in it). Small buffers show the latency, larger ones the bandwidth."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  out = []
   for k in sorted({min(2, len(devices)), min(4, len(devices)), len(devices)} - {1}):
     sub = jax.sharding.Mesh(np.array(devices[:k]), ("d",))
-    for per_device in ((2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16)):
+    for per_device in per_device_sizes:
       def seconds(c, k=k, sub=sub, per_device=per_device):
         bufs = [jax.device_put(jnp.full((k * per_device,), float(i), jnp.float32),
                                NamedSharding(sub, P("d"))) for i in range(c)]
@@ -253,10 +264,8 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
                          out_shardings=[NamedSharding(sub, P())] * c)
         return timeit(gather, bufs, repeats=10)
       one, many = seconds(1), seconds(count)
-      out["all_gather"].append({"devices": k, "bytes": 4 * k * per_device, "count": count,
-                                "seconds": max(many - one, 0.0) / (count - 1)})
-  if stages:
-    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
+      out.append({"devices": k, "bytes": 4 * k * per_device, "count": count,
+                  "seconds": max(many - one, 0.0) / (count - 1)})
   return out
 
 
