@@ -20,7 +20,8 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             on a pipe axis are gathered (each stacked weight over pipe) and the pass runs
             on n / p devices' worth of work.
   train     epochs x B / minibatch steps of actor and critic: train_flops (3 forwards; 4
-            with full remat), fsdp all-gathers (forward, backward) and reduce-scatter,
+            with full remat; a pipe axis gathers the layers and repeats the work as in
+            inference), fsdp all-gathers (forward, backward) and reduce-scatter,
             data all-reduce of gradients, tensor all-reduces (4 per layer), the Adam update
             (7 parameter-sized reads/writes).
   sync      after each update the actor moves train -> generate and the critic
@@ -30,9 +31,8 @@ device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
 c alpha + V/W (k-1)/k for c collectives moving V (one per weight array or per layer:
 `weight_collectives`; c (k-1) alpha where every collective is k - 1 exchanges,
 `Hardware.serial_collectives`), all-reduce twice that, ppermute (V bytes sent)
-alpha + V/W. On shared
-hardware (cpu) the host's throughput bounds the sum of all devices' work: a stage's time
-is its total work over the host's rate.
+alpha + V/W. On shared hardware (cpu) the host's throughput bounds the sum of all
+devices' work: a stage's time is its total work over the host's rate.
 
 Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
 """
@@ -479,6 +479,11 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     comm_step += m.all_reduce(shard / f, d, hosts["data"], count=reductions)
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts["tensor"])
+    # Layers sharded over pipe (sequential mode's one mesh): gathered before the layer
+    # scan as in inference, their gradients reduced back.
+    stacked = cfg.num_param_arrays()[0]
+    comm_step += (m.all_gather(w / t, p, hosts["pipe"], count=stacked)
+                  + m.reduce_scatter(w / t, p, hosts["pipe"], count=stacked))
     comm += steps * comm_step
   units = steps * len(_models(work, "train"))
   return StageTerms(roofline=compute, memory=memory, comm=comm, fixed=m.eff.call_overhead_s,
