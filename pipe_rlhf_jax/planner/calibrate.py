@@ -302,6 +302,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
   import numpy as np
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.planner import cost
   from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
   from pipe_rlhf_jax.system.system import Models, PPOSystem
 
@@ -356,17 +357,16 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
                                                                    "experience")):
           moves[stage].append(tuple(metrics[f"transfer/{key}/{field}"]
                                     for field in ("num_arrays", "bytes", "seconds")))
-    # Destination replicas of each move: weights are split fsdp x tensor x pipe ways,
-    # batches data x fsdp ways.
+    # Destination replicas of each move, as the cost model counts them.
     dest = {"actor": "generate", "critic": "infer", "infer": "infer", "train": "train"}
     for name, values in moves.items():
       mesh = meshes[dest[name]]
-      ways = (mesh["fsdp"] * mesh["tensor"] * mesh["pipe"] if name in ("actor", "critic")
-              else mesh["data"] * mesh["fsdp"])
+      replicas = (cost.weight_replicas(mesh) if name in ("actor", "critic")
+                  else cost.batch_replicas(mesh))
       arrays, nbytes, _ = values[0]
       if arrays:
         out.append({"stage": "reshard", "what": name, "devices": k, "mesh": mesh,
-                    "arrays": arrays, "bytes": nbytes, "replicas": k / ways,
+                    "arrays": arrays, "bytes": nbytes, "replicas": replicas,
                     "seconds": statistics.median(v[2] for v in values)})
     for stage, values in times.items():
       # The batch's move in is priced on its own (`cost.batch_moves`).

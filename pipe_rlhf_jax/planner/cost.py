@@ -499,6 +499,18 @@ def stage_cost(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machi
   return STAGE_COSTS[stage](plan, mesh, work, m)
 
 
+def weight_replicas(mesh: dict) -> float:
+  """Copies of a model's weights on a stage's mesh: its devices over the fsdp x tensor x
+  pipe ways that split them."""
+  return math.prod(mesh.values()) / (mesh["fsdp"] * mesh["tensor"] * mesh["pipe"])
+
+
+def batch_replicas(mesh: dict) -> float:
+  """Copies of a batch on a stage's mesh: its devices over the data x fsdp ways that
+  split the rows."""
+  return math.prod(mesh.values()) / (mesh["data"] * mesh["fsdp"])
+
+
 def reshard_seconds(arrays: float, copied_bytes: float, m: Machine) -> float:
   """One call of the reshard helper moving `arrays` arrays, `copied_bytes` written over
   all destination devices: the calibrated model when there is one, else the bytes over
@@ -536,8 +548,7 @@ def batch_moves(runtime: RuntimeConfig, shapes: dict[str, dict], work: Workload,
     if runtime.mode == "per_stage" and (a["data"], a["fsdp"]) == (b["data"], b["fsdp"]):
       continue
     arrays, nbytes = batch_arrays(work)[dst]
-    replicas = math.prod(b.values()) / (b["data"] * b["fsdp"])
-    out[dst] = reshard_seconds(arrays, nbytes * replicas, m)
+    out[dst] = reshard_seconds(arrays, nbytes * batch_replicas(b), m)
   return out
 
 
@@ -560,8 +571,8 @@ def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workloa
     dst = mesh_sizes[dst_stage]
     n_dst = math.prod(dst.values())
     w = param_bytes(cfg)
-    dst_ways = dst["fsdp"] * dst["tensor"] * dst["pipe"]
-    replicas = n_dst / dst_ways
+    replicas = weight_replicas(dst)
+    dst_ways = n_dst / replicas
     if m.hw.shared_host:
       total += reshard_seconds(sum(cfg.num_param_arrays()), w * replicas, m)
       continue
