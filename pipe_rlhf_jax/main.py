@@ -63,7 +63,8 @@ _CACHE = flags.DEFINE_string(
     "compilation_cache_dir", "", "jax's persistent compilation cache: a restarted or "
     "resumed job loads its programs from here instead of compiling them again. In a "
     "multi-process job process 0 writes it and every process reads it: a folder all "
-    "hosts see (shared storage, a GCS bucket). Empty: off.")
+    "hosts see (shared storage, a GCS bucket). On the CPU backend only process 0 finds "
+    "its programs (jax's keys differ per process there). Empty: off.")
 
 
 def distributed_config():
@@ -85,6 +86,10 @@ def main(argv):
   if _CACHE.value:
     import jax
     jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+    # Every program, however quick to compile: a PPO step is dozens of sub-second
+    # compilations (jax's default keeps only those over 1 s), and together they are most
+    # of a restarted job's first step.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   watch = FaultWatch.start()
   from pipe_rlhf_jax.train import prepare_warm_start, train  # after flags: jax sees XLA_FLAGS
   # Library chatter (TFDS writers, Orbax) stays at WARNING; the run's own milestones are

@@ -93,6 +93,27 @@ def test_round_trip_to_different_mesh(tmp_path):
   assert type(restored["opt"][0]) is type(state["opt"][0])
 
 
+def test_small_replicated_arrays_save_without_compiling_a_slice_per_device(
+    tmp_path, caplog):
+  # Orbax's default would slice each replicated array into one part per replica, compiling
+  # an eager slice per (shape, device); below REPLICA_PARALLEL_MIN_BYTES one replica
+  # writes it whole. The replicated state still round-trips.
+  mesh = jax.make_mesh((8,), ("data",))
+  replicated = NamedSharding(mesh, P())
+  state = {name: jax.device_put(jnp.arange(n, dtype=jnp.float32) * 0.5, replicated)
+           for name, n in (("a", 96), ("b", 40), ("c", 7))}
+  with jax.log_compiles(True), caplog.at_level("WARNING", "jax._src.interpreters.pxla"):
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+      ckpt.save(0, state, metadata={})
+  compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+  assert not [m for m in compiled if "slice" in m], compiled
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated)
+            for k, v in state.items()}
+  with Checkpointer(tmp_path) as ckpt:
+    restored, _ = ckpt.restore(target=target)
+  _assert_trees_equal(restored, state)
+
+
 def test_typed_prng_key_round_trip(tmp_path):
   state = {"key": jax.random.key(3), "x": jnp.ones(2)}
   with Checkpointer(tmp_path, async_save=False) as ckpt:
