@@ -173,7 +173,8 @@ _STAGE_CONSTANTS = dict(
     generate_scale=1.3, generate_call_s=2e-3, tick_overhead_s=4e-4,
     tick_device_overhead_s=6e-5, infer_scale=1.6, infer_call_s=1e-3,
     forward_device_overhead_s=2e-3, train_scale=1.4,
-    train_call_s=3e-3, train_step_s=1e-3, train_device_overhead_s=4e-3)
+    train_call_s=3e-3, train_step_s=1e-3, train_device_overhead_s=4e-3,
+    train_exchange_s=2e-5)
 
 
 def _with_stages(constants):

@@ -137,6 +137,32 @@ def test_weight_collectives_count_the_models_own_arrays(overrides):
   assert cost.weight_collectives(cfg, 3, h100) == 4
 
 
+def test_exchanges_count_the_update_s_collectives_and_are_priced_by_the_fit():
+  # The planner-accuracy model on 2 cpu devices, batch 32 in minibatches of 16, actor and
+  # critic: XLA:CPU's compiled update on fsdp=2 runs 2 x 2 x 2 x (9 x 4 + 3) = 312
+  # all-gathers (one per weight array, forward and backward) and the model adds one
+  # reduce-scatter per layer and one for the rest (20); on data=2 one all-reduce (two
+  # exchanges) per layer and the rest.
+  cfg = tiny_config(vocab_size=264, embed_dim=64, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=16, mlp_dim=192)
+  work = space.Workload(actor=cfg, batch_size=32, minibatch_size=16, epochs=1,
+                        prompt_len=16, gen_len=8, num_devices=8, reward_model=False)
+  m = cost.Machine(hardware.get("cpu"), cost.Efficiency(link_latency=2e-5))
+  fsdp, data = dict(MESH1, fsdp=2), dict(MESH1, data=2)
+  terms = {name: cost.stage_terms("train", StagePlan(mesh=MeshSpec(**mesh)), mesh, work, m)
+           for name, mesh in (("fsdp", fsdp), ("data", data), ("one", MESH1))}
+  assert terms["fsdp"].exchanges == pytest.approx(312 + 20)
+  assert terms["data"].exchanges == pytest.approx(2 * 20)
+  assert terms["one"].exchanges == 0.0
+  # The fitted seconds per exchange go into the stage's communication, on top of the
+  # latency and bandwidth terms.
+  fitted = cost.Machine(m.hw, dataclasses.replace(m.eff, train_exchange_s=1e-4))
+  base = cost.train_cost(StagePlan(mesh=MeshSpec(**fsdp)), fsdp, work, m)
+  more = cost.train_cost(StagePlan(mesh=MeshSpec(**fsdp)), fsdp, work, fitted)
+  assert more.comm - base.comm == pytest.approx(1e-4 * 332)
+  assert (more.compute, more.overhead) == (base.compute, base.overhead)
+
+
 def test_a_pipe_axis_outside_generation_repeats_the_work_on_each_pipe_group():
   # Inference and training shard the layers' weights over pipe, not the batch: each
   # pipe group runs every layer on its batch shard. Dedicated devices do that side by

@@ -48,8 +48,9 @@ Fits (each printed and saved with how it was obtained):
                                        timed without their batch's move)
   per stage (`cost.STAGE_CONSTANTS`)   the stage's seconds = scale x roofline + per call +
                                        per unit x units + per device unit x units x
-                                       (devices - 1) + (collectives, dispatch, Adam bytes:
-                                       the analytic terms), the terms from `cost.*_terms`
+                                       (devices - 1) + per exchange x the collectives'
+                                       exchanges + (collectives, dispatch, Adam bytes: the
+                                       analytic terms), the terms from `cost.stage_terms`
                                        with the constants above; non-negative least squares
                                        on relative residuals over the stage samples
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
@@ -424,14 +425,15 @@ def fit_stages(samples: dict, fits: dict) -> dict:
     rows = [s for s in samples["stages"] if s["stage"] == stage]
     if not rows:
       continue
-    cols, target, weights = [[], [], [], []], [], []
+    cols, target, weights = [[], [], [], [], []], [], []
     for s in rows:
       work = space.Workload(actor=cfg, batch_size=s["batch"], minibatch_size=s["minibatch"],
                             epochs=1, prompt_len=s["prompt_len"], gen_len=s["gen_len"],
                             num_devices=s["devices"], reward_model=False)
       plan = StagePlan(mesh=MeshSpec(**s["mesh"]), num_microbatches=s["num_microbatches"])
-      terms = cost.STAGE_TERMS[stage](plan, s["mesh"], work, machine)
-      for col, value in zip(cols, (terms.roofline, 1.0, terms.units, terms.device_units)):
+      terms = cost.stage_terms(stage, plan, s["mesh"], work, machine)
+      for col, value in zip(cols, (terms.roofline, 1.0, terms.units, terms.device_units,
+                                   terms.exchanges)):
         col.append(value)
       target.append(s["seconds"] - terms.memory - terms.comm - terms.fixed)
       weights.append(1.0 / s["seconds"])
@@ -441,11 +443,12 @@ def fit_stages(samples: dict, fits: dict) -> dict:
             "infer": ("model pass", "reference + critic passes"),
             "train": ("minibatch step x model", "PPO update")}[stage]
     how = (f"{stage} stage ({what[1]}) timed at {len(rows)} calibration points; seconds = "
-           "scale x roofline + per call + per {0} + per {0} x (devices - 1) + analytic "
-           "collectives/dispatch/Adam; non-negative least squares, relative residuals"
-           ).format(what[0])
+           "scale x roofline + per call + per {0} + per {0} x (devices - 1) + per "
+           "collective exchange + analytic collectives/dispatch/Adam; non-negative least "
+           "squares, relative residuals").format(what[0])
     labels = ("seconds per analytic roofline second", "seconds per call",
-              f"seconds per {what[0]}", f"seconds per {what[0]} per extra device")
+              f"seconds per {what[0]}", f"seconds per {what[0]} per extra device",
+              "seconds per collective exchange beyond the microbenchmarked latency")
     for i, value in zip(used, coef):
       out[names[i]] = (value, f"{labels[i]}: {how}")
   return out
