@@ -15,9 +15,10 @@ Per tick, each stage runs five documented functions over an explicit `LoopState`
   3. `sample`: stage P-1 applies the head and draws (`draw_token`: the plain
      sampler's `next_tokens`, i.e. `sampling_logprobs` and
      `token_keys(rng, sample_ids_of_mb, pass)`), so tokens equal the plain sampler's
-     for the same rng;
-  4. `record`: stage P-1 writes the token, its log-prob and mask with the plain
-     sampler's EOS rules (`record_tokens`); every stage logs what it ran;
+     for the same rng, and writes the token, its log-prob and mask with the plain
+     sampler's EOS rules (`record_tokens`); all under one `lax.cond`, so the other
+     stages run none of it;
+  4. `record`: every stage logs what it ran;
   5. `send`: one message round the ring with `lax.ppermute`: activations to s + 1,
      and from P-1 the new token (plus row-done flags) back to stage 0. A `valid` flag
      in the message says whether the sender really ran; receivers never use invalid
@@ -209,13 +210,17 @@ def absorb(stage: Stage, state: LoopState) -> LoopState:
   """Stage 0 takes in the ring message from stage P-1: the token it sampled at tick
   t - 1 (and which rows of that micro-batch are done), if it really ran."""
   prev = stage.slot(state.tick - 1, stage.plan.num_stages - 1).microbatch
-  take = stage.is_first & state.msg.valid
-  last_token = state.last_token.at[prev].set(
-      jnp.where(take, state.msg.token, state.last_token[prev]))
-  # With P = 1 stage 0 is the last stage and `record` already updated its flags.
-  take_done = take & ~stage.is_last
-  done_rows = state.done_rows.at[prev].set(
-      jnp.where(take_done, state.msg.rows_done, state.done_rows[prev]))
+
+  def take_in(carry):
+    last_token, done_rows = carry
+    # With P = 1 stage 0 is the last stage and `sample` already updated its flags.
+    done_rows = jnp.where(stage.is_last, done_rows,
+                          done_rows.at[prev].set(state.msg.rows_done))
+    return last_token.at[prev].set(state.msg.token), done_rows
+
+  last_token, done_rows = jax.lax.cond(stage.is_first & state.msg.valid, take_in,
+                                       lambda carry: carry,
+                                       (state.last_token, state.done_rows))
   return state._replace(last_token=last_token, done_rows=done_rows)
 
 
@@ -318,39 +323,40 @@ def draw_token(stage: Stage, h_last: jax.Array, slot: Slot
                      stage.plan.params)
 
 
-def sample(stage: Stage, h_last: jax.Array, slot: Slot, run: jax.Array
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`draw_token` on the last stage when it ran; zeros elsewhere (no head compute).
+def sample(stage: Stage, state: LoopState, h_last: jax.Array, slot: Slot,
+           run: jax.Array) -> tuple[LoopState, jax.Array]:
+  """On the last stage when it ran: `draw_token`, then column `step` of the
+  micro-batch's outputs written with the plain sampler's EOS rules (`record_tokens`),
+  updating which rows are done. Every other stage skips all of it (one `lax.cond`: no
+  head compute and none of the bookkeeping, which on a shared host is CPU time the
+  busy stages lose).
 
   Returns:
-    (commit bool [], tokens int32 [mb], logprobs f32 [mb]); `commit` says the draw is
-    real and must be recorded.
+    The state and the tokens int32 [mb] (zeros where nothing was drawn).
   """
-  mb = stage.plan.microbatch
-  commit = run & stage.is_last
-  tokens, logprobs = jax.lax.cond(
-      commit, lambda h: draw_token(stage, h, slot),
-      lambda h: (jnp.zeros((mb,), jnp.int32), jnp.zeros((mb,), jnp.float32)), h_last)
-  return commit, tokens, logprobs
-
-
-def record(stage: Stage, state: LoopState, slot: Slot, run: jax.Array,
-           commit: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> LoopState:
-  """Bookkeeping: the last stage writes column `step` of its micro-batch's outputs
-  with the plain sampler's EOS rules (`record_tokens`), updating which rows are done;
-  every stage notes what it ran in the executed schedule."""
   mb = slot.microbatch
-  old = (state.out_tokens[mb], state.out_logprobs[mb], state.out_mask[mb],
-         state.done_rows[mb])  # [mb, T] x 3, [mb]
-  new = record_tokens(*old[:3], old[3], slot.step, tokens, logprobs, stage.plan.params)
-  out_tokens, out_logprobs, out_mask, done_rows = (
-      buf.at[mb].set(jnp.where(commit, n, o))
-      for buf, n, o in zip((state.out_tokens, state.out_logprobs, state.out_mask,
-                            state.done_rows), new, old))
-  ran = jnp.where(run, jnp.stack([mb, slot.step]), sched.BUBBLE).astype(jnp.int32)
+  outputs = (state.out_tokens, state.out_logprobs, state.out_mask,
+             state.done_rows)  # [M, mb, T] x 3, [M, mb]
+
+  def draw_and_write(outputs):
+    tokens, logprobs = draw_token(stage, h_last, slot)
+    new = record_tokens(*(buf[mb] for buf in outputs), slot.step, tokens, logprobs,
+                        stage.plan.params)
+    return tuple(buf.at[mb].set(n) for buf, n in zip(outputs, new)), tokens
+
+  def skip(outputs):
+    return outputs, jnp.zeros((stage.plan.microbatch,), jnp.int32)
+
+  outputs, tokens = jax.lax.cond(run & stage.is_last, draw_and_write, skip, outputs)
+  out_tokens, out_logprobs, out_mask, done_rows = outputs
   return state._replace(out_tokens=out_tokens, out_logprobs=out_logprobs,
-                        out_mask=out_mask, done_rows=done_rows,
-                        executed=state.executed.at[state.tick].set(ran))
+                        out_mask=out_mask, done_rows=done_rows), tokens
+
+
+def record(state: LoopState, slot: Slot, run: jax.Array) -> LoopState:
+  """Every stage notes what it ran at this tick in the executed schedule."""
+  ran = jnp.where(run, jnp.stack([slot.microbatch, slot.step]), sched.BUBBLE)
+  return state._replace(executed=state.executed.at[state.tick].set(ran.astype(jnp.int32)))
 
 
 def send(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, h_out: jax.Array,
@@ -400,9 +406,8 @@ def tick(stage: Stage, state: LoopState, length: int, prefill_possible: bool
   slot = stage.slot(state.tick, stage.index)
   run = should_run(stage, state, slot)
   cache, h_out, h_last = compute(stage, state, slot, run, length, prefill_possible)
-  commit, tokens, logprobs = sample(stage, h_last, slot, run)
-  state = record(stage, state._replace(cache=cache), slot, run, commit, tokens,
-                 logprobs)
+  state, tokens = sample(stage, state._replace(cache=cache), h_last, slot, run)
+  state = record(state, slot, run)
   msg = send(stage, state, slot, run, h_out, tokens)
   return state._replace(msg=msg, tick=state.tick + 1)
 
