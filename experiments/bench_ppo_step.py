@@ -15,9 +15,12 @@ and head matmul of the forward and backward, one jitted program): small projecti
 ([batch x length, d] x [d, f] with d = 64..512) do not reach the 2048^2 peak even alone,
 so this says how much of the gap is the shapes and how much the rest of the update.
 
+`--scan-unroll` sets every stage's `scan_unroll` (0, the default: the model's layer
+count, i.e. the layer scan unrolled; 1: a loop over the stacked layers).
+
 Usage:
   python experiments/bench_ppo_step.py
-  python experiments/bench_ppo_step.py --sizes 2 --steps 12
+  python experiments/bench_ppo_step.py --sizes 2 --steps 12 --scan-unroll 1
 
 Writes ppo_step.json and ppo_step.md to --out-dir (default experiments/out/bench_ppo_step/).
 Timings on a shared machine are noisy: run it alone.
@@ -41,7 +44,7 @@ import numpy as np  # noqa: E402
 from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
 from pipe_rlhf_jax.models import flops, init_model, tiny_config  # noqa: E402
 from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem,  # noqa: E402
-                                  RuntimeConfig, run)
+                                  RuntimeConfig, StagePlan, run)
 
 # (layers, embed, heads, kv_heads, mlp, vocab; batch, prompt, gen): the first two are the
 # sizes of issue #9's comparison with a peer library, the third a larger one.
@@ -97,7 +100,7 @@ def shape_rate(shapes: list[tuple[int, int, int]]) -> float:
   return sum(2 * m * k * n for m, k, n in shapes) / t / 1e9
 
 
-def bench_size(size: int, steps: int, warmup: int) -> dict:
+def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
   layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = SIZES[size]
   cfg = tiny_config(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads,
                     num_kv_heads=kv, head_dim=embed // heads, mlp_dim=mlp)
@@ -107,7 +110,9 @@ def bench_size(size: int, steps: int, warmup: int) -> dict:
       ppo=PPOConfig(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
                     actor_lr=1e-5, critic_lr=1e-5),
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
-      runtime=RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1)),
+      runtime=RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1),
+                            **{stage: StagePlan(scan_unroll=scan_unroll or layers)
+                               for stage in ("generate", "infer", "train")}),
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
       decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
   rng = np.random.default_rng(0)
@@ -145,6 +150,7 @@ def bench_size(size: int, steps: int, warmup: int) -> dict:
   return {
       "train_shapes_gflops": shape_rate(train_shapes),
       "size": size, "dims": SIZES[size], "params": cfg.num_params(), "steps": steps,
+      "scan_unroll": scan_unroll or layers,
       "warmup": warmup, "wall_s": wall, "s_per_step": step_s,
       **{f"{k}_s": v for k, v in times.items()},
       "other_s": step_s - sum(times.values()),
@@ -158,6 +164,8 @@ def main() -> None:
   parser.add_argument("--sizes", default="1,2,3")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--scan-unroll", type=int, default=0,
+                      help="layers per iteration of the layer scan (0: all of them)")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "bench_ppo_step"))
   args = parser.parse_args()
@@ -167,7 +175,7 @@ def main() -> None:
         f"{limits['mem_gbps']:.1f} GB/s", flush=True)
   rows = []
   for size in [int(s) for s in args.sizes.split(",")]:
-    row = bench_size(size, args.steps, args.warmup)
+    row = bench_size(size, args.steps, args.warmup, args.scan_unroll)
     rows.append(row)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
                       for k, v in row.items()}), flush=True)

@@ -177,6 +177,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
 
   from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.config import EXECUTION_FIELDS
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.planner import calibrate, cost, hardware, search, space
 
@@ -210,7 +211,11 @@ def main() -> None:
     with open(args.calibration) as f:
       samples = json.load(f)
     samples = samples.get("samples", samples)
-    if samples.get("model") != json.loads(json.dumps(dataclasses.asdict(cfg))):
+    # Execution fields (how the model is computed) are not the model; samples saved
+    # before a field existed lack it.
+    shape = lambda d: {k: v for k, v in d.items() if k not in EXECUTION_FIELDS}
+    if shape(samples.get("model", {})) != shape(json.loads(json.dumps(
+        dataclasses.asdict(cfg)))):
       raise SystemExit(f"{args.calibration} was measured on another model.")
   else:
     samples = calibrate.measure(cfg, quick=args.quick_calibration)

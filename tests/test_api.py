@@ -133,11 +133,13 @@ def test_models_from_policy_checks_heads_and_reference(tmp_path):
 @pytest.mark.slow
 def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
   results = []
-  for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full", logits_chunk=3)):
+  for plan in (StagePlan(), StagePlan(attention="blockwise", remat="full", logits_chunk=3,
+                                      scan_unroll=2)):
     system, tok = _tiny_system(tmp_path, generate=plan, infer=plan,
                                train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1),
                                                attention=plan.attention, remat=plan.remat,
-                                               logits_chunk=plan.logits_chunk))
+                                               logits_chunk=plan.logits_chunk,
+                                               scan_unroll=plan.scan_unroll))
     prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
     results.append(run(system, prompts, steps=2).metrics)
   for want, got in zip(*results):
@@ -148,6 +150,10 @@ def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
 def test_stage_plan_names_a_bad_execution_field():
   with pytest.raises(ValueError, match="stages.train.remat='some'"):
     StagePlan.from_config({"remat": "some"}, "stages.train")
+  with pytest.raises(ValueError, match="stages.train.scan_unroll=0"):
+    StagePlan.from_config({"scan_unroll": 0}, "stages.train")
+  assert StagePlan.from_config({"scan_unroll": 4}, "stages.train").execution()[
+      "scan_unroll"] == 4
 
 
 @pytest.mark.slow

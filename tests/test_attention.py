@@ -56,7 +56,9 @@ def _model_and_batch(**config):
                                      dict(attention="dot_product"),
                                      dict(remat="full"), dict(remat="save_matmuls"),
                                      dict(attention="blockwise", attention_block_size=4,
-                                          remat="full")])
+                                          remat="full"),
+                                     dict(scan_unroll=2), dict(scan_unroll=8),
+                                     dict(scan_unroll=2, remat="save_matmuls")])
 def test_forward_and_gradients_equal_the_dense_model(changes):
   model, tokens, mask = _model_and_batch()
   graphdef, params = nnx.split(model)
@@ -93,6 +95,8 @@ def test_with_execution_refuses_fields_that_change_the_model():
     with_execution(graphdef, params, num_layers=3)
   with pytest.raises(ValueError, match="model.remat"):
     tiny_config(remat="some")
+  with pytest.raises(ValueError, match="model.scan_unroll=0 must be an integer >= 1"):
+    tiny_config(scan_unroll=0)
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 5, 12, 64])

@@ -25,7 +25,8 @@ ATTENTION_IMPLS = ("auto", "dense", "blockwise", "dot_product")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 # Execution fields: how the model is computed, never what. They are not exported to
 # Hugging Face and a stage may change them (`with_execution`).
-EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "logits_chunk_size")
+EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "logits_chunk_size",
+                    "scan_unroll")
 
 
 def dtype_name(value: Any, field: str = "dtype") -> str:
@@ -78,6 +79,11 @@ class TransformerConfig:
       only; training wants it at long lengths, generation never needs it).
     logits_chunk_size: positions per chunk when log-probs are read from the LM head
       (`stages.common.completion_logprobs`); 0 = all at once (execution only).
+    scan_unroll: layers per iteration of the layer scan (execution only): 1 loops over
+      the stacked layers; `num_layers` (or more) unrolls them, so that each layer's
+      weights are sliced and its gradients written at static offsets instead of through
+      dynamic slices and updates of the stacked arrays. Faster steps, longer compiles
+      (the loop body is compiled that many times).
   """
 
   vocab_size: int
@@ -105,6 +111,7 @@ class TransformerConfig:
   attention_block_size: int = 512
   remat: str = "none"
   logits_chunk_size: int = 0
+  scan_unroll: int = 1
 
   def __post_init__(self):
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -149,6 +156,10 @@ class TransformerConfig:
         self.logits_chunk_size, int) or self.logits_chunk_size < 0:
       raise ValueError(f"model.logits_chunk_size={self.logits_chunk_size!r} must be an "
                        "integer >= 0 (0: no chunking).")
+    if isinstance(self.scan_unroll, bool) or not isinstance(
+        self.scan_unroll, int) or self.scan_unroll < 1:
+      raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 "
+                       "(1: a loop over the layers; num_layers: unrolled).")
     if self.norm_eps <= 0:
       raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
 

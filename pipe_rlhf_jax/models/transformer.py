@@ -238,7 +238,8 @@ class Layers(nnx.Module):
     cache_v = cache.v if cache is not None else None
     num_local = params["q_proj"].shape[0]
     (h, cache_k, cache_v), _ = jax.lax.scan(
-        block, (h, cache_k, cache_v), (params, jnp.arange(num_local)))
+        block, (h, cache_k, cache_v), (params, jnp.arange(num_local)),
+        unroll=min(c.scan_unroll, num_local))
     return h, (KVCache(cache_k, cache_v) if cache is not None else None)
 
   def _block(self, p, h, cos, sin, allowed, cache_k, cache_v, index, slot):

@@ -265,6 +265,8 @@ class StagePlan:
       "save_matmuls"); only the training stage differentiates. Applies in every mode.
     logits_chunk: completion positions per chunk of the LM head and log-softmax
       (0: all at once). Applies in every mode.
+    scan_unroll: layers per iteration of the layer scan (`TransformerConfig.scan_unroll`;
+      1: a loop, the number of layers: unrolled). Applies in every mode.
   """
 
   mesh: MeshSpec = MeshSpec()
@@ -273,22 +275,25 @@ class StagePlan:
   attention: str = "auto"
   remat: str = "none"
   logits_chunk: int = 0
+  scan_unroll: int = 1
 
   def __post_init__(self):
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
     _check_choice(self.attention, "attention", ATTENTION_IMPLS)
     _check_choice(self.remat, "remat", REMAT_POLICIES)
     check_int(self.logits_chunk, "logits_chunk", low=0)
+    check_int(self.scan_unroll, "scan_unroll", low=1)
 
   def execution(self) -> dict[str, Any]:
     """The model execution fields this stage sets (`models.transformer.with_execution`)."""
     return {"attention": self.attention, "remat": self.remat,
-            "logits_chunk_size": self.logits_chunk}
+            "logits_chunk_size": self.logits_chunk, "scan_unroll": self.scan_unroll}
 
   @classmethod
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
-    known = ("mesh", "rules", "num_microbatches", "attention", "remat", "logits_chunk")
+    known = ("mesh", "rules", "num_microbatches", "attention", "remat", "logits_chunk",
+             "scan_unroll")
     unknown = sorted(set(values) - set(known))
     if unknown:
       raise ValueError(f"{field} has unknown fields {unknown}; known: {', '.join(known)}.")
@@ -300,9 +305,10 @@ class StagePlan:
                  rules=rules, num_microbatches=values.get("num_microbatches", 1),
                  attention=values.get("attention", "auto"),
                  remat=values.get("remat", "none"),
-                 logits_chunk=values.get("logits_chunk", 0))
+                 logits_chunk=values.get("logits_chunk", 0),
+                 scan_unroll=values.get("scan_unroll", 1))
     except ValueError as e:
-      if str(e).startswith(("attention=", "remat=", "logits_chunk=")):
+      if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=")):
         raise ValueError(f"{field}.{e}") from None
       raise
 
