@@ -361,8 +361,7 @@ def tick_counts(num_stages: int, num_microbatches: int, gen_len: int, fraction: 
 
 
 def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
-  return priced("generate", stage_terms("generate", plan, mesh, work, m,
-                                    count_exchanges=_prices_exchanges("generate", m.eff)), m.eff)
+  return _priced_stage("generate", plan, mesh, work, m)
 
 
 def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
@@ -435,8 +434,7 @@ def _models(work: Workload, stage: str) -> list[TransformerConfig]:
 
 
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
-  return priced("infer", stage_terms("infer", plan, mesh, work, m,
-                                    count_exchanges=_prices_exchanges("infer", m.eff)), m.eff)
+  return _priced_stage("infer", plan, mesh, work, m)
 
 
 def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
@@ -467,8 +465,7 @@ def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
 
 
 def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
-  return priced("train", stage_terms("train", plan, mesh, work, m,
-                                    count_exchanges=_prices_exchanges("train", m.eff)), m.eff)
+  return _priced_stage("train", plan, mesh, work, m)
 
 
 def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
@@ -512,9 +509,13 @@ STAGE_COSTS = {"generate": generate_cost, "infer": infer_cost, "train": train_co
 STAGE_TERMS = {"generate": generate_terms, "infer": infer_terms, "train": train_terms}
 
 
-def _prices_exchanges(stage: str, eff: Efficiency) -> bool:
+def _priced_stage(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machine
+                  ) -> StageCost:
+  # Exchanges are counted only where a fitted constant prices them.
   name = STAGE_CONSTANTS[stage][4]
-  return bool(name and getattr(eff, name))
+  count = bool(name and getattr(m.eff, name))
+  return priced(stage, stage_terms(stage, plan, mesh, work, m, count_exchanges=count),
+                m.eff)
 
 
 def stage_terms(stage: str, plan: StagePlan, mesh: dict, work: Workload, m: Machine,
