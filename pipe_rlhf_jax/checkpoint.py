@@ -26,6 +26,7 @@ in the metadata so that resuming with an incompatible config is refused
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,14 +49,11 @@ METADATA_ITEM = "metadata"
 # devices compiled 72 of them in its first save, 2.1 s of a 15.5 s run. Slices of at least
 # this size keep the parallel write (a 7B model's weight matrices are far above it).
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
-_ARRAY_HANDLER_SET = False
 
 
+@functools.cache  # once per process
 def _small_arrays_unsliced() -> None:
-  """Registers Orbax's `jax.Array` handler with `REPLICA_PARALLEL_MIN_BYTES` (once)."""
-  global _ARRAY_HANDLER_SET
-  if _ARRAY_HANDLER_SET:
-    return
+  """Registers Orbax's `jax.Array` handler with `REPLICA_PARALLEL_MIN_BYTES`."""
   # Orbax's default handler keeps per-array metadata in a store; the replacement keeps
   # the same store so that what is written is unchanged apart from the slicing.
   default = ocp.type_handlers.get_type_handler(jax.Array)
@@ -64,7 +62,6 @@ def _small_arrays_unsliced() -> None:
           min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
           array_metadata_store=getattr(default, "_array_metadata_store", None)),
       override=True)
-  _ARRAY_HANDLER_SET = True
 
 # Fields that change where or how often things are written, or where and in which order
 # the same mathematics runs, never the mathematics itself: a run may resume with other

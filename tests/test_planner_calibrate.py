@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipe_rlhf_jax.planner import calibrate, cost, hardware
+from pipe_rlhf_jax.planner import calibrate, composition, cost, hardware
 
 
 def _synthetic(peak=1e11, matmul=0.5, train=0.25, overhead=2e-3, tick=1e-4, bw=5e9,
@@ -104,17 +104,17 @@ def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
             "train": dict(data=4, fsdp=1, tensor=2, pipe=1)}
   plan = lambda mode: RuntimeConfig(mode=mode, **{s: StagePlan(mesh=MeshSpec(**v))
                                                   for s, v in shapes.items()})
-  assert cost.batch_moves(plan("sequential"), shapes, work, m) == {
+  assert composition.batch_moves(plan("sequential"), shapes, work, m) == {
       "generate": 0.0, "infer": 0.0, "train": 0.0}
-  per_stage = cost.batch_moves(plan("per_stage"), shapes, work, m)
-  arrays, nbytes = cost.batch_arrays(work)["infer"]
+  per_stage = composition.batch_moves(plan("per_stage"), shapes, work, m)
+  arrays, nbytes = composition.batch_arrays(work)["infer"]
   # The rollout goes to infer's 4 batch shards, each on 2 devices; the experience stays
   # where it is (the same data x fsdp split on the same devices).
   assert per_stage == {"generate": 0.0, "infer": pytest.approx(arrays * 2e-4 + nbytes * 2 / 1e9),
                        "train": 0.0}
   # The sync: actor to generate (8 ways, no replicas) and critic to infer (2 replicas).
   per_layer, other = work.actor.num_param_arrays()
-  assert cost.sync_time(plan("per_stage"), shapes, work, m) == pytest.approx(
+  assert composition.sync_time(plan("per_stage"), shapes, work, m) == pytest.approx(
       2 * (per_layer + other) * 2e-4 + cost.param_bytes(work.actor) * 1 / 1e9
       + cost.param_bytes(work.critic) * 4 / 1e9 + 2 * m.eff.call_overhead_s)
 

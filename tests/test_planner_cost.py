@@ -9,7 +9,7 @@ import pytest
 from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
-from pipe_rlhf_jax.planner import cost, hardware, lengths, presets, simulator, space
+from pipe_rlhf_jax.planner import composition, cost, hardware, lengths, presets, simulator, space
 from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
@@ -186,8 +186,8 @@ def test_sequential_syncs_nothing_and_pipe_moves_weights():
                        generate=StagePlan(mesh=MeshSpec(data=4)),
                        infer=StagePlan(mesh=MeshSpec(data=2)),
                        train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
-  assert cost.plan_cost(seq, WORK, m).sync == 0.0
-  assert cost.plan_cost(pipe, WORK, m).sync > 0.0
+  assert composition.plan_cost(seq, WORK, m).sync == 0.0
+  assert composition.plan_cost(pipe, WORK, m).sync > 0.0
 
 
 def test_closed_form_is_a_lower_bound_of_the_simulator():
@@ -198,7 +198,7 @@ def test_closed_form_is_a_lower_bound_of_the_simulator():
     s = rng.choice([0, 1, 2])
     q = rng.choice([1, 2])
     rt = RuntimeConfig(mode="pipe", placement=(1, 1, 1), max_staleness=s, queue_size=q)
-    bound = cost.closed_form(times, sync, rt)
+    bound = composition.closed_form(times, sync, rt)
     sim = simulator.simulate(times, sync, "pipe", max_staleness=s, queue_size=q, steps=40)
     assert sim.step_time >= bound * (1 - 1e-6)
     if q == 2:
@@ -219,7 +219,7 @@ def test_critic_free_and_reference_free_workloads_price_only_their_models():
                        generate=StagePlan(mesh=MeshSpec(data=4)),
                        infer=StagePlan(mesh=MeshSpec(data=2)),
                        train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
-  assert cost.plan_cost(pipe, grpo, m).sync < cost.plan_cost(pipe, WORK, m).sync
+  assert composition.plan_cost(pipe, grpo, m).sync < composition.plan_cost(pipe, WORK, m).sync
   assert space.plan_error(pipe, grpo) is None
 
 
@@ -234,12 +234,12 @@ def test_shared_host_demand_counts_overheads_as_one_device_of_work():
             "train": dict(data=2, fsdp=1, tensor=1, pipe=1)}
   costs = {"generate": cost.StageCost(1.0, 0.0, 0.0), "infer": cost.StageCost(0.0, 0.0, 1.0),
            "train": cost.StageCost(0.5, 0.0, 0.5)}
-  d = cost.stage_demands(rt, shapes, m, "float32", costs)
+  d = composition.stage_demands(rt, shapes, m, "float32", costs)
   assert d["generate"] == pytest.approx(1.0)
   assert d["infer"] == pytest.approx(0.5)
   assert d["train"] == pytest.approx(0.75)
   # Without the breakdown: the devices' compute rate alone (the upper bound).
-  assert cost.stage_demands(rt, shapes, m, "float32")["infer"] == pytest.approx(1.0)
+  assert composition.stage_demands(rt, shapes, m, "float32")["infer"] == pytest.approx(1.0)
 
 
 def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
@@ -253,10 +253,10 @@ def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
             "infer": {"data": 3, "fsdp": 1, "tensor": 1, "pipe": 1},
             "train": {"data": 1, "fsdp": 4, "tensor": 1, "pipe": 1}}
   cpu = cost.Machine(hardware.get("cpu"))
-  assert cost.exclusive_stages(rt, shapes, cpu) == {"infer", "train"}
-  assert cost.exclusive_stages(rt, shapes, cost.Machine(hardware.get("h100"))) == set()
+  assert composition.exclusive_stages(rt, shapes, cpu) == {"infer", "train"}
+  assert composition.exclusive_stages(rt, shapes, cost.Machine(hardware.get("h100"))) == set()
   serial = dataclasses.replace(rt, mode="sequential", placement=None)
-  assert cost.exclusive_stages(serial, shapes, cpu) == set()
+  assert composition.exclusive_stages(serial, shapes, cpu) == set()
   times = {"generate": 1.0, "infer": 1.0, "train": 2.0}
-  assert cost.closed_form(times, 0.0, rt) == pytest.approx(2.0)
-  assert cost.closed_form(times, 0.0, rt, exclusive={"infer", "train"}) == pytest.approx(3.0)
+  assert composition.closed_form(times, 0.0, rt) == pytest.approx(2.0)
+  assert composition.closed_form(times, 0.0, rt, exclusive={"infer", "train"}) == pytest.approx(3.0)

@@ -9,8 +9,9 @@ Modules (one concern each):
   memory      bytes per device of each stage; plans that do not fit are rejected with the
               reason.
   cost        seconds per stage (FLOPs and bytes over peaks x efficiencies, the delayed
-              schedule's tick count, alpha-beta collectives counted per weight array,
-              weight sync and batches moved between stage layouts).
+              schedule's tick count, alpha-beta collectives counted per weight array).
+  composition a plan's cost from its stages': weight sync and batches moved between
+              stage layouts, exclusive stages and shared-host demands, the closed form.
   calibrate   times real pieces on this backend and fits the efficiencies
               (`python -m pipe_rlhf_jax.planner.calibrate --out FILE`).
   simulator   discrete-event simulation of the three modes (queues, staleness gate, weight

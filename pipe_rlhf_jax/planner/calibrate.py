@@ -303,7 +303,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
   import numpy as np
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.planner import cost
+  from pipe_rlhf_jax.planner import composition
   from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
   from pipe_rlhf_jax.system.system import Models, PPOSystem
 
@@ -362,15 +362,15 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
     dest = {"actor": "generate", "critic": "infer", "infer": "infer", "train": "train"}
     for name, values in moves.items():
       mesh = meshes[dest[name]]
-      replicas = (cost.weight_replicas(mesh) if name in ("actor", "critic")
-                  else cost.batch_replicas(mesh))
+      replicas = (composition.weight_replicas(mesh) if name in ("actor", "critic")
+                  else composition.batch_replicas(mesh))
       arrays, nbytes, _ = values[0]
       if arrays:
         out.append({"stage": "reshard", "what": name, "devices": k, "mesh": mesh,
                     "arrays": arrays, "bytes": nbytes, "replicas": replicas,
                     "seconds": statistics.median(v[2] for v in values)})
     for stage, values in times.items():
-      # The batch's move in is priced on its own (`cost.batch_moves`).
+      # The batch's move in is priced on its own (`composition.batch_moves`).
       moved = statistics.median(v[2] for v in moves[stage]) if stage in moves else 0.0
       out.append({"stage": stage, "devices": k, "mode": mode, "mesh": meshes[stage],
                   "num_microbatches": micro if stage == "generate" else 1,

@@ -2,7 +2,7 @@
 
 Two methods, one ranking (the simulator's steady seconds per step):
   exhaustive (small device counts): every valid plan (`space.enumerate_plans`) is priced
-    in closed form (`cost.closed_form`), which is a lower bound of the simulated period
+    in closed form (`composition.closed_form`), which is a lower bound of the simulated period
     (the simulator only adds waiting); plans are then simulated in increasing order of
     that bound until the bound exceeds the k-th best simulated time (branch and bound:
     the result equals simulating every plan).
@@ -25,6 +25,7 @@ import itertools
 import math
 import time
 
+from pipe_rlhf_jax.planner import composition
 from pipe_rlhf_jax.planner import cost as cost_mod
 from pipe_rlhf_jax.planner import memory as mem_mod
 from pipe_rlhf_jax.planner import simulator, space
@@ -38,7 +39,7 @@ class Candidate:
 
   plan: RuntimeConfig
   step_time: float  # simulated steady seconds per step (closed form if not simulated)
-  cost: cost_mod.PlanCost | None
+  cost: composition.PlanCost | None
   memory: dict | None  # peak bytes per device per device group
   rejected: str | None = None
   staleness: float = 0.0
@@ -53,7 +54,7 @@ class Candidate:
     return max(times, key=times.get)
 
 
-def simulate_plan(plan: RuntimeConfig, pc: cost_mod.PlanCost, m: cost_mod.Machine,
+def simulate_plan(plan: RuntimeConfig, pc: composition.PlanCost, m: cost_mod.Machine,
                   steps: int = 24) -> simulator.SimResult:
   times = {s: pc.stage(s) for s in STAGES}
   return simulator.simulate(times, pc.sync, plan.mode, max_staleness=plan.max_staleness,
@@ -73,8 +74,8 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
           simulate: bool = False) -> Candidate:
   """Memory check, cost and (optionally) simulation of one valid plan.
 
-  Composes the memoised per-stage cost and memory (with `cost.compose`, as
-  `cost.plan_cost` does, and the functions `memory.plan_memory` composes).
+  Composes the memoised per-stage cost and memory (with `composition.compose`, as
+  `composition.plan_cost` does, and the functions `memory.plan_memory` composes).
   """
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(plan, work.num_devices).items()}
@@ -84,7 +85,7 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
   if max(memory.values()) > mem_mod.capacity(m.hw):
     return Candidate(plan, math.inf, None, memory,
                      rejected=mem_mod.memory_error(plan, work, m.hw))
-  pc = cost_mod.compose(plan, shapes, {s: parts[s][0] for s in STAGES}, work, m)
+  pc = composition.compose(plan, shapes, {s: parts[s][0] for s in STAGES}, work, m)
   if not simulate:
     return Candidate(plan, pc.closed_form, pc, memory)
   sim = simulate_plan(plan, pc, m)
@@ -215,7 +216,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
         shapes = {s: c[2].mesh.as_dict() for s, c in zip(STAGES, combo)}
         costs = {s: _stage(s, c[2], tuple(shapes[s].items()), work, m)[0]
                  for s, c in zip(STAGES, combo)}
-        offer(plan, cost_mod.compose(plan, shapes, costs, work, m).closed_form)
+        offer(plan, composition.compose(plan, shapes, costs, work, m).closed_form)
   best = []
   for _, _, plan in sorted(heap, key=lambda x: -x[0]):
     c = price(plan, work, m, simulate=True)
