@@ -14,10 +14,12 @@ Per run it records the curve of the rule's score of the sampled answers
 (`rule_reward/mean`, i.e. `reward.eval_fn`: never optimised when the reward is a model),
 the learned reward and the KL per PPO step, and the greedy answers' `reward.eval_fn` score
 on held-out prompts before and after PPO (`log.eval_prompts`; the result's
-`heldout_before` / `heldout_after`). Per cell, over seeds (mean +- sample
-std): the accuracy at the start (step 0: the warm-start policy, the same in every cell of
-a seed) and over the last 20% of steps, the gain, KL over the last 20% of steps, the
-greedy score before -> after and in how many seeds it got worse, and samples/s (PPO
+`heldout_before` / `heldout_after`, and each prompt's score, `heldout_per_prompt`). Per
+cell, over seeds (mean +- sample std): the accuracy at the start (step 0: the warm-start
+policy, the same in every cell of a seed) and over the last 20% of steps, the gain, KL
+over the last 20% of steps, the greedy score before -> after, in how many seeds it got
+worse and in how many of those beyond the 95% bootstrap interval over the held-out
+prompts (`heldout.paired_change`), and samples/s (PPO
 samples per second between consecutive updates, the first two excluded: compilation).
 Samples/s are only meaningful on a quiet machine; accuracies are valid under any load.
 
@@ -46,6 +48,8 @@ Usage:
   python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
   python experiments/learning_curves.py --config configs/grpo_arith.py
   python experiments/learning_curves.py --report-only                   # table from run.json
+  python experiments/learning_curves.py --rescore-greedy                # per-prompt greedy
+                                                                        # scores of old runs
 """
 
 from __future__ import annotations
@@ -229,6 +233,9 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "greedy_before": result["heldout_before"][fn],
       "greedy_after": result["heldout_after"][fn],
       "greedy_prompts": result["heldout_prompts"],
+      # Each held-out prompt's greedy score, in the same order before and after.
+      "greedy_before_per_prompt": result["heldout_per_prompt"]["before"][fn],
+      "greedy_after_per_prompt": result["heldout_per_prompt"]["after"][fn],
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
       "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
@@ -236,6 +243,15 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
       "samples_after": result["samples_after"], "samples_before": result["samples_before"],
   }
+
+
+def greedy_change(run: dict):
+  """The run's paired change of the held-out greedy scores (`heldout.PairedChange`), or
+  None for a run recorded before the per-prompt scores were (see --rescore-greedy)."""
+  from pipe_rlhf_jax.phases.heldout import paired_change
+  if "greedy_after_per_prompt" not in run:
+    return None
+  return paired_change(run["greedy_before_per_prompt"], run["greedy_after_per_prompt"])
 
 
 # ---- aggregation and output ------------------------------------------------------------------
@@ -262,6 +278,11 @@ def aggregate(runs: list[dict], cells: list[str]) -> list[dict]:
       row[key] = mean_std([r[key] for r in rs])
     row["gain_min"] = min(r["gain"] for r in rs)
     row["greedy_worse"] = sum(r["greedy_after"] < r["greedy_before"] for r in rs)
+    changes = [greedy_change(r) for r in rs]
+    # Runs whose greedy score fell beyond its 95% interval over prompts (None: some runs
+    # have no per-prompt scores).
+    row["greedy_worse_95"] = (None if None in changes else
+                              sum(c.significantly_worse for c in changes))
     paired = [r["acc_final"] - seq[r["seed"]]["acc_final"] for r in rs if r["seed"] in seq]
     row["vs_sequential"] = mean_std(paired) if paired else (float("nan"), float("nan"))
     table.append(row)
@@ -273,11 +294,15 @@ def _pm(value: tuple[float, float], fmt: str = "{:.3f}") -> str:
   return "-" if np.isnan(mean) else f"{fmt.format(mean)} ± {fmt.replace('+', '').format(std)}"
 
 
+def _or_dash(value) -> str:
+  return "-" if value is None else str(value)
+
+
 def format_table(table: list[dict]) -> str:
   """The markdown table of `aggregate`'s rows."""
   lines = ["| cell | seeds | accuracy start | accuracy final (last 20%) | gain | min gain | "
-           "final − sequential (paired) | KL end | greedy before → after | greedy worse | "
-           "samples/s* |",
+           "final − sequential (paired) | KL end | greedy before → after | greedy worse "
+           "(beyond 95%) | samples/s* |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for row in table:
     lines.append(
@@ -285,7 +310,8 @@ def format_table(table: list[dict]) -> str:
         f"{_pm(row['acc_final'])} | {_pm(row['gain'], '{:+.3f}')} | {row['gain_min']:+.3f} | "
         f"{_pm(row['vs_sequential'], '{:+.3f}')} | {_pm(row['kl_end'], '{:.2f}')} | "
         f"{row['greedy_before'][0]:.3f} → {row['greedy_after'][0]:.3f} | "
-        f"{row['greedy_worse']}/{len(row['seeds'])} | {_pm(row['samples_per_s'], '{:.1f}')} |")
+        f"{row['greedy_worse']}/{len(row['seeds'])} ({_or_dash(row['greedy_worse_95'])}) | "
+        f"{_pm(row['samples_per_s'], '{:.1f}')} |")
   return "\n".join(lines)
 
 
@@ -331,7 +357,15 @@ def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
                    f"(min {row['gain_min']:+.3f})")
     if row["greedy_worse"]:
       lines.append(f"- {row['cell']}: greedy answers got worse in {row['greedy_worse']} "
-                   f"of {len(row['seeds'])} seeds")
+                   f"of {len(row['seeds'])} seeds"
+                   + ("" if row["greedy_worse_95"] is None else
+                      f", beyond the 95% interval over prompts in {row['greedy_worse_95']}"))
+  for run in sorted(runs, key=lambda r: (r["cell"], r["seed"])):
+    change = greedy_change(run)
+    if change is not None and change.significantly_worse:
+      lines.append(f"  - seed {run['seed']} {run['cell']}: greedy {change.delta:+.3f}, 95% "
+                   f"interval [{change.low:+.3f}, {change.high:+.3f}], {change.worse} prompts "
+                   f"worse / {change.better} better")
   return lines
 
 
@@ -374,7 +408,8 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
         ax.plot(x, mean, label=f"{cell} (n={len(curves)})", color=color)
         ax.fill_between(x, mean - std, mean + std, alpha=0.12, color=color)
       ax.grid(alpha=0.3)
-      ax.legend(fontsize=8, loc="lower right")
+      if ax.lines:  # a panel of cells this invocation did not run stays empty
+        ax.legend(fontsize=8, loc="lower right")
   axes[0][0].set_ylabel(f"rule score of sampled answers\n(moving mean over {window} steps)")
   axes[1][0].set_ylabel("change since step 0 (same seed)")
   axes[0][0].set_title("staleness")
@@ -390,7 +425,9 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
 
 RUN_FIELDS = ("seed", "cell", "mode", "max_staleness", "loss", "steps", "acc_start",
               "acc_final", "gain", "kl_end", "reward_start", "reward_final", "greedy_before",
-              "greedy_after", "greedy_prompts", "staleness_mean", "rm_eval_accuracy",
+              "greedy_after", "greedy_prompts", "greedy_delta", "greedy_low", "greedy_high",
+              "greedy_prompts_worse", "greedy_prompts_better", "staleness_mean",
+              "rm_eval_accuracy",
               "samples_per_s", "wall_s", "load_average")
 
 
@@ -399,7 +436,12 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
   with open(os.path.join(out, "runs.csv"), "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(runs)
+    for run in runs:
+      change = greedy_change(run)
+      writer.writerow(run if change is None else {
+          **run, "greedy_delta": change.delta, "greedy_low": change.low,
+          "greedy_high": change.high, "greedy_prompts_worse": change.worse,
+          "greedy_prompts_better": change.better})
   with open(os.path.join(out, "runs.json"), "w", encoding="utf-8") as f:
     json.dump({"settings": settings, "runs": runs}, f, indent=1)
   table = aggregate(runs, cells)
@@ -413,7 +455,9 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       f"answers of each PPO batch (start: step 0; final: mean of the last "
       f"{int(FINAL_FRACTION * 100)}% of steps); greedy: the rule over "
       f"{runs[0]['greedy_prompts']} held-out prompts answered greedily before and after "
-      "PPO; mean ± sample std over seeds.", "",
+      "PPO (greedy worse: runs whose score fell; beyond 95%: of them, those whose fall "
+      "lies beyond the 95% bootstrap interval over prompts); mean ± sample std over "
+      "seeds.", "",
       format_table(table), "",
       "*samples/s were measured on a shared machine (load average "
       f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
@@ -425,6 +469,64 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
               f"{os.path.relpath(settings['config'], _ROOT)} {settings['overrides'] or ''}: "
               f"mean ± std over seeds {seeds}")
   return text
+
+
+# ---- per-prompt greedy scores of runs recorded without them ---------------------------------
+def rescore_greedy(args, out: str, runs: list[dict], store: str) -> list[dict]:
+  """Adds the per-prompt held-out greedy scores to finished runs recorded before runs kept
+  them: the seed's warm-start policy (before) and the run's exported policy (after)
+  answer the run's held-out prompts greedily again, as `train.train` did.
+
+  Greedy decoding is deterministic, but it ran on the run's stage layout and runs here on
+  one device: a near-tie between two tokens may break the other way. The means are
+  checked against the run's recorded ones and the largest difference is printed and kept
+  in the run (`greedy_rescore_error`), so a table built on rescored runs says how exact
+  it is. Returns the runs, updated (and their run.json files rewritten).
+  """
+  import tempfile
+  from flax import nnx
+  from pipe_rlhf_jax import train as train_lib
+  from pipe_rlhf_jax.generation.sampler import SamplingParams
+  from pipe_rlhf_jax.models import hf
+  from pipe_rlhf_jax.phases import heldout
+  from pipe_rlhf_jax.phases import warm_start as warm_lib
+  from pipe_rlhf_jax.system import modes
+  todo = [r for r in runs if "greedy_after_per_prompt" not in r]
+  for seed in sorted({r["seed"] for r in todo}):
+    warm_dir = os.path.join(store, warm_lib.warm_start_fingerprint(
+        run_config(args, seed, None, None)), "run")
+    config = run_config(args, seed, "sequential", warm_dir)
+    tmp = tempfile.mkdtemp(prefix="rescore_greedy_")
+    setup = train_lib.set_up(config, tmp, resume=False)
+    warm = warm_lib.fit_or_restore(setup.config, tmp, setup.warm_source, None, setup.cfgs,
+                                   None, setup.warm_layout, False)
+    actor_gd = nnx.split(warm_lib.init_policy(setup.config, setup.cfgs["actor"]))[0]
+    _, data = train_lib.make_data(setup.config, tmp, setup.tokenizer)
+    batch = modes.np_batch(next(iter(data["prompts_eval"])))
+    # greedy_eval reads only the length and the special tokens.
+    sampling = SamplingParams(max_new_tokens=config.data.completion_len,
+                              eos_id=setup.tokenizer.eos_id, pad_id=setup.tokenizer.pad_id)
+    fn = config.reward.eval_fn
+    rules = {fn: heldout.rule_rewards_to_report(config)[fn]}
+
+    def scores(params) -> list[float]:
+      return heldout.greedy_eval(actor_gd, params, batch, setup.tokenizer, sampling, rules,
+                                 0).per_prompt[fn]
+
+    before = scores(warm["actor"])
+    for run in (r for r in todo if r["seed"] == seed):
+      workdir = os.path.join(out, f"seed{seed}", run["cell"])
+      after = scores(nnx.state(hf.from_pretrained(os.path.join(workdir, "export"))))
+      run.update(greedy_before_per_prompt=before, greedy_after_per_prompt=after,
+                 greedy_rescore_error=max(abs(np.mean(before) - run["greedy_before"]),
+                                          abs(np.mean(after) - run["greedy_after"])))
+      with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=1)
+      print(f"[learning_curves] rescored seed {seed} {run['cell']}: greedy "
+            f"{np.mean(before):.4f} -> {np.mean(after):.4f} (recorded {run['greedy_before']:.4f}"
+            f" -> {run['greedy_after']:.4f})", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+  return runs
 
 
 # ---- the driver ----------------------------------------------------------------------------
@@ -441,6 +543,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="", help="output directory")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
+  parser.add_argument("--rescore-greedy", action="store_true",
+                      help="add the per-prompt held-out greedy scores to finished runs "
+                           "recorded without them (from their exports), then report")
   parser.add_argument("--warm-starts-only", action="store_true",
                       help="only train the seeds' warm starts (another invocation running at "
                            "the same time then finds them ready)")
@@ -502,21 +607,21 @@ def main(argv=None) -> int:
   # this invocation does of it.
   words = sys.argv[1:] if argv is None else list(argv)
   command = shlex.join(["python", "experiments/learning_curves.py",
-                        *(w for w in words if w not in ("--report-only",
+                        *(w for w in words if w not in ("--report-only", "--rescore-greedy",
                                                         "--warm-starts-only"))])
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
   settings = {"command": command, "config": args.config, "overrides": args.overrides,
               "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn}
   check_settings(args.out, settings)
-  if not args.report_only:
+  store = os.path.join(os.path.dirname(args.out), "warm_starts")
+  if not (args.report_only or args.rescore_greedy):
     import jax
     from absl import logging as absl_logging
     from pipe_rlhf_jax.train import prepare_warm_start, train
     absl_logging.set_verbosity(absl_logging.WARNING)
     print(f"[learning_curves] {command}\n  -> {args.out}; jax {jax.__version__}, "
           f"{jax.device_count()} devices, load average {os.getloadavg()[0]:.1f}", flush=True)
-    store = os.path.join(os.path.dirname(args.out), "warm_starts")
     for seed in args.seeds:
       todo = [] if args.warm_starts_only else [
           c for c in args.cells
@@ -554,6 +659,8 @@ def main(argv=None) -> int:
   if not runs:
     print("no finished runs yet")
     return 1
+  if args.rescore_greedy:
+    runs = rescore_greedy(args, args.out, runs, store)
   print(write_report(args.out, runs, args.cells, settings))
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
   return 0

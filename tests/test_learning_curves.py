@@ -38,11 +38,17 @@ def test_overrides_keep_types_and_name_bad_paths():
   assert lc.parse_value("3e-4") == 3e-4 and lc.parse_value("pipe") == "pipe"
 
 
-def run(seed, cell, curve, greedy=(0.5, 0.6), kl=1.0):
-  return {"seed": seed, "cell": cell, "acc_start": curve[0],
-          "acc_final": float(np.mean(curve[-1:])), "gain": curve[-1] - curve[0],
-          "kl_end": kl, "greedy_before": greedy[0], "greedy_after": greedy[1],
-          "samples_per_s": 10.0, "reward_final": 1.0, "staleness_mean": 0.0, "curve": curve}
+def run(seed, cell, curve, greedy=(0.5, 0.6), kl=1.0, per_prompt=None):
+  """A finished run's record; `per_prompt`: (before, after) lists of the greedy scores."""
+  record = {"seed": seed, "cell": cell, "acc_start": curve[0],
+            "acc_final": float(np.mean(curve[-1:])), "gain": curve[-1] - curve[0],
+            "kl_end": kl, "greedy_before": greedy[0], "greedy_after": greedy[1],
+            "samples_per_s": 10.0, "reward_final": 1.0, "staleness_mean": 0.0,
+            "curve": curve}
+  if per_prompt is not None:
+    record.update(greedy_before_per_prompt=per_prompt[0],
+                  greedy_after_per_prompt=per_prompt[1])
+  return record
 
 
 def test_aggregate_mean_std_paired_difference_and_worse_greedy():
@@ -63,6 +69,29 @@ def test_aggregate_mean_std_paired_difference_and_worse_greedy():
   assert "pipe_s1: the gain is not positive in every seed (min -0.100)" in checks
   assert "pipe_s1: greedy answers got worse in 1 of 2 seeds" in checks
   assert "- sequential:" not in checks  # positive gains, greedy never worse
+  # Without per-prompt scores nothing is said about significance.
+  assert pipe["greedy_worse_95"] is None
+  assert "| 1/2 (-) |" in lc.format_table(lc.aggregate(runs, ["sequential", "pipe_s1"]))
+
+
+def test_greedy_worse_beyond_the_interval_needs_a_drop_the_prompts_do_not_explain():
+  # Seed 0: 2 prompts of 64 worse, 1 better (a fall of 1/64 that a resample of the prompts
+  # can turn into a rise); seed 1: 40 of 64 prompts fell from 1 to 0.
+  noise = ([1.0] * 64, [0.0, 0.0] + [1.0] * 62)
+  noise[0][2] = 0.0
+  drop = ([1.0] * 64, [0.0] * 40 + [1.0] * 24)
+  runs = [run(0, "sequential", [0.5, 0.7], per_prompt=([1.0] * 64, [1.0] * 64)),
+          run(0, "pipe_s1", [0.5, 0.7], greedy=(63 / 64, 62 / 64), per_prompt=noise),
+          run(1, "pipe_s1", [0.5, 0.7], greedy=(1.0, 24 / 64), per_prompt=drop)]
+  table = {r["cell"]: r for r in lc.aggregate(runs, ["sequential", "pipe_s1"])}
+  assert table["pipe_s1"]["greedy_worse"] == 2 and table["pipe_s1"]["greedy_worse_95"] == 1
+  assert table["sequential"]["greedy_worse_95"] == 0
+  assert "| 2/2 (1) |" in lc.format_table(lc.aggregate(runs, ["sequential", "pipe_s1"]))
+  checks = "\n".join(lc.goal_checks(lc.aggregate(runs, ["sequential", "pipe_s1"]), runs))
+  assert ("pipe_s1: greedy answers got worse in 2 of 2 seeds, beyond the 95% interval over "
+          "prompts in 1") in checks
+  assert "seed 1 pipe_s1: greedy -0.625" in checks and "40 prompts worse / 0 better" in checks
+  assert "seed 0 pipe_s1: greedy" not in checks
 
 
 def test_summarise_run_reads_the_heldout_scores_of_eval_fn():
@@ -72,11 +101,15 @@ def test_summarise_run_reads_the_heldout_scores_of_eval_fn():
           for s, acc in enumerate([0.2, 0.3, 0.4, 0.5, 0.6])]
   result = {"ppo_metrics": rows, "rm_eval": {"eval_accuracy": 0.9}, "tracer": Tracer(),
             "heldout_before": {"reverse_accuracy": 0.25},
-            "heldout_after": {"reverse_accuracy": 0.75}, "heldout_prompts": 16,
+            "heldout_after": {"reverse_accuracy": 0.75}, "heldout_prompts": 2,
+            "heldout_per_prompt": {"before": {"reverse_accuracy": [0.5, 0.0]},
+                                   "after": {"reverse_accuracy": [1.0, 0.5]}},
             "samples_before": [], "samples_after": []}
   summary = lc.summarise_run(result, config, seed=0, cell="sequential", wall_s=1.0)
   assert (summary["greedy_before"], summary["greedy_after"]) == (0.25, 0.75)
-  assert summary["greedy_prompts"] == 16
+  assert summary["greedy_prompts"] == 2
+  assert summary["greedy_before_per_prompt"] == [0.5, 0.0]
+  assert summary["greedy_after_per_prompt"] == [1.0, 0.5]
   assert summary["acc_start"] == 0.2 and summary["acc_final"] == pytest.approx(0.6)
   assert summary["rm_eval_accuracy"] == 0.9
 
@@ -121,3 +154,31 @@ def test_a_locked_run_is_passed_over(tmp_path):
       assert first and not second
   with lc.locked(path, wait=False) as again:
     assert again  # released
+
+
+@pytest.mark.slow
+def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
+  # The experiment on the tiny quickstart: the seed's warm start into the store beside
+  # --out, one pipe cell from it, the table; then the run's per-prompt greedy scores are
+  # dropped (a run recorded before they were kept) and made again from the warm start and
+  # the run's export: the same scores, though the run decoded on its generation stage's
+  # mesh and the rescoring on the warm-start layout.
+  out = str(tmp_path / "tiny")
+  argv = ["--config", "configs/quickstart.py:tiny", "--steps", "2", "--seeds", "0",
+          "--cells", "pipe_s1", "--set", "log.eval_prompts=16", "--out", out]
+  assert lc.main(argv) == 0
+  path = tmp_path / "tiny" / "seed0" / "pipe_s1" / "run.json"
+  recorded = json.loads(path.read_text())
+  assert len(recorded["greedy_after_per_prompt"]) == recorded["greedy_prompts"] == 16
+  assert np.mean(recorded["greedy_after_per_prompt"]) == pytest.approx(
+      recorded["greedy_after"], abs=1e-6)
+  assert (tmp_path / "warm_starts").is_dir()
+  assert "| pipe_s1 | 1 |" in (tmp_path / "tiny" / "table.md").read_text()
+
+  stripped = {k: v for k, v in recorded.items() if not k.endswith("_per_prompt")}
+  path.write_text(json.dumps(stripped))
+  assert lc.main([*argv, "--rescore-greedy"]) == 0
+  rescored = json.loads(path.read_text())
+  assert rescored["greedy_before_per_prompt"] == recorded["greedy_before_per_prompt"]
+  assert rescored["greedy_after_per_prompt"] == recorded["greedy_after_per_prompt"]
+  assert rescored["greedy_rescore_error"] < 1e-6

@@ -78,7 +78,12 @@ def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
   for scores in (result["heldout_before"], result["heldout_after"]):
     assert list(scores) == ["reverse_accuracy"] and 0 <= scores["reverse_accuracy"] <= 1
   assert "held-out greedy reverse_accuracy" in result["summary"]
-  assert "(16 prompts)" in result["summary"]
+  assert "(16 prompts; change " in result["summary"]  # and its interval over the prompts
+  for when in ("before", "after"):
+    per_prompt = result["heldout_per_prompt"][when]["reverse_accuracy"]
+    assert len(per_prompt) == 16
+    assert np.mean(per_prompt) == pytest.approx(result[f"heldout_{when}"]["reverse_accuracy"],
+                                                abs=1e-6)
 
 
 def test_shared_warm_start_of_another_seed_is_refused(tmp_path, warm_starts):

@@ -92,6 +92,8 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
           "heldout_before": before.scores, "heldout_after": after.scores,
+          # rule -> each held-out prompt's score, for `heldout.paired_change`.
+          "heldout_per_prompt": {"before": before.per_prompt, "after": after.per_prompt},
           # How many held-out prompts those scores average (0 when none were scored).
           "heldout_prompts": after.num_prompts if after.scores else 0,
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
