@@ -176,8 +176,7 @@ def main() -> None:
   args = parser.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
 
-  from pipe_rlhf_jax.models.config import tiny_config
-  from pipe_rlhf_jax.models.config import EXECUTION_FIELDS
+  from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.planner import calibrate, cost, hardware, search, space
 
