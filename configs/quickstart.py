@@ -191,6 +191,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # Held-out prompts answered greedily before and after PPO and scored by the rules
   # (reward.eval_fn, and reward.fn when it is a rule); 0 = off.
   config.log.eval_prompts = 256
+  # And answered k times each from PPO's sampling distribution, scored by the same rules:
+  # the accuracy PPO optimises, on 256 x k answers (0 = off).
+  config.log.eval_samples_per_prompt = 4
   if variant == "tiny":
     shrink_to_tiny(config)
   return config
@@ -214,3 +217,4 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.checkpoint.every = 2
   config.log.samples = 2
   config.log.eval_prompts = 0
+  config.log.eval_samples_per_prompt = 0

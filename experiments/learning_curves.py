@@ -236,6 +236,8 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       # Each held-out prompt's greedy score, in the same order before and after.
       "greedy_before_per_prompt": result["heldout_per_prompt"]["before"][fn],
       "greedy_after_per_prompt": result["heldout_per_prompt"]["after"][fn],
+      # k sampled answers per held-out prompt (log.eval_samples_per_prompt), when on.
+      **sampled_fields(result.get("heldout_sampled"), fn),
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
       "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
@@ -243,6 +245,25 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
       "samples_after": result["samples_after"], "samples_before": result["samples_before"],
   }
+
+
+def sampled_fields(sampled: dict | None, fn: str) -> dict:
+  """A run's record of its held-out sampled evaluation (`heldout_sampled` of the result):
+  the mean before and after PPO and each prompt's; {} when it was off."""
+  if not sampled:
+    return {}
+  return {"sampled_k": sampled["samples_per_prompt"], "sampled_before": sampled["before"][fn],
+          "sampled_after": sampled["after"][fn],
+          "sampled_before_per_prompt": sampled["per_prompt"]["before"][fn],
+          "sampled_after_per_prompt": sampled["per_prompt"]["after"][fn]}
+
+
+def sampled_change(run: dict):
+  """The paired change of the run's held-out sampled scores, or None without them."""
+  from pipe_rlhf_jax.phases.heldout import paired_change
+  if "sampled_after_per_prompt" not in run:
+    return None
+  return paired_change(run["sampled_before_per_prompt"], run["sampled_after_per_prompt"])
 
 
 def greedy_change(run: dict):
@@ -283,6 +304,18 @@ def aggregate(runs: list[dict], cells: list[str]) -> list[dict]:
     # have no per-prompt scores).
     row["greedy_worse_95"] = (None if None in changes else
                               sum(c.significantly_worse for c in changes))
+    sampled = [sampled_change(r) for r in rs]
+    if None in sampled:  # some runs were recorded without the sampled evaluation
+      row["sampled_before"] = row["sampled_after"] = row["sampled_gain"] = (float("nan"),) * 2
+      row["sampled_gain_min"], row["sampled_worse"], row["sampled_worse_95"] = (
+          float("nan"), None, None)
+    else:
+      row["sampled_before"] = mean_std([r["sampled_before"] for r in rs])
+      row["sampled_after"] = mean_std([r["sampled_after"] for r in rs])
+      row["sampled_gain"] = mean_std([c.delta for c in sampled])
+      row["sampled_gain_min"] = min(c.delta for c in sampled)
+      row["sampled_worse"] = sum(c.delta < 0 for c in sampled)
+      row["sampled_worse_95"] = sum(c.significantly_worse for c in sampled)
     paired = [r["acc_final"] - seq[r["seed"]]["acc_final"] for r in rs if r["seed"] in seq]
     row["vs_sequential"] = mean_std(paired) if paired else (float("nan"), float("nan"))
     table.append(row)
@@ -294,6 +327,10 @@ def _pm(value: tuple[float, float], fmt: str = "{:.3f}") -> str:
   return "-" if np.isnan(mean) else f"{fmt.format(mean)} ± {fmt.replace('+', '').format(std)}"
 
 
+def _arrow(before: tuple[float, float], after: tuple[float, float]) -> str:
+  return "-" if np.isnan(before[0]) else f"{before[0]:.3f} → {after[0]:.3f}"
+
+
 def _or_dash(value) -> str:
   return "-" if value is None else str(value)
 
@@ -301,14 +338,21 @@ def _or_dash(value) -> str:
 def format_table(table: list[dict]) -> str:
   """The markdown table of `aggregate`'s rows."""
   lines = ["| cell | seeds | accuracy start | accuracy final (last 20%) | gain | min gain | "
-           "final − sequential (paired) | KL end | greedy before → after | greedy worse "
-           "(beyond 95%) | samples/s* |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "final − sequential (paired) | KL end | held-out sampled before → after | "
+           "its gain (min) | its gain < 0 (beyond 95%) | greedy before → after | "
+           "greedy worse (beyond 95%) | samples/s* |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for row in table:
+    sampled_min = ("-" if np.isnan(row["sampled_gain_min"])
+                   else f"{row['sampled_gain_min']:+.3f}")
+    sampled_worse = ("-" if row["sampled_worse"] is None else
+                     f"{row['sampled_worse']}/{len(row['seeds'])} ({row['sampled_worse_95']})")
     lines.append(
         f"| {row['cell']} | {len(row['seeds'])} | {_pm(row['acc_start'])} | "
         f"{_pm(row['acc_final'])} | {_pm(row['gain'], '{:+.3f}')} | {row['gain_min']:+.3f} | "
         f"{_pm(row['vs_sequential'], '{:+.3f}')} | {_pm(row['kl_end'], '{:.2f}')} | "
+        f"{_arrow(row['sampled_before'], row['sampled_after'])} | "
+        f"{_pm(row['sampled_gain'], '{:+.3f}')} ({sampled_min}) | {sampled_worse} | "
         f"{row['greedy_before'][0]:.3f} → {row['greedy_after'][0]:.3f} | "
         f"{row['greedy_worse']}/{len(row['seeds'])} ({_or_dash(row['greedy_worse_95'])}) | "
         f"{_pm(row['samples_per_s'], '{:.1f}')} |")
@@ -360,12 +404,17 @@ def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
                    f"of {len(row['seeds'])} seeds"
                    + ("" if row["greedy_worse_95"] is None else
                       f", beyond the 95% interval over prompts in {row['greedy_worse_95']}"))
+    if row["sampled_worse"]:
+      lines.append(f"- {row['cell']}: the held-out sampled score fell in "
+                   f"{row['sampled_worse']} of {len(row['seeds'])} seeds, beyond the 95% "
+                   f"interval over prompts in {row['sampled_worse_95']}")
   for run in sorted(runs, key=lambda r: (r["cell"], r["seed"])):
-    change = greedy_change(run)
-    if change is not None and change.significantly_worse:
-      lines.append(f"  - seed {run['seed']} {run['cell']}: greedy {change.delta:+.3f}, 95% "
-                   f"interval [{change.low:+.3f}, {change.high:+.3f}], {change.worse} prompts "
-                   f"worse / {change.better} better")
+    for name, change in (("greedy", greedy_change(run)), ("held-out sampled",
+                                                          sampled_change(run))):
+      if change is not None and change.significantly_worse:
+        lines.append(f"  - seed {run['seed']} {run['cell']}: {name} {change.delta:+.3f}, 95% "
+                     f"interval [{change.low:+.3f}, {change.high:+.3f}], {change.worse} "
+                     f"prompts worse / {change.better} better")
   return lines
 
 
@@ -426,7 +475,8 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
 RUN_FIELDS = ("seed", "cell", "mode", "max_staleness", "loss", "steps", "acc_start",
               "acc_final", "gain", "kl_end", "reward_start", "reward_final", "greedy_before",
               "greedy_after", "greedy_prompts", "greedy_delta", "greedy_low", "greedy_high",
-              "greedy_prompts_worse", "greedy_prompts_better", "staleness_mean",
+              "greedy_prompts_worse", "greedy_prompts_better", "sampled_k", "sampled_before",
+              "sampled_after", "sampled_low", "sampled_high", "staleness_mean",
               "rm_eval_accuracy",
               "samples_per_s", "wall_s", "load_average")
 
@@ -437,11 +487,15 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
     writer = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
     writer.writeheader()
     for run in runs:
+      row = dict(run)
       change = greedy_change(run)
-      writer.writerow(run if change is None else {
-          **run, "greedy_delta": change.delta, "greedy_low": change.low,
-          "greedy_high": change.high, "greedy_prompts_worse": change.worse,
-          "greedy_prompts_better": change.better})
+      if change is not None:
+        row.update(greedy_delta=change.delta, greedy_low=change.low, greedy_high=change.high,
+                   greedy_prompts_worse=change.worse, greedy_prompts_better=change.better)
+      change = sampled_change(run)
+      if change is not None:
+        row.update(sampled_low=change.low, sampled_high=change.high)
+      writer.writerow(row)
   with open(os.path.join(out, "runs.json"), "w", encoding="utf-8") as f:
     json.dump({"settings": settings, "runs": runs}, f, indent=1)
   table = aggregate(runs, cells)
@@ -456,8 +510,10 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       f"{int(FINAL_FRACTION * 100)}% of steps); greedy: the rule over "
       f"{runs[0]['greedy_prompts']} held-out prompts answered greedily before and after "
       "PPO (greedy worse: runs whose score fell; beyond 95%: of them, those whose fall "
-      "lies beyond the 95% bootstrap interval over prompts); mean ± sample std over "
-      "seeds.", "",
+      "lies beyond the 95% bootstrap interval over prompts); held-out sampled: the rule "
+      f"over {runs[0].get('sampled_k', '-')} answers per held-out prompt sampled as PPO "
+      "samples, before and after PPO (its gain: the paired change); mean ± sample std "
+      "over seeds.", "",
       format_table(table), "",
       "*samples/s were measured on a shared machine (load average "
       f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
@@ -473,25 +529,29 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
 
 # ---- per-prompt greedy scores of runs recorded without them ---------------------------------
 def rescore_greedy(args, out: str, runs: list[dict], store: str) -> list[dict]:
-  """Adds the per-prompt held-out greedy scores to finished runs recorded before runs kept
-  them: the seed's warm-start policy (before) and the run's exported policy (after)
-  answer the run's held-out prompts greedily again, as `train.train` did.
+  """Adds the per-prompt held-out scores to finished runs recorded without them: greedy,
+  and with `log.eval_samples_per_prompt` = k > 0 the sampled evaluation. The seed's
+  warm-start policy (before) and the run's exported policy (after) answer the run's
+  held-out prompts again, as `train.train` does (`heldout.heldout_eval`).
 
-  Greedy decoding is deterministic, but it ran on the run's stage layout and runs here on
-  one device: a near-tie between two tokens may break the other way. The means are
-  checked against the run's recorded ones and the largest difference is printed and kept
-  in the run (`greedy_rescore_error`), so a table built on rescored runs says how exact
-  it is. Returns the runs, updated (and their run.json files rewritten).
+  Greedy decoding is deterministic and the sampled draws are keyed by sample, but the
+  run decoded on its stage layout and this runs on the warm-start layout: a near-tie
+  between two tokens may break the other way. The greedy means are checked against the
+  run's recorded ones and the largest difference kept in the run
+  (`greedy_rescore_error`), so a table built on rescored runs says how exact it is.
+  Returns the runs, updated (and their run.json files rewritten).
   """
   import tempfile
   from flax import nnx
   from pipe_rlhf_jax import train as train_lib
-  from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models import hf
   from pipe_rlhf_jax.phases import heldout
   from pipe_rlhf_jax.phases import warm_start as warm_lib
   from pipe_rlhf_jax.system import modes
-  todo = [r for r in runs if "greedy_after_per_prompt" not in r]
+  probe = run_config(args, runs[0]["seed"], None, None)
+  k = probe.log.get("eval_samples_per_prompt", 0)
+  todo = [r for r in runs if "greedy_after_per_prompt" not in r
+          or (k and "sampled_after_per_prompt" not in r)]
   for seed in sorted({r["seed"] for r in todo}):
     warm_dir = os.path.join(store, warm_lib.warm_start_fingerprint(
         run_config(args, seed, None, None)), "run")
@@ -503,28 +563,39 @@ def rescore_greedy(args, out: str, runs: list[dict], store: str) -> list[dict]:
     actor_gd = nnx.split(warm_lib.init_policy(setup.config, setup.cfgs["actor"]))[0]
     _, data = train_lib.make_data(setup.config, tmp, setup.tokenizer)
     batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    # greedy_eval reads only the length and the special tokens.
-    sampling = SamplingParams(max_new_tokens=config.data.completion_len,
-                              eos_id=setup.tokenizer.eos_id, pad_id=setup.tokenizer.pad_id)
+    sampling = train_lib.ppo_sampling(setup.config, setup.tokenizer)
     fn = config.reward.eval_fn
     rules = {fn: heldout.rule_rewards_to_report(config)[fn]}
 
-    def scores(params) -> list[float]:
-      return heldout.greedy_eval(actor_gd, params, batch, setup.tokenizer, sampling, rules,
-                                 0).per_prompt[fn]
+    def scores(params) -> dict[str, list[float]]:
+      result = {"greedy": heldout.heldout_eval(actor_gd, params, batch, setup.tokenizer,
+                                               sampling, rules, 0).per_prompt[fn]}
+      if k:
+        result["sampled"] = heldout.heldout_eval(actor_gd, params, batch, setup.tokenizer,
+                                                 sampling, rules, 0,
+                                                 samples_per_prompt=k).per_prompt[fn]
+      return result
 
     before = scores(warm["actor"])
     for run in (r for r in todo if r["seed"] == seed):
       workdir = os.path.join(out, f"seed{seed}", run["cell"])
       after = scores(nnx.state(hf.from_pretrained(os.path.join(workdir, "export"))))
-      run.update(greedy_before_per_prompt=before, greedy_after_per_prompt=after,
-                 greedy_rescore_error=max(abs(np.mean(before) - run["greedy_before"]),
-                                          abs(np.mean(after) - run["greedy_after"])))
+      run.update(greedy_before_per_prompt=before["greedy"],
+                 greedy_after_per_prompt=after["greedy"],
+                 greedy_rescore_error=max(abs(np.mean(before["greedy"]) - run["greedy_before"]),
+                                          abs(np.mean(after["greedy"]) - run["greedy_after"])))
+      if k:
+        run.update(sampled_k=k, sampled_before=float(np.mean(before["sampled"])),
+                   sampled_after=float(np.mean(after["sampled"])),
+                   sampled_before_per_prompt=before["sampled"],
+                   sampled_after_per_prompt=after["sampled"])
       with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
         json.dump(run, f, indent=1)
       print(f"[learning_curves] rescored seed {seed} {run['cell']}: greedy "
-            f"{np.mean(before):.4f} -> {np.mean(after):.4f} (recorded {run['greedy_before']:.4f}"
-            f" -> {run['greedy_after']:.4f})", flush=True)
+            f"{np.mean(before['greedy']):.4f} -> {np.mean(after['greedy']):.4f} (recorded "
+            f"{run['greedy_before']:.4f} -> {run['greedy_after']:.4f})"
+            + (f", sampled {run['sampled_before']:.4f} -> {run['sampled_after']:.4f}"
+               if k else ""), flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
   return runs
 

@@ -142,6 +142,8 @@ def validate_config(config) -> None:
     _positive_int(config, "data.num_eval")
   if "eval_prompts" in config.log:  # optional: older configs score nothing held out
     _positive_int(config, "log.eval_prompts", allow_zero=True)
+  if "eval_samples_per_prompt" in config.log:  # optional: older configs sample none
+    _positive_int(config, "log.eval_samples_per_prompt", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   if "plan" in config.runtime:  # optional: older configs run their hand-written plan

@@ -421,6 +421,15 @@ class BuiltSystem:
   actor_graphdef: nnx.GraphDef
 
 
+def ppo_sampling(config, tokenizer) -> SamplingParams:
+  """PPO's sampling distribution: completions of `data.completion_len` tokens at
+  `ppo.temperature` / `top_k` / `top_p`."""
+  return SamplingParams(max_new_tokens=config.data.completion_len,
+                        temperature=config.ppo.temperature, top_k=config.ppo.top_k,
+                        top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
+                        pad_id=tokenizer.pad_id)
+
+
 def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
                  tokenizer, devices) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
@@ -445,10 +454,7 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
                   actor=warm["actor"],
                   reference=warm["actor"] if ppo.needs_reference else None, critic=critic,
                   reward=warm["reward"] if use_rm else None)
-  sampling = SamplingParams(max_new_tokens=config.data.completion_len,
-                            temperature=config.ppo.temperature, top_k=config.ppo.top_k,
-                            top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
-                            pad_id=tokenizer.pad_id)
+  sampling = ppo_sampling(config, tokenizer)
   decode = lambda ids: tokenizer.decode(ids)
   reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
@@ -590,16 +596,26 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(config)
 
-    def evaluate(step: int) -> heldout.GreedyEval:
+    samples_per_prompt = config.log.get("eval_samples_per_prompt", 0) if rules else 0
+
+    def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
+      """The held-out answers at `step`: "greedy" (also the samples shown), and
+      "sampled" with `log.eval_samples_per_prompt` > 0."""
       if not setup.trains:  # pipe mode across processes: the trainer's process evaluates
-        return heldout.GreedyEval([], {}, 0)
-      result = heldout.greedy_eval(built.actor_graphdef, sampling_params(setup, built.system),
-                           eval_batch, setup.tokenizer, built.sampling, rules,
-                           config.log.samples)
-      if result.scores:
-        writer.write(step, {f"heldout/{k}": v for k, v in result.scores.items()},
-                     phase="heldout")
-      return result
+        return {}
+      params = sampling_params(setup, built.system)
+      evals = {"greedy": heldout.heldout_eval(built.actor_graphdef, params, eval_batch,
+                                              setup.tokenizer, built.sampling, rules,
+                                              config.log.samples)}
+      if samples_per_prompt:
+        evals["sampled"] = heldout.heldout_eval(
+            built.actor_graphdef, params, eval_batch, setup.tokenizer, built.sampling, rules,
+            0, samples_per_prompt=samples_per_prompt)
+      row = {f"heldout{'' if name == 'greedy' else '_' + name}/{rule}": value
+             for name, result in evals.items() for rule, value in result.scores.items()}
+      if row:
+        writer.write(step, row, phase="heldout")
+      return evals
 
     before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)

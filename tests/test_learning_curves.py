@@ -74,6 +74,23 @@ def test_aggregate_mean_std_paired_difference_and_worse_greedy():
   assert "| 1/2 (-) |" in lc.format_table(lc.aggregate(runs, ["sequential", "pipe_s1"]))
 
 
+def test_sampled_heldout_gain_per_cell():
+  runs = []
+  for seed, after in ((0, [0.75, 0.5, 0.5, 1.0]), (1, [0.25, 0.5, 0.5, 0.5])):
+    record = run(seed, "sequential", [0.5, 0.7])
+    record.update(sampled_k=4, sampled_before=0.5, sampled_after=float(np.mean(after)),
+                  sampled_before_per_prompt=[0.5] * 4, sampled_after_per_prompt=after)
+    runs.append(record)
+  row = lc.aggregate(runs, ["sequential"])[0]
+  assert row["sampled_gain"] == pytest.approx((0.0625, np.std([0.1875, -0.0625], ddof=1)))
+  assert row["sampled_gain_min"] == pytest.approx(-0.0625)
+  assert (row["sampled_worse"], row["sampled_worse_95"]) == (1, 0)
+  assert "| 0.500 → 0.562 | +0.062 ± 0.177 (-0.062) | 1/2 (0) |" in lc.format_table([row])
+  checks = "\n".join(lc.goal_checks([row], runs))
+  assert "sequential: the held-out sampled score fell in 1 of 2 seeds, beyond the 95% " \
+         "interval over prompts in 0" in checks
+
+
 def test_greedy_worse_beyond_the_interval_needs_a_drop_the_prompts_do_not_explain():
   # Seed 0: 2 prompts of 64 worse, 1 better (a fall of 1/64 that a resample of the prompts
   # can turn into a rise); seed 1: 40 of 64 prompts fell from 1 to 0.
@@ -165,13 +182,17 @@ def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
   # mesh and the rescoring on the warm-start layout.
   out = str(tmp_path / "tiny")
   argv = ["--config", "configs/quickstart.py:tiny", "--steps", "2", "--seeds", "0",
-          "--cells", "pipe_s1", "--set", "log.eval_prompts=16", "--out", out]
+          "--cells", "pipe_s1", "--set", "log.eval_prompts=16",
+          "--set", "log.eval_samples_per_prompt=2", "--out", out]
   assert lc.main(argv) == 0
   path = tmp_path / "tiny" / "seed0" / "pipe_s1" / "run.json"
   recorded = json.loads(path.read_text())
   assert len(recorded["greedy_after_per_prompt"]) == recorded["greedy_prompts"] == 16
   assert np.mean(recorded["greedy_after_per_prompt"]) == pytest.approx(
       recorded["greedy_after"], abs=1e-6)
+  assert recorded["sampled_k"] == 2 and len(recorded["sampled_after_per_prompt"]) == 16
+  assert np.mean(recorded["sampled_before_per_prompt"]) == pytest.approx(
+      recorded["sampled_before"], abs=1e-6)
   assert (tmp_path / "warm_starts").is_dir()
   assert "| pipe_s1 | 1 |" in (tmp_path / "tiny" / "table.md").read_text()
 
@@ -182,3 +203,6 @@ def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
   assert rescored["greedy_before_per_prompt"] == recorded["greedy_before_per_prompt"]
   assert rescored["greedy_after_per_prompt"] == recorded["greedy_after_per_prompt"]
   assert rescored["greedy_rescore_error"] < 1e-6
+  # The sampled draws are keyed by sample: the same answers on the warm-start layout.
+  assert rescored["sampled_before_per_prompt"] == recorded["sampled_before_per_prompt"]
+  assert rescored["sampled_after_per_prompt"] == recorded["sampled_after_per_prompt"]

@@ -1,10 +1,13 @@
-"""Held-out greedy evaluation: what the policy answers without the luck of sampling.
+"""Held-out evaluation: what the policy answers to prompts it never trained on.
 
-Owns the rules scored on held-out prompts (`rule_rewards_to_report`), the greedy
-(temperature 0) answers and their scores, per prompt and mean, at one point of a run
-(`greedy_eval`, `GreedyEval`), the paired comparison of two such points
-(`paired_change`: is "after" worse than "before" beyond what the choice of prompts
-explains?), and the summary lines comparing before and after PPO.
+Owns the rules scored on held-out prompts (`rule_rewards_to_report`), the answers at one
+point of a run and their scores, per prompt and mean (`heldout_eval`, `HeldoutEval`):
+greedy (temperature 0: what the policy answers without the luck of sampling) and, with
+`log.eval_samples_per_prompt` = k > 0, k samples per prompt from PPO's own sampling
+distribution (what PPO optimises, measured on many more answers than a training batch);
+the paired comparison of two such points (`paired_change`: is "after" worse than
+"before" beyond what the choice of prompts explains?); and the summary lines comparing
+before and after PPO.
 """
 
 from __future__ import annotations
@@ -35,42 +38,69 @@ def rule_rewards_to_report(config) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class GreedyEval:
-  """Greedy completions of the held-out prompts at one point of the run.
+class HeldoutEval:
+  """The policy's completions of the held-out prompts at one point of the run.
 
   Attributes:
-    samples: 'prompt -> completion' lines of the first `log.samples` prompts.
+    samples: 'prompt -> completion' lines of the first `log.samples` prompts (their first
+      completion).
     scores: rule name -> mean score over all `num_prompts` held-out prompts.
     num_prompts: how many held-out prompts were scored.
-    per_prompt: rule name -> each prompt's score [num_prompts], in the prompts' order
-      (the same order at every point of a run: `paired_change` pairs them).
+    per_prompt: rule name -> each prompt's score [num_prompts] (the mean over its
+      completions), in the prompts' order (the same at every point of a run:
+      `paired_change` pairs them).
+    samples_per_prompt: 0 for greedy answers, else the completions drawn per prompt.
   """
 
   samples: list[str]
   scores: dict[str, float]
   num_prompts: int
   per_prompt: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  samples_per_prompt: int = 0
+
+  @property
+  def decoding(self) -> str:
+    """How the answers were made, as the summary names it."""
+    return ("greedy" if not self.samples_per_prompt
+            else f"sampled ({self.samples_per_prompt} per prompt)")
 
 
-def greedy_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
-                rules: dict[str, Any], num_samples: int) -> GreedyEval:
-  """Greedy (temperature 0) completions of a batch of held-out prompts, and their scores.
+def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
+                 rules: dict[str, Any], num_samples: int, samples_per_prompt: int = 0
+                 ) -> HeldoutEval:
+  """Completions of a batch of held-out prompts, and their scores.
 
-  Greedy answers say what the policy has learned without the luck of sampling: the
-  number to compare before and after RL.
+  `samples_per_prompt` = 0: one greedy (temperature 0) answer per prompt, what the
+  policy has learned without the luck of sampling. k > 0: k completions per prompt from
+  `sampling`'s distribution (temperature, top-k, top-p), each drawn with the key of its
+  position in the batch (`sample_ids`), so the draws do not depend on the layout the
+  model runs on and the before and after of a run share their random numbers (a paired
+  comparison then sees the policy's change, not two draws' difference).
   """
   model = nnx.merge(graphdef, params)
-  out = generate(model, batch["prompt_tokens"], batch["prompt_mask"], sampling.max_new_tokens,
-                 rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
-                 pad_id=sampling.pad_id)
+  k = max(samples_per_prompt, 1)
+  prompt_tokens = np.repeat(batch["prompt_tokens"], k, axis=0)  # [prompts * k, P]
+  prompt_mask = np.repeat(batch["prompt_mask"], k, axis=0)
+  if samples_per_prompt:
+    out = generate(model, prompt_tokens, prompt_mask, sampling.max_new_tokens,
+                   rng=jax.random.key(0), temperature=sampling.temperature,
+                   top_k=sampling.top_k, top_p=sampling.top_p, eos_id=sampling.eos_id,
+                   pad_id=sampling.pad_id,
+                   sample_ids=np.arange(prompt_tokens.shape[0], dtype=np.int32))
+  else:
+    out = generate(model, prompt_tokens, prompt_mask, sampling.max_new_tokens,
+                   rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
+                   pad_id=sampling.pad_id)
   tokens, mask = distributed.fetch((out.tokens, out.mask))
-  prompts = [tokenizer.decode(p[m]) for p, m in zip(batch["prompt_tokens"], batch["prompt_mask"])]
+  prompts = [tokenizer.decode(p[m]) for p, m in zip(prompt_tokens, prompt_mask)]
   completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
-  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[:num_samples], completions)]
-  per_prompt = {name: np.asarray(fn(prompts, completions), np.float64)
+  lines = [f"{p!r} -> {c!r}"
+           for p, c in zip(prompts[::k][:num_samples], completions[::k])]
+  per_prompt = {name: np.asarray(fn(prompts, completions), np.float64).reshape(-1, k).mean(1)
                 for name, fn in rules.items()}
-  return GreedyEval(lines, {name: float(v.mean()) for name, v in per_prompt.items()},
-                    len(prompts), {name: v.tolist() for name, v in per_prompt.items()})
+  return HeldoutEval(lines, {name: float(v.mean()) for name, v in per_prompt.items()},
+                     len(prompts) // k, {name: v.tolist() for name, v in per_prompt.items()},
+                     samples_per_prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +146,9 @@ def paired_change(before, after, resamples: int = 10_000, seed: int = 0) -> Pair
                       int((diff > 0).sum()))
 
 
-def summary_lines(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
-  """Summary lines "held-out greedy <rule>": "before -> after (N prompts; the change, its
-  95% interval over prompts, how many prompts got worse / better)"."""
+def summary_lines(before: HeldoutEval, after: HeldoutEval) -> dict[str, str]:
+  """Summary lines "held-out <decoding> <rule>": "before -> after (N prompts; the change,
+  its 95% interval over prompts, how many prompts got worse / better)"."""
   lines = {}
   for name in after.scores:
     text = f"{before.scores[name]:.3f} -> {after.scores[name]:.3f} ({after.num_prompts} prompts"
@@ -126,5 +156,5 @@ def summary_lines(before: GreedyEval, after: GreedyEval) -> dict[str, str]:
       c = paired_change(before.per_prompt[name], after.per_prompt[name])
       text += (f"; change {c.delta:+.3f}, 95% interval [{c.low:+.3f}, {c.high:+.3f}], "
                f"{c.worse} worse / {c.better} better")
-    lines[f"held-out greedy {name}"] = text + ")"
+    lines[f"held-out {after.decoding} {name}"] = text + ")"
   return lines

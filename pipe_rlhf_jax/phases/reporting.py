@@ -50,12 +50,21 @@ def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
 
 
 def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer: Tracer,
-           writer: metrics_lib.MetricsWriter, before: heldout.GreedyEval,
-           after: heldout.GreedyEval,
+           writer: metrics_lib.MetricsWriter, before: dict[str, heldout.HeldoutEval],
+           after: dict[str, heldout.HeldoutEval],
            start_time: float) -> dict[str, Any]:
-  """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result."""
+  """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result.
+
+  `before` / `after`: the held-out evaluations before and after PPO by decoding
+  ("greedy", and "sampled" when on); empty on a process that does not train.
+  """
   workdir, system = setup.workdir, built.system
-  samples_before, samples_after = before.samples, after.samples
+  none = heldout.HeldoutEval([], {}, 0)
+  greedy_before, greedy_after = before.get("greedy", none), after.get("greedy", none)
+  samples_before, samples_after = greedy_before.samples, greedy_after.samples
+  comparisons = {}
+  for decoding in after:
+    comparisons.update(heldout.summary_lines(before[decoding], after[decoding]))
   # Both run programs on every process holding the trainer state (all of them, except in
   # pipe mode across processes); then only the writing process writes.
   actor = distributed.fetch(system.state.actor) if setup.trains else None
@@ -80,7 +89,7 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, **reward_summary(warm), **heldout.summary_lines(before, after),
+      extra={"mode": system.mode, **reward_summary(warm), **comparisons,
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()}),
              "plan": str(system.runtime), **step_s})
@@ -91,9 +100,17 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
           "samples_before": samples_before, "samples_after": samples_after,
-          "heldout_before": before.scores, "heldout_after": after.scores,
+          "heldout_before": greedy_before.scores, "heldout_after": greedy_after.scores,
           # rule -> each held-out prompt's score, for `heldout.paired_change`.
-          "heldout_per_prompt": {"before": before.per_prompt, "after": after.per_prompt},
+          "heldout_per_prompt": {"before": greedy_before.per_prompt,
+                                 "after": greedy_after.per_prompt},
           # How many held-out prompts those scores average (0 when none were scored).
-          "heldout_prompts": after.num_prompts if after.scores else 0,
+          "heldout_prompts": greedy_after.num_prompts if greedy_after.scores else 0,
+          # The same for k sampled answers per prompt (absent when off).
+          **({"heldout_sampled": {
+              "samples_per_prompt": after["sampled"].samples_per_prompt,
+              "before": before["sampled"].scores, "after": after["sampled"].scores,
+              "per_prompt": {"before": before["sampled"].per_prompt,
+                             "after": after["sampled"].per_prompt}}}
+             if "sampled" in after else {}),
           "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
