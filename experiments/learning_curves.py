@@ -12,14 +12,16 @@ same checkpoint (`warm_start.checkpoint`). A cell is a schedule:
 
 Per run it records the curve of the rule's score of the sampled answers
 (`rule_reward/mean`, i.e. `reward.eval_fn`: never optimised when the reward is a model),
-the learned reward and the KL per PPO step, and the greedy answers' `reward.eval_fn` score
-on held-out prompts before and after PPO (`log.eval_prompts`; the result's
-`heldout_before` / `heldout_after`, and each prompt's score, `heldout_per_prompt`). Per
-cell, over seeds (mean +- sample std): the accuracy at the start (step 0: the warm-start
-policy, the same in every cell of a seed) and over the last 20% of steps, the gain, KL
-over the last 20% of steps, the greedy score before -> after, in how many seeds it got
-worse and in how many of those beyond the 95% bootstrap interval over the held-out
-prompts (`heldout.paired_change`), and samples/s (PPO
+the learned reward and the KL per PPO step, and the held-out evaluation before and
+after PPO: the greedy answers' `reward.eval_fn` score on the held-out prompts
+(`log.eval_prompts`; the result's `heldout_before` / `heldout_after`, and each prompt's
+score, `heldout_per_prompt`) and, with `log.eval_samples_per_prompt` = k, the same rule
+over k answers per prompt sampled as PPO samples (`heldout_sampled`). Per cell, over
+seeds (mean +- sample std): the accuracy at the start (step 0: the warm-start policy, the
+same in every cell of a seed) and over the last 20% of steps, the gain, KL over the last
+20% of steps, the held-out sampled score before -> after and its gain, the greedy score
+before -> after, in how many seeds each fell and in how many of those beyond the 95%
+bootstrap interval over the held-out prompts (`heldout.paired_change`), and samples/s (PPO
 samples per second between consecutive updates, the first two excluded: compilation).
 Samples/s are only meaningful on a quiet machine; accuracies are valid under any load.
 
@@ -48,8 +50,8 @@ Usage:
   python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
   python experiments/learning_curves.py --config configs/grpo_arith.py
   python experiments/learning_curves.py --report-only                   # table from run.json
-  python experiments/learning_curves.py --rescore-greedy                # per-prompt greedy
-                                                                        # scores of old runs
+  python experiments/learning_curves.py --rescore-heldout               # held-out scores
+                                                                        # of older runs
 """
 
 from __future__ import annotations
@@ -268,7 +270,7 @@ def sampled_change(run: dict):
 
 def greedy_change(run: dict):
   """The run's paired change of the held-out greedy scores (`heldout.PairedChange`), or
-  None for a run recorded before the per-prompt scores were (see --rescore-greedy)."""
+  None for a run recorded before the per-prompt scores were (see --rescore-heldout)."""
   from pipe_rlhf_jax.phases.heldout import paired_change
   if "greedy_after_per_prompt" not in run:
     return None
@@ -528,7 +530,7 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
 
 
 # ---- per-prompt greedy scores of runs recorded without them ---------------------------------
-def rescore_greedy(args, out: str, runs: list[dict], store: str) -> list[dict]:
+def rescore_heldout(args, out: str, runs: list[dict], store: str) -> list[dict]:
   """Adds the per-prompt held-out scores to finished runs recorded without them: greedy,
   and with `log.eval_samples_per_prompt` = k > 0 the sampled evaluation. The seed's
   warm-start policy (before) and the run's exported policy (after) answer the run's
@@ -556,7 +558,7 @@ def rescore_greedy(args, out: str, runs: list[dict], store: str) -> list[dict]:
     warm_dir = os.path.join(store, warm_lib.warm_start_fingerprint(
         run_config(args, seed, None, None)), "run")
     config = run_config(args, seed, "sequential", warm_dir)
-    tmp = tempfile.mkdtemp(prefix="rescore_greedy_")
+    tmp = tempfile.mkdtemp(prefix="rescore_heldout_")
     setup = train_lib.set_up(config, tmp, resume=False)
     warm = warm_lib.fit_or_restore(setup.config, tmp, setup.warm_source, None, setup.cfgs,
                                    None, setup.warm_layout, False)
@@ -614,9 +616,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="", help="output directory")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
-  parser.add_argument("--rescore-greedy", action="store_true",
-                      help="add the per-prompt held-out greedy scores to finished runs "
-                           "recorded without them (from their exports), then report")
+  parser.add_argument("--rescore-heldout", action="store_true",
+                      help="add the per-prompt held-out scores (greedy, and sampled when "
+                           "log.eval_samples_per_prompt > 0) to finished runs recorded "
+                           "without them (from their exports), then report")
   parser.add_argument("--warm-starts-only", action="store_true",
                       help="only train the seeds' warm starts (another invocation running at "
                            "the same time then finds them ready)")
@@ -678,7 +681,7 @@ def main(argv=None) -> int:
   # this invocation does of it.
   words = sys.argv[1:] if argv is None else list(argv)
   command = shlex.join(["python", "experiments/learning_curves.py",
-                        *(w for w in words if w not in ("--report-only", "--rescore-greedy",
+                        *(w for w in words if w not in ("--report-only", "--rescore-heldout",
                                                         "--warm-starts-only"))])
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
@@ -686,7 +689,7 @@ def main(argv=None) -> int:
               "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn}
   check_settings(args.out, settings)
   store = os.path.join(os.path.dirname(args.out), "warm_starts")
-  if not (args.report_only or args.rescore_greedy):
+  if not (args.report_only or args.rescore_heldout):
     import jax
     from absl import logging as absl_logging
     from pipe_rlhf_jax.train import prepare_warm_start, train
@@ -730,8 +733,8 @@ def main(argv=None) -> int:
   if not runs:
     print("no finished runs yet")
     return 1
-  if args.rescore_greedy:
-    runs = rescore_greedy(args, args.out, runs, store)
+  if args.rescore_heldout:
+    runs = rescore_heldout(args, args.out, runs, store)
   print(write_report(args.out, runs, args.cells, settings))
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
   return 0

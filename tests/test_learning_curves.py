@@ -198,7 +198,7 @@ def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
 
   stripped = {k: v for k, v in recorded.items() if not k.endswith("_per_prompt")}
   path.write_text(json.dumps(stripped))
-  assert lc.main([*argv, "--rescore-greedy"]) == 0
+  assert lc.main([*argv, "--rescore-heldout"]) == 0
   rescored = json.loads(path.read_text())
   assert rescored["greedy_before_per_prompt"] == recorded["greedy_before_per_prompt"]
   assert rescored["greedy_after_per_prompt"] == recorded["greedy_after_per_prompt"]
