@@ -100,6 +100,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward = ml_collections.ConfigDict()
   config.reward.fn = "model"  # "model" = the trained reward model, else a registered rule
   config.reward.eval_fn = "reverse_accuracy"  # logged alongside, never optimised
+  # > 0: standardise the reward model's score by its mean and std over this many answers
+  # per prompt of the warm-start policy to 256 training prompts, measured before PPO
+  # (phases/reward_norm.py), so that kl_coef weighs the same against every reward model.
+  config.reward.normalize_samples_per_prompt = 0
 
   config.ppo = ml_collections.ConfigDict()
   config.ppo.steps = 60

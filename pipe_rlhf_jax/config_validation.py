@@ -144,6 +144,8 @@ def validate_config(config) -> None:
     _positive_int(config, "log.eval_prompts", allow_zero=True)
   if "eval_samples_per_prompt" in config.log:  # optional: older configs sample none
     _positive_int(config, "log.eval_samples_per_prompt", allow_zero=True)
+  if "normalize_samples_per_prompt" in config.reward:  # optional: older configs: raw scores
+    _positive_int(config, "reward.normalize_samples_per_prompt", allow_zero=True)
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   if "plan" in config.runtime:  # optional: older configs run their hand-written plan

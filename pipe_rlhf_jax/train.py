@@ -70,7 +70,7 @@ from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.phases import heldout, reporting, supervised
+from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.planner import auto as auto_plan
@@ -178,6 +178,13 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
               built["prompts"].splits["eval"]),
           d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
   }
+  if use_rm and config.reward.get("normalize_samples_per_prompt", 0):
+    # The first training prompts, in file order: the answers the reward model's scale is
+    # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
+    data["prompts_norm"] = pipeline.PromptPipeline(
+        built["prompts"].source("train"), tokenizer,
+        min(REWARD_NORM_PROMPTS, built["prompts"].splits["train"]), d.prompt_len, seed,
+        shuffle=False, validator=validator("prompts"))
   if use_rm:
     data["prefs"] = pipeline.PreferencePipeline(
         built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
@@ -186,6 +193,10 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
         built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
   return build_stats, data
+
+
+# Prompts the reward model's scale is measured on (times reward.normalize_samples_per_prompt).
+REWARD_NORM_PROMPTS = 256
 
 
 @dataclasses.dataclass
@@ -419,6 +430,8 @@ class BuiltSystem:
   system: PPOSystem
   sampling: SamplingParams
   actor_graphdef: nnx.GraphDef
+  # The reward model's score statistics the rewards are standardised by (None: raw).
+  reward_stats: reward_norm.ScoreStatistics | None = None
 
 
 def ppo_sampling(config, tokenizer) -> SamplingParams:
@@ -430,8 +443,26 @@ def ppo_sampling(config, tokenizer) -> SamplingParams:
                         pad_id=tokenizer.pad_id)
 
 
+def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
+                      data: dict[str, Any]) -> reward_norm.ScoreStatistics | None:
+  """The reward model's score statistics under the warm-start policy, when
+  `reward.normalize_samples_per_prompt` > 0 and the reward is a model; else None."""
+  k = config.reward.get("normalize_samples_per_prompt", 0)
+  if not (k and uses_reward_model(config)):
+    return None
+  set_activity("measuring the reward model's scale")
+  stats = reward_norm.score_statistics(
+      graphdef_of(setup.cfgs["actor"]), warm["actor"], graphdef_of(setup.cfgs["reward"]),
+      warm["reward"], modes.np_batch(next(iter(data["prompts_norm"]))),
+      ppo_sampling(config, setup.tokenizer), samples_per_prompt=k, seed=config.seed)
+  say(f"reward model under the warm-start policy: score mean {stats.mean:.4g}, std "
+      f"{stats.std:.4g} over {stats.samples} answers; PPO's reward is (score - mean) / std")
+  return stats
+
+
 def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
-                 tokenizer, devices) -> BuiltSystem:
+                 tokenizer, devices,
+                 reward_stats: reward_norm.ScoreStatistics | None = None) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
   The one place that constructs the system from the config (the critic starts from the
@@ -440,6 +471,9 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   `ppo.kl_coef == 0`.
   """
   ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
+  if reward_stats is not None:
+    ppo = dataclasses.replace(ppo, reward_shift=reward_stats.mean,
+                              reward_scale=reward_stats.std)
   actor_gd = graphdef_of(cfgs["actor"])
   critic_gd = critic = None
   if ppo.needs_critic:
@@ -462,7 +496,7 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, runtime=RuntimeConfig.from_config(config),
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices)
-  return BuiltSystem(system, sampling, actor_gd)
+  return BuiltSystem(system, sampling, actor_gd, reward_stats)
 
 
 def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
@@ -584,7 +618,8 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       # of the devices hands over host copies instead (SPMD: every process fetches).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
-    built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices)
+    built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices,
+                         reward_statistics(config, setup, warm, data))
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])

@@ -44,7 +44,7 @@ def test_summary_line_states_the_change_and_its_interval():
       "held-out sampled (8 per prompt) rule"]
 
 
-def _policy_and_prompts():
+def policy_and_prompts():
   """A random tiny policy and 6 left-padded prompts (a batch as the eval pipeline makes)."""
   from flax import nnx
   from pipe_rlhf_jax.models.config import tiny_config
@@ -70,7 +70,7 @@ def first_letter_a(prompts, completions):
 def test_sampled_eval_averages_k_draws_per_prompt_whatever_the_layout():
   import jax
   from pipe_rlhf_jax.generation.sampler import SamplingParams
-  (graphdef, params), batch, tokenizer = _policy_and_prompts()
+  (graphdef, params), batch, tokenizer = policy_and_prompts()
   sampling = SamplingParams(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id)
   rules = {"rule": first_letter_a}
@@ -93,3 +93,4 @@ def test_sampled_eval_averages_k_draws_per_prompt_whatever_the_layout():
   assert greedy.decoding == "greedy" and greedy.num_prompts == 6
   assert [line.split(" -> ")[0] for line in greedy.samples] == [
       "'rev abc='", "'rev bad='", "'rev cabd='", "'rev dga='", "'rev hgfe='", "'rev fed='"]
+

@@ -37,7 +37,7 @@ def ppo_section(**overrides):
              minibatch_size=BATCH, clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.0,
              loss="ppo_clip", behaviour_weight_cap=2.0, kl_in="reward", kl_coef=0.1,
              group_size=1, grpo_norm_by_std=True, grpo_eps=1e-6, loss_agg="token_mean",
-             loss_norm_len=0)
+             loss_norm_len=0, reward_shift=0.0, reward_scale=1.0)
   ppo.update(overrides)
   return types.SimpleNamespace(**ppo)
 
@@ -224,6 +224,32 @@ def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
   exp_gae, _ = gae(models["actor"][1], models["critic"][1], models["reward"][1], rollout,
                    0.3)
   assert np.abs(np.asarray(exp_gae.advantages) - np.asarray(exp.advantages)).max() > 1e-3
+
+
+def test_standardised_scores_shape_the_rewards_and_stay_raw_in_the_experience(layout,
+                                                                              models):
+  # reward_shift / reward_scale (the reward model's standardisation) act on the score as
+  # the rewards see it: the KL part, the reported scores and reward/mean are unchanged.
+  rollout = hand_rollout()
+
+  def experience(**overrides):
+    hyper = InferHyper.from_settings(ppo_section(whiten_advantages=False, **overrides), 1.0)
+    infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
+                       hyper)
+    return infer(models["actor"][1], models["critic"][1], models["reward"][1], rollout, 0.3)
+
+  raw, raw_metrics = experience()
+  std, std_metrics = experience(reward_shift=0.3, reward_scale=2.0)
+  np.testing.assert_array_equal(std.scores, raw.scores)
+  assert float(std_metrics["reward/mean"]) == float(raw_metrics["reward/mean"])
+  scores, mask = np.asarray(raw.scores), np.asarray(rollout.completion_mask)
+  rows = np.flatnonzero(mask.any(1))  # an all-padding row gets no reward
+  last = mask.sum(1)[rows] - 1  # each row's last valid completion token
+  want = np.zeros(mask.shape, np.float32)
+  want[rows, last] = ((scores - 0.3) / 2.0 - scores)[rows]
+  np.testing.assert_allclose(np.asarray(std.rewards) - np.asarray(raw.rewards), want,
+                             atol=1e-5)
+  assert np.abs(want).max() > 1e-3
 
 
 def test_unknown_advantage_estimator_names_the_field():

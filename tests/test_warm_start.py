@@ -66,7 +66,11 @@ def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
   shared = warm_starts["sequential"]["checkpoint"]
   workdir = str(tmp_path / "pipe")
   # log.eval_prompts: held-out greedy answers scored before and after PPO (off in tiny).
+  # And 2 sampled answers per held-out prompt; the reward model standardised over 2
+  # answers per prompt of the warm-start policy.
   result = train(tiny("pipe", **{"warm_start.checkpoint": shared, "log.eval_prompts": 16,
+                                 "log.eval_samples_per_prompt": 2,
+                                 "reward.normalize_samples_per_prompt": 2,
                                  "data.dir": warm_starts["data"]}), workdir, progress=False)
   phases = [json.loads(line)["phase"] for line in open(os.path.join(workdir,
                                                                      "metrics.jsonl"))]
@@ -79,6 +83,10 @@ def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
     assert list(scores) == ["reverse_accuracy"] and 0 <= scores["reverse_accuracy"] <= 1
   assert "held-out greedy reverse_accuracy" in result["summary"]
   assert "(16 prompts; change " in result["summary"]  # and its interval over the prompts
+  assert "held-out sampled (2 per prompt) reverse_accuracy" in result["summary"]
+  stats = result["reward_stats"]
+  assert stats["std"] > 0 and stats["samples"] % 2 == 0
+  assert f"score mean {stats['mean']:.4g}, std {stats['std']:.4g}" in result["summary"]
   for when in ("before", "after"):
     per_prompt = result["heldout_per_prompt"][when]["reverse_accuracy"]
     assert len(per_prompt) == 16

@@ -7,6 +7,7 @@ lines. Split from train.py, which owns the phases' order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,11 +43,17 @@ def planned_vs_measured(planned: auto_plan.PlannedRun | None, tracer: Tracer,
   return {"steady s/step": text}
 
 
-def reward_summary(warm: dict[str, Any]) -> dict[str, str]:
-  """The summary line about the reward: the reward model's held-out accuracy, if any."""
+def reward_summary(warm: dict[str, Any], stats=None) -> dict[str, str]:
+  """The summary lines about the reward: the reward model's held-out accuracy, if any, and
+  the statistics its scores were standardised by (`phases.reward_norm`), if they were."""
   if warm["rm_eval"] is None:
     return {"reward model": "none (rule reward)"}
-  return {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+  lines = {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
+  if stats is not None:
+    lines["reward standardised by"] = (f"score mean {stats.mean:.4g}, std {stats.std:.4g} "
+                                       f"over {stats.samples} answers of the warm-start "
+                                       "policy")
+  return lines
 
 
 def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer: Tracer,
@@ -89,7 +96,7 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
       records, wall_time_s=wall, metrics_path=writer.metrics_path,
       tensorboard_dir=writer.tensorboard_dir, checkpoint_dir=setup.checkpointer.directory,
       plot_path=plot, export_dir=export_dir,
-      extra={"mode": system.mode, **reward_summary(warm), **comparisons,
+      extra={"mode": system.mode, **reward_summary(warm, built.reward_stats), **comparisons,
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()}),
              "plan": str(system.runtime), **step_s})
@@ -99,6 +106,8 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
   ppo_records = [r for r in records if r.get("phase") == "ppo"]
   return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
           "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
+          "reward_stats": (dataclasses.asdict(built.reward_stats)
+                           if built.reward_stats is not None else None),
           "samples_before": samples_before, "samples_after": samples_after,
           "heldout_before": greedy_before.scores, "heldout_after": greedy_after.scores,
           # rule -> each held-out prompt's score, for `heldout.paired_change`.

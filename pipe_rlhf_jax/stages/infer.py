@@ -53,6 +53,8 @@ class InferHyper:
   group_size: int = 1
   grpo_norm_by_std: bool = True
   grpo_eps: float = 1e-6
+  reward_shift: float = 0.0
+  reward_scale: float = 1.0
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "InferHyper":
@@ -62,7 +64,8 @@ class InferHyper:
     return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
                gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
                temperature=temperature, kl_in=ppo.kl_in, group_size=ppo.group_size,
-               grpo_norm_by_std=ppo.grpo_norm_by_std, grpo_eps=ppo.grpo_eps)
+               grpo_norm_by_std=ppo.grpo_norm_by_std, grpo_eps=ppo.grpo_eps,
+               reward_shift=ppo.reward_shift, reward_scale=ppo.reward_scale)
 
   @property
   def advantage_settings(self) -> AdvantageSettings:
@@ -138,10 +141,14 @@ class InferStage:
         mask = r.completion_mask
         kl = (kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
               if ref_logprobs is not None else None)
+        # The score as the rewards see it (`reward_shift` / `reward_scale`: the reward
+        # model's standardisation); `Experience.scores` and the metrics keep it raw.
+        shaped = ((scores - h.reward_shift) / h.reward_scale
+                  if (h.reward_shift, h.reward_scale) != (0.0, 1.0) else scores)
         if kl is not None and h.kl_in == "reward":
-          rewards = kl_lib.shape_rewards(scores, kl, mask, kl_coef)
+          rewards = kl_lib.shape_rewards(shaped, kl, mask, kl_coef)
         else:  # the score alone, on each row's last valid token
-          rewards = kl_lib.shape_rewards(scores, jnp.zeros(mask.shape, jnp.float32), mask,
+          rewards = kl_lib.shape_rewards(shaped, jnp.zeros(mask.shape, jnp.float32), mask,
                                          0.0)
         advantages, returns = estimate_advantages(rewards, values, mask, settings)
         if h.whiten_advantages:

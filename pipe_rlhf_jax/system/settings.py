@@ -20,6 +20,7 @@ compared across a resume; it changes when and where things are computed, never w
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from pipe_rlhf_jax.checks import check_int
@@ -87,6 +88,11 @@ class PPOConfig:
     loss_norm_len: the constant of "token_sum_norm" (0: the completion length).
     loss: registered policy loss ("ppo_clip", "decoupled_ppo_clip").
     behaviour_weight_cap: cap of the behaviour importance weight of the decoupled loss.
+    reward_shift / reward_scale: each sequence's score enters the rewards as
+      (score - reward_shift) / reward_scale (identity by default); the experiment pipeline
+      sets them from the reward model's scores under the warm-start policy
+      (`reward.normalize_samples`, `phases/reward_norm.py`) so that `kl_coef` weighs the
+      same against every reward model. Reported scores (`reward/mean`) stay raw.
     max_bad_steps: stop after this many consecutive steps with a skipped (non-finite)
       update.
     seed: root of every random key of the system (generation, minibatch shuffles).
@@ -121,6 +127,8 @@ class PPOConfig:
   loss_norm_len: int = 0
   loss: str = "ppo_clip"
   behaviour_weight_cap: float = 2.0
+  reward_shift: float = 0.0
+  reward_scale: float = 1.0
   max_bad_steps: int = 3
   seed: int = 0
 
@@ -137,8 +145,11 @@ class PPOConfig:
       check_int(getattr(self, name), f + name)
     check_int(self.warmup_steps, f + "warmup_steps", low=0)
     for name in ("actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
-                 "kl_target", "kl_horizon", "behaviour_weight_cap"):
+                 "kl_target", "kl_horizon", "behaviour_weight_cap", "reward_scale"):
       _check_number(getattr(self, name), f + name)
+    if (isinstance(self.reward_shift, bool) or not isinstance(self.reward_shift, (int, float))
+        or not math.isfinite(self.reward_shift)):
+      raise ValueError(f"ppo.reward_shift={self.reward_shift!r} must be a finite number.")
     for name in ("kl_coef", "entropy_coef"):
       _check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
