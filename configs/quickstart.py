@@ -102,8 +102,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward.eval_fn = "reverse_accuracy"  # logged alongside, never optimised
   # > 0: standardise the reward model's score by its mean and std over this many answers
   # per prompt of the warm-start policy to 256 training prompts, measured before PPO
-  # (phases/reward_norm.py), so that kl_coef weighs the same against every reward model.
-  config.reward.normalize_samples_per_prompt = 0
+  # (phases/reward_norm.py), so that kl_coef weighs the same against every reward model
+  # (their score std ranged 2.1-5.7 over seeds; at raw scores seed 3 did not learn).
+  config.reward.normalize_samples_per_prompt = 4
 
   config.ppo = ml_collections.ConfigDict()
   config.ppo.steps = 60
@@ -111,9 +112,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.minibatch_size = 32
   config.ppo.epochs = 2
   # With 5e-4 / kl_coef 0.2 single runs drifted to KL 5-6 and reward hacking (issue 11);
-  # at 0.3 and 1.0 the true accuracy rose in every seed but greedy answers got worse: PPO
-  # found the reward model's blind spots. kl_coef 2.0 was measured over seeds and modes
-  # (README, "Learning curves").
+  # at 0.3 and 1.0 (raw scores) the true accuracy rose but greedy answers got worse: PPO
+  # found the reward model's blind spots. kl_coef 2.0 on raw scores held them, except
+  # against the narrowest reward model; 0.5 on standardised scores (about 2.0 on the
+  # seeds' mean raw scale) was measured over seeds and modes (README, "Learning curves").
   config.ppo.actor_lr = 3e-4
   config.ppo.critic_lr = 1e-3
   config.ppo.lr_schedule = "constant"  # or "cosine"
@@ -128,7 +130,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.grpo_eps = 1e-6
   config.ppo.gamma = 1.0
   config.ppo.lam = 0.95
-  config.ppo.kl_coef = 2.0
+  config.ppo.kl_coef = 0.5  # on standardised scores (reward.normalize_samples_per_prompt)
   config.ppo.kl_estimator = "k1"
   config.ppo.kl_in = "reward"  # or "loss" (GRPO style, with kl_estimator="k3")
   config.ppo.adaptive_kl = False
@@ -222,3 +224,4 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.log.samples = 2
   config.log.eval_prompts = 0
   config.log.eval_samples_per_prompt = 0
+  config.reward.normalize_samples_per_prompt = 0
