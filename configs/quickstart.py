@@ -103,7 +103,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # > 0: standardise the reward model's score by its mean and std over this many answers
   # per prompt of the warm-start policy to 256 training prompts, measured before PPO
   # (phases/reward_norm.py), so that kl_coef weighs the same against every reward model
-  # (their score std ranged 2.1-5.7 over seeds; at raw scores seed 3 did not learn).
+  # (their score std ranged 2.1-5.7 over seeds; at raw scores the narrowest one's seed
+  # gained least: +0.055 held-out against +0.078..+0.120).
   config.reward.normalize_samples_per_prompt = 4
 
   config.ppo = ml_collections.ConfigDict()
@@ -113,9 +114,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.epochs = 2
   # With 5e-4 / kl_coef 0.2 single runs drifted to KL 5-6 and reward hacking (issue 11);
   # at 0.3 and 1.0 (raw scores) the true accuracy rose but greedy answers got worse: PPO
-  # found the reward model's blind spots. kl_coef 2.0 on raw scores held them, except
-  # against the narrowest reward model; 0.5 on standardised scores (about 2.0 on the
-  # seeds' mean raw scale) was measured over seeds and modes (README, "Learning curves").
+  # found the reward model's blind spots. kl_coef 2.0 on raw scores held them but
+  # restrained PPO most against the narrowest reward model; 0.5 on standardised scores
+  # (about 2.0 on the seeds' mean raw scale) was measured over seeds and modes (README,
+  # "Learning curves").
   config.ppo.actor_lr = 3e-4
   config.ppo.critic_lr = 1e-3
   config.ppo.lr_schedule = "constant"  # or "cosine"

@@ -89,6 +89,11 @@ def test_sampled_heldout_gain_per_cell():
   checks = "\n".join(lc.goal_checks([row], runs))
   assert "sequential: the held-out sampled score fell in 1 of 2 seeds, beyond the 95% " \
          "interval over prompts in 0" in checks
+  # The gain check reads the held-out sampled gain (its start is 4 x 256 answers, the
+  # curve's one batch): here the curves rose in both seeds, the held-out score fell in one.
+  assert "sequential: the held-out sampled gain is not positive in every seed " \
+         "(min -0.062)" in checks
+  assert "sequential: the gain is not positive" not in checks
 
 
 def test_greedy_worse_beyond_the_interval_needs_a_drop_the_prompts_do_not_explain():

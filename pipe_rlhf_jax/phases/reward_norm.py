@@ -4,8 +4,8 @@ A Bradley-Terry reward model is defined up to a shift and a scale: two reward mo
 trained alike on different seeds can rank the same answers the same way with scores
 spread twice as wide. The KL penalty is in the reward's units, so one `ppo.kl_coef`
 restrains PPO twice as hard against the narrower one (the quickstart's reward models:
-score std 2.1 to 5.7 over the first PPO batch in four seeds; the narrowest one's run did
-not learn). Standardising the score by its mean and standard deviation over the
+score std 2.1 to 5.7 over the first PPO batch in four seeds; PPO gained least against
+the narrowest one). Standardising the score by its mean and standard deviation over the
 warm-start policy's own answers gives `kl_coef` one meaning for every reward model, the
 way InstructGPT-style pipelines normalise the reward model before RL.
 
