@@ -1,1 +1,3 @@
-"""The supervised warm-start phases (SFT, reward model) that precede PPO."""
+"""The phases around PPO: the supervised warm start (SFT, reward model, pairs from the
+policy's samples), the reward model's scale under the warm-start policy, the held-out
+evaluation before and after PPO, and the end-of-run report."""
