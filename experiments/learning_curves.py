@@ -262,19 +262,20 @@ def sampled_fields(sampled: dict | None, fn: str) -> dict:
 
 def sampled_change(run: dict):
   """The paired change of the run's held-out sampled scores, or None without them."""
-  from pipe_rlhf_jax.phases.heldout import paired_change
-  if "sampled_after_per_prompt" not in run:
-    return None
-  return paired_change(run["sampled_before_per_prompt"], run["sampled_after_per_prompt"])
+  return _paired(run, "sampled")
 
 
 def greedy_change(run: dict):
   """The run's paired change of the held-out greedy scores (`heldout.PairedChange`), or
   None for a run recorded before the per-prompt scores were (see --rescore-heldout)."""
+  return _paired(run, "greedy")
+
+
+def _paired(run: dict, name: str):
   from pipe_rlhf_jax.phases.heldout import paired_change
-  if "greedy_after_per_prompt" not in run:
+  if f"{name}_after_per_prompt" not in run:
     return None
-  return paired_change(run["greedy_before_per_prompt"], run["greedy_after_per_prompt"])
+  return paired_change(run[f"{name}_before_per_prompt"], run[f"{name}_after_per_prompt"])
 
 
 # ---- aggregation and output ------------------------------------------------------------------

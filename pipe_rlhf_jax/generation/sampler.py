@@ -378,3 +378,19 @@ def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
   prefill, decode = cached_generate_fns(graphdef, params)
   decode_state = prefill(state, prompt_tokens, prompt_mask, rng, sample_ids)
   return decode(state, decode_state, prompt_mask, rng, sample_ids).output()
+
+
+def generate_repeated(model: nnx.Module, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
+                      k: int, sampling: SamplingParams, *, rng: jax.Array
+                      ) -> tuple[np.ndarray, np.ndarray, GenerationOutput]:
+  """k completions of every prompt from `sampling`'s distribution, the k of a prompt in
+  consecutive rows; returns the repeated prompts ([B * k, P] tokens and mask) and the
+  output. Sample ids are the rows' positions, so the draws depend on the prompts' order
+  and `rng`, not on the layout the model runs on."""
+  prompt_tokens = np.repeat(np.asarray(prompt_tokens), k, axis=0)  # [B * k, P]
+  prompt_mask = np.repeat(np.asarray(prompt_mask), k, axis=0)
+  s = sampling
+  out = generate(model, prompt_tokens, prompt_mask, s.max_new_tokens, rng=rng,
+                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_id=s.eos_id,
+                 pad_id=s.pad_id)
+  return prompt_tokens, prompt_mask, out

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 
@@ -79,18 +79,10 @@ def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
   """
   model = nnx.merge(graphdef, params)
   k = max(samples_per_prompt, 1)
-  prompt_tokens = np.repeat(batch["prompt_tokens"], k, axis=0)  # [prompts * k, P]
-  prompt_mask = np.repeat(batch["prompt_mask"], k, axis=0)
-  if samples_per_prompt:
-    out = generate(model, prompt_tokens, prompt_mask, sampling.max_new_tokens,
-                   rng=jax.random.key(0), temperature=sampling.temperature,
-                   top_k=sampling.top_k, top_p=sampling.top_p, eos_id=sampling.eos_id,
-                   pad_id=sampling.pad_id,
-                   sample_ids=np.arange(prompt_tokens.shape[0], dtype=np.int32))
-  else:
-    out = generate(model, prompt_tokens, prompt_mask, sampling.max_new_tokens,
-                   rng=jax.random.key(0), temperature=0.0, eos_id=sampling.eos_id,
-                   pad_id=sampling.pad_id)
+  # Greedy: temperature 0 (top-k / top-p then select nothing the argmax would not).
+  decoding = sampling if samples_per_prompt else dataclasses.replace(sampling, temperature=0.0)
+  prompt_tokens, prompt_mask, out = generate_repeated(
+      model, batch["prompt_tokens"], batch["prompt_mask"], k, decoding, rng=jax.random.key(0))
   tokens, mask = distributed.fetch((out.tokens, out.mask))
   prompts = [tokenizer.decode(p[m]) for p, m in zip(prompt_tokens, prompt_mask)]
   completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]

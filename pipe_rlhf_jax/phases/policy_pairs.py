@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
 
 
 class PolicyPairs:
@@ -81,13 +81,9 @@ class PolicyPairs:
     if self._sampling.max_new_tokens != length:
       raise ValueError(f"policy pairs: samples of {self._sampling.max_new_tokens} tokens "
                        f"for completions of {length}")
-    prompt = np.repeat(batch["prompt_tokens"][:rows], k, axis=0)  # [rows * k, P]
-    prompt_mask = np.repeat(batch["prompt_mask"][:rows], k, axis=0)
-    s = self._sampling
-    out = generate(self._model, prompt, prompt_mask, length,
-                   rng=jax.random.fold_in(self._rng, self._step), temperature=s.temperature,
-                   top_k=s.top_k, top_p=s.top_p, eos_id=s.eos_id, pad_id=s.pad_id,
-                   sample_ids=np.arange(rows * k, dtype=np.int32))
+    prompt, prompt_mask, out = generate_repeated(  # [rows * k, P] prompts
+        self._model, batch["prompt_tokens"][:rows], batch["prompt_mask"][:rows], k,
+        self._sampling, rng=jax.random.fold_in(self._rng, self._step))
     tokens, mask = (np.asarray(x) for x in distributed.fetch((out.tokens, out.mask)))
     decode = self._tokenizer.decode
     prompts = [decode(p[m]) for p, m in zip(prompt, prompt_mask)]

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
 from pipe_rlhf_jax.stages.common import sequence_scores
 
 
@@ -54,13 +54,9 @@ def score_statistics(policy_graphdef: nnx.GraphDef, policy: nnx.State,
   if k < 1:
     raise ValueError(f"reward.normalize_samples_per_prompt={k}: draw at least 1 answer "
                      "per prompt.")
-  prompt_tokens = np.repeat(batch["prompt_tokens"], k, axis=0)  # [prompts * k, P]
-  prompt_mask = np.repeat(batch["prompt_mask"], k, axis=0)
-  out = generate(nnx.merge(policy_graphdef, policy), prompt_tokens, prompt_mask,
-                 sampling.max_new_tokens, rng=jax.random.key(seed),
-                 temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                 eos_id=sampling.eos_id, pad_id=sampling.pad_id,
-                 sample_ids=np.arange(prompt_tokens.shape[0], dtype=np.int32))
+  prompt_tokens, prompt_mask, out = generate_repeated(
+      nnx.merge(policy_graphdef, policy), batch["prompt_tokens"], batch["prompt_mask"], k,
+      sampling, rng=jax.random.key(seed))
   tokens, mask = distributed.fetch((out.tokens, out.mask))
   scores = np.asarray(distributed.fetch(jax.jit(
       lambda params, *args: sequence_scores(reward_graphdef, params, *args))(
