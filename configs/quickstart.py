@@ -138,6 +138,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.adaptive_kl = False
   config.ppo.kl_target = 0.5
   config.ppo.kl_horizon = 1000
+  # Whose KL the rewards penalise: "behaviour" (the sampling policy) or "proximal" (the
+  # trainer's, taken again as each update starts; differs only for stale rollouts).
+  config.ppo.kl_policy = "behaviour"
+  # > 0: stop an update's remaining minibatch steps once the policy has moved this far
+  # (approximate KL to the update's starting actor, x 1.5); 0 = off.
+  config.ppo.target_kl = 0.0
   config.ppo.whiten_advantages = True
   config.ppo.loss = "ppo_clip"  # or "decoupled_ppo_clip"
   config.ppo.loss_agg = "token_mean"  # or "seq_mean_token_mean", "token_sum_norm"

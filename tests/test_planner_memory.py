@@ -57,7 +57,8 @@ def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:
                     behaviour_logprobs=z((b, t)), policy_version=z((), jnp.int32))
   exp = Experience(rollout=rollout, old_logprobs=z((b, t)), ref_logprobs=z((b, t)),
                    values=z((b, t)), scores=z((b,)), rewards=z((b, t)),
-                   advantages=z((b, t)), returns=z((b, t)), kl=z((b, t)))
+                   advantages=z((b, t)), returns=z((b, t)), kl=z((b, t)),
+                   kl_coef=z(()))
   exp = jax.device_put(exp, layout.batch_shardings(exp))
   compiled = stage._build_update(state).lower(state, exp, jax.random.key(0)).compile()
   m = compiled.memory_analysis()

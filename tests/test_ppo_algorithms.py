@@ -193,6 +193,10 @@ def ppo(**fields):
     (dict(kl_in="loss", adaptive_kl=True), r"ppo.adaptive_kl=True .* ppo.kl_in='reward'"),
     (dict(kl_coef=0.0, adaptive_kl=True), r"ppo.adaptive_kl=True with ppo.kl_coef=0"),
     (dict(grpo_norm_by_std="yes"), r"ppo.grpo_norm_by_std='yes' must be True or False"),
+    (dict(kl_policy="current"), r"ppo.kl_policy='current'; choose one of .*'proximal'"),
+    (dict(target_kl=-0.1), r"ppo.target_kl"),
+    (dict(kl_policy="proximal", kl_in="loss"), r"ppo.kl_policy='proximal'.*kl_in='loss'"),
+    (dict(kl_policy="proximal", kl_coef=0.0), r"ppo.kl_policy='proximal'.*kl_coef=0.0"),
 ])
 def test_settings_refuse_bad_algorithm_fields(fields, message):
   with pytest.raises(ValueError, match=message):

@@ -37,7 +37,8 @@ def ppo_section(**overrides):
              minibatch_size=BATCH, clip_eps=0.2, value_clip_eps=0.2, entropy_coef=0.0,
              loss="ppo_clip", behaviour_weight_cap=2.0, kl_in="reward", kl_coef=0.1,
              group_size=1, grpo_norm_by_std=True, grpo_eps=1e-6, loss_agg="token_mean",
-             loss_norm_len=0, reward_shift=0.0, reward_scale=1.0)
+             loss_norm_len=0, reward_shift=0.0, reward_scale=1.0, kl_policy="behaviour",
+             target_kl=0.0)
   ppo.update(overrides)
   return types.SimpleNamespace(**ppo)
 
@@ -286,7 +287,8 @@ def generated_experience(layout, models, ppo, seed=0):
   zeros = jnp.zeros(mask.shape, jnp.float32)
   return Experience(rollout=rollout, old_logprobs=rollout.behaviour_logprobs,
                     ref_logprobs=zeros, values=rand(), scores=zeros[:, 0], rewards=zeros,
-                    advantages=rand(), returns=rand(), kl=zeros)
+                    advantages=rand(), returns=rand(), kl=zeros,
+                    kl_coef=jnp.zeros((), jnp.float32))
 
 
 def test_train_update_on_the_sampling_weights_has_ratio_one(layout, models):
@@ -339,6 +341,97 @@ def test_decoupled_update_weights_tokens_by_the_capped_behaviour_ratio(layout, m
                              rtol=1e-6)
   # The cap binds on some tokens and not on others, so the check above is not vacuous.
   assert 0 < np.mean(weight > cap) < 1
+
+
+def test_target_kl_stops_the_update_and_keeps_the_steps_before(layout, models):
+  # 4 epochs of one minibatch; a tiny target stops at the second step (the first starts
+  # at KL 0), so the result is the one-step update's; a huge one stops nothing.
+  exp = generated_experience(layout, models, ppo_section(), seed=4)
+
+  def run(epochs, target_kl):
+    ppo = ppo_section(epochs=epochs, target_kl=target_kl)
+    tx = lambda: make_optimizer(1e-2, total_steps=10)
+    trainer = TrainStage(layout, models["actor"][0], models["critic"][0],
+                         PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
+    state = trainer.init_state(models["actor"][1], models["critic"][1])
+    return trainer.update(state, exp, jax.random.key(7))
+
+  one_step, one_metrics = run(1, 0.0)
+  stopped, metrics = run(4, 1e-6)
+  assert float(metrics["early_stop"]) == 1.0 and float(metrics["gradient_steps"]) == 1.0
+  for got, want in zip(jax.tree.leaves((stopped.actor, stopped.critic, stopped.actor_opt)),
+                       jax.tree.leaves((one_step.actor, one_step.critic,
+                                        one_step.actor_opt))):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+  # Its metrics are the means of the two steps that ran: the stopping one moved away.
+  assert float(metrics["kl_from_start"]) > 1.5e-6 / 2
+  assert "early_stop" not in one_metrics
+
+  free, free_metrics = run(4, 1e3)
+  plain, _ = run(4, 0.0)
+  assert float(free_metrics["early_stop"]) == 0.0
+  assert float(free_metrics["gradient_steps"]) == 4.0
+  for got, want in zip(jax.tree.leaves(free.actor), jax.tree.leaves(plain.actor)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+  # Not vacuous: four steps went further than one.
+  moved_by = lambda st: sum(float(jnp.abs(a - b).sum()) for a, b in zip(
+      jax.tree.leaves(st.actor), jax.tree.leaves(models["actor"][1])))
+  assert moved_by(plain) > 1.5 * moved_by(one_step)
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo_clip"])
+def test_proximal_kl_policy_rederives_the_targets_at_the_trainers_actor(layout, models,
+                                                                       loss):
+  # A stale rollout: the inference stage penalised the behaviour policy's KL; with
+  # kl_policy="proximal" the trainer takes it again at its own (moved) actor and
+  # re-derives rewards, GAE and whitening, as numpy does from that actor's log-probs.
+  cap, kl_coef = 2.0, 0.3
+  rollout = hand_rollout()
+  actor_gd, ref = models["actor"]
+  actor = moved(ref, seed=3, scale=0.3)  # the trainer's actor, versions ahead
+
+  def first_step(kl_policy):
+    ppo = ppo_section(loss=loss, kl_policy=kl_policy, behaviour_weight_cap=cap)
+    infer = InferStage(layout, actor_gd, models["critic"][0], models["reward"][0],
+                       InferHyper.from_settings(ppo, ppo.temperature))
+    exp, _ = infer(ref, models["critic"][1], models["reward"][1], rollout, kl_coef)
+    trainer = train_stage(layout, models, ppo)
+    state = trainer.init_state(actor, models["critic"][1])
+    return trainer.update(state, exp, jax.random.key(6))[1]
+
+  proximal = full_forward(actor_gd, actor, rollout)[:, PROMPT - 1:-1]
+  logp = proximal - proximal.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  mask = np.asarray(rollout.completion_mask)
+  tokens = np.asarray(rollout.completion_tokens)
+  prox_lp = np.where(mask, np.take_along_axis(logp, tokens[..., None], -1)[..., 0], 0.0)
+  at_prox = rollout.replace(behaviour_logprobs=jnp.asarray(prox_lp, jnp.float32))
+  want = numpy_experience(full_forward(actor_gd, ref, rollout),
+                          full_forward(*models["critic"], rollout),
+                          full_forward(*models["reward"], rollout), at_prox,
+                          ppo_section(), kl_coef)
+  advantages = want["advantages"][mask]
+  # The first minibatch is the batch at the initial weights: the surrogate at ratio
+  # pi / pi_old, where pi_old is the behaviour policy (ppo_clip) or pi itself (decoupled,
+  # whose behaviour weight pi / pi_behaviour is capped).
+  weight = np.exp(prox_lp - np.asarray(rollout.behaviour_logprobs))[mask]
+  if loss == "ppo_clip":
+    surrogate = np.minimum(weight * advantages, np.clip(weight, 0.8, 1.2) * advantages)
+  else:
+    surrogate = np.minimum(weight, cap) * advantages
+  metrics = first_step("proximal")
+  np.testing.assert_allclose(float(metrics["policy_loss"]), -surrogate.mean(), rtol=1e-4,
+                             atol=1e-5)
+  np.testing.assert_allclose(float(metrics["kl_proximal/mean"]), want["kl"].sum(1).mean(),
+                             rtol=1e-5, atol=1e-5)
+  # Not vacuous: the behaviour policy's targets give another loss.
+  behaviour = first_step("behaviour")
+  assert abs(float(behaviour["policy_loss"]) - float(metrics["policy_loss"])) > 1e-3
+  if loss == "decoupled_ppo_clip":  # the proximal log-probs exist, so the lag is shown
+    assert float(behaviour["kl_proximal/mean"]) == pytest.approx(
+        float(metrics["kl_proximal/mean"]), rel=1e-6)
+  else:
+    assert "kl_proximal/mean" not in behaviour
 
 
 @pytest.mark.parametrize("kl_coef", [0.3, 0.0])

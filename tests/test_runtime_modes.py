@@ -101,7 +101,7 @@ CRITIC_FREE = dict(advantage_estimator="rloo", group_size=4, whiten_advantages=F
 
 
 @pytest.mark.parametrize("algorithm", [
-    pytest.param({}, id="gae"),
+    pytest.param(dict(kl_policy="proximal"), id="gae"),
     pytest.param(CRITIC_FREE, id="rloo", marks=pytest.mark.slow)])
 def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypatch,
                                                               algorithm):
@@ -130,6 +130,9 @@ def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypa
   assert lags[0] == 0 and lags[1] == 1  # a lag of 1 was used, not only allowed
   # Decoupled objective: behaviour importance weights are reported and capped.
   assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result["ppo_metrics"])
+  # The proximal policy's KL is reported (and, with kl_policy="proximal", penalised).
+  # (k1 of tokens another policy sampled may be negative.)
+  assert all(np.isfinite(r["kl_proximal/mean"]) for r in result["ppo_metrics"])
   trace = json.load(open(os.path.join(str(tmp_path), "trace.json")))
   stages = {e["args"].get("batch") for e in trace["traceEvents"] if e.get("ph") == "X"}
   assert set(range(6)) <= stages

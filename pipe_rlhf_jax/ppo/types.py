@@ -54,6 +54,8 @@ class Experience:
     returns: f32 [batch, completion_len], value targets (GAE) or the estimator's returns.
     kl: f32 [batch, completion_len], per-token KL estimate of the behaviour policy against
       the reference; None without a reference.
+    kl_coef: f32 [], the KL coefficient `rewards` were shaped with (that of the rollout's
+      policy version), so the trainer can shape them again (`ppo.kl_policy`).
 
   Rows [g * n, (g + 1) * n) are the n = ppo.group_size completions of one prompt.
   """
@@ -67,3 +69,4 @@ class Experience:
   advantages: jax.Array
   returns: jax.Array
   kl: jax.Array
+  kl_coef: jax.Array

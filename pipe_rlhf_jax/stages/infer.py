@@ -77,6 +77,51 @@ class InferHyper:
     return ADVANTAGE_ESTIMATORS.info(self.advantage_estimator)["needs_critic"]
 
 
+def derive_targets(h: InferHyper, rollout: Rollout, policy_logprobs: jax.Array | None,
+                   ref_logprobs: jax.Array | None, values: jax.Array | None,
+                   scores: jax.Array, kl_coef: jax.Array) -> Experience:
+  """KL shaping, the advantage estimator and whitening: a rollout's PPO targets.
+
+  A pure function of its inputs (traced inside the stages' jitted programs), so that the
+  inference stage derives the targets at the behaviour policy and the trainer can derive
+  them again at its own policy (`ppo.kl_policy="proximal"`, `stages/train.py`).
+
+  Args:
+    h: the estimator, KL and reward-scale settings.
+    rollout: the generating batch.
+    policy_logprobs: f32 [batch, completion_len] log-probs of the sampled tokens under the
+      policy whose KL to the reference the rewards penalise (the behaviour policy's at
+      the inference stage).
+    ref_logprobs: f32 [batch, completion_len], or None without a reference.
+    values: f32 [batch, completion_len] critic values, or None without a critic.
+    scores: f32 [batch] raw sequence scores.
+    kl_coef: f32 [] the KL coefficient of the rollout's policy version.
+
+  Returns:
+    The experience; its `old_logprobs` are the behaviour log-probs.
+  """
+  r = rollout
+  mask = r.completion_mask
+  kl = (kl_lib.kl_penalty(policy_logprobs, ref_logprobs, mask, h.kl_estimator)
+        if ref_logprobs is not None else None)
+  # The score as the rewards see it (`reward_shift` / `reward_scale`: the reward model's
+  # standardisation); `Experience.scores` and the metrics keep it raw.
+  shaped = ((scores - h.reward_shift) / h.reward_scale
+            if (h.reward_shift, h.reward_scale) != (0.0, 1.0) else scores)
+  kl_coef = jnp.asarray(kl_coef, jnp.float32)
+  if kl is not None and h.kl_in == "reward":
+    rewards = kl_lib.shape_rewards(shaped, kl, mask, kl_coef)
+  else:  # the score alone, on each row's last valid token
+    rewards = kl_lib.shape_rewards(shaped, jnp.zeros(mask.shape, jnp.float32), mask, 0.0)
+  estimate = ADVANTAGE_ESTIMATORS.get(h.advantage_estimator, field="ppo.advantage_estimator")
+  advantages, returns = estimate(rewards, values, mask, h.advantage_settings)
+  if h.whiten_advantages:
+    advantages = adv_lib.whiten(advantages, mask)
+  return Experience(rollout=r, old_logprobs=r.behaviour_logprobs, ref_logprobs=ref_logprobs,
+                    values=values, scores=scores, rewards=rewards, advantages=advantages,
+                    returns=returns, kl=kl, kl_coef=kl_coef)
+
+
 class InferStage:
   """Scores rollouts on the inference mesh.
 
@@ -111,9 +156,7 @@ class InferStage:
     self.eval_fn = eval_fn
     self.decode = decode
     h = hyper
-    estimate_advantages = ADVANTAGE_ESTIMATORS.get(h.advantage_estimator,
-                                                   field="ppo.advantage_estimator")
-    settings = h.advantage_settings
+    ADVANTAGE_ESTIMATORS.get(h.advantage_estimator, field="ppo.advantage_estimator")
 
     def forward(ref, critic, reward_model, rollout: Rollout):
       # The model passes, one jitted program dispatched before any host work so that a
@@ -135,27 +178,9 @@ class InferStage:
         return ref_logprobs, values, model_scores
 
     def make_experience(rollout: Rollout, ref_logprobs, values, scores, kl_coef):
-      # [batch, length] token arrays; `scores` [batch] from the reward model or the rule.
       with layout.rules_context():
-        r = rollout
-        mask = r.completion_mask
-        kl = (kl_lib.kl_penalty(r.behaviour_logprobs, ref_logprobs, mask, h.kl_estimator)
-              if ref_logprobs is not None else None)
-        # The score as the rewards see it (`reward_shift` / `reward_scale`: the reward
-        # model's standardisation); `Experience.scores` and the metrics keep it raw.
-        shaped = ((scores - h.reward_shift) / h.reward_scale
-                  if (h.reward_shift, h.reward_scale) != (0.0, 1.0) else scores)
-        if kl is not None and h.kl_in == "reward":
-          rewards = kl_lib.shape_rewards(shaped, kl, mask, kl_coef)
-        else:  # the score alone, on each row's last valid token
-          rewards = kl_lib.shape_rewards(shaped, jnp.zeros(mask.shape, jnp.float32), mask,
-                                         0.0)
-        advantages, returns = estimate_advantages(rewards, values, mask, settings)
-        if h.whiten_advantages:
-          advantages = adv_lib.whiten(advantages, mask)
-        exp = Experience(rollout=r, old_logprobs=r.behaviour_logprobs,
-                         ref_logprobs=ref_logprobs, values=values, scores=scores,
-                         rewards=rewards, advantages=advantages, returns=returns, kl=kl)
+        exp = derive_targets(h, rollout, rollout.behaviour_logprobs, ref_logprobs, values,
+                             scores, kl_coef)
         return exp, experience_metrics(exp)
 
     self._forward = jax.jit(forward)

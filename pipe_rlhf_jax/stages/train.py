@@ -8,6 +8,11 @@ gradients are not finite is skipped inside the jitted function (parameters and o
 state keep their old values) and counted; the caller stops the run after
 `ppo.max_bad_steps` consecutive bad PPO steps.
 
+With `ppo.kl_policy == "proximal"` the update first takes the rewards' KL penalty again at
+its own actor (the proximal policy) and re-derives advantages and returns from it
+(`stages.infer.derive_targets`), so stale rollouts are penalised for the KL of the policy
+being trained rather than of the one that sampled them.
+
 The actor loss is the policy surrogate, plus `kl_coef` times the KL to the reference
 when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
 tokens as `ppo.loss_agg` says. Minibatches are drawn group by group (`ppo.group_size`
@@ -33,6 +38,7 @@ from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          completion_values)
+from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
 
 
 @struct.dataclass
@@ -72,6 +78,13 @@ class PPOHyper:
   loss_norm_len: int = 0
   kl_loss_coef: float = 0.0  # kl_coef when ppo.kl_in == "loss", else 0 (no KL loss)
   kl_estimator: str = "k3"
+  # "proximal": the rewards' KL penalty is taken again at the trainer's actor as the
+  # update starts, and the targets re-derived with `targets` (the inference stage's
+  # settings); "behaviour": the experience is used as it arrives.
+  kl_policy: str = "behaviour"
+  targets: InferHyper | None = None
+  target_kl: float = 0.0  # > 0: stop the update's remaining steps past 1.5 x this KL
+
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
@@ -82,7 +95,10 @@ class PPOHyper:
                temperature=temperature, group_size=ppo.group_size, loss_agg=ppo.loss_agg,
                loss_norm_len=ppo.loss_norm_len,
                kl_loss_coef=float(ppo.kl_coef) if ppo.kl_in == "loss" else 0.0,
-               kl_estimator=ppo.kl_estimator)
+               kl_estimator=ppo.kl_estimator, kl_policy=ppo.kl_policy,
+               target_kl=float(ppo.target_kl),
+               targets=(InferHyper.from_settings(ppo, temperature)
+                        if ppo.kl_policy == "proximal" else None))
 
 
 class TrainStage:
@@ -165,7 +181,7 @@ class TrainStage:
     has_critic = self.has_critic
     layout = self.layout
 
-    def minibatch_step(state: ActorCriticState, mb: dict):
+    def gradient_step(state: ActorCriticState, mb: dict):
       r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
       mask = r.completion_mask
       agg = lambda per_token: aggregate(per_token, mask, h.loss_agg, h.loss_norm_len)
@@ -184,6 +200,12 @@ class TrainStage:
         total = pg - h.entropy_coef * agg(entropy) if h.entropy_coef else pg
         # The reported entropy is a token mean whatever ppo.loss_agg, so runs compare.
         aux = {**aux, "policy_loss": pg, "entropy": masked_mean(entropy, mask)}
+        if h.target_kl:
+          # How far this update has moved the policy so far (the same (r - 1) - log r
+          # as approx_kl, but against the actor the update started from, so stale
+          # rollouts' own distance from it does not count).
+          log_ratio = jnp.where(mask, logprobs - mb["start_logprobs"], 0.0)
+          aux["kl_from_start"] = masked_mean(jnp.expm1(log_ratio) - log_ratio, mask)
         if h.kl_loss_coef:
           # GRPO-style KL term: of the *current* policy to the reference, on the sampled
           # tokens (k3: unbiased and >= 0, with a gradient that pulls towards the
@@ -217,16 +239,61 @@ class TrainStage:
       metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
       return new, metrics
 
+    def minibatch_step(carry, mb: dict):
+      """One gradient step, or none once the update has stopped early (`target_kl`).
+
+      The carry is (state, stopped); a stopped update skips the remaining steps' work
+      (`lax.cond`), and the step whose starting KL passes 1.5 x target_kl is measured
+      but not applied (the usual early stop). Metrics come with `ran`: 1 for the steps
+      that were computed, whose means are reported.
+      """
+      state, stopped = carry
+      if not h.target_kl:
+        new, metrics = gradient_step(state, mb)
+        return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
+
+      def run(state):
+        new, metrics = gradient_step(state, mb)
+        over = metrics["kl_from_start"] > 1.5 * h.target_kl
+        new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
+        return new, metrics, over
+
+      shapes = jax.eval_shape(lambda s: run(s)[1], state)
+
+      def skip(state):
+        return (state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                jnp.ones((), bool))
+
+      new, metrics, over = jax.lax.cond(stopped, skip, run, state)
+      ran = 1.0 - stopped.astype(jnp.float32)
+      return (new, stopped | over), {**metrics, "ran": ran}
+
     def update(state: ActorCriticState, exp: Experience, rng: jax.Array):
       with layout.rules_context():
         r = exp.rollout
+        proximal = h.kl_policy == "proximal"
         old_logprobs = exp.old_logprobs
-        if decoupled:
-          # The proximal policy is the trainer's current actor, which may be several
-          # versions ahead of the behaviour policy that sampled the rollout.
-          old_logprobs = completion_logprobs(
+        extra = {}
+        if decoupled or proximal or h.target_kl:
+          # The proximal policy is the trainer's actor as the update starts, which may be
+          # several versions ahead of the behaviour policy that sampled the rollout.
+          prox_logprobs = completion_logprobs(
               actor_gd, state.actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
               r.completion_mask, temperature=h.temperature)
+          if decoupled:
+            old_logprobs = prox_logprobs
+          if proximal:
+            # The KL-regularised objective penalises the KL of the policy being
+            # optimised; the behaviour policy's lags it by the rollout's staleness, a
+            # delayed restoring force that lets full (decoupled) steps overshoot.
+            exp = derive_targets(h.targets, r, prox_logprobs, exp.ref_logprobs,
+                                 exp.values, exp.scores, exp.kl_coef)
+          if exp.ref_logprobs is not None:
+            # The lag itself: the proximal policy's KL on the same tokens, beside the
+            # behaviour policy's `kl/mean` of the inference stage.
+            kl = kl_penalty(prox_logprobs, exp.ref_logprobs, r.completion_mask,
+                            h.kl_estimator)
+            extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
         # Every leaf is [batch, ...] so minibatches can be gathered uniformly.
         per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version, (
             r.prompt_tokens.shape[0],)))
@@ -236,23 +303,33 @@ class TrainStage:
           data.update(values=exp.values, returns=exp.returns)
         if h.kl_loss_coef:
           data["ref_logprobs"] = exp.ref_logprobs
+        if h.target_kl:
+          data["start_logprobs"] = prox_logprobs
         batch = r.prompt_tokens.shape[0]
         n = h.group_size
         num_mb = batch // h.minibatch_size
         groups_per_mb = h.minibatch_size // n
 
-        def epoch(state, epoch_rng):
+        def epoch(carry, epoch_rng):
           # Shuffle whole groups (rows [g * n, (g + 1) * n)); with n = 1 this is the
           # per-sample permutation, so PPO runs without groups are unchanged.
           groups = jax.random.permutation(epoch_rng, batch // n)
           groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
           perm = (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
           mbs = jax.tree.map(lambda x: x[perm], data)
-          return jax.lax.scan(minibatch_step, state, mbs)
+          return jax.lax.scan(minibatch_step, carry, mbs)
 
-        state, metrics = jax.lax.scan(epoch, state, jax.random.split(rng, h.epochs))
-        metrics = jax.tree.map(jnp.mean, metrics)
-        metrics["bad_updates"] = metrics.pop("bad_update") * h.epochs * num_mb
+        (state, stopped), metrics = jax.lax.scan(
+            epoch, (state, jnp.zeros((), bool)), jax.random.split(rng, h.epochs))
+        # Means over the gradient steps that ran (all of them without target_kl).
+        ran = metrics.pop("ran")
+        metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
+        metrics["bad_updates"] = metrics.pop("bad_update") * jnp.sum(ran)
+        if h.target_kl:
+          # Gradient steps taken: the ones that ran, less the one that stopped.
+          metrics["early_stop"] = stopped.astype(jnp.float32)
+          metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
+        metrics.update(extra)
         return state.replace(step=state.step + 1), metrics
 
     shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)

@@ -75,6 +75,15 @@ class PPOConfig:
       reward before the advantages) or "loss" (GRPO style: + kl_coef * kl_t of the
       current policy, aggregated like the policy loss; use "k3").
     adaptive_kl / kl_target / kl_horizon: the proportional KL controller (kl_in="reward").
+    kl_policy: whose KL the rewards penalise (kl_in="reward"): "behaviour" (the policy
+      that sampled the rollout, as the inference stage measures it) or "proximal" (the
+      trainer's actor as the update starts: the trainer re-derives rewards, advantages
+      and returns; one more forward pass unless the loss is decoupled). They differ only
+      for stale rollouts (`pipe` mode, runtime.max_staleness > 0).
+    target_kl: > 0 stops an update early: once a minibatch's approximate KL between the
+      actor and the actor the update started from passes 1.5 x target_kl, that step and
+      the update's remaining ones are not applied (`early_stop`, `gradient_steps` are
+      logged); 0 = off.
     whiten_advantages: normalise advantages per batch (estimators that define their own
       normalisation, like grpo, need it off).
     advantage_estimator: registered name: "gae" (needs a critic), or the critic-free
@@ -118,6 +127,8 @@ class PPOConfig:
   adaptive_kl: bool = False
   kl_target: float = 6.0
   kl_horizon: float = 10000
+  kl_policy: str = "behaviour"
+  target_kl: float = 0.0
   whiten_advantages: bool = True
   advantage_estimator: str = "gae"
   group_size: int = 1
@@ -150,7 +161,7 @@ class PPOConfig:
     if (isinstance(self.reward_shift, bool) or not isinstance(self.reward_shift, (int, float))
         or not math.isfinite(self.reward_shift)):
       raise ValueError(f"ppo.reward_shift={self.reward_shift!r} must be a finite number.")
-    for name in ("kl_coef", "entropy_coef"):
+    for name in ("kl_coef", "entropy_coef", "target_kl"):
       _check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
       _check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
@@ -174,6 +185,12 @@ class PPOConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
     _check_choice(self.kl_in, f + "kl_in", KL_PLACEMENTS)
+    _check_choice(self.kl_policy, f + "kl_policy", ("behaviour", "proximal"))
+    if self.kl_policy == "proximal" and (self.kl_in != "reward" or self.kl_coef == 0):
+      raise ValueError(
+          "ppo.kl_policy='proximal' takes the rewards' KL penalty at the trainer's policy; "
+          f"with ppo.kl_in={self.kl_in!r} and ppo.kl_coef={self.kl_coef} there is none. "
+          "Set ppo.kl_policy='behaviour', or ppo.kl_in='reward' with ppo.kl_coef > 0.")
     _check_choice(self.loss_agg, f + "loss_agg", registry.LOSS_AGGREGATIONS.names())
     # Groups are contiguous rows: a batch and every training minibatch hold whole groups
     # (minibatches are drawn group by group, so a group's advantages, which sum to zero
