@@ -30,8 +30,10 @@ Outputs under --out (default experiments/out/learning_curves/<config name>[-<tag
   runs.csv, runs.json        every finished run
   table.md                   the per-cell table, with the command and the goal checks
   curves.png                 accuracy vs PPO step, mean and +-1 std band per cell
-  settings.json              what the runs were made with; another --set/--steps refuses
-                             to resume into the same directory (use --tag)
+  settings.json              what the runs were made with (the overrides and the config's
+                             resolved ppo / reward sections); other settings, a changed
+                             default included, refuse to resume into the same directory
+                             (use --tag)
 
 Warm starts live beside the output directories, in
 experiments/out/learning_curves/warm_starts/<fingerprint>/ (the hash of the seed and the
@@ -663,6 +665,9 @@ def check_settings(out: str, settings: dict) -> None:
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       saved = json.load(f)
+    # The config's own ppo / reward sections too, so that a changed default does not mix
+    # into a table made before it (directories from before this check have none).
+    keys += tuple(k for k in ("ppo", "reward") if k in saved)
     if any(saved.get(k) != settings[k] for k in keys):
       raise SystemExit(
           f"{out} holds runs made with {({k: saved.get(k) for k in keys})}, not "
@@ -693,7 +698,8 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
   settings = {"command": command, "config": args.config, "overrides": args.overrides,
-              "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn}
+              "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn,
+              "ppo": probe.ppo.to_dict(), "reward": probe.reward.to_dict()}
   check_settings(args.out, settings)
   store = os.path.join(os.path.dirname(args.out), "warm_starts")
   if not (args.report_only or args.rescore_heldout):

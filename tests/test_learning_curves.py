@@ -161,11 +161,16 @@ def test_samples_per_s_leaves_out_the_compiling_updates():
 
 def test_settings_of_another_experiment_are_refused(tmp_path):
   settings = {"command": "x", "config": "c.py", "overrides": {"ppo.kl_coef": 0.3},
-              "steps": 60, "eval_fn": "reverse_accuracy"}
+              "steps": 60, "eval_fn": "reverse_accuracy",
+              "ppo": {"kl_coef": 0.3, "kl_policy": "behaviour"}, "reward": {"fn": "model"}}
   lc.check_settings(str(tmp_path), settings)
   lc.check_settings(str(tmp_path), {**settings, "command": "y"})  # same experiment
   with pytest.raises(SystemExit, match="pass another --tag"):
     lc.check_settings(str(tmp_path), {**settings, "overrides": {}})
+  # A changed default of the config (no override says so) is refused too.
+  with pytest.raises(SystemExit, match="kl_policy"):
+    lc.check_settings(str(tmp_path), {**settings, "ppo": {"kl_coef": 0.3,
+                                                          "kl_policy": "proximal"}})
   assert json.load(open(tmp_path / "settings.json"))["command"] == "y"
 
 
