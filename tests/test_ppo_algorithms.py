@@ -195,12 +195,20 @@ def ppo(**fields):
     (dict(grpo_norm_by_std="yes"), r"ppo.grpo_norm_by_std='yes' must be True or False"),
     (dict(kl_policy="current"), r"ppo.kl_policy='current'; choose one of .*'proximal'"),
     (dict(target_kl=-0.1), r"ppo.target_kl"),
-    (dict(kl_policy="proximal", kl_in="loss"), r"ppo.kl_policy='proximal'.*kl_in='loss'"),
-    (dict(kl_policy="proximal", kl_coef=0.0), r"ppo.kl_policy='proximal'.*kl_coef=0.0"),
 ])
 def test_settings_refuse_bad_algorithm_fields(fields, message):
   with pytest.raises(ValueError, match=message):
     ppo(**fields)
+
+
+def test_proximal_kl_policy_acts_only_where_the_rewards_hold_a_kl():
+  from pipe_rlhf_jax.stages.train import PPOHyper
+  hyper = PPOHyper.from_settings(ppo(kl_policy="proximal"), 1.0)
+  assert hyper.kl_policy == "proximal" and hyper.targets.kl_in == "reward"
+  # KL in the loss, or none: the re-derived targets would equal the inference stage's.
+  for fields in (dict(kl_in="loss", kl_estimator="k3"), dict(kl_coef=0.0)):
+    hyper = PPOHyper.from_settings(ppo(kl_policy="proximal", **fields), 1.0)
+    assert hyper.kl_policy == "behaviour" and hyper.targets is None
 
 
 def test_settings_say_which_models_the_algorithm_needs():

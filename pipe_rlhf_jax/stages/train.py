@@ -88,17 +88,24 @@ class PPOHyper:
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
-    """From a `system.settings.PPOConfig` (or any object with its fields)."""
+    """From a `system.settings.PPOConfig` (or any object with its fields).
+
+    `kl_policy="proximal"` is kept only where the rewards hold a KL penalty: without
+    one the re-derived targets would equal the inference stage's.
+    """
+    kl_policy = ppo.kl_policy
+    if ppo.kl_in != "reward" or not ppo.kl_coef:
+      kl_policy = "behaviour"
     return cls(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size, clip_eps=ppo.clip_eps,
                value_clip_eps=ppo.value_clip_eps, entropy_coef=ppo.entropy_coef,
                loss=ppo.loss, behaviour_weight_cap=ppo.behaviour_weight_cap,
                temperature=temperature, group_size=ppo.group_size, loss_agg=ppo.loss_agg,
                loss_norm_len=ppo.loss_norm_len,
                kl_loss_coef=float(ppo.kl_coef) if ppo.kl_in == "loss" else 0.0,
-               kl_estimator=ppo.kl_estimator, kl_policy=ppo.kl_policy,
+               kl_estimator=ppo.kl_estimator, kl_policy=kl_policy,
                target_kl=float(ppo.target_kl),
                targets=(InferHyper.from_settings(ppo, temperature)
-                        if ppo.kl_policy == "proximal" else None))
+                        if kl_policy == "proximal" else None))
 
 
 class TrainStage:

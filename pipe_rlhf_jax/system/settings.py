@@ -79,7 +79,8 @@ class PPOConfig:
       that sampled the rollout, as the inference stage measures it) or "proximal" (the
       trainer's actor as the update starts: the trainer re-derives rewards, advantages
       and returns; one more forward pass unless the loss is decoupled). They differ only
-      for stale rollouts (`pipe` mode, runtime.max_staleness > 0).
+      for stale rollouts (`pipe` mode, runtime.max_staleness > 0), and not at all when
+      the rewards hold no KL (kl_in="loss" or kl_coef=0: "proximal" then does nothing).
     target_kl: > 0 stops an update early: once a minibatch's approximate KL between the
       actor and the actor the update started from passes 1.5 x target_kl, that step and
       the update's remaining ones are not applied (`early_stop`, `gradient_steps` are
@@ -186,11 +187,6 @@ class PPOConfig:
         raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
     _check_choice(self.kl_in, f + "kl_in", KL_PLACEMENTS)
     _check_choice(self.kl_policy, f + "kl_policy", ("behaviour", "proximal"))
-    if self.kl_policy == "proximal" and (self.kl_in != "reward" or self.kl_coef == 0):
-      raise ValueError(
-          "ppo.kl_policy='proximal' takes the rewards' KL penalty at the trainer's policy; "
-          f"with ppo.kl_in={self.kl_in!r} and ppo.kl_coef={self.kl_coef} there is none. "
-          "Set ppo.kl_policy='behaviour', or ppo.kl_in='reward' with ppo.kl_coef > 0.")
     _check_choice(self.loss_agg, f + "loss_agg", registry.LOSS_AGGREGATIONS.names())
     # Groups are contiguous rows: a batch and every training minibatch hold whole groups
     # (minibatches are drawn group by group, so a group's advantages, which sum to zero
