@@ -296,8 +296,9 @@ class TrainStage:
             exp = derive_targets(h.targets, r, prox_logprobs, exp.ref_logprobs,
                                  exp.values, exp.scores, exp.kl_coef)
           if exp.ref_logprobs is not None:
-            # The lag itself: the proximal policy's KL on the same tokens, beside the
-            # behaviour policy's `kl/mean` of the inference stage.
+            # The rewards' KL term at the proximal policy, beside the behaviour policy's
+            # `kl/mean`: on behaviour-sampled tokens, with k1, their difference estimates
+            # KL(behaviour || proximal), how far the trainer has moved since sampling.
             kl = kl_penalty(prox_logprobs, exp.ref_logprobs, r.completion_mask,
                             h.kl_estimator)
             extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
