@@ -223,6 +223,30 @@ def test_critic_free_and_reference_free_workloads_price_only_their_models():
   assert space.plan_error(pipe, grpo) is None
 
 
+def test_the_updates_proximal_pass_is_priced_as_one_actor_forward():
+  # The decoupled loss, the rewards' KL at the trainer's policy and the early stop start
+  # the update with the actor's forward over the batch: as inference prices the reference.
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(call_overhead_s=0.0))
+  with_pass = dataclasses.replace(WORK, proximal_pass=True)
+  extra = (cost.train_terms(StagePlan(), MESH1, with_pass, m).roofline
+           - cost.train_terms(StagePlan(), MESH1, WORK, m).roofline)
+  reference_only = dataclasses.replace(WORK, critic_model=False, reward_model=False)
+  assert extra == pytest.approx(
+      cost.infer_terms(StagePlan(), MESH1, reference_only, m).roofline, rel=1e-9)
+  assert extra > 0
+
+
+def test_the_workload_knows_when_the_update_runs_a_proximal_pass():
+  import configs.quickstart as quickstart
+  from pipe_rlhf_jax.planner import auto
+  config = quickstart.get_config()
+  assert auto.workload(config, tiny_config(), 8, 8).proximal_pass  # kl_policy=proximal
+  config.ppo.update(kl_policy="behaviour", target_kl=0.0)
+  assert not auto.workload(config, tiny_config(), 8, 8).proximal_pass
+  config.ppo.loss = "decoupled_ppo_clip"
+  assert auto.workload(config, tiny_config(), 8, 8).proximal_pass
+
+
 def test_shared_host_demand_counts_overheads_as_one_device_of_work():
   # Host of 2 devices' worth (C = 2): a stage on 4 devices whose time is all compute
   # uses the whole host; one whose time is all overhead (serial host work) half of it.

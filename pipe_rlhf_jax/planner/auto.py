@@ -32,6 +32,7 @@ from typing import Any
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.stages.train import PPOHyper
 
 PLAN_CHOICES = ("manual", "auto")
 
@@ -83,6 +84,7 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
       reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
+      proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass,
       response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
                                                "runtime.response_fraction"))
 

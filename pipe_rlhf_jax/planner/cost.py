@@ -24,7 +24,9 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             with full remat; a pipe axis gathers the layers and repeats the work as in
             inference), fsdp all-gathers (forward, backward) and reduce-scatter,
             data all-reduce of gradients, tensor all-reduces (4 per layer), the Adam update
-            (7 parameter-sized reads/writes).
+            (7 parameter-sized reads/writes); plus, when the update starts with the
+            actor's proximal log-probs (`Workload.proximal_pass`), one actor forward
+            priced as inference prices it.
 Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
 device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
 c alpha + V/W (k-1)/k for c collectives moving V (one per weight array or per layer:
@@ -499,6 +501,15 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
                   + m.reduce_scatter(w / t, p, hosts["pipe"], count=stacked))
     comm += steps * comm_step
   units = steps * len(_models(work, "train"))
+  if work.proximal_pass:
+    # The actor's forward over the whole batch before the first step, as in inference.
+    cfg = work.actor
+    fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
+    compute += _replicated_roofline(m, fl, d * f * param_bytes(cfg), n // p, p, cfg.dtype,
+                                    m.eff.matmul)
+    comm += m.all_gather(param_bytes(cfg) / (t * p), f, hosts["fsdp"],
+                         count=weight_collectives(cfg, cfg.num_layers, m))
+    units += 1
   return StageTerms(roofline=compute, memory=memory, comm=comm, fixed=m.eff.call_overhead_s,
                     units=units, device_units=_device_units(m, units, n))
 

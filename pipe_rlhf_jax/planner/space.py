@@ -58,6 +58,9 @@ class Workload:
     response_fraction: mean response length over `gen_len` (rows stop at EOS; 1 = every
       row runs all T tokens). Generation is priced with the passes its longest rows
       need (`planner.lengths`); inference and training always see T positions.
+    proximal_pass: the update starts with one forward pass of the actor over the batch
+      (`stages.train.PPOHyper.proximal_pass`: decoupled loss, the rewards' KL at the
+      trainer's policy, or the early stop).
   """
 
   actor: TransformerConfig
@@ -72,6 +75,7 @@ class Workload:
   response_fraction: float = 1.0
   critic_model: bool = True
   reference_model: bool = True
+  proximal_pass: bool = False
 
   def __post_init__(self):
     lengths.check_fraction(self.response_fraction, "response_fraction")

@@ -85,6 +85,13 @@ class PPOHyper:
   targets: InferHyper | None = None
   target_kl: float = 0.0  # > 0: stop the update's remaining steps past 1.5 x this KL
 
+  @property
+  def proximal_pass(self) -> bool:
+    """Whether the update starts with a forward pass of the actor over the whole batch
+    (the proximal log-probs: for the decoupled loss, the rewards' KL or the early stop);
+    the planner prices it (`planner.cost.train_terms`)."""
+    return (self.loss == "decoupled_ppo_clip" or self.kl_policy == "proximal"
+            or self.target_kl > 0)
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
@@ -281,7 +288,7 @@ class TrainStage:
         proximal = h.kl_policy == "proximal"
         old_logprobs = exp.old_logprobs
         extra = {}
-        if decoupled or proximal or h.target_kl:
+        if h.proximal_pass:
           # The proximal policy is the trainer's actor as the update starts, which may be
           # several versions ahead of the behaviour policy that sampled the rollout.
           prox_logprobs = completion_logprobs(
