@@ -437,27 +437,36 @@ def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stage
   return _priced_stage("infer", plan, mesh, work, m)
 
 
+def _forward_terms(cfg: TransformerConfig, mesh: dict, work: Workload, m: Machine
+                   ) -> tuple[float, float]:
+  """(compute, comm) seconds of one forward pass of `cfg` over the batch on `mesh`."""
+  d, f, t, p = _sizes(mesh)
+  n = d * f * t * p
+  hosts = _axis_hosts(mesh, m)
+  rows = work.batch_size / (d * f)
+  act = _BYTES[cfg.dtype]
+  fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
+  compute = _replicated_roofline(m, fl, d * f * param_bytes(cfg), n // p, p, cfg.dtype,
+                                 m.eff.matmul)
+  comm = m.all_gather(param_bytes(cfg) / (t * p), f, hosts["fsdp"],
+                      count=weight_collectives(cfg, cfg.num_layers, m))
+  comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
+                                            hosts["tensor"])
+  # Layers sharded over pipe: the forward's layer scan gathers each stacked weight
+  # (XLA's partitioner does; no activation ring in a single forward pass).
+  comm += m.all_gather(param_bytes(cfg) / t, p, hosts["pipe"],
+                       count=cfg.num_param_arrays()[0])
+  return compute, comm
+
+
 def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageTerms:
   """Terms of one inference call: a forward pass of each model it runs."""
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
-  hosts = _axis_hosts(mesh, m)
   compute = comm = 0.0
-  rows = work.batch_size / (d * f)
   for cfg in _models(work, "infer"):
-    act = _BYTES[cfg.dtype]
-    fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
-    compute += _replicated_roofline(m, fl, d * f * param_bytes(cfg), n // p, p, cfg.dtype,
-                                    m.eff.matmul)
-    weights = param_bytes(cfg) / (t * p)
-    comm += m.all_gather(weights, f, hosts["fsdp"],
-                         count=weight_collectives(cfg, cfg.num_layers, m))
-    comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
-                                              hosts["tensor"])
-    # Layers sharded over pipe: the forward's layer scan gathers each stacked weight
-    # (XLA's partitioner does; no activation ring in a single forward pass).
-    comm += m.all_gather(param_bytes(cfg) / t, p, hosts["pipe"],
-                         count=cfg.num_param_arrays()[0])
+    c, k = _forward_terms(cfg, mesh, work, m)
+    compute, comm = compute + c, comm + k
   passes = len(_models(work, "infer"))
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=passes * m.eff.call_overhead_s, units=passes,
@@ -503,13 +512,8 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
   units = steps * len(_models(work, "train"))
   if work.proximal_pass:
     # The actor's forward over the whole batch before the first step, as in inference.
-    cfg = work.actor
-    fl = flops.forward_flops(cfg, work.batch_size, work.length, head_positions=work.gen_len)
-    compute += _replicated_roofline(m, fl, d * f * param_bytes(cfg), n // p, p, cfg.dtype,
-                                    m.eff.matmul)
-    comm += m.all_gather(param_bytes(cfg) / (t * p), f, hosts["fsdp"],
-                         count=weight_collectives(cfg, cfg.num_layers, m))
-    units += 1
+    c, k = _forward_terms(work.actor, mesh, work, m)
+    compute, comm, units = compute + c, comm + k, units + 1
   return StageTerms(roofline=compute, memory=memory, comm=comm, fixed=m.eff.call_overhead_s,
                     units=units, device_units=_device_units(m, units, n))
 
