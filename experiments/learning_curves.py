@@ -216,6 +216,29 @@ def steady_samples_per_s(tracer, batch_size: int, excluded: int = 2) -> float:
   return batch_size * (len(ends) - excluded) / (ends[-1] - ends[excluded - 1])
 
 
+def host_description() -> str:
+  """The CPU and the jax build a run was made on.
+
+  A seed's warm start is not the same on every host: XLA:CPU picks its kernels by the
+  instruction set, so the float rounding and hence the 800 reward-model steps differ
+  (the same code, versions and seed 0 trained reward models of 0.828 and 0.777 held out
+  on two of this project's machines). Tables of different hosts are compared by cell.
+  """
+  import jax
+  model, flags = "unknown CPU", set()
+  with contextlib.suppress(OSError):
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown CPU":
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+          break
+  isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+  return f"{model} ({' '.join(isa) or 'no AVX2'}), jax {jax.__version__}"
+
+
 def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> dict:
   """The numbers of one finished run that the table and the plot need."""
   rows = sorted(result["ppo_metrics"], key=lambda r: r["step"])
@@ -245,7 +268,7 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
       "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
-      "wall_s": wall_s, "load_average": os.getloadavg()[0],
+      "wall_s": wall_s, "load_average": os.getloadavg()[0], "host": host_description(),
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
       "samples_after": result["samples_after"], "samples_before": result["samples_before"],
   }
@@ -529,6 +552,8 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       "*samples/s were measured on a shared machine (load average "
       f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
       " at the runs' ends): not a speed result.", "",
+      "Hosts (a seed's warm start depends on the CPU's instruction set): "
+      + "; ".join(sorted({r.get("host", "not recorded") for r in runs})) + ".", "",
       "Goals:", *goal_checks(table, runs), ""])
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text)
