@@ -219,10 +219,11 @@ def steady_samples_per_s(tracer, batch_size: int, excluded: int = 2) -> float:
 def host_description() -> str:
   """The CPU and the jax build a run was made on.
 
-  A seed's warm start is not the same on every host: XLA:CPU picks its kernels by the
-  instruction set, so the float rounding and hence the 800 reward-model steps differ
-  (the same code, versions and seed 0 trained reward models of 0.828 and 0.777 held out
-  on two of this project's machines). Tables of different hosts are compared by cell.
+  A seed's warm start is not the same on every host: the same code, versions and seed 0
+  trained reward models of 0.828 and 0.777 held out on two of this project's machines
+  (an AVX-512 / AMX host gave 0.828 with and without `--xla_cpu_max_isa=AVX2`, so XLA's
+  own choice of instruction set is not the whole cause). Tables of different hosts are
+  compared by cell, never run by run.
   """
   import jax
   model, flags = "unknown CPU", set()
