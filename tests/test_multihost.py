@@ -240,20 +240,49 @@ def test_pipe_mode_with_every_stage_in_its_own_process(tmp_path):
                        rtol=1e-4, atol=1e-5)
 
 
+# What the full quickstart runs around PPO and the tiny variant turns off: the reward
+# model's scale under the warm-start policy and the held-out evaluation, both sampled.
+MEASURED_ARGS = ("--config.ppo.steps=3", "--config.reward.normalize_samples_per_prompt=2",
+                 "--config.log.eval_prompts=16", "--config.log.eval_samples_per_prompt=2")
+
+
+def phase_rows(workdir, phase):
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    return [json.loads(line) for line in f if f'"phase": "{phase}"' in line]
+
+
+def standardised_by(workdir):
+  with open(workdir / "summary.txt", encoding="utf-8") as f:
+    return [line for line in f if "reward standardised by" in line]
+
+
 @pytest.mark.slow
 def test_main_job_in_pipe_mode_across_processes(tmp_path):
   # The tiny quickstart in pipe mode on 2 processes x 4 devices: generation and inference
   # on process 1, training (and all the run's files) on process 0.
   workdir = tmp_path / "run"
   args = [a for a in main_args(workdir) if "runtime.mode" not in a]
-  job = launch([*args, "--config.ppo.steps=3"], num_processes=2, cpu_devices=4,
+  job = launch([*args, *MEASURED_ARGS], num_processes=2, cpu_devices=4,
                log_dir=str(tmp_path / "logs"), timeout_s=500, command=MAIN, echo=False,
                env={**child_env(), "PYTHONPATH": ROOT})
   assert job.ok, job.report()
   assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [0..3]" in job.log_text(0)
-  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f if '"ppo"' in line]
+  rows = phase_rows(workdir, "ppo")
   assert [r["step"] for r in rows] == [0, 1, 2]
+  # The same job in one process on 8 devices: the warm start trains on the same devices,
+  # so the reward model's scale and the held-out scores before PPO (both drawn from the
+  # warm-start policy, every process taking part) are the same to the last digit.
+  one = tmp_path / "one"
+  subprocess.run(["timeout", "-s", "KILL", "500", *MAIN,
+                  *[a.replace(str(workdir), str(one)) for a in args], *MEASURED_ARGS],
+                 check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                 env={**child_env(), "PYTHONPATH": ROOT,
+                      "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert standardised_by(workdir) == standardised_by(one) != []
+  before = [{k: v for k, v in phase_rows(d, "heldout")[0].items() if k != "time"}
+            for d in (workdir, one)]
+  assert before[0] == before[1] and "heldout_sampled/reverse_accuracy" in before[0]
+  assert [r["step"] for r in phase_rows(workdir, "heldout")] == [0, 3]
   assert all(r["staleness/actor"] <= 1 for r in rows)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1", "2"]
   with open(workdir / "trace.json", encoding="utf-8") as f:
