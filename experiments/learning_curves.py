@@ -52,8 +52,6 @@ Usage:
   python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
   python experiments/learning_curves.py --config configs/grpo_arith.py
   python experiments/learning_curves.py --report-only                   # table from run.json
-  python experiments/learning_curves.py --rescore-heldout               # held-out scores
-                                                                        # of older runs
 """
 
 from __future__ import annotations
@@ -293,7 +291,7 @@ def sampled_change(run: dict):
 
 def greedy_change(run: dict):
   """The run's paired change of the held-out greedy scores (`heldout.PairedChange`), or
-  None for a run recorded before the per-prompt scores were (see --rescore-heldout)."""
+  None for a run recorded before the per-prompt scores were."""
   return _paired(run, "greedy")
 
 
@@ -564,79 +562,6 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
   return text
 
 
-# ---- per-prompt greedy scores of runs recorded without them ---------------------------------
-def rescore_heldout(args, out: str, runs: list[dict], store: str) -> list[dict]:
-  """Adds the per-prompt held-out scores to finished runs recorded without them: greedy,
-  and with `log.eval_samples_per_prompt` = k > 0 the sampled evaluation. The seed's
-  warm-start policy (before) and the run's exported policy (after) answer the run's
-  held-out prompts again, as `train.train` does (`heldout.heldout_eval`).
-
-  Greedy decoding is deterministic and the sampled draws are keyed by sample, but the
-  run decoded on its stage layout and this runs on the warm-start layout: a near-tie
-  between two tokens may break the other way. The greedy means are checked against the
-  run's recorded ones and the largest difference kept in the run
-  (`greedy_rescore_error`), so a table built on rescored runs says how exact it is.
-  Returns the runs, updated (and their run.json files rewritten).
-  """
-  import tempfile
-  from flax import nnx
-  from pipe_rlhf_jax import train as train_lib
-  from pipe_rlhf_jax.models import hf
-  from pipe_rlhf_jax.phases import heldout
-  from pipe_rlhf_jax.phases import warm_start as warm_lib
-  from pipe_rlhf_jax.system import modes
-  probe = run_config(args, runs[0]["seed"], None, None)
-  k = probe.log.get("eval_samples_per_prompt", 0)
-  todo = [r for r in runs if "greedy_after_per_prompt" not in r
-          or (k and "sampled_after_per_prompt" not in r)]
-  for seed in sorted({r["seed"] for r in todo}):
-    warm_dir = os.path.join(store, warm_lib.warm_start_fingerprint(
-        run_config(args, seed, None, None)), "run")
-    config = run_config(args, seed, "sequential", warm_dir)
-    tmp = tempfile.mkdtemp(prefix="rescore_heldout_")
-    setup = train_lib.set_up(config, tmp, resume=False)
-    warm = warm_lib.fit_or_restore(setup.config, tmp, setup.warm_source, None, setup.cfgs,
-                                   None, setup.warm_layout, False)
-    actor_gd = nnx.split(warm_lib.init_policy(setup.config, setup.cfgs["actor"]))[0]
-    _, data = train_lib.make_data(setup.config, tmp, setup.tokenizer)
-    batch = modes.np_batch(next(iter(data["prompts_eval"])))
-    sampling = train_lib.ppo_sampling(setup.config, setup.tokenizer)
-    fn = config.reward.eval_fn
-    rules = {fn: heldout.rule_rewards_to_report(config)[fn]}
-
-    def scores(params) -> dict[str, list[float]]:
-      result = {"greedy": heldout.heldout_eval(actor_gd, params, batch, setup.tokenizer,
-                                               sampling, rules, 0).per_prompt[fn]}
-      if k:
-        result["sampled"] = heldout.heldout_eval(actor_gd, params, batch, setup.tokenizer,
-                                                 sampling, rules, 0,
-                                                 samples_per_prompt=k).per_prompt[fn]
-      return result
-
-    before = scores(warm["actor"])
-    for run in (r for r in todo if r["seed"] == seed):
-      workdir = os.path.join(out, f"seed{seed}", run["cell"])
-      after = scores(nnx.state(hf.from_pretrained(os.path.join(workdir, "export"))))
-      run.update(greedy_before_per_prompt=before["greedy"],
-                 greedy_after_per_prompt=after["greedy"],
-                 greedy_rescore_error=max(abs(np.mean(before["greedy"]) - run["greedy_before"]),
-                                          abs(np.mean(after["greedy"]) - run["greedy_after"])))
-      if k:
-        run.update(sampled_k=k, sampled_before=float(np.mean(before["sampled"])),
-                   sampled_after=float(np.mean(after["sampled"])),
-                   sampled_before_per_prompt=before["sampled"],
-                   sampled_after_per_prompt=after["sampled"])
-      with open(os.path.join(workdir, "run.json"), "w", encoding="utf-8") as f:
-        json.dump(run, f, indent=1)
-      print(f"[learning_curves] rescored seed {seed} {run['cell']}: greedy "
-            f"{np.mean(before['greedy']):.4f} -> {np.mean(after['greedy']):.4f} (recorded "
-            f"{run['greedy_before']:.4f} -> {run['greedy_after']:.4f})"
-            + (f", sampled {run['sampled_before']:.4f} -> {run['sampled_after']:.4f}"
-               if k else ""), flush=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-  return runs
-
-
 # ---- the driver ----------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -651,10 +576,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="", help="output directory")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
-  parser.add_argument("--rescore-heldout", action="store_true",
-                      help="add the per-prompt held-out scores (greedy, and sampled when "
-                           "log.eval_samples_per_prompt > 0) to finished runs recorded "
-                           "without them (from their exports), then report")
   parser.add_argument("--warm-starts-only", action="store_true",
                       help="only train the seeds' warm starts (another invocation running at "
                            "the same time then finds them ready)")
@@ -719,8 +640,7 @@ def main(argv=None) -> int:
   # this invocation does of it.
   words = sys.argv[1:] if argv is None else list(argv)
   command = shlex.join(["python", "experiments/learning_curves.py",
-                        *(w for w in words if w not in ("--report-only", "--rescore-heldout",
-                                                        "--warm-starts-only"))])
+                        *(w for w in words if w not in ("--report-only", "--warm-starts-only"))])
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
   settings = {"command": command, "config": args.config, "overrides": args.overrides,
@@ -728,7 +648,7 @@ def main(argv=None) -> int:
               "ppo": probe.ppo.to_dict(), "reward": probe.reward.to_dict()}
   check_settings(args.out, settings)
   store = os.path.join(os.path.dirname(args.out), "warm_starts")
-  if not (args.report_only or args.rescore_heldout):
+  if not args.report_only:
     import jax
     from absl import logging as absl_logging
     from pipe_rlhf_jax.train import prepare_warm_start, train
@@ -772,8 +692,6 @@ def main(argv=None) -> int:
   if not runs:
     print("no finished runs yet")
     return 1
-  if args.rescore_heldout:
-    runs = rescore_heldout(args, args.out, runs, store)
   print(write_report(args.out, runs, args.cells, settings))
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
   return 0

@@ -7,6 +7,7 @@ experiment's own arithmetic against hand-computed values.
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -184,12 +185,9 @@ def test_a_locked_run_is_passed_over(tmp_path):
 
 
 @pytest.mark.slow
-def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
+def test_experiment_end_to_end(tmp_path):
   # The experiment on the tiny quickstart: the seed's warm start into the store beside
-  # --out, one pipe cell from it, the table; then the run's per-prompt greedy scores are
-  # dropped (a run recorded before they were kept) and made again from the warm start and
-  # the run's export: the same scores, though the run decoded on its generation stage's
-  # mesh and the rescoring on the warm-start layout.
+  # --out, one pipe cell from it, its per-prompt held-out scores, the table.
   out = str(tmp_path / "tiny")
   argv = ["--config", "configs/quickstart.py:tiny", "--steps", "2", "--seeds", "0",
           "--cells", "pipe_s1", "--set", "log.eval_prompts=16",
@@ -204,15 +202,7 @@ def test_experiment_end_to_end_and_greedy_rescored_from_the_export(tmp_path):
   assert np.mean(recorded["sampled_before_per_prompt"]) == pytest.approx(
       recorded["sampled_before"], abs=1e-6)
   assert (tmp_path / "warm_starts").is_dir()
-  assert "| pipe_s1 | 1 |" in (tmp_path / "tiny" / "table.md").read_text()
+  table = (tmp_path / "tiny" / "table.md").read_text()
+  assert "| pipe_s1 | 1 |" in table
+  assert recorded["host"].endswith(f"jax {jax.__version__}") and recorded["host"] in table
 
-  stripped = {k: v for k, v in recorded.items() if not k.endswith("_per_prompt")}
-  path.write_text(json.dumps(stripped))
-  assert lc.main([*argv, "--rescore-heldout"]) == 0
-  rescored = json.loads(path.read_text())
-  assert rescored["greedy_before_per_prompt"] == recorded["greedy_before_per_prompt"]
-  assert rescored["greedy_after_per_prompt"] == recorded["greedy_after_per_prompt"]
-  assert rescored["greedy_rescore_error"] < 1e-6
-  # The sampled draws are keyed by sample: the same answers on the warm-start layout.
-  assert rescored["sampled_before_per_prompt"] == recorded["sampled_before_per_prompt"]
-  assert rescored["sampled_after_per_prompt"] == recorded["sampled_after_per_prompt"]
