@@ -551,7 +551,7 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       "*samples/s were measured on a shared machine (load average "
       f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
       " at the runs' ends): not a speed result.", "",
-      "Hosts (a seed's warm start depends on the CPU's instruction set): "
+      "Hosts (a seed's warm start differs between hosts): "
       + "; ".join(sorted({r.get("host", "not recorded") for r in runs})) + ".", "",
       "Goals:", *goal_checks(table, runs), ""])
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
