@@ -5,9 +5,9 @@ above the right one for one kind of mistake; PPO then finds that mistake (issue 
 quickstart's greedy answers got worse while its reward rose). This probe measures, on
 the held-out prompts of a warm start:
 
-* P(score(right answer) > score(near-miss)) for four near-misses: one random letter
+* P(score(right answer) > score(near-miss)) for five near-misses: one random letter
   substitution, one neighbour copy (a letter replaced by its left neighbour's, 'dcba' ->
-  'dcca'), the last letter dropped, two random substitutions;
+  'dcca'), the last letter dropped, two random substitutions, one letter appended;
 * with `--policy EXPORT_DIR` (a PPO run's `export/`): the greedy answers of the warm
   start's policy and of that policy, how many changed, how many got worse or better by
   the rule, and how often the reward model scores the worse answer higher.
@@ -66,6 +66,9 @@ def near_misses(answers: list[str], alphabet: str, rng: np.random.Generator
       "last letter dropped": [a[:-1] if len(a) > 1 else substitute(a, False)
                               for a in answers],
       "2 random substitutions": [substitute(substitute(a, False), False) for a in answers],
+      # Too long: the pairs show the reward model short answers as wrong ("last letter
+      # dropped") but never long ones, and PPO's worse greedy answers ran on past the end.
+      "1 letter appended": [a + alphabet[int(rng.integers(len(alphabet)))] for a in answers],
   }
 
 
