@@ -1,7 +1,9 @@
 """Grouped-query attention over an arbitrary key mask, three ways with one signature.
 
 - `dense`: scores `[batch, kv_heads, groups, length, keys]` materialised in f32, one
-  softmax. Fastest at short lengths; memory quadratic in length.
+  softmax. Fastest at short lengths; memory quadratic in length. Both products run as
+  batched matmuls on head-major operands (`[batch, kv_heads, groups * length, head_dim]`),
+  the layout XLA:CPU multiplies without re-laying out the scores.
 - `blockwise`: the keys in blocks of `block_size`, an online softmax (running max and
   denominator) carried through a `lax.scan`, each block's body rematerialised for the
   backward pass. Memory linear in length (one block of scores at a time, also in the
@@ -60,12 +62,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
 
 def _dense(q, k, v, allowed):
   dt = q.dtype
+  batch, length, kv_heads, groups, head_dim = q.shape
+  keys = k.shape[1]
+  # Head-major operands, so both products are plain batched matmuls over
+  # (batch, kv_heads) with a group's queries stacked along the rows: XLA:CPU then runs
+  # them without re-laying out the scores between the two. The scale is folded into q
+  # (length x head_dim values rather than length x keys scores).
+  q = (q * (1.0 / math.sqrt(head_dim))).astype(dt)
+  q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
+  k = k.astype(dt).transpose(0, 2, 3, 1)  # [batch, kv_heads, head_dim, keys]
+  v = v.astype(dt).transpose(0, 2, 1, 3)  # [batch, kv_heads, keys, head_dim]
   # [batch, kv_heads, groups, length, keys]
-  scores = jnp.einsum("blkgd,bskd->bkgls", q, k.astype(dt)).astype(jnp.float32)
-  scores = scores / math.sqrt(q.shape[-1])
+  scores = jnp.matmul(q, k).astype(jnp.float32).reshape(
+      batch, kv_heads, groups, length, keys)
   scores = jnp.where(allowed[:, None, None], scores, _MIN)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  return jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(dt))
+  out = jnp.matmul(probs.reshape(batch, kv_heads, groups * length, keys), v)
+  # [batch, length, kv_heads, groups, head_dim]
+  return out.reshape(batch, kv_heads, groups, length, head_dim).transpose(0, 3, 1, 2, 4)
 
 
 def _blockwise(q, k, v, allowed, block_size):
