@@ -447,3 +447,18 @@ def test_entropy_from_logits():
   # Log-probs are logits of the same distribution: the entropy does not change.
   logp = jax.nn.log_softmax(logits, axis=-1)
   assert_allclose(loss_lib.entropy_from_logits(logp), ref_ent, rtol=RTOL, atol=ATOL)
+
+
+def test_entropy_from_logprobs_equals_it_without_a_second_log_softmax():
+  rng = np.random.default_rng(81)
+  logits = rng.normal(size=(2, 3, 5)).astype(np.float32) * 2
+  logits[1, 2, 1:3] = -np.inf
+  logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+  assert_allclose(loss_lib.entropy_from_logprobs(logp), loss_lib.entropy_from_logits(logits),
+                  rtol=RTOL, atol=ATOL)
+  # Excluded entries keep the entropy's gradient finite (it is a loss term with
+  # ppo.entropy_coef > 0), and it matches the gradient through the logits.
+  grad = lambda f: jax.grad(lambda z: jnp.sum(f(z)))(jnp.asarray(logits))
+  via_logp = grad(lambda z: loss_lib.entropy_from_logprobs(jax.nn.log_softmax(z, axis=-1)))
+  assert np.all(np.isfinite(via_logp))
+  assert_allclose(via_logp, grad(loss_lib.entropy_from_logits), rtol=RTOL, atol=ATOL)

@@ -101,18 +101,24 @@ def rope_inv_freq(config: TransformerConfig) -> jax.Array:
 
 
 def rope_tables(config: TransformerConfig, positions: jax.Array):
-  """cos/sin tables [batch, length, head_dim] for integer positions [batch, length]."""
+  """cos/sin tables [batch, length, head_dim // 2] for integer positions [batch, length]
+  (one entry per rotated pair: the half-split convention uses each angle twice)."""
   angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
-  angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates x [batch, length, heads, head_dim] (half-split convention, as in HF)."""
+  """Rotates x [batch, length, heads, head_dim] (half-split convention, as in HF).
+
+  Pair i is (x[i], x[i + head_dim // 2]); rotating the two halves directly computes
+  HF's `x * cos + rotate_half(x) * sin` value for value, without materialising the
+  rotated copy of x or the duplicated tables.
+  """
   half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  x1 = x[..., :half].astype(jnp.float32)
+  x2 = x[..., half:].astype(jnp.float32)
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def dense(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:

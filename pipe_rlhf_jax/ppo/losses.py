@@ -248,3 +248,14 @@ def entropy_from_logits(logits: jax.Array) -> jax.Array:
   # 0 * log 0 = 0 for vocabulary entries excluded with -inf logits.
   plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0)
   return -jnp.sum(plogp, axis=-1)
+
+
+def entropy_from_logprobs(logprobs: jax.Array) -> jax.Array:
+  """Per-position entropy, in nats, of a distribution given by its log-probs [..., vocab]
+  (normalised, as `policy_logprobs` returns them): `entropy_from_logits` without the
+  second log-softmax. -inf entries (excluded vocabulary) contribute 0."""
+  logp = logprobs.astype(jnp.float32)
+  kept = logp > -jnp.inf
+  # The inner where keeps the gradient finite at -inf entries (0 * inf in the backward).
+  safe = jnp.where(kept, logp, 0.0)
+  return -jnp.sum(jnp.where(kept, jnp.exp(safe) * safe, 0.0), axis=-1)

@@ -26,7 +26,7 @@ from pipe_rlhf_jax.generation.sampling import policy_logprobs, token_logprob
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
-from pipe_rlhf_jax.ppo.losses import entropy_from_logits
+from pipe_rlhf_jax.ppo.losses import entropy_from_logprobs
 
 
 def _is_variable(x) -> bool:
@@ -148,8 +148,7 @@ def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion
     h_chunk, tokens_chunk = xs
     logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [b, chunk, vocab]
     logprobs = token_logprob(logprobs_all, tokens_chunk)
-    # Log-probs are logits of the same distribution, so no second temperature rule here.
-    entropy = entropy_from_logits(logprobs_all) if return_entropy else None
+    entropy = entropy_from_logprobs(logprobs_all) if return_entropy else None
     return None, (logprobs, entropy)
 
   logprobs, entropy = _over_position_chunks(one_chunk, h, completion_tokens,
