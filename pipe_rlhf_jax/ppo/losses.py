@@ -243,11 +243,7 @@ def entropy_from_logits(logits: jax.Array) -> jax.Array:
   Returns:
     f32 [...]: one entropy per position (mask and average it at the call site).
   """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  p = jnp.exp(logp)
-  # 0 * log 0 = 0 for vocabulary entries excluded with -inf logits.
-  plogp = jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0)
-  return -jnp.sum(plogp, axis=-1)
+  return entropy_from_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
 def entropy_from_logprobs(logprobs: jax.Array) -> jax.Array:
