@@ -148,6 +148,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # of seed 2's sequential run moved the policy by KL ~0.7 and the run ended at KL 1.9;
   # stopping there kept it at 0.23 (README).
   config.ppo.target_kl = 0.02
+  # > 0: PPO-ptx, + ptx_coef x the SFT loss on ptx_batch_size demonstrations (0: the
+  # minibatch size) of the SFT data in every actor gradient step; 0 = off.
+  config.ppo.ptx_coef = 0.0
+  config.ppo.ptx_batch_size = 0
   config.ppo.whiten_advantages = True
   config.ppo.loss = "ppo_clip"  # or "decoupled_ppo_clip"
   config.ppo.loss_agg = "token_mean"  # or "seq_mean_token_mean", "token_sum_norm"

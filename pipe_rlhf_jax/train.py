@@ -462,13 +462,15 @@ def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
 
 def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
                  tokenizer, devices,
-                 reward_stats: reward_norm.ScoreStatistics | None = None) -> BuiltSystem:
+                 reward_stats: reward_norm.ScoreStatistics | None = None,
+                 demos=None) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
   The one place that constructs the system from the config (the critic starts from the
   reward model's or the SFT policy's backbone, per `ppo.critic_init`). Only the models
   the algorithm uses are built: no critic for a critic-free estimator, no reference when
-  `ppo.kl_coef == 0`.
+  `ppo.kl_coef == 0`. `demos` (the SFT `DemoPipeline`) gives the pool of PPO's SFT term
+  when `ppo.ptx_coef > 0`: the SFT data, every record once.
   """
   ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
   if reward_stats is not None:
@@ -493,9 +495,16 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
              if config.reward.eval_fn else None)
+  ptx_demos = None
+  if ppo.ptx_coef:
+    if demos is None:
+      raise ValueError(f"ppo.ptx_coef={ppo.ptx_coef}: build_system needs the SFT "
+                       "demonstrations (demos=data['demos']) for the SFT term.")
+    ptx_demos = demos.as_arrays()
   system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, runtime=RuntimeConfig.from_config(config),
-                     reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices)
+                     reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
+                     ptx_demos=ptx_demos)
   return BuiltSystem(system, sampling, actor_gd, reward_stats)
 
 
@@ -619,7 +628,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
     built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices,
-                         reward_statistics(config, setup, warm, data))
+                         reward_statistics(config, setup, warm, data), data["demos"])
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])

@@ -31,6 +31,7 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
 @pytest.mark.parametrize("path, value", [
     ("ppo.epochs", 0), ("ppo.epochs", True),
     ("stages.generate.num_microbatches", 0), ("runtime.max_staleness", -1),
+    ("ppo.ptx_batch_size", -1),
 ])
 def test_integer_fields_name_field_and_value(path, value):
   config = quickstart.get_config("tiny")
@@ -105,3 +106,10 @@ def test_hard_pairs_is_a_probability_of_the_reverse_task():
   config = grpo_arith.get_config("tiny")
   config.data.hard_pairs = 0.5  # a knob of the reverse task: other tasks ignore it
   validate_config(config)
+
+
+def test_ptx_coef_must_be_a_non_negative_number():
+  config = quickstart.get_config("tiny")
+  config.ppo.ptx_coef = -0.5
+  with pytest.raises(ValueError, match=r"ppo.ptx_coef=-0.5 must be a number >= 0"):
+    validate_config(config)

@@ -21,14 +21,14 @@ def policy_path(tmp_path_factory):
   return write_tiny_llama(tmp_path_factory.mktemp("m"))
 
 
-def system_for(path, ppo, **model_kwargs):
+def system_for(path, ppo, ptx_demos=None, **model_kwargs):
   tok = models.load_tokenizer(path)
   return PPOSystem(
       Models.from_policy(models.from_pretrained(path), **model_kwargs),
       ppo=PPOConfig(steps=4, batch_size=8, minibatch_size=4, actor_lr=1e-3, **ppo),
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
       runtime=RuntimeConfig(), reward_fn=lambda p, c: [len(set(x)) for x in c],
-      decode=tok.decode), tok
+      decode=tok.decode, ptx_demos=ptx_demos), tok
 
 
 def leaf_paths(tree):
@@ -91,3 +91,41 @@ def test_a_prompt_batch_of_the_wrong_size_names_the_group_arithmetic(policy_path
   system, tok = system_for(policy_path, GRPO, critic_from=None)
   with pytest.raises(ValueError, match=r"ppo.batch_size / ppo.group_size = 8 / 4 = 2"):
     run(system, prompts_from_texts(TEXTS, tok, 8, 8), steps=1)
+
+
+def demo_pool(rows=5):
+  """Distinct demonstrations: row i's prompt is i + 1 tokens long, its completion 2."""
+  prompt_mask = np.arange(6)[None, :] >= 6 - (1 + np.arange(rows))[:, None]
+  return dict(prompt_tokens=np.where(prompt_mask, 3 + np.arange(rows)[:, None], 0),
+              prompt_mask=prompt_mask, completion_tokens=np.full((rows, 2), 7, np.int32),
+              completion_mask=np.ones((rows, 2), bool))
+
+
+def test_ptx_system_trains_on_rows_keyed_by_seed_and_step(policy_path):
+  ptx = dict(ptx_coef=0.5, ptx_batch_size=8)  # the 8 data shards of the one mesh
+  system, tok = system_for(policy_path, {**GRPO, **ptx}, demo_pool(), critic_from=None)
+  batch = system.ptx_batch(3)
+  # One epoch of 8 / 4 = 2 minibatches, 8 demonstrations each.
+  assert batch.prompt_tokens.shape == (1, 2, 8, 6)
+  again, _ = system_for(policy_path, {**GRPO, **ptx}, demo_pool(), critic_from=None)
+  for got, want in zip(jax.tree.leaves(again.ptx_batch(3)), jax.tree.leaves(batch)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not np.array_equal(np.asarray(system.ptx_batch(4).prompt_mask),
+                            np.asarray(batch.prompt_mask))
+  metrics = run(system, prompts_from_texts(TEXTS, tok, 2, 8), steps=2).metrics
+  assert all(np.isfinite(m["ptx_loss"]) and m["ptx_loss"] > 0 for m in metrics)
+
+
+def test_ptx_demonstrations_are_given_exactly_with_the_sft_term(policy_path):
+  demos = demo_pool()
+  with pytest.raises(ValueError, match="ptx_demos given with ppo.ptx_coef=0"):
+    system_for(policy_path, GRPO, demos, critic_from=None)
+  ptx = {**GRPO, "ptx_coef": 0.5}
+  with pytest.raises(ValueError, match=r"ppo.ptx_coef=0.5 needs demonstrations"):
+    system_for(policy_path, ptx, critic_from=None)
+  with pytest.raises(ValueError, match=r"ptx_demos lacks \['completion_mask'\]"):
+    system_for(policy_path, ptx, {k: v for k, v in demos.items() if k != "completion_mask"},
+               critic_from=None)
+  bad = {**demos, "completion_mask": np.zeros((5, 2), bool)}
+  with pytest.raises(ValueError, match="each with a completion token"):
+    system_for(policy_path, ptx, bad, critic_from=None)

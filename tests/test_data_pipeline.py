@@ -159,6 +159,18 @@ def test_malformed_and_overlong_records_are_counted_not_batched():
   assert TOK.decode(b["completion_tokens"][2]) == "abcdefgh"
   assert b["completion_mask"][2].all() and TOK.eos_id not in b["completion_tokens"][2]
 
+  # Every kept record once, in source order, as the batches lay it out (the pool of PPO's
+  # SFT term), without moving the shuffled stream.
+  shuffled = DemoPipeline(source, TOK, 2, P, T, seed=0, num_epochs=1,
+                          validator=RecordValidator(["prompt", "completion"],
+                                                    on_overlong="skip"))
+  first = next(shuffled)
+  pool = shuffled.as_arrays()
+  assert pool["index"].tolist() == [0, 6] and shuffled.step == 1
+  row = pool["index"].tolist().index(first["index"][0])
+  for key in first:
+    np.testing.assert_array_equal(pool[key][row], first[key][0])
+
   with pytest.raises(ValueError, match=r"demos source\[1\]: field 'prompt' has 22 tokens"):
     DemoPipeline(source[:1] + source[3:4], TOK, 1, P, T, seed=0,
                  validator=RecordValidator(["prompt", "completion"], on_overlong="error"))

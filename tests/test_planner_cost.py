@@ -236,6 +236,27 @@ def test_the_updates_proximal_pass_is_priced_as_one_actor_forward():
   assert extra > 0
 
 
+def test_the_sft_term_is_priced_as_more_rows_of_the_actors_training():
+  # PPO-ptx: each gradient step also trains the actor on ptx_rows demonstrations, as
+  # much work as a critic-free update of a minibatch that many rows larger.
+  m = cost.Machine(hardware.get("h100"), cost.Efficiency(call_overhead_s=0.0))
+  actor_only = dataclasses.replace(WORK, critic_model=False)
+  ptx = dataclasses.replace(actor_only, ptx_rows=WORK.minibatch_size)
+  larger = dataclasses.replace(actor_only, minibatch_size=2 * WORK.minibatch_size,
+                               batch_size=2 * WORK.batch_size)
+  terms = lambda work: cost.train_terms(StagePlan(), MESH1, work, m).roofline
+  assert terms(ptx) == pytest.approx(terms(larger), rel=1e-9)
+  assert terms(ptx) > terms(actor_only)
+  import configs.quickstart as quickstart
+  from pipe_rlhf_jax.planner import auto
+  config = quickstart.get_config()
+  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == 0
+  config.ppo.ptx_coef = 0.5
+  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == config.ppo.minibatch_size
+  config.ppo.ptx_batch_size = 8
+  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == 8
+
+
 def test_the_workload_knows_when_the_update_runs_a_proximal_pass():
   import configs.quickstart as quickstart
   from pipe_rlhf_jax.planner import auto

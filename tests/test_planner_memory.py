@@ -31,7 +31,7 @@ from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.optim import make_optimizer
-from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage
+from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
 
@@ -45,7 +45,8 @@ def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:
   agd = with_execution(agd, actor, **plan.execution())
   cgd = with_execution(cgd, critic, **plan.execution())
   ppo = PPOConfig(steps=10, batch_size=work.batch_size, minibatch_size=work.minibatch_size,
-                  epochs=work.epochs)
+                  epochs=work.epochs, ptx_coef=1.0 if work.ptx_rows else 0.0,
+                  ptx_batch_size=work.ptx_rows)
   opt = make_optimizer(1e-4, total_steps=10, warmup_steps=0, schedule="constant",
                        max_grad_norm=1.0)
   stage = TrainStage(layout, agd, cgd, PPOHyper.from_settings(ppo, 1.0), opt, opt)
@@ -60,7 +61,14 @@ def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:
                    advantages=z((b, t)), returns=z((b, t)), kl=z((b, t)),
                    kl_coef=z(()))
   exp = jax.device_put(exp, layout.batch_shardings(exp))
-  compiled = stage._build_update(state).lower(state, exp, jax.random.key(0)).compile()
+  ptx = None
+  if work.ptx_rows:  # the SFT term's demonstrations, as PPOSystem.ptx_batch places them
+    shape = stage.ptx_shape(b)
+    ptx = jax.device_put(PtxBatch(
+        prompt_tokens=z((*shape, lp), jnp.int32), prompt_mask=z((*shape, lp), bool),
+        completion_tokens=z((*shape, t), jnp.int32), completion_mask=z((*shape, t), bool)),
+        layout.replicated)
+  compiled = stage._build_update(state).lower(state, exp, jax.random.key(0), ptx).compile()
   m = compiled.memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
           - m.alias_size_in_bytes)
@@ -126,9 +134,10 @@ ACTS = tiny_config(vocab_size=264, embed_dim=128, mlp_dim=384, num_heads=4,
                    num_kv_heads=2, head_dim=32)  # activation-dominated
 FSDP_TENSOR = MeshSpec(data=1, fsdp=4, tensor=2)
 XLA_CASES = [
-    # (stage, model, batch, minibatch, mesh, remat)
+    # (stage, model, batch, minibatch, mesh, remat[, ptx_rows])
     ("train", PARAMS, 16, 8, FSDP_TENSOR, "none"),
     ("train", ACTS, 64, 32, MeshSpec(data=1), "none"),
+    ("train", ACTS, 64, 32, MeshSpec(data=1), "none", 32),
     ("train", ACTS, 64, 32, MeshSpec(data=1), "full"),
     ("infer", ACTS, 64, 32, MeshSpec(data=1), "none"),
     ("infer", PARAMS, 8, 4, FSDP_TENSOR, "none"),
@@ -138,13 +147,14 @@ XLA_CASES = [
 XLA_PEAK = {"train": xla_train_peak, "infer": xla_infer_peak, "generate": xla_generate_peak}
 
 
-@pytest.mark.parametrize("stage,cfg,batch,minibatch,mesh,remat", XLA_CASES,
+@pytest.mark.parametrize("stage,cfg,batch,minibatch,mesh,remat,ptx_rows",
+                         [c + (0,) * (7 - len(c)) for c in XLA_CASES],
                          ids=[f"{c[0]}-{'params' if c[1] is PARAMS else 'acts'}-{c[4]}-{c[5]}"
-                              for c in XLA_CASES])
-def test_memory_model_matches_xla(stage, cfg, batch, minibatch, mesh, remat):
+                              + (f"-ptx{c[6]}" if len(c) > 6 else "") for c in XLA_CASES])
+def test_memory_model_matches_xla(stage, cfg, batch, minibatch, mesh, remat, ptx_rows):
   n = int(np.prod(list(mesh.as_dict().values())))
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=minibatch, epochs=1,
-                        prompt_len=16, gen_len=8, num_devices=n)
+                        prompt_len=16, gen_len=8, num_devices=n, ptx_rows=ptx_rows)
   plan = StagePlan(mesh=mesh, remat=remat)
   predicted = memory.stage_memory(stage, plan, mesh.as_dict(), work).total
   measured = XLA_PEAK[stage](work, plan)

@@ -11,6 +11,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -24,7 +25,8 @@ from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.optim import make_optimizer
-from pipe_rlhf_jax.stages.train import PPOHyper, TrainStage
+from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 
 VOCAB = 64
 BATCH, PROMPT, COMPLETION = 8, 5, 8
@@ -38,7 +40,7 @@ def ppo_section(**overrides):
              loss="ppo_clip", behaviour_weight_cap=2.0, kl_in="reward", kl_coef=0.1,
              group_size=1, grpo_norm_by_std=True, grpo_eps=1e-6, loss_agg="token_mean",
              loss_norm_len=0, reward_shift=0.0, reward_scale=1.0, kl_policy="behaviour",
-             target_kl=0.0)
+             target_kl=0.0, ptx_coef=0.0, ptx_rows=0)
   ppo.update(overrides)
   return types.SimpleNamespace(**ppo)
 
@@ -503,3 +505,69 @@ def test_critic_free_update_aggregates_and_adds_the_kl_loss(layout, models, loss
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(metrics["kl_loss"]), agg(k3), rtol=1e-5, atol=1e-6)
   assert "value_loss" not in metrics and new_state.critic is None
+
+
+def demo_batch(shape, seed=0):
+  """A PtxBatch of random demonstrations with leading dims `shape` ([E, M, R])."""
+  rs = np.random.RandomState(seed)
+  rows = int(np.prod(shape))
+  p_len = 1 + np.arange(rows) % PROMPT
+  c_len = 1 + np.arange(rows) % COMPLETION
+  p_mask = np.arange(PROMPT)[None, :] >= PROMPT - p_len[:, None]  # left-padded
+  c_mask = np.arange(COMPLETION)[None, :] < c_len[:, None]  # right-padded
+  fields = dict(prompt_tokens=np.where(p_mask, rs.randint(1, VOCAB, p_mask.shape), 0),
+                prompt_mask=p_mask,
+                completion_tokens=np.where(c_mask, rs.randint(1, VOCAB, c_mask.shape), 0),
+                completion_mask=c_mask)
+  return PtxBatch(**{k: jnp.asarray(v.reshape(*shape, *v.shape[1:]),
+                                    bool if k.endswith("mask") else jnp.int32)
+                     for k, v in fields.items()})
+
+
+def test_ptx_term_is_the_sft_loss_and_its_gradient_step(layout, models):
+  # PPO-ptx with zero advantages: the surrogate has no gradient, so the actor's update is
+  # one optimizer step of ptx_coef x the SFT phase's own loss on the demonstrations given.
+  coef, rows = 0.7, 4
+  ppo = ppo_section(ptx_coef=coef, ptx_rows=rows)
+  exp = generated_experience(layout, models, ppo, seed=5)
+  exp = exp.replace(advantages=jnp.zeros_like(exp.advantages))
+  lr = 1e-2
+  tx = lambda: make_optimizer(lr, total_steps=10)
+  trainer = TrainStage(layout, models["actor"][0], models["critic"][0],
+                       PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
+  assert trainer.ptx_shape(BATCH) == (1, 1, rows)
+  demos = demo_batch((1, 1, rows))
+  actor_gd, actor = models["actor"]
+  state = trainer.init_state(actor, models["critic"][1])
+  new, metrics = trainer.update(state, exp, jax.random.key(8), demos)
+
+  flat = {k: v[0, 0] for k, v in vars(demos).items()}
+  (nll, _), grads = jax.value_and_grad(supervised.sft_loss(actor_gd), has_aux=True)(
+      actor, flat)
+  np.testing.assert_allclose(float(metrics["ptx_loss"]), float(nll), rtol=1e-6)
+  opt = tx()
+  updates, _ = opt.update(jax.tree.map(lambda g: coef * g, grads), opt.init(actor), actor)
+  want = optax.apply_updates(actor, updates)
+  # Adam divides each gradient by its own magnitude, so float-order differences in tiny
+  # gradients show up at ~1e-4 of the step (lr): the bound is 1e-3 of it.
+  for got, expect in zip(jax.tree.leaves(new.actor), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expect), rtol=0, atol=1e-3 * lr)
+  assert float(metrics["policy_loss"]) == 0.0
+  # Not vacuous: the step moved the actor.
+  assert any(float(jnp.abs(a - b).max()) > 1e-4
+             for a, b in zip(jax.tree.leaves(new.actor), jax.tree.leaves(actor)))
+
+
+def test_ptx_batch_must_match_the_setting(layout, models):
+  exp = generated_experience(layout, models, ppo_section(), seed=6)
+  plain = train_stage(layout, models, ppo_section())
+  state = plain.init_state(models["actor"][1], models["critic"][1])
+  with pytest.raises(ValueError, match="ptx_coef=0.0 takes no demonstrations"):
+    plain.update(state, exp, jax.random.key(0), demo_batch((1, 1, 2)))
+  ppo = ppo_section(ptx_coef=0.5, ptx_rows=4, epochs=2)
+  trainer = train_stage(layout, models, ppo)
+  state = trainer.init_state(models["actor"][1], models["critic"][1])
+  with pytest.raises(ValueError, match="ptx_coef=0.5 needs demonstrations"):
+    trainer.update(state, exp, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"this update needs \(2, 1, 4\)"):
+    trainer.update(state, exp, jax.random.key(0), demo_batch((1, 1, 4)))

@@ -85,6 +85,26 @@ def test_grpo_pipe_with_zero_staleness_matches_sequential(tmp_path):
   assert not any("value" in k or "critic" in k for r in pipe for k in r)
 
 
+@pytest.mark.slow
+def test_ptx_pipe_with_zero_staleness_matches_sequential(tmp_path):
+  # PPO-ptx: the SFT term's demonstrations are drawn from the seed and the step, so both
+  # schedules train on the same rows (8 per step: the tiny minibatch).
+  def ptx(config):
+    config.ppo.ptx_coef = 0.5
+    return config
+
+  seq = train(ptx(tiny("sequential")), str(tmp_path / "seq"), progress=False)["ppo_metrics"]
+  pipe = train(ptx(tiny("pipe", pipelined=True, max_staleness=0)), str(tmp_path / "pipe"),
+               progress=False)["ppo_metrics"]
+  assert len(seq) == len(pipe) == 4
+  assert_same_math(seq, pipe)
+  assert all(r["ptx_loss"] > 0 for r in seq)  # not vacuous: the term ran
+  config = ptx(tiny("sequential"))
+  config.ppo.ptx_batch_size = 4  # 8 data shards in sequential mode
+  with pytest.raises(ValueError, match=r"ppo.ptx_batch_size: 4 demonstrations .* 8 batch"):
+    train(config, str(tmp_path / "bad"), progress=False)
+
+
 _BATCH_1_HAS_WEIGHTS = threading.Event()
 
 

@@ -227,6 +227,13 @@ class _Pipeline:
     """Records that passed validation (one epoch's worth before drop_remainder)."""
     return len(self._kept)
 
+  def as_arrays(self) -> dict[str, np.ndarray]:
+    """Every kept record once, in source order, as one batch ([num_records, ...] arrays
+    in the layout the pipeline yields): e.g. the demonstration pool of PPO's SFT term.
+    Independent of the iterator: its position does not move."""
+    examples = [self._example(position) for position in self._kept]
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
   def get_state(self) -> dict[str, Any]:
     """A JSON-serialisable state to resume this exact stream with `set_state`."""
     return {

@@ -84,7 +84,7 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
       reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
-      proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass,
+      proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
       response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
                                                "runtime.response_fraction"))
 

@@ -510,6 +510,12 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
                   + m.reduce_scatter(w / t, p, hosts["pipe"], count=stacked))
     comm += steps * comm_step
   units = steps * len(_models(work, "train"))
+  if work.ptx_rows:
+    # The SFT term: the actor's forward and backward over the demonstrations of each step.
+    fl = flops.train_flops(work.actor, work.ptx_rows, work.length, remat=plan.remat,
+                           head_positions=work.gen_len)
+    compute += steps * _replicated_roofline(m, fl, 0.0, n // p, p, work.actor.dtype,
+                                            m.eff.train)
   if work.proximal_pass:
     # The actor's forward over the whole batch before the first step, as in inference.
     c, k = _forward_terms(work.actor, mesh, work, m)

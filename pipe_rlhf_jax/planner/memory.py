@@ -187,15 +187,17 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     opt = 2 * params  # Adam m and v of actor and critic, parameter dtype
     grads = params
     updates = params  # the optimizer's updates, alive with the gradients until applied
+    # The SFT term's demonstrations (ppo.ptx_coef) are more rows of the actor's forward.
+    ptx = work.ptx_rows / batch_ways
     tokens = b * L
     # Actor and critic are differentiated in one program: XLA runs both forwards before
     # either backward, so both models' saved activations are alive at the peak
     # (memory_analysis of the PPO update: twice one model's residuals).
-    saved = len(trained) * tokens * (cfg.num_layers * layer_activation_bytes(cfg, t, L, impl,
-                                                                  plan.remat) + per_model)
+    saved = (len(trained) * tokens + ptx * L) * (
+        cfg.num_layers * layer_activation_bytes(cfg, t, L, impl, plan.remat) + per_model)
     if plan.remat != "none":  # the layer being recomputed in the backward
       saved += tokens * layer_activation_bytes(cfg, t, L, impl)
-    logits = b * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
+    logits = (b + ptx) * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
     # fsdp: the scan gathers a layer's weights at a time (and prefetches the next).
     gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
     return StageMemory((("actor+critic params", params), ("adam moments", opt)),

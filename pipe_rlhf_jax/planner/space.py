@@ -61,6 +61,8 @@ class Workload:
     proximal_pass: the update starts with one forward pass of the actor over the batch
       (`stages.train.PPOHyper.proximal_pass`: decoupled loss, the rewards' KL at the
       trainer's policy, or the early stop).
+    ptx_rows: demonstrations per actor gradient step of the SFT term (`ppo.ptx_coef`;
+      0 = none): one more actor forward and backward over that many rows per step.
   """
 
   actor: TransformerConfig
@@ -76,6 +78,7 @@ class Workload:
   critic_model: bool = True
   reference_model: bool = True
   proximal_pass: bool = False
+  ptx_rows: int = 0
 
   def __post_init__(self):
     lengths.check_fraction(self.response_fraction, "response_fraction")

@@ -15,7 +15,9 @@ being trained rather than of the one that sampled them.
 
 The actor loss is the policy surrogate, plus `kl_coef` times the KL to the reference
 when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
-tokens as `ppo.loss_agg` says. Minibatches are drawn group by group (`ppo.group_size`
+tokens as `ppo.loss_agg` says, plus `ptx_coef` times the SFT loss on demonstrations
+(PPO-ptx: the token-mean negative log-likelihood at temperature 1, as the SFT phase
+computes it) when the caller passes a `PtxBatch` for the update. Minibatches are drawn group by group (`ppo.group_size`
 contiguous rows), so a prompt's samples always share a gradient step.
 """
 
@@ -56,6 +58,21 @@ class ActorCriticState:
   step: jax.Array
 
 
+@struct.dataclass
+class PtxBatch:
+  """The demonstrations of one update's SFT term, one row block per gradient step.
+
+  Every leaf is [epochs, minibatches, ptx_rows, ...] in the order the update's gradient
+  steps run; prompts left-padded, completions right-padded with their mask through EOS
+  (the `data.pipeline.DemoPipeline` layout).
+  """
+
+  prompt_tokens: jax.Array  # int32 [E, M, R, P]
+  prompt_mask: jax.Array  # bool [E, M, R, P]
+  completion_tokens: jax.Array  # int32 [E, M, R, T]
+  completion_mask: jax.Array  # bool [E, M, R, T]
+
+
 @dataclasses.dataclass(frozen=True)
 class PPOHyper:
   """The static PPO settings the jitted update closes over.
@@ -84,6 +101,8 @@ class PPOHyper:
   kl_policy: str = "behaviour"
   targets: InferHyper | None = None
   target_kl: float = 0.0  # > 0: stop the update's remaining steps past 1.5 x this KL
+  ptx_coef: float = 0.0  # > 0: + ptx_coef x the SFT loss on a PtxBatch each step
+  ptx_rows: int = 0  # demonstrations per gradient step (0 without the SFT term)
 
   @property
   def proximal_pass(self) -> bool:
@@ -110,7 +129,8 @@ class PPOHyper:
                loss_norm_len=ppo.loss_norm_len,
                kl_loss_coef=float(ppo.kl_coef) if ppo.kl_in == "loss" else 0.0,
                kl_estimator=ppo.kl_estimator, kl_policy=kl_policy,
-               target_kl=float(ppo.target_kl),
+               target_kl=float(ppo.target_kl), ptx_coef=float(ppo.ptx_coef),
+               ptx_rows=ppo.ptx_rows,
                targets=(InferHyper.from_settings(ppo, temperature)
                         if kl_policy == "proximal" else None))
 
@@ -220,6 +240,16 @@ class TrainStage:
           # rollouts' own distance from it does not count).
           log_ratio = jnp.where(mask, logprobs - mb["start_logprobs"], 0.0)
           aux["kl_from_start"] = masked_mean(jnp.expm1(log_ratio) - log_ratio, mask)
+        if h.ptx_coef:
+          # PPO-ptx: the SFT objective on demonstrations, so that the answers PPO's own
+          # samples never visit keep what SFT taught them while the parameters move.
+          d = mb["ptx"]
+          ptx_logprobs = completion_logprobs(
+              actor_gd, actor, d.prompt_tokens, d.prompt_mask, d.completion_tokens,
+              d.completion_mask, temperature=1.0)
+          nll = -masked_mean(ptx_logprobs, d.completion_mask)
+          total = total + h.ptx_coef * nll
+          aux["ptx_loss"] = nll
         if h.kl_loss_coef:
           # GRPO-style KL term: of the *current* policy to the reference, on the sampled
           # tokens (k3: unbiased and >= 0, with a gradient that pulls towards the
@@ -282,7 +312,8 @@ class TrainStage:
       ran = 1.0 - stopped.astype(jnp.float32)
       return (new, stopped | over), {**metrics, "ran": ran}
 
-    def update(state: ActorCriticState, exp: Experience, rng: jax.Array):
+    def update(state: ActorCriticState, exp: Experience, rng: jax.Array,
+               ptx: PtxBatch | None = None):
       with layout.rules_context():
         r = exp.rollout
         proximal = h.kl_policy == "proximal"
@@ -325,17 +356,20 @@ class TrainStage:
         num_mb = batch // h.minibatch_size
         groups_per_mb = h.minibatch_size // n
 
-        def epoch(carry, epoch_rng):
+        def epoch(carry, xs):
+          epoch_rng, epoch_ptx = xs
           # Shuffle whole groups (rows [g * n, (g + 1) * n)); with n = 1 this is the
           # per-sample permutation, so PPO runs without groups are unchanged.
           groups = jax.random.permutation(epoch_rng, batch // n)
           groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
           perm = (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
           mbs = jax.tree.map(lambda x: x[perm], data)
+          if epoch_ptx is not None:
+            mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
           return jax.lax.scan(minibatch_step, carry, mbs)
 
         (state, stopped), metrics = jax.lax.scan(
-            epoch, (state, jnp.zeros((), bool)), jax.random.split(rng, h.epochs))
+            epoch, (state, jnp.zeros((), bool)), (jax.random.split(rng, h.epochs), ptx))
         # Means over the gradient steps that ran (all of them without target_kl).
         ran = metrics.pop("ran")
         metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
@@ -351,10 +385,26 @@ class TrainStage:
     return jax.jit(update, donate_argnums=(0,),
                    out_shardings=(shardings, self.layout.replicated))
 
-  def update(self, state: ActorCriticState, exp: Experience, rng: jax.Array
-             ) -> tuple[ActorCriticState, dict]:
-    """One PPO update on `exp` (already on the training mesh). Donates `state`."""
+  def ptx_shape(self, batch: int) -> tuple[int, int, int]:
+    """[epochs, minibatches, rows] of the `PtxBatch` an update of `batch` rollouts takes."""
+    return (self.hyper.epochs, batch // self.hyper.minibatch_size, self.hyper.ptx_rows)
+
+  def update(self, state: ActorCriticState, exp: Experience, rng: jax.Array,
+             ptx: PtxBatch | None = None) -> tuple[ActorCriticState, dict]:
+    """One PPO update on `exp` (already on the training mesh). Donates `state`.
+
+    `ptx`: the demonstrations of the SFT term, exactly when `hyper.ptx_coef` > 0, with
+    leading dims `ptx_shape(batch)`.
+    """
     batch = exp.rollout.prompt_tokens.shape[0]
+    if (ptx is None) != (not self.hyper.ptx_coef):
+      raise ValueError(f"TrainStage.update: ppo.ptx_coef={self.hyper.ptx_coef} "
+                       f"{'needs' if self.hyper.ptx_coef else 'takes no'} demonstrations "
+                       "(ptx); pass a PtxBatch exactly when ptx_coef > 0.")
+    if ptx is not None and ptx.completion_tokens.shape[:3] != self.ptx_shape(batch):
+      raise ValueError(f"TrainStage.update: ptx leaves are {ptx.completion_tokens.shape[:3]}"
+                       f" [epochs, minibatches, rows]; this update needs "
+                       f"{self.ptx_shape(batch)}.")
     if batch % self.hyper.minibatch_size:
       raise ValueError(f"ppo.batch_size={batch} is not a multiple of "
                        f"ppo.minibatch_size={self.hyper.minibatch_size}.")
@@ -366,4 +416,4 @@ class TrainStage:
                        "the system must build the reference (ppo.kl_coef > 0).")
     if self._update is None:
       self._update = self._build_update(state)
-    return self._update(state, exp, rng)
+    return self._update(state, exp, rng, ptx)

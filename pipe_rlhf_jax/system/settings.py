@@ -85,6 +85,13 @@ class PPOConfig:
       actor and the actor the update started from passes 1.5 x target_kl, that step and
       the update's remaining ones are not applied (`early_stop`, `gradient_steps` are
       logged); 0 = off.
+    ptx_coef: > 0 adds `ptx_coef` times the SFT loss (the mean negative log-likelihood of
+      demonstration completions, at temperature 1) to every actor gradient step, as
+      InstructGPT's PPO-ptx mixes pretraining gradients into PPO: an anchor on what the
+      policy learnt from demonstrations, for the answers PPO's own samples do not reach.
+      The demonstrations are the SFT data (`PPOSystem(ptx_demos=...)`); 0 = off.
+    ptx_batch_size: demonstrations per actor gradient step (0: `minibatch_size`), drawn
+      uniformly with replacement, a function of the seed and the PPO step only.
     whiten_advantages: normalise advantages per batch (estimators that define their own
       normalisation, like grpo, need it off).
     advantage_estimator: registered name: "gae" (needs a critic), or the critic-free
@@ -130,6 +137,8 @@ class PPOConfig:
   kl_horizon: float = 10000
   kl_policy: str = "behaviour"
   target_kl: float = 0.0
+  ptx_coef: float = 0.0
+  ptx_batch_size: int = 0
   whiten_advantages: bool = True
   advantage_estimator: str = "gae"
   group_size: int = 1
@@ -162,7 +171,8 @@ class PPOConfig:
     if (isinstance(self.reward_shift, bool) or not isinstance(self.reward_shift, (int, float))
         or not math.isfinite(self.reward_shift)):
       raise ValueError(f"ppo.reward_shift={self.reward_shift!r} must be a finite number.")
-    for name in ("kl_coef", "entropy_coef", "target_kl"):
+    check_int(self.ptx_batch_size, f + "ptx_batch_size", low=0)
+    for name in ("kl_coef", "entropy_coef", "target_kl", "ptx_coef"):
       _check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
       _check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
@@ -225,6 +235,11 @@ class PPOConfig:
   def needs_reference(self) -> bool:
     """Whether a reference policy is built and run (kl_coef > 0)."""
     return self.kl_coef > 0
+
+  @property
+  def ptx_rows(self) -> int:
+    """Demonstrations per actor gradient step (0 without the SFT term)."""
+    return (self.ptx_batch_size or self.minibatch_size) if self.ptx_coef else 0
 
   @property
   def prompts_per_step(self) -> int:

@@ -12,6 +12,10 @@ seconds are counted in the metrics.
 The system holds only the models its algorithm needs (`PPOConfig.needs_critic`,
 `PPOConfig.needs_reference`): a critic-free estimator has no critic anywhere (nothing
 built, placed, trained, synced or checkpointed), and `kl_coef = 0` no reference.
+
+With `ppo.ptx_coef > 0` the system also holds a pool of demonstrations on the host
+(`ptx_demos`) and hands each update the rows of its SFT term, drawn from the seed and the
+PPO step alone, so every runtime mode, and a resumed run, trains on the same rows.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.optim import make_optimizer
-from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, TrainStage
+from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 
 
@@ -256,6 +260,41 @@ class Models:
                        "Models.from_policy(..., reference=False).")
 
 
+# Keys the host's draws of SFT-term rows, apart from every jax.random stream.
+_PTX_STREAM = 0x707478
+
+PTX_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask")
+
+
+def check_ptx_demos(demos: dict[str, np.ndarray] | None, ppo: PPOConfig
+                    ) -> dict[str, np.ndarray] | None:
+  """The SFT term's pool as host arrays, or a ValueError naming what is wrong."""
+  if not ppo.ptx_coef:
+    if demos is not None:
+      raise ValueError("ptx_demos given with ppo.ptx_coef=0: the SFT term is off, so they "
+                       "would be unused; set ppo.ptx_coef > 0 or pass ptx_demos=None.")
+    return None
+  if demos is None:
+    raise ValueError(f"ppo.ptx_coef={ppo.ptx_coef} needs demonstrations for its SFT term: "
+                     "pass PPOSystem(ptx_demos=...) (the experiment pipeline uses the SFT "
+                     "data), or set ppo.ptx_coef=0.")
+  missing = sorted(set(PTX_FIELDS) - set(demos))
+  if missing:
+    raise ValueError(f"ptx_demos lacks {missing}; it needs {list(PTX_FIELDS)}.")
+  demos = {k: np.asarray(demos[k], bool if k.endswith("mask") else np.int32)
+           for k in PTX_FIELDS}
+  pool = len(demos["completion_tokens"])
+  for kind in ("prompt", "completion"):
+    tokens, mask = demos[f"{kind}_tokens"], demos[f"{kind}_mask"]
+    if tokens.ndim != 2 or tokens.shape != mask.shape or len(tokens) != pool:
+      raise ValueError(f"ptx_demos {kind}_tokens {tokens.shape} and {kind}_mask "
+                       f"{mask.shape} must both be [pool={pool}, length].")
+  if pool == 0 or not demos["completion_mask"].any(axis=1).all():
+    raise ValueError("ptx_demos needs at least one demonstration, each with a completion "
+                     "token in its mask.")
+  return demos
+
+
 class PPOSystem:
   """Holds the stages and the state they own, and runs their steps.
 
@@ -270,12 +309,15 @@ class PPOSystem:
     decode: token ids -> text, for rule rewards.
     eval_fn: a host-side rule reward logged as `rule_reward/mean` (never optimised).
     devices: devices to use (default: all).
+    ptx_demos: the demonstrations of the SFT term, exactly when `ppo.ptx_coef > 0`:
+      {"prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask"} host arrays
+      [pool, ...] in the `DemoPipeline` layout (e.g. `DemoPipeline.as_arrays()`).
   """
 
   def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,
                runtime: RuntimeConfig = RuntimeConfig(), reward_fn: Callable | None = None,
                decode: Callable | None = None, eval_fn: Callable | None = None,
-               devices=None):
+               devices=None, ptx_demos: dict[str, np.ndarray] | None = None):
     if (reward_fn is None) == (models.reward is None):
       raise ValueError("Give exactly one reward: a reward model in Models.reward, or a "
                        "rule reward_fn.")
@@ -283,6 +325,7 @@ class PPOSystem:
       raise ValueError("A rule reward (reward_fn / eval_fn) scores decoded text: pass "
                        "decode=tokenizer.decode.")
     models.check(sampling, ppo)
+    self.ptx_demos = check_ptx_demos(ptx_demos, ppo)
     self.ppo = ppo
     self.sampling = sampling
     self.runtime = runtime
@@ -299,6 +342,12 @@ class PPOSystem:
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
+    ways = self.layouts["train"].batch_ways()
+    if ppo.ptx_rows % ways:
+      raise ValueError(
+          f"ppo.ptx_batch_size: {ppo.ptx_rows} demonstrations per gradient step do not split "
+          f"over the {ways} batch shards of the train stage "
+          f"({describe(self.layouts['train'].mesh)}); make it a multiple of {ways}.")
     self.has_critic = models.critic is not None
     # Each stage computes the same models its own way (attention kernel, remat).
     def for_stage(stage, graphdef, params):
@@ -399,10 +448,21 @@ class PPOSystem:
     start = time.perf_counter()
     exp, stats = reshard(exp, self.layouts["train"].batch_shardings(exp))
     rng = jax.random.fold_in(self.train_key, step)
-    self.state, metrics = self.train_stage.update(self.state, exp, rng)
+    self.state, metrics = self.train_stage.update(self.state, exp, rng, self.ptx_batch(step))
     metrics = {k: float(v) for k, v in fetch(metrics).items()}
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
+
+  def ptx_batch(self, step: int) -> PtxBatch | None:
+    """The demonstrations of update `step`'s SFT term on the training mesh (None without
+    one): uniform draws with replacement from `ptx_demos`, keyed by (seed, step) only."""
+    if self.ptx_demos is None:
+      return None
+    pool = len(self.ptx_demos["completion_tokens"])
+    shape = self.train_stage.ptx_shape(self.ppo.batch_size)
+    rows = np.random.default_rng((self.ppo.seed, _PTX_STREAM, step)).integers(0, pool, shape)
+    batch = PtxBatch(**{k: v[rows] for k, v in self.ptx_demos.items()})
+    return jax.device_put(batch, self.layouts["train"].replicated)
 
   def advance(self, observed_kl: float) -> None:
     """Counts the update just applied as a new version and fixes that version's KL
