@@ -195,10 +195,19 @@ def ppo(**fields):
     (dict(grpo_norm_by_std="yes"), r"ppo.grpo_norm_by_std='yes' must be True or False"),
     (dict(kl_policy="current"), r"ppo.kl_policy='current'; choose one of .*'proximal'"),
     (dict(target_kl=-0.1), r"ppo.target_kl"),
+    (dict(ptx_coef=float("nan")), r"ppo.ptx_coef=nan must be a number >= 0"),
+    (dict(kl_coef=float("inf")), r"ppo.kl_coef=inf must be a number >= 0"),
+    (dict(ptx_batch_size=2.5), r"ppo.ptx_batch_size=2.5 must be an integer >= 0"),
 ])
 def test_settings_refuse_bad_algorithm_fields(fields, message):
   with pytest.raises(ValueError, match=message):
     ppo(**fields)
+
+
+def test_ptx_rows_default_to_the_minibatch_and_are_zero_without_the_term():
+  assert ppo().ptx_rows == 0 and ppo(ptx_batch_size=16).ptx_rows == 0
+  assert ppo(ptx_coef=0.5).ptx_rows == 4
+  assert ppo(ptx_coef=0.5, ptx_batch_size=16).ptx_rows == 16
 
 
 def test_proximal_kl_policy_acts_only_where_the_rewards_hold_a_kl():

@@ -38,8 +38,10 @@ def _plain(node: Any) -> Any:
 
 def _check_number(value: Any, field: str, *, allow_zero: bool = False,
                   at_most: float | None = None) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-      value == 0 and not allow_zero) or (at_most is not None and value > at_most):
+  # NaN passes every comparison below and inf every lower bound: refused first.
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+      value) or value < 0 or (value == 0 and not allow_zero) or (
+      at_most is not None and value > at_most):
     low = ">= 0" if allow_zero else "> 0"
     high = f" and <= {at_most}" if at_most is not None else ""
     raise ValueError(f"{field}={value!r} must be a number {low}{high}.")
