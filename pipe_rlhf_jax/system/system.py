@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pipe_rlhf_jax.distributed.arrays import fetch
+from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
@@ -462,7 +462,8 @@ class PPOSystem:
     shape = self.train_stage.ptx_shape(self.ppo.batch_size)
     rows = np.random.default_rng((self.ppo.seed, _PTX_STREAM, step)).integers(0, pool, shape)
     batch = PtxBatch(**{k: v[rows] for k, v in self.ptx_demos.items()})
-    return jax.device_put(batch, self.layouts["train"].replicated)
+    # Every process draws the same rows; each uploads its devices' copies.
+    return put_global(batch, self.layouts["train"].replicated)
 
   def advance(self, observed_kl: float) -> None:
     """Counts the update just applied as a new version and fixes that version's KL
