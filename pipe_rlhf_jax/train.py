@@ -495,12 +495,8 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
   eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
              if config.reward.eval_fn else None)
-  ptx_demos = None
-  if ppo.ptx_coef:
-    if demos is None:
-      raise ValueError(f"ppo.ptx_coef={ppo.ptx_coef}: build_system needs the SFT "
-                       "demonstrations (demos=data['demos']) for the SFT term.")
-    ptx_demos = demos.as_arrays()
+  # Without demos, PPOSystem's check names what the SFT term lacks.
+  ptx_demos = demos.as_arrays() if ppo.ptx_coef and demos is not None else None
   system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, runtime=RuntimeConfig.from_config(config),
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,

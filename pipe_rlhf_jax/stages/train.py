@@ -17,8 +17,9 @@ The actor loss is the policy surrogate, plus `kl_coef` times the KL to the refer
 when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
 tokens as `ppo.loss_agg` says, plus `ptx_coef` times the SFT loss on demonstrations
 (PPO-ptx: the token-mean negative log-likelihood at temperature 1, as the SFT phase
-computes it) when the caller passes a `PtxBatch` for the update. Minibatches are drawn group by group (`ppo.group_size`
-contiguous rows), so a prompt's samples always share a gradient step.
+computes it) when the caller passes a `PtxBatch` for the update. Minibatches are drawn
+group by group (`ppo.group_size` contiguous rows), so a prompt's samples always share a
+gradient step.
 """
 
 from __future__ import annotations
