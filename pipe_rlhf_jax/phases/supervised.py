@@ -24,9 +24,7 @@ from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh
-from pipe_rlhf_jax.ppo.advantages import masked_mean
-from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
-                                         sequence_scores)
+from pipe_rlhf_jax.stages.common import StageLayout, completion_nll, sequence_scores
 from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 
 
@@ -89,10 +87,8 @@ def sft_loss(graphdef: nnx.GraphDef) -> Callable:
   """Mean negative log-likelihood of the completion tokens (EOS included)."""
 
   def loss(params, batch):
-    logprobs = completion_logprobs(graphdef, params, batch["prompt_tokens"],
-                                   batch["prompt_mask"], batch["completion_tokens"],
-                                   batch["completion_mask"])
-    nll = -masked_mean(logprobs, batch["completion_mask"])
+    nll = completion_nll(graphdef, params, batch["prompt_tokens"], batch["prompt_mask"],
+                         batch["completion_tokens"], batch["completion_mask"])
     return nll, {"loss": nll, "perplexity": jnp.exp(nll)}
 
   return loss

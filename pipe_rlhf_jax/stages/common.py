@@ -4,7 +4,8 @@ A `StageLayout` is a stage's parallel strategy made concrete: a mesh on its own 
 plus the logical-axis rules. It turns a model's logical axes into shardings and moves
 pytrees onto the stage through the one reshard helper, so every cross-mesh move is timed.
 
-`completion_logprobs` / `completion_values` / `sequence_scores` read a model over the
+`completion_logprobs` (and its SFT loss, `completion_nll`) / `completion_values` /
+`sequence_scores` read a model over the
 shared `[prompt | completion]` layout (see `ppo/types.py`); the SFT, reward-model and
 PPO phases and all three stages use them, so every log-prob in the system is computed
 one way: under the tempered, untruncated policy (top-k / top-p never enter).
@@ -26,6 +27,7 @@ from pipe_rlhf_jax.generation.sampling import policy_logprobs, token_logprob
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
+from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.ppo.losses import entropy_from_logprobs
 
 
@@ -157,6 +159,18 @@ def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion
   if not return_entropy:
     return logprobs
   return logprobs, jnp.where(completion_mask, entropy, 0.0)
+
+
+def completion_nll(graphdef, params, prompt_tokens, prompt_mask, completion_tokens,
+                   completion_mask) -> jax.Array:
+  """The SFT loss: token-mean negative log-likelihood (f32 scalar) of the completions.
+
+  At temperature 1 over every unmasked completion token (EOS included), pooled over the
+  batch; the SFT phase's objective and PPO-ptx's term are this one function.
+  """
+  logprobs = completion_logprobs(graphdef, params, prompt_tokens, prompt_mask,
+                                 completion_tokens, completion_mask, temperature=1.0)
+  return -masked_mean(logprobs, completion_mask)
 
 
 def _over_position_chunks(fn, h: jax.Array, tokens: jax.Array, chunk_size: int):

@@ -39,7 +39,7 @@ from pipe_rlhf_jax.ppo.advantages import masked_mean
 from pipe_rlhf_jax.ppo.kl import kl_penalty
 from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
-from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
+from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs, completion_nll,
                                          completion_values)
 from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
 
@@ -245,10 +245,8 @@ class TrainStage:
           # PPO-ptx: the SFT objective on demonstrations, so that the answers PPO's own
           # samples never visit keep what SFT taught them while the parameters move.
           d = mb["ptx"]
-          ptx_logprobs = completion_logprobs(
-              actor_gd, actor, d.prompt_tokens, d.prompt_mask, d.completion_tokens,
-              d.completion_mask, temperature=1.0)
-          nll = -masked_mean(ptx_logprobs, d.completion_mask)
+          nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
+                               d.completion_tokens, d.completion_mask)
           total = total + h.ptx_coef * nll
           aux["ptx_loss"] = nll
         if h.kl_loss_coef:
