@@ -68,6 +68,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # No per-update early stop: the arith table (README) was measured without one, and the
   # drift it guards against came from a learned reward model, which this task has not.
   config.ppo.target_kl = 0.0
+  # No SFT term (the quickstart's 0.3): the arith table (README) was measured without it.
+  config.ppo.ptx_coef = 0.0
   config.ppo.critic_init = "sft"  # used only by critic estimators (gae): no reward model
   if variant == "tiny":
     quickstart.shrink_to_tiny(config)

@@ -250,6 +250,7 @@ def test_the_sft_term_is_priced_as_more_rows_of_the_actors_training():
   import configs.quickstart as quickstart
   from pipe_rlhf_jax.planner import auto
   config = quickstart.get_config()
+  config.ppo.ptx_coef = 0.0
   assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == 0
   config.ppo.ptx_coef = 0.5
   assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == config.ppo.minibatch_size
