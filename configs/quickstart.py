@@ -3,8 +3,8 @@
 A 4-layer byte-level model learns to reverse short strings of letters. SFT imitates
 noisy demonstrations (so it is mediocre), a Bradley-Terry reward model learns from
 preference pairs which answers are closer to correct, and PPO against that reward model
-makes the policy better than its demonstrations. Runs in about ten minutes on 2 CPU
-cores with 8 virtual devices (six of them the reward model: 800 steps, so that it has
+makes the policy better than its demonstrations. Runs in 5-15 minutes by host on 2 CPU
+cores with 8 virtual devices (most of it the reward model: 800 steps, so that it has
 fewer blind spots for PPO to find; see the README's learning curves).
 
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py
