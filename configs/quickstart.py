@@ -184,6 +184,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.runtime.queue_size = 2
   # How long the other workers may take to finish their current item after one fails.
   config.runtime.shutdown_timeout_s = 120.0
+  # A PPO step (or a wait for another process) that makes no progress this long stops the
+  # job naming the stage and process that held it up; 0 = 10x the slowest step seen or
+  # predicted (at least 300 s; 1800 s for the first, compiling step).
+  config.runtime.progress_timeout_s = 0.0
   # Use the first N of jax.devices() (0 = all): e.g. resume a run on a smaller slice.
   config.runtime.num_devices = 0
   # Devices of each stage in `pipe` mode (disjoint, in device order).

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -41,6 +42,8 @@ import orbax.checkpoint as ocp
 logger = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
+# How Orbax names a step directory while it is being written (renamed when complete).
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 METADATA_ITEM = "metadata"
 
 # Orbax saves a replicated array replica-parallel by default: every replica slices out its
@@ -178,6 +181,47 @@ def _drop_ignored(tree: Any, ignore: frozenset[str], prefix: str = "") -> Any:
   return out
 
 
+def fingerprinted_fields(
+    config_dict: Mapping[str, Any],
+    ignore: Iterable[str] = DEFAULT_FINGERPRINT_IGNORE,
+) -> dict[str, Any]:
+  """The fields `config_fingerprint` hashes, in canonical (JSON-stable) form.
+
+  Stored with every checkpoint, so that a refused resume can name the fields that
+  differ (`config_changes`).
+  """
+  if hasattr(config_dict, "to_dict"):
+    config_dict = config_dict.to_dict()
+  if not isinstance(config_dict, Mapping):
+    raise TypeError(
+        f"config_dict must be a mapping or ConfigDict, got {type(config_dict)}"
+    )
+  return _canonical(_drop_ignored(config_dict, frozenset(ignore)))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, Mapping):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(_flatten(v, f"{prefix}{k}."))
+  if not tree and prefix:
+    out[prefix] = {}
+  return {k.rstrip("."): v for k, v in out.items()}
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """`field: old -> new` for each fingerprinted field that differs, sorted by name.
+
+  Args:
+    saved / current: `fingerprinted_fields` of two configs.
+  """
+  old, new = _flatten(saved), _flatten(current)
+  missing = "<absent>"
+  return [f"{k}: {old.get(k, missing)} -> {new.get(k, missing)}"
+          for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+
+
 def config_fingerprint(
     config_dict: Mapping[str, Any],
     ignore: Iterable[str] = DEFAULT_FINGERPRINT_IGNORE,
@@ -193,14 +237,8 @@ def config_fingerprint(
     16 hex characters; equal for configs that differ only in ignored fields
     or in key order.
   """
-  if hasattr(config_dict, "to_dict"):
-    config_dict = config_dict.to_dict()
-  if not isinstance(config_dict, Mapping):
-    raise TypeError(
-        f"config_dict must be a mapping or ConfigDict, got {type(config_dict)}"
-    )
-  kept = _drop_ignored(config_dict, frozenset(ignore))
-  blob = json.dumps(_canonical(kept), sort_keys=True, separators=(",", ":"))
+  kept = fingerprinted_fields(config_dict, ignore)
+  blob = json.dumps(kept, sort_keys=True, separators=(",", ":"))
   return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
@@ -227,6 +265,7 @@ class Checkpointer:
       max_to_keep: int | None = 3,
       async_save: bool = True,
       processes: Iterable[int] | None = None,
+      cleanup: bool = True,
   ):
     """Opens (creating if needed) a checkpoint directory.
 
@@ -234,6 +273,9 @@ class Checkpointer:
       directory: Root directory; one sub-directory per step.
       max_to_keep: Keep only the newest N steps (None keeps all).
       async_save: Write in a background thread.
+      cleanup: remove the temporary directories of saves that never finished (a kill
+        during a write leaves a partial, full-size copy behind). Only for the group
+        that writes: a read-only process must not delete what a writer is writing.
       processes: in a multi-process job, the processes that save and restore together
         (the first one writes the shared files); None = all of them. A group of processes
         (e.g. the training stage of a pipe-mode job) can then checkpoint while the others
@@ -256,6 +298,18 @@ class Checkpointer:
     if processes is not None:
       # Orbax creates the root itself only when every process takes part.
       self.directory.mkdir(parents=True, exist_ok=True)
+    # Unfinished writes of an interrupted run (Orbax renames a step's directory only
+    # once it is complete), removed before the manager opens: nothing reads them, and
+    # each is up to a full-size copy of the state.
+    self.unfinished = []
+    if cleanup and self.directory.is_dir() and jax.process_index() == (
+        processes[0] if processes else 0):
+      self.unfinished = sorted(p.name for p in self.directory.glob(f"*{TMP_SUFFIX}*"))
+      for name in self.unfinished:
+        shutil.rmtree(self.directory / name, ignore_errors=True)
+      if self.unfinished:
+        logger.warning("%s: removed %d unfinished checkpoint write(s) of an earlier run: "
+                       "%s", self.directory, len(self.unfinished), ", ".join(self.unfinished))
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save,

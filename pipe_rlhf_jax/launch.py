@@ -12,9 +12,12 @@ per process). Process 0's output is shown live and every process's goes to
 For development and tests, not clusters (there one process per host is started by the
 cluster's own tools; see the README). It guarantees that nothing outlives it: when a
 process fails, the others get `grace_s` to stop by themselves (they do, through the
-job's fault handling) and are then SIGKILLed (a JAX process ignores SIGTERM); the same
-happens to all of them after `timeout_s`. It reports each process's exit status and last
-milestone line, and exits with the first failure's status.
+job's fault handling) and are then SIGKILLed; the same happens to all of them after
+`timeout_s`. A SIGINT (Ctrl-C) or SIGTERM to the launcher is passed on to every process,
+which then finish their PPO step, write its checkpoint together and exit 130 / 143; the
+launcher waits `stop_grace_s` for that before it SIGKILLs anything (the same signal
+again is passed on too: the processes abort at once). It reports each process's exit
+status and last milestone line, and exits with the first failure's status.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -105,8 +109,8 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
            log_dir: str = "runs/launch_logs", timeout_s: float = 3600.0,
            grace_s: float = 30.0, command: Sequence[str] = MAIN, echo: bool = True,
            env: dict[str, str] | None = None, host: str = "127.0.0.1",
-           watch: Callable[[list[subprocess.Popen], list[str]], None] | None = None
-           ) -> LaunchResult:
+           watch: Callable[[list[subprocess.Popen], list[str]], None] | None = None,
+           stop_grace_s: float = 300.0) -> LaunchResult:
   """Runs `command + args + <job flags>` as `num_processes` processes and waits.
 
   Args:
@@ -123,6 +127,9 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
     host: the coordinator's address (loopback for local jobs).
     watch: called as `watch(processes, log paths)` every 0.1 s while the job runs (e.g.
       a preemption drill that SIGKILLs one process at a chosen moment).
+    stop_grace_s: after a SIGINT / SIGTERM to the launcher (passed on to every process),
+      how long the processes may take to write their final checkpoint and exit before
+      they are SIGKILLed.
 
   Returns:
     A `LaunchResult`.
@@ -150,6 +157,15 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
 
   exit_s: list[float | None] = [None] * num_processes
   first_failure, failed_at, killed = None, None, []
+  # Signals to the launcher, passed on to the processes from the loop below.
+  received: list[int] = []
+  forwarded = [0]
+  stop_at = [None]
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      previous[signum] = signal.getsignal(signum)
+      signal.signal(signum, lambda signum, frame: received.append(signum))
 
   def kill(i: int) -> None:
     if procs[i].poll() is None:
@@ -160,25 +176,38 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
   try:
     while any(t is None for t in exit_s):
       now = time.monotonic() - start
+      while forwarded[0] < len(received):
+        signum = received[forwarded[0]]
+        forwarded[0] += 1
+        for proc in procs:
+          if proc.poll() is None:
+            proc.send_signal(signum)  # the process only: its own children are its own
+        stop_at[0] = now + (stop_grace_s if forwarded[0] == 1 else min(stop_grace_s, 30.0))
+      stopping = stop_at[0] is not None
       for i, proc in enumerate(procs):
         if exit_s[i] is None and proc.poll() is not None:
           exit_s[i] = now
-          if proc.returncode != 0 and first_failure is None:
+          if proc.returncode != 0 and first_failure is None and not stopping:
             first_failure, failed_at = i, now
       if watch is not None:
         watch(procs, logs)
-      if now > timeout_s or (failed_at is not None and now > failed_at + grace_s):
+      if (now > timeout_s or (failed_at is not None and now > failed_at + grace_s)
+          or (stopping and now > stop_at[0])):
         for i in range(num_processes):
           kill(i)
       time.sleep(0.1)
-  finally:  # Ctrl-C of the launcher (or any error here) leaves nothing running
+  finally:  # any error here leaves nothing running
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
     for i in range(num_processes):
       kill(i)
       procs[i].wait()
   for tee in tees:
     tee.join(timeout=5)
-  return LaunchResult([p.returncode for p in procs], [float(t) for t in exit_s], logs,
-                      first_failure, killed)
+  codes = [p.returncode for p in procs]
+  if first_failure is None and any(codes):
+    first_failure = next(i for i, c in enumerate(codes) if c)
+  return LaunchResult(codes, [float(t) for t in exit_s], logs, first_failure, killed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,10 +226,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="virtual CPU devices per process (0: platform default)")
   parser.add_argument("--log_dir", default="runs/launch_logs")
   parser.add_argument("--timeout_s", type=float, default=3600.0)
-  parser.add_argument("--grace_s", type=float, default=30.0)
+  parser.add_argument("--grace_s", type=float, default=30.0,
+                      help="after one process fails, how long the others may take to stop")
+  parser.add_argument("--command", default=" ".join(MAIN),
+                      help="the program every process runs (default: the main job)")
+  parser.add_argument("--stop_grace_s", type=float, default=300.0,
+                      help="after Ctrl-C / SIGTERM (passed on to every process), how long "
+                           "they may take to write their final checkpoint")
   opts = parser.parse_args(ours)
   result = launch(theirs, num_processes=opts.num_processes, cpu_devices=opts.cpu_devices,
-                  log_dir=opts.log_dir, timeout_s=opts.timeout_s, grace_s=opts.grace_s)
+                  log_dir=opts.log_dir, timeout_s=opts.timeout_s, grace_s=opts.grace_s,
+                  stop_grace_s=opts.stop_grace_s, command=shlex.split(opts.command))
   print(result.report(), file=sys.stderr)
   if result.ok:
     return 0

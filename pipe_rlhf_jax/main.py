@@ -6,6 +6,14 @@
 `--warm_start_only` trains SFT and the reward model into DIR/warmstart and stops; runs in
 any runtime mode then start PPO from it with --config.warm_start.checkpoint=DIR/warmstart.
 
+Signals: SIGINT (Ctrl-C) or SIGTERM (a preemption, a scheduler's stop) during PPO ends the
+run at the end of the current step, with a checkpoint of that step, and exits 130 / 143
+(128 + the signal); `--resume` continues from it, equal to the uninterrupted run. The
+same signal again aborts at once (the newest checkpoint on disk stays). Before PPO (data,
+warm start) and after it (evaluation, export) a signal stops at once: nothing finished
+is lost there. A step that makes no progress within `runtime.progress_timeout_s` ends the
+job with status 124, naming the stage and process that held it up.
+
 Multi-process (one process per host): the same command on every host with
 `--coordinator_address=HOST0:PORT --num_processes=N --process_id=I` (or
 `--cluster_detection=auto` on a TPU pod / SLURM allocation); `python -m
@@ -64,7 +72,8 @@ _CACHE = flags.DEFINE_string(
     "resumed job loads its programs from here instead of compiling them again. In a "
     "multi-process job process 0 writes it and every process reads it: a folder all "
     "hosts see (shared storage, a GCS bucket). On the CPU backend only process 0 finds "
-    "its programs (jax's keys differ per process there). Empty: off.")
+    "its programs (jax's keys differ per process there). Its files are executables the "
+    "job runs: keep it writable only by the job's own account. Empty: off.")
 
 
 def distributed_config():
@@ -97,6 +106,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if _WARM_START_ONLY.value and _RESUME.value:
     raise app.UsageError("--warm_start_only and --resume: choose one.")
+  from pipe_rlhf_jax.runtime.interrupts import Interrupted, Stalled, exit_status
   try:
     if _WARM_START_ONLY.value:
       result = prepare_warm_start(_CONFIG.value, _WORKDIR.value,
@@ -107,12 +117,25 @@ def main(argv):
       result = train(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value,
                      progress=sys.stderr.isatty())
       message = result["summary"]
-  except KeyboardInterrupt:
-    raise
+  except Interrupted as e:
+    # A clean stop (SIGINT / SIGTERM) after the final checkpoint: 128 + the signal.
+    print(f"[pipe_rlhf_jax] {e}", file=sys.stderr, flush=True)
+    if watch is not None and not e.agreed:
+      watch.fail(e, status=e.exit_status)  # stopped alone: the others must stop too
+    sys.exit(e.exit_status)
+  except KeyboardInterrupt as e:  # a second signal: abort, no final checkpoint
+    print(f"[pipe_rlhf_jax] {e or 'interrupted'}", file=sys.stderr, flush=True)
+    if watch is not None:
+      watch.fail(e, status=exit_status(2))
+    sys.exit(exit_status(2))
   except Exception as e:  # pylint: disable=broad-except
+    status = e.exit_status if isinstance(e, Stalled) else 1
     if watch is None:
+      if status != 1:
+        print(f"[pipe_rlhf_jax] {e}", file=sys.stderr, flush=True)
+        sys.exit(status)
       raise
-    watch.fail(e)  # tells every other process, then exits non-zero
+    watch.fail(e, status=status)  # tells every other process, then exits non-zero
   if watch is not None:
     watch.finish()
   if message:

@@ -46,10 +46,13 @@ builds its own stages from host copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -63,7 +66,8 @@ from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.data import builders, pipeline
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
-from pipe_rlhf_jax.distributed.faults import set_activity
+from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
+from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
@@ -75,12 +79,17 @@ from pipe_rlhf_jax.phases import warm_start as warm_lib
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
+from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
+from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
+from pipe_rlhf_jax.system.steps import DataFeed, np_batch
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
                                          graphdef_of, with_backbone)
 from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +229,17 @@ class RunSetup:
   writes: bool = True
   trains: bool = True
   across: bool = False  # pipe mode with its stages in different processes
+  lock: WorkdirLock | None = None  # held by the process that writes (process 0)
+  # How long a step / a one-off wait between processes may make no progress.
+  deadline: ProgressDeadline = ProgressDeadline()
+
+  def close(self) -> None:
+    """Waits for the checkpoint writes and releases the workdir."""
+    try:
+      self.checkpointer.close()
+    finally:
+      if self.lock is not None:
+        self.lock.release()
 
 
 def select_devices(config) -> list:
@@ -302,6 +322,19 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
+  # Before anything is written there, and released by `RunSetup.close` (or the kernel,
+  # however this process ends).
+  lock = WorkdirLock(workdir) if distributed.is_primary() else None
+  try:
+    return _set_up(config, workdir, resume, devices, lock)
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    raise
+
+
+def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
+  """`set_up` once the workdir is agreed and locked."""
   tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
   cfgs = build_model_configs(config, tokenizer)
   # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
@@ -332,8 +365,12 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     trains = me in trainers
     group = list(trainers) if trains else [me]
   ppo_dir = os.path.join(workdir, "checkpoints")
+  # The group that writes removes what an interrupted write of an earlier run left.
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
-                                       processes=group)
+                                       processes=group, cleanup=trains)
+  if checkpointer.unfinished:
+    say(f"{ppo_dir}: removed {len(checkpointer.unfinished)} unfinished checkpoint "
+        f"write(s) of an earlier run ({', '.join(checkpointer.unfinished)})")
   latest = checkpointer.latest_step()
   if latest is not None and not resume:
     raise FileExistsError(
@@ -361,24 +398,39 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
       raise ckpt_lib.CheckpointError(
           f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
           f"{meta.get('config_fingerprint')!r} but the current run expects "
-          f"{fingerprint!r}: the config changes the mathematics of the run that wrote it. "
-          "Resume with that run's config (see config.json in the workdir), or use a new "
-          "workdir.")
+          f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
+          f"{_changed_fields(meta, config)}. Resume with that run's config (see "
+          "config.json in the workdir), or use a new workdir.")
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
+  runtime = RuntimeConfig.from_config(config)
+  deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
                   start, warm_layout, warm_source, config, planned, writes=writes,
-                  trains=trains, across=across)
+                  trains=trains, across=across, lock=lock, deadline=deadline)
+
+
+def _changed_fields(meta: dict[str, Any], config) -> str:
+  """`; changed: field: old -> new, ...` from the fields stored with the checkpoint."""
+  saved = meta.get("config")
+  if not isinstance(saved, dict):
+    return " (the checkpoint predates the record of its fields: compare config.json)"
+  changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(config.to_dict()))
+  shown = "; ".join(changes[:12]) + ("; ..." if len(changes) > 12 else "")
+  return f"; changed: {shown}" if changes else ""
 
 
 def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
   """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
   set_activity("building datasets")
+  # Process 0 may take long (a large JSONL file): the others wait up to the one-off
+  # deadline (runtime.progress_timeout_s), not a fixed time.
+  timeout_s = setup.deadline.one_off()
   if not distributed.is_primary():
-    distributed.barrier("datasets_built")
+    distributed.barrier("datasets_built", timeout_s=timeout_s)
   result = make_data(config, setup.workdir, setup.tokenizer)
   if distributed.is_primary():
-    distributed.barrier("datasets_built")
+    distributed.barrier("datasets_built", timeout_s=timeout_s)
   return result
 
 
@@ -453,7 +505,7 @@ def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
   set_activity("measuring the reward model's scale")
   stats = reward_norm.score_statistics(
       graphdef_of(setup.cfgs["actor"]), warm["actor"], graphdef_of(setup.cfgs["reward"]),
-      warm["reward"], modes.np_batch(next(iter(data["prompts_norm"]))),
+      warm["reward"], np_batch(next(iter(data["prompts_norm"]))),
       ppo_sampling(config, setup.tokenizer), samples_per_prompt=k, seed=config.seed)
   say(f"reward model under the warm-start policy: score mean {stats.mean:.4g}, std "
       f"{stats.std:.4g} over {stats.samples} answers; PPO's reward is (score - mean) / std")
@@ -524,21 +576,82 @@ def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
   say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
 
 
+def describe_stall(tracer: Tracer) -> str:
+  """What held a step up: the stage working longest on its item, or that all wait."""
+  me = distributed.process_index()
+  where = f" (process {me})" if distributed.process_count() > 1 else ""
+  spans = tracer.open_spans()
+  if spans:
+    stage, batch, seconds, _ = spans[0]
+    text = f"the {stage} stage{where} has been working on batch {batch} for {seconds:.0f} s"
+    others = [f"{s} on batch {b} for {t:.0f} s" for s, b, t, _ in spans[1:]]
+    if others:
+      text += f" (also running: {', '.join(others)})"
+  else:
+    text = (f"no stage{where} is working: each waits for another (a batch or weights "
+            "that never came, from this process or a peer)")
+  if distributed.process_count() > 1:
+    peers = [f"process {p}: {activity_of(p)}" for p in range(distributed.process_count())
+             if p != me]
+    text += "; the others' last activity: " + "; ".join(peers)
+  return text
+
+
+class WriteFence:
+  """Keeps a worker the run has given up on from writing while the run closes its files.
+
+  Every write of a step (metrics row, checkpoint) runs inside `open()`; `close()` waits
+  (bounded) for the one in progress, and afterwards `open()` refuses with a clean
+  shutdown, so a worker that outlived the shutdown timeout cannot write into a metrics
+  file or checkpoint directory that the main thread is closing.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._closed = False
+
+  @contextlib.contextmanager
+  def open(self):
+    with self._lock:
+      if self._closed:
+        raise PipelineShutdown("the run has ended: this worker's step is not recorded")
+      yield
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    got = self._lock.acquire(timeout=timeout_s)
+    self._closed = True
+    if got:
+      self._lock.release()
+    else:
+      log.warning("A worker kept writing past the end of the run for %.0f s; closing "
+                  "the run's files anyway.", timeout_s)
+
+
 def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
-            writer: metrics_lib.MetricsWriter, end: int, progress: bool) -> Tracer:
-  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, Ctrl-C handling.
+            writer: metrics_lib.MetricsWriter, end: int, progress: bool,
+            signals: SignalHandler) -> Tracer:
+  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, stops.
 
   A metrics row is written every `log.every` steps and at the last step of the schedule;
   the progress bar and the checkpoints (every `checkpoint.every` steps, at `end`, and on
-  Ctrl-C) do not depend on it.
+  a stop) do not depend on it.
+
+  Stops: a SIGINT or SIGTERM (`signals`) during the loop ends it at the next step
+  boundary, agreed by every process that checkpoints; the checkpoint of that step is
+  written and `Interrupted` raised. A step that makes no progress within the deadline
+  (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
+  step is saved first when the trainer state is whole (the stuck stage is not the
+  update) and only this process holds it.
   """
   start, checkpointer = setup.start, setup.checkpointer
-  feed = modes.DataFeed(prompts)
+  feed = DataFeed(prompts)
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
                                 disable=not progress or not setup.writes)
   plan = plan_of(config, setup.devices)
+  fields = ckpt_lib.fingerprinted_fields(config.to_dict())
+  fence = WriteFence()
 
   def save(step: int) -> None:
     state = system.checkpoint_state()
@@ -548,43 +661,78 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       state = distributed.fetch(state)
     checkpointer.save(step, state, metadata={
         **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
-        "plan": plan, "data_state": feed.state_before(step + 1)})
+        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1)})
 
   # The newest step on disk: a resumed run starts with its checkpoint already written.
   last_saved = [start - 1]
 
   def on_step(step: int, metrics: dict) -> None:
-    metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
-                                             if k.startswith("skipped")))
-    if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
-      writer.write(step, metrics, phase="ppo")
-    bar.update(metrics)
-    set_activity(f"PPO step {step + 1}")
-    if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
-      kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
-      say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
-          f"{metrics['time/step_s']:.2f}s/step")
-    if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+    with fence.open():
+      metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
+                                               if k.startswith("skipped")))
+      if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
+        writer.write(step, metrics, phase="ppo")
+      bar.update(metrics)
+      set_activity(f"PPO step {step + 1}")
+      if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
+        kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
+        say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
+            f"{metrics['time/step_s']:.2f}s/step")
+      if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+        save(step)
+        last_saved[0] = step
+      watchdog.beat(step)
+
+  def save_last(step: int | None) -> None:
+    """The checkpoint of `step`, the last one finished, unless it is on disk already."""
+    if setup.trains and step is not None and step >= 0 and step != last_saved[0]:
+      log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
       save(step)
       last_saved[0] = step
-
-  def on_interrupt() -> None:
-    step = system.version - 1
-    if setup.trains and step >= 0 and step != last_saved[0]:
-      log.warning("Interrupted: writing a final checkpoint at PPO step %d", step)
-      save(step)
     checkpointer.wait()
 
-  try:
-    modes.run(system, feed, start, end, on_step, tracer, on_interrupt=on_interrupt)
-  finally:
-    bar.close()
-    checkpointer.wait()
-    if tracer.spans() and setup.writes:
-      tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
-      tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
-                   title=f"PPO stages ({system.mode})")
-    writer.flush()
+  def on_stall(error: Stalled) -> bool:
+    stalled_in_update[0] = any(s[0] == "train" for s in tracer.open_spans())
+    return signals.raise_in_main(error)
+
+  def on_exit(error: Stalled) -> None:
+    watch = FaultWatch.current()
+    if watch is not None:
+      watch.report_failure(error)
+
+  stalled_in_update = [False]
+  watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
+  voters = stage_processes(system.layouts)["train"] if setup.across else None
+  with signals.deferred() as request:
+    boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
+                            timeout_s=watchdog.current_deadline)
+    watchdog.start(start)
+    try:
+      stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
+      if stopped or request.is_set():
+        last = boundary.stop_step if not setup.trains else system.version - 1
+        save_last(last)
+        signum = request.signum or boundary.signum or signal.SIGINT
+        raise Interrupted(signum, last_saved[0], agreed=True,
+                          where=f"after PPO step {last}" if last is not None else "")
+    except Stalled:
+      watchdog.stop()
+      # A whole trainer state (not stuck inside an update) that only this process
+      # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
+      alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
+      if alone and not stalled_in_update[0]:
+        save_last(system.version - 1)
+      raise
+    finally:
+      watchdog.stop()
+      fence.close()
+      bar.close()
+      checkpointer.wait()
+      if tracer.spans() and setup.writes:
+        tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
+        tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
+                     title=f"PPO stages ({system.mode})")
+      writer.flush()
   return tracer
 
 
@@ -601,6 +749,13 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       drills); the schedule still assumes `ppo.steps`.
     progress: show progress bars.
   """
+  # SIGINT / SIGTERM: at once outside PPO's loop, at its next step boundary inside.
+  with SignalHandler() as signals:
+    return _train(config, workdir, resume, stop_after, progress, signals)
+
+
+def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, Any]:
+  """`train` under its signal handlers."""
   start_time = time.perf_counter()
   setup = set_up(config, workdir, resume)
   config = setup.config  # runtime.plan='auto': the planner's plan applied
@@ -633,7 +788,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
       with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2))
 
-    eval_batch = modes.np_batch(next(iter(data["prompts_eval"])))
+    eval_batch = np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(config)
 
     samples_per_prompt = config.log.get("eval_samples_per_prompt", 0) if rules else 0
@@ -660,12 +815,13 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     set_activity(f"PPO step {setup.start}")
-    tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress)
+    tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress,
+                     signals)
     return reporting.report(setup, built, warm, tracer, writer, before, evaluate(end),
                             start_time)
   finally:
     writer.close()
-    setup.checkpointer.close()
+    setup.close()
 
 
 def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = True
@@ -681,6 +837,11 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
     {"workdir", "checkpoint" (the warmstart directory), "rm_eval" (None with a rule
     reward)}.
   """
+  with SignalHandler():  # a signal stops it at once (Interrupted); nothing is half-saved
+    return _prepare_warm_start(config, workdir, progress)
+
+
+def _prepare_warm_start(config, workdir, progress) -> dict[str, Any]:
   setup = set_up(config, workdir, resume=False)
   config = setup.config  # runtime.plan='auto': the planner's plan applied
   if warm_lib.warm_start_config(config)[1]:
@@ -695,6 +856,6 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
                                   setup.tokenizer)
   finally:
     writer.close()
-    setup.checkpointer.close()
+    setup.close()
   return {"workdir": setup.workdir, "checkpoint": os.path.join(setup.workdir, "warmstart"),
           "rm_eval": warm["rm_eval"]}

@@ -416,3 +416,114 @@ def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_res
   with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if '"ppo"' in line]
   assert [r["step"] for r in rows] == [0, 1]
+
+
+# ---- signals and stuck peers across processes ------------------------------------------
+
+FAULTY = (sys.executable, "-u", os.path.join(HERE, "fault_worker.py"))
+
+
+def fault_args(workdir, mode="sequential", steps=5):
+  """The tiny arith GRPO job (no reward model, no critic) with the fault worker's rule;
+  a checkpoint only at the end or on a stop."""
+  return [f"--config={os.path.join(ROOT, 'configs', 'grpo_arith.py')}:tiny",
+          f"--config.runtime.mode={mode}", "--config.sft.steps=0",
+          f"--config.ppo.steps={steps}", "--config.checkpoint.every=100",
+          "--config.log.tensorboard=False", "--config.reward.fn=faulty_arith_exact_match",
+          f"--workdir={workdir}", "--heartbeat_timeout_s=5"]
+
+
+def launch_faulty(tmp_path, name, args, fault="", **kwargs):
+  env = {**child_env(), "PYTHONPATH": ROOT, "PIPE_RLHF_JAX_FAULT": fault}
+  return launch(args, num_processes=2, cpu_devices=4, log_dir=str(tmp_path / name),
+                command=FAULTY, echo=False, env=env, **{"timeout_s": 400, **kwargs})
+
+
+def ppo_steps(workdir):
+  return [r["step"] for r in phase_rows(workdir, "ppo")]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_finishes(tmp_path):
+  # A scheduler's SIGTERM reaches process 1 alone, during step 2: both processes agree
+  # to stop after step 2, write its checkpoint together and exit 143; nothing is lost.
+  workdir = tmp_path / "run"
+  job = launch_faulty(tmp_path, "logs1", fault_args(workdir), fault="sigterm@reward:2:1")
+  assert job.returncodes == [143, 143] and job.killed == [], job.report()
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+  assert ppo_steps(workdir) == [0, 1, 2]
+  job = launch_faulty(tmp_path, "logs2", [*fault_args(workdir), "--resume"])
+  assert job.ok, job.report()
+  assert ppo_steps(workdir) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_resume_equals_the_uninterrupted_two_process_run(tmp_path):
+  whole = tmp_path / "whole"
+  assert launch_faulty(tmp_path, "logs0", fault_args(whole)).ok
+  workdir = tmp_path / "run"
+  job = launch_faulty(tmp_path, "logs1", fault_args(workdir), fault="sigint@reward:1:0")
+  assert job.returncodes == [130, 130], job.report()
+  assert launch_faulty(tmp_path, "logs2", [*fault_args(workdir), "--resume"]).ok
+  assert_metrics_close(math_metrics(phase_rows(whole, "ppo")),
+                       math_metrics(phase_rows(workdir, "ppo")), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_in_pipe_mode_saves_and_resume_finishes(tmp_path):
+  # Pipe mode across 2 processes (generation and inference on process 1, training on
+  # process 0); the launcher passes a SIGTERM on to both, which stop at one step.
+  workdir = tmp_path / "run"
+  logs = tmp_path / "logs1"
+  cmd = [sys.executable, "-m", "pipe_rlhf_jax.launch", "--num_processes=2",
+         "--cpu_devices=4", f"--log_dir={logs}", "--timeout_s=400", "--",
+         *[a for a in fault_args(workdir, mode="pipe", steps=8)
+           if "reward.fn" not in a]]
+  proc = subprocess.Popen(cmd, env={**child_env(), "PYTHONPATH": ROOT},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
+      log = logs / "process_0.log"
+      if log.exists() and "ppo step 2/8" in log.read_text(errors="replace"):
+        proc.send_signal(subprocess.signal.SIGTERM)
+        break
+      time.sleep(0.2)
+    _, err = proc.communicate(timeout=400)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 143, err[-3000:]
+  saved = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+  assert saved and saved[-1] == ppo_steps(workdir)[-1] < 7, err[-3000:]
+  job = launch([*[a for a in fault_args(workdir, mode="pipe", steps=8)
+                 if "reward.fn" not in a], "--resume"], num_processes=2,
+               cpu_devices=4, log_dir=str(tmp_path / "logs2"), timeout_s=400, command=MAIN,
+               echo=False, env={**child_env(), "PYTHONPATH": ROOT})
+  assert job.ok, job.report()
+  assert ppo_steps(workdir) == list(range(8))
+
+
+@pytest.mark.slow
+def test_a_stuck_peer_stops_the_job_naming_it(tmp_path):
+  # Process 1's reward call never returns (a hung server): its heartbeats keep flowing,
+  # so only the progress deadline can end the job; both processes stop by themselves.
+  workdir = tmp_path / "run"
+  job = launch_faulty(tmp_path, "logs", [*fault_args(workdir),
+                                         "--config.runtime.progress_timeout_s=90"],
+                      fault="hang@reward:2:1", grace_s=120)
+  assert job.killed == [] and all(c != 0 for c in job.returncodes), job.report()
+  text = job.log_text(0) + job.log_text(1)
+  assert "PPO step 2 made no progress" in text, job.report()
+  assert "the infer stage (process 1)" in text, job.report()
+
+
+def test_binding_every_interface_is_recognised_and_transfer_ids_need_the_secret():
+  from pipe_rlhf_jax.distributed.cluster import is_wildcard
+  from pipe_rlhf_jax.distributed.transfer import transfer_id
+  assert all(is_wildcard(h) for h in ("0.0.0.0:1234", "[::]:1234", "::", "0.0.0.0"))
+  assert not any(is_wildcard(h) for h in ("127.0.0.1:5", "10.0.0.2", "node-3:8476"))
+  # Without the job's key the id of the next item cannot be derived from the last one.
+  ids = {transfer_id("actor@0-4", 1, seq, b"k" * 32) for seq in range(1000)}
+  assert len(ids) == 1000 and all(0 <= i < 2**63 for i in ids)
+  assert transfer_id("actor@0-4", 1, 5, b"a" * 32) != transfer_id("actor@0-4", 1, 5,
+                                                                   b"b" * 32)

@@ -7,6 +7,7 @@ import traceback
 
 import pytest
 
+from pipe_rlhf_jax.runtime.interrupts import SignalHandler
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.workers import WorkerGroup
 
@@ -69,14 +70,9 @@ def test_pipeline_finishes_cleanly_when_producer_closes():
   assert not group.stop_event.is_set()
 
 
-def test_keyboard_interrupt_runs_on_interrupt_and_reraises():
+def test_keyboard_interrupt_stops_every_worker_after_its_item_and_reraises():
   started, finished = [], []
-  seen_alive = []
-
-  def on_interrupt():
-    seen_alive.append(group.alive())
-
-  group = WorkerGroup(shutdown_timeout=3.0, on_interrupt=on_interrupt)
+  group = WorkerGroup(shutdown_timeout=3.0)
 
   def stepper(stop):
     i = 0
@@ -101,8 +97,53 @@ def test_keyboard_interrupt_runs_on_interrupt_and_reraises():
   # a CI run at load 8 took 2.5 s here; that every worker stopped by itself, within the
   # shutdown timeout, is what the next two lines check.)
   assert time.perf_counter() - t0 < 30.0
-  assert seen_alive == [[]]  # called once, after every worker had stopped
+  assert group.alive() == []  # re-raised only once every worker had stopped
   assert started and started == finished  # no item abandoned half-way
+
+
+def test_should_stop_ends_the_workers_after_their_item_and_join_says_so():
+  finished, asked = [], threading.Event()
+  group = WorkerGroup(shutdown_timeout=3.0)
+
+  def stepper(stop):
+    i = 0
+    while not stop.is_set():
+      time.sleep(0.05)
+      finished.append(i)
+      i += 1
+      if i == 3:
+        asked.set()
+
+  group.add("stepper", stepper)
+  group.start()
+  assert group.join(timeout=60.0, should_stop=asked.is_set) is False
+  assert group.stopped and group.alive() == [] and len(finished) >= 3
+
+
+def test_an_error_raised_into_join_stops_the_workers_and_names_a_stuck_one():
+  release = threading.Event()
+  group = WorkerGroup(shutdown_timeout=0.3)
+
+  def stuck(stop):
+    release.wait(60.0)  # ignores stop on purpose; released at test end
+
+  with SignalHandler() as signals:
+    def raiser(stop):
+      time.sleep(0.2)
+      # What the progress watchdog does: an error raised in the joining thread.
+      signals.raise_in_main(TimeoutError("the stage held its batch too long"))
+      _idle_until_stop(stop)
+
+    group.add("stuck_stage", stuck)
+    group.add("raiser", raiser)
+    group.start()
+    try:
+      with pytest.raises(TimeoutError, match="held its batch") as info:
+        group.join(timeout=60.0)
+      assert group.abandoned.is_set()
+      assert any("stuck_stage" in note for note in info.value.__notes__)
+    finally:
+      release.set()
 
 
 def test_stuck_worker_raises_runtime_error_naming_it():

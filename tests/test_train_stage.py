@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from pipe_rlhf_jax.system.modes import BadStepGuard
+from pipe_rlhf_jax.system.steps import BadStepGuard
 from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer
 
 

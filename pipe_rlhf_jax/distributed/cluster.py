@@ -140,6 +140,14 @@ def initialize(config: DistributedConfig) -> bool:
   bind = config.coordinator_bind_address or address
   global _listen_host
   _listen_host = config.listen_host or _route_to(address)
+  for what, host in (("--coordinator_bind_address / --coordinator_address", bind),
+                     ("--listen_host", _listen_host)):
+    if is_wildcard(host):
+      log.warning(
+          "%s=%s listens on every interface: the coordination service (its key-value "
+          "store) and the transfer servers are unauthenticated, so anyone who can reach "
+          "them can read the model's weights or stop the job. Bind to the cluster's "
+          "private interface instead, or keep the ports behind a firewall.", what, host)
   jax.distributed.initialize(
       coordinator_address=address, num_processes=count, process_id=index,
       local_device_ids=local_devices, coordinator_bind_address=bind,
@@ -150,6 +158,14 @@ def initialize(config: DistributedConfig) -> bool:
   log.info("joined a job of %d processes as process %d", jax.process_count(),
            jax.process_index())
   return True
+
+
+def is_wildcard(host_or_address: str) -> bool:
+  """Whether a host (or host:port) means every interface (0.0.0.0, ::, [::], empty)."""
+  host = host_or_address
+  if host.count(":") == 1 or host.startswith("["):
+    host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+  return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
 def _route_to(address: str) -> str:

@@ -73,8 +73,11 @@ class FaultWatch:
 
   # ---- this process ----------------------------------------------------------------
   def set_activity(self, what: str) -> None:
-    """Records what this process is doing (named in failure messages)."""
+    """Records what this process is doing (named in failure messages, and published for
+    the peers' progress-deadline messages)."""
     self._activity = what
+    from pipe_rlhf_jax.distributed.stopping import publish_activity
+    publish_activity(what)
 
   def describe(self) -> str:
     return f"process {self.index} of {self.count} ({self._activity})"
@@ -89,8 +92,8 @@ class FaultWatch:
       pass  # the coordination service is gone already: the heartbeat path stops the job
     return message
 
-  def fail(self, error: BaseException) -> None:
-    """Reports `error`, prints it with its traceback, and ends this process (exit 1).
+  def fail(self, error: BaseException, status: int = 1) -> None:
+    """Reports `error`, prints it with its traceback, and ends this process (`status`).
 
     An error here is often the echo of another process's failure: a collective whose
     peer has exited fails too ("connection closed by peer"), sometimes before the watch
@@ -120,7 +123,7 @@ class FaultWatch:
       while (time.monotonic() < deadline
              and len(self._acks()) + len(causes) < self.count - 1):
         time.sleep(0.05)
-    os._exit(1)  # skip atexit: jax's shutdown barrier would wait for the others
+    os._exit(status)  # skip atexit: jax's shutdown barrier would wait for the others
 
   def _wait_for_failures(self, seconds: float) -> list[str]:
     deadline = time.monotonic() + seconds

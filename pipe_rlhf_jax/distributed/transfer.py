@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import secrets
 import threading
 import time
-import zlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -337,6 +338,8 @@ class Endpoint:
     self.client.key_value_set(f"{_PREFIX}/server/{self.index}", self.server.address(),
                               allow_overwrite=True)
     self._connections: dict[int, Any] = {}
+    # The job's secret for transfer ids, chosen by process 0 (`transfer_id`).
+    self.id_key = bytes.fromhex(cluster.agree("transfer_id_key", secrets.token_hex(32)))
 
   @classmethod
   def get(cls) -> "Endpoint":
@@ -381,10 +384,17 @@ class Endpoint:
       time.sleep(poll_s)
 
 
-def transfer_id(stream: str, consumer: int, seq: int) -> int:
-  """A 63-bit id unique per (stream, consumer, sequence number)."""
-  return ((zlib.crc32(stream.encode()) & 0x7FFF) << 48) | ((consumer & 0xFFFF) << 32) | (
-      seq & 0xFFFFFFFF)
+def transfer_id(stream: str, consumer: int, seq: int, key: bytes = b"") -> int:
+  """A 63-bit id per (stream, consumer, sequence number), keyed by the job's secret.
+
+  A transfer server hands an array to whoever asks for its id: with ids derived from a
+  secret that only the job's processes read (`Endpoint.id_key`), a program that reaches
+  the port cannot guess the id of the next weights or batch. (Distinct inputs collide
+  with probability about 2^-63 per pair.)
+  """
+  digest = hashlib.blake2b(f"{stream}\0{consumer}\0{seq}".encode(), key=key[:64],
+                           digest_size=8).digest()
+  return int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _receive(endpoint: Endpoint, source: int, uid: int, target: Any, sent: list,
@@ -497,8 +507,8 @@ class WeightPublisher:
       seq = request["seq"]
       self._granted[seq] = staged
       for process in self.consumers:
-        self.endpoint.server.await_pull(transfer_id(self.name, process, seq),
-                                        staged[process][0])
+        self.endpoint.server.await_pull(
+            transfer_id(self.name, process, seq, self.endpoint.id_key), staged[process][0])
       self.endpoint.put(f"weights/{self.name}/grant/{leader}/{seq}", {
           "version": version, "layouts": {str(p): staged[p][1] for p in self.consumers}})
       self._served = seq
@@ -550,7 +560,8 @@ class WeightSubscriber:
     # The grant is per request: the leader's peers read the same version from it.
     grant = self.endpoint.wait_get(f"weights/{self.name}/grant/{leader}/{self._seq}",
                                    stop=stop, timeout_s=timeout_s, poll_s=self.poll_s)
-    params = _receive(self.endpoint, self.source, transfer_id(self.name, me, self._seq),
+    params = _receive(self.endpoint, self.source,
+                      transfer_id(self.name, me, self._seq, self.endpoint.id_key),
                       self.target, grant["layouts"][str(me)],
                       f"weights {self.name!r} version {grant['version']} (process {me})")
     # The publisher may now drop this grant's blocks.
@@ -615,8 +626,9 @@ class QueueSender:
     jax.block_until_ready([a for leaves, _ in staged.values() for a in leaves])
     self._offered[self._sent] = staged
     for process in self.consumers:
-      self.endpoint.server.await_pull(transfer_id(self.name, process, self._sent),
-                                      staged[process][0])
+      self.endpoint.server.await_pull(
+          transfer_id(self.name, process, self._sent, self.endpoint.id_key),
+          staged[process][0])
     self.endpoint.put(f"queue/{self.name}/item/{self._sent}", {
         "layouts": {str(p): staged[p][1] for p in self.consumers}, "meta": meta})
 
@@ -652,7 +664,8 @@ class QueueReceiver:
                                   timeout_s=timeout_s, poll_s=self.poll_s)
     if item.get("end"):
       raise StreamEnded(f"queue {self.name!r} ended")
-    tree = _receive(self.endpoint, self.source, transfer_id(self.name, me, seq),
+    tree = _receive(self.endpoint, self.source,
+                    transfer_id(self.name, me, seq, self.endpoint.id_key),
                     self.target_of(item["meta"]), item["layouts"][str(me)],
                     f"queue {self.name!r} item {seq} (process {me})")
     self._taken = seq

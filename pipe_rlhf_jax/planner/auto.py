@@ -236,8 +236,8 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
   if top.plan.placement is None and "placement" in chosen.runtime:
     chosen.runtime.placement = None  # only pipe mode places stages on device blocks
   read_back = RuntimeConfig.from_config(chosen)
-  if dataclasses.replace(read_back, shutdown_timeout_s=top.plan.shutdown_timeout_s
-                         ) != top.plan:
+  if dataclasses.replace(read_back, shutdown_timeout_s=top.plan.shutdown_timeout_s,
+                         progress_timeout_s=top.plan.progress_timeout_s) != top.plan:
     raise AssertionError(f"the overrides of {top.plan} read back as {read_back}")
   return chosen, _planned(dataclasses.replace(top, plan=read_back), True, m,
                           stats["seconds"])

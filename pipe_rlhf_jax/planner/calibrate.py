@@ -348,7 +348,6 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
       t2 = time.perf_counter()
       trn_m = system.train(exp, step)
       t3 = time.perf_counter()
-      system.advance(0.0)
       if step:
         for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
           times[stage].append(seconds)

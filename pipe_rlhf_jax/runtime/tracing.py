@@ -122,6 +122,9 @@ class Tracer:
     self.origin = time.perf_counter() if origin is None else origin
     self._lock = threading.Lock()
     self._spans: list[Span] = []
+    # Spans entered and not yet left: what each stage is working on right now (the
+    # progress watchdog names the one that has held its item longest).
+    self._open: dict[int, tuple[str, int | None, float, str]] = {}
 
   def now(self) -> float:
     """Current time in tracer coordinates (seconds since origin)."""
@@ -153,13 +156,26 @@ class Tracer:
       yield dict(args)
       return
     start = self.now()
+    token = object()
+    with self._lock:
+      self._open[id(token)] = (stage, batch, start, threading.current_thread().name)
     try:
       yield args
     except BaseException as e:
       args["error"] = type(e).__name__
       raise
     finally:
+      with self._lock:
+        del self._open[id(token)]
       self.add(stage, start, self.now(), batch=batch, version=version, **args)
+
+  def open_spans(self) -> list[tuple[str, int | None, float, str]]:
+    """(stage, batch, seconds inside, thread) of every span not yet ended, longest first."""
+    now = self.now()
+    with self._lock:
+      spans = list(self._open.values())
+    return sorted(((stage, batch, now - start, thread) for stage, batch, start, thread
+                   in spans), key=lambda s: -s[2])
 
   def add(
       self,

@@ -7,11 +7,15 @@ runtime relies on:
   * Fail fast: the first exception in any worker sets the shared stop event,
     aborts registered queues / weight stores, and `join()` re-raises that same
     exception object (traceback intact, with a note naming the worker).
-  * Ctrl-C: a KeyboardInterrupt in the joining thread stops the workers after
-    their current item, runs `on_interrupt` (e.g. write a final checkpoint)
-    and re-raises.
+  * Stop on request: `join(should_stop=...)` polls a predicate (a signal's stop
+    request, agreed with the other processes); when it turns true the workers stop
+    after their current item and `join` returns False with `stopped` set. A
+    KeyboardInterrupt in the joining thread (an abort) stops them the same way and
+    re-raises.
   * Never hang: every wait has a deadline; a worker that ignores the stop
-    request for `shutdown_timeout` seconds turns into a RuntimeError naming it.
+    request for `shutdown_timeout` seconds turns into a RuntimeError naming it
+    (and the failure that started the shutdown); the group then abandons it
+    (`abandoned` is set), and an error it raises later is printed, not lost.
 
 Shutdown exceptions (`PipelineShutdown`, e.g. `QueueClosed`) escaping a worker
 are a clean exit, not a failure: they are how a blocked worker learns to stop.
@@ -19,8 +23,10 @@ are a clean exit, not a failure: they are how a blocked worker learns to stop.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from pipe_rlhf_jax.runtime.queues import BoundedQueue, PipelineShutdown
@@ -34,7 +40,7 @@ class WorkerGroup:
   """Runs named stage loops in threads sharing one stop event.
 
   Usage:
-    group = WorkerGroup(shutdown_timeout=30, on_interrupt=save_checkpoint)
+    group = WorkerGroup(shutdown_timeout=30)
     q = group.register_queue(BoundedQueue(2, "rollouts"))
     group.add("generate", generate_loop)   # generate_loop(stop_event)
     group.add("train", train_loop)
@@ -44,8 +50,6 @@ class WorkerGroup:
   Args:
     stop_event: Shared event; a new one is created if None.
     shutdown_timeout: Seconds workers get to exit after stop is requested.
-    on_interrupt: Called (no args) in the joining thread after a
-      KeyboardInterrupt once all workers stopped, before re-raising.
     poll_s: Wait slice of the join loop (how fast interrupts are noticed).
     daemon: Run workers as daemon threads so a stuck one cannot keep the
       process alive.
@@ -56,7 +60,6 @@ class WorkerGroup:
       stop_event: threading.Event | None = None,
       *,
       shutdown_timeout: float = 10.0,
-      on_interrupt: Callable[[], Any] | None = None,
       poll_s: float = DEFAULT_POLL_S,
       daemon: bool = True,
   ):
@@ -64,7 +67,6 @@ class WorkerGroup:
       raise ValueError(f"shutdown_timeout must be > 0 seconds, got {shutdown_timeout!r}.")
     self.stop_event = stop_event if stop_event is not None else threading.Event()
     self.shutdown_timeout = shutdown_timeout
-    self.on_interrupt = on_interrupt
     self.poll_s = poll_s
     self.daemon = daemon
     self._fns: dict[str, WorkerFn] = {}
@@ -74,6 +76,10 @@ class WorkerGroup:
     self._finished: set[str] = set()
     self._errors: list[tuple[str, BaseException]] = []
     self._started = False
+    self.stopped = False  # join returned because `should_stop` asked
+    # Set when the group gives up on workers that ignored a stop request: whatever they
+    # do afterwards, nobody waits for it (see `run_ppo`'s write fence).
+    self.abandoned = threading.Event()
 
   # --- setup -----------------------------------------------------------------
 
@@ -128,6 +134,11 @@ class WorkerGroup:
       pass  # The worker was told to stop while waiting: a clean exit.
     except BaseException as e:  # pylint: disable=broad-except
       e.add_note(f"raised in worker {name!r}")
+      if self.abandoned.is_set():
+        # Nobody joins this worker any more: say what it died of.
+        print(f"[pipe_rlhf_jax] worker {name!r}, abandoned after the shutdown timeout, "
+              f"failed later:", file=sys.stderr, flush=True)
+        traceback.print_exception(e)
       with self._cond:
         self._errors.append((name, e))
       self.stop()
@@ -163,35 +174,45 @@ class WorkerGroup:
     return self.alive()
 
   def _stuck_error(self, stuck: list[str], why: str) -> RuntimeError:
+    self.abandoned.set()
     return RuntimeError(
         f"WorkerGroup: worker(s) {', '.join(repr(s) for s in stuck)} did not stop "
         f"within shutdown_timeout={self.shutdown_timeout}s after {why}; they must "
-        "check stop_event or block only in BoundedQueue/VersionedWeights waits."
+        "check stop_event or block only in BoundedQueue/VersionedWeights waits. "
+        "They were abandoned: they may no longer write metrics or checkpoints."
     )
 
-  def join(self, timeout: float | None = None, stop_on_timeout: bool = True) -> bool:
+  def join(self, timeout: float | None = None, stop_on_timeout: bool = True,
+           should_stop: Callable[[], bool] | None = None) -> bool:
     """Waits for all workers; propagates the first worker failure.
 
     Args:
       timeout: Seconds to wait at most; None waits until all workers finish.
       stop_on_timeout: On timeout, stop the group and raise TimeoutError (True)
         or just return False and keep the workers running (False, for polling).
+      should_stop: Polled every `poll_s`; once it returns True the group is stopped
+        (each worker finishes its current item) and join returns False with
+        `stopped` set.
 
     Returns:
       True when every worker finished without error.
 
     Raises:
       BaseException: the original exception of the first failing worker.
-      KeyboardInterrupt: after stopping workers and running `on_interrupt`.
+      KeyboardInterrupt: after stopping the workers.
       TimeoutError: `timeout` elapsed (stop_on_timeout=True).
       RuntimeError: a worker did not stop within `shutdown_timeout` after a
-        failure, interrupt or timeout.
+        failure, stop request, interrupt or timeout.
     """
     if not self._started:
       raise RuntimeError("WorkerGroup.join: call start() first.")
     deadline = None if timeout is None else time.perf_counter() + timeout
     try:
       while True:
+        if should_stop is not None and should_stop():
+          self.stopped = True
+          self.stop()
+          break
         with self._cond:
           if self._errors:
             break
@@ -204,23 +225,35 @@ class WorkerGroup:
               break
             wait = min(wait, remaining)
           self._cond.wait(wait)
-    except KeyboardInterrupt as interrupt:
+    except BaseException as interrupt:  # Ctrl-C, or an error raised into this thread
       self.stop()
       stuck = self._wait_stopped(self.shutdown_timeout)
-      if stuck:
+      if stuck and isinstance(interrupt, KeyboardInterrupt):
         raise self._stuck_error(stuck, "KeyboardInterrupt") from interrupt
+      if stuck:
+        # The error names the cause (e.g. a stalled stage): keep it, say who stayed.
+        interrupt.add_note(str(self._stuck_error(stuck, type(interrupt).__name__)))
       for name, err in self.errors:
         interrupt.add_note(f"worker {name!r} also failed during shutdown: {err!r}")
-      if self.on_interrupt is not None:
-        self.on_interrupt()
       raise
+
+    if self.stopped:
+      stuck = self._wait_stopped(self.shutdown_timeout)
+      errors = self.errors
+      if stuck:
+        raise self._stuck_error(stuck, "a stop request") from (errors[0][1] if errors
+                                                              else None)
+      if errors:
+        raise errors[0][1]
+      return False
 
     errors = self.errors
     if errors:
       name, err = errors[0]
       stuck = self._wait_stopped(self.shutdown_timeout)
       if stuck:
-        raise self._stuck_error(stuck, f"worker {name!r} failed") from err
+        raise self._stuck_error(
+            stuck, f"worker {name!r} failed ({type(err).__name__}: {err})") from err
       raise err
 
     with self._cond:

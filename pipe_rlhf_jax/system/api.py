@@ -29,6 +29,7 @@ import numpy as np
 
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.steps import DataFeed
 from pipe_rlhf_jax.system.system import PPOSystem
 
 
@@ -99,7 +100,7 @@ def run(system: PPOSystem, prompts: Iterator[dict], steps: int, *,
       on_step(step, metrics)
 
   start = system.version
-  feed = modes.DataFeed(prompts)
+  feed = DataFeed(prompts)
   modes.run(system, feed, start, start + steps, record, tracer)
   return RunResult(metrics=records, tracer=tracer,
                    data_state=feed.state_before(start + steps))

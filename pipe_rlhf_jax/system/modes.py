@@ -14,6 +14,12 @@ checkpoints are written: a checkpoint holds the trainer state after update k and
 data position of batch k + 1. Rollouts in flight are not saved; on resume they are
 re-generated from the restored policy (so no rollout is lost or trained on twice).
 
+Stopping (a signal, `runtime/interrupts.py`): after every finished step the schedule asks
+its `StepBoundary` whether the job stops there (`pipe` mode's join loop also polls it, so
+workers blocked in a wait leave at once). `run` then returns True; the caller writes the
+checkpoint of the last finished step (`system.version - 1`), which is whole: an update
+and its version are committed together (`PPOSystem.train`).
+
 Without a critic (a critic-free advantage estimator) nothing of one is synced or
 published, and no critic version or staleness is reported.
 
@@ -27,97 +33,40 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
 
+from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.weights import StalenessGate, VersionedWeights
 from pipe_rlhf_jax.runtime.workers import WorkerGroup
-from pipe_rlhf_jax.system.system import PPOSystem, np_batch
-
-OnStep = Callable[[int, dict], None]
-
-
-class DataFeed:
-  """Prompt batches by step index, remembering the source's state before each one.
-
-  The prompt source is any iterator of batches (the protocol, `system.api.PromptSource`):
-  `next()` gives {"prompt_tokens": int32 [batch, prompt_len] left-padded, "prompt_mask":
-  bool [batch, prompt_len], "index": int [batch] (global sample ids, which key the
-  sampling randomness)}; `get_state()` / `set_state()` are optional and make a run
-  resumable. The checkpoint of step k stores the state before batch k + 1 even when the
-  generator has already read further ahead.
-  """
-
-  def __init__(self, source):
-    self.source = source
-    self._resumable = hasattr(source, "get_state")
-    self._states: dict[int, dict | None] = {}
-    self._lock = threading.Lock()
-
-  def _state(self) -> dict | None:
-    return self.source.get_state() if self._resumable else None
-
-  def next(self, step: int) -> dict:
-    with self._lock:
-      self._states[step] = self._state()
-      try:
-        return np_batch(next(self.source))
-      except StopIteration:
-        raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
-                           "endless (or long enough) source.") from None
-
-  def remember(self, step: int, state: dict | None) -> None:
-    """Records the source's state before batch `step` as read elsewhere (pipe mode
-    across processes: the generating process reads the prompts, the trainer's process
-    checkpoints)."""
-    with self._lock:
-      self._states[step] = state
-
-  def state_before(self, step: int) -> dict | None:
-    with self._lock:
-      for old in [k for k in self._states if k < step - 8]:
-        del self._states[old]
-      return self._states.get(step, self._state())
+from pipe_rlhf_jax.system.steps import DataFeed, OnStep, StopHere, finish_step
+from pipe_rlhf_jax.system.system import PPOSystem
 
 
-class BadStepGuard:
-  """Stops the run after `limit` consecutive PPO steps with a skipped update."""
+class NeverStop:
+  """The boundary of a library run that handles no signals: it never stops, and (in a
+  multi-process job) asks nothing of the other processes."""
 
-  def __init__(self, limit: int):
-    self.limit = limit
-    self.streak = 0
-    self.total = 0
+  stop_step = None
+  signum = None
 
-  def check(self, step: int, metrics: dict) -> None:
-    bad = metrics.get("bad_updates", 0.0) > 0
-    self.total += int(bad)
-    self.streak = self.streak + 1 if bad else 0
-    metrics["bad_steps_total"] = float(self.total)
-    if self.streak >= self.limit:
-      raise FloatingPointError(
-          f"PPO step {step}: {self.streak} consecutive steps had non-finite losses or "
-          f"gradients (updates skipped); stopping. Lower ppo.actor_lr / ppo.critic_lr, or "
-          f"raise ppo.max_bad_steps to tolerate more.")
+  def reached(self, step: int) -> bool:
+    del step
+    return False
 
+  def requested(self) -> bool:
+    return False
 
-def _finish_step(system: PPOSystem, step: int, metrics: dict, guard: BadStepGuard,
-                 on_step: OnStep) -> None:
-  """After update `step`: staleness of the batch it trained on, the next version's KL
-  coefficient, the bad-step guard, then the caller's hook (metrics, checkpoint)."""
-  # How many updates the trainer was ahead of the policy / critic that made the batch.
-  metrics["staleness/actor"] = float(system.version - metrics["version/actor"])
-  if system.has_critic:
-    metrics["staleness/critic"] = float(system.version - metrics["version/critic"])
-  system.advance(metrics.get("kl/mean", 0.0))
-  guard.check(step, metrics)
-  on_step(step, metrics)
+  def timeout_s(self) -> float:
+    return 600.0
 
 
 def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
-               tracer: Tracer) -> None:
-  """sequential / per_stage: the stages one after another on shared devices."""
-  guard = BadStepGuard(system.ppo.max_bad_steps)
+               tracer: Tracer, boundary: StepBoundary) -> bool:
+  """sequential / per_stage: the stages one after another on shared devices.
+
+  Returns True when the job agreed to stop after a step.
+  """
   for step in range(start, end):
     t0 = time.perf_counter()
     batch = feed.next(step)
@@ -135,15 +84,19 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
                "time/step_s": time.perf_counter() - t0}
     if system.has_critic:
       metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
-    _finish_step(system, step, metrics, guard, on_step)
+    finish_step(system, step, metrics, on_step)
+    if boundary.reached(step):
+      return True
+  return False
 
 
 def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
-             tracer: Tracer, on_interrupt: Callable | None = None,
-             timeout: float | None = None) -> None:
-  """pipe: generate / infer / train workers running concurrently on disjoint devices."""
+             tracer: Tracer, boundary: StepBoundary, timeout: float | None = None) -> bool:
+  """pipe: generate / infer / train workers running concurrently on disjoint devices.
+
+  Returns True when the run stopped on a request.
+  """
   cfg = system.runtime
-  guard = BadStepGuard(system.ppo.max_bad_steps)
   actor, actor_stats = system.actor_for_generation()
   critic, _ = system.critic_for_inference()
   actor_store = VersionedWeights(actor, version=system.version)
@@ -155,7 +108,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   experience = BoundedQueue(cfg.queue_size, "experience")
   # A worker is only stopped between items, and an item can be a first call that is
   # still compiling: the bound is generous, but it is a bound (shutdown never hangs).
-  group = WorkerGroup(on_interrupt=on_interrupt, shutdown_timeout=cfg.shutdown_timeout_s)
+  group = WorkerGroup(shutdown_timeout=cfg.shutdown_timeout_s)
   for obj in (rollouts, experience, actor_store, critic_store):
     if obj is not None:
       group.register_queue(obj)
@@ -190,7 +143,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
     for step, exp, metrics in experience:
       with tracer.span("train", batch=step, version=system.version):
         metrics.update(system.train(exp, step))
-      with tracer.span("sync", batch=step, version=system.version + 1):
+      with tracer.span("sync", batch=step, version=system.version):
         critic, critic_stats = system.critic_for_inference()
         actor, actor_stats = system.actor_for_generation()
       metrics.update(actor_stats.as_metrics("transfer/actor_sync"))
@@ -201,7 +154,9 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
       metrics["time/step_s"] = time.perf_counter() - step_start.get(step, time.perf_counter())
       # Record (metrics, checkpoint) before publishing: publishing fails once a shutdown
       # has begun, and a trained step must never go unrecorded.
-      _finish_step(system, step, metrics, guard, on_step)
+      finish_step(system, step, metrics, on_step)
+      if boundary.reached(step):
+        raise StopHere()
       # The critic first: an on-policy generator released by the actor's version must
       # find the matching critic when its batch reaches inference.
       if critic_store is not None:
@@ -212,23 +167,21 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   group.add("infer", infer_worker)
   group.add("train", train_worker)
   group.start()
-  group.join(timeout=timeout)
+  return not group.join(timeout=timeout, should_stop=boundary.requested)
 
 
 def run(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
-        tracer: Tracer, on_interrupt: Callable | None = None) -> None:
-  """Runs PPO steps [start, end) in `system.mode`."""
+        tracer: Tracer, boundary: StepBoundary | None = None) -> bool:
+  """Runs PPO steps [start, end) in `system.mode`.
+
+  Returns True when the run stopped at a step boundary on a stop request (`boundary`;
+  default: none is ever made); the last finished step is then `system.version - 1`.
+  """
   from pipe_rlhf_jax import distributed
+  boundary = boundary or NeverStop()
   if system.mode == "pipe" and distributed.process_count() > 1:
     from pipe_rlhf_jax.system.pipe_processes import run_pipe_across_processes
-    run_pipe_across_processes(system, feed, start, end, on_step, tracer,
-                              on_interrupt=on_interrupt)
-  elif system.mode == "pipe":
-    run_pipe(system, feed, start, end, on_step, tracer, on_interrupt=on_interrupt)
-  else:
-    try:
-      run_serial(system, feed, start, end, on_step, tracer)
-    except KeyboardInterrupt:
-      if on_interrupt is not None:
-        on_interrupt()
-      raise
+    return run_pipe_across_processes(system, feed, start, end, on_step, tracer, boundary)
+  if system.mode == "pipe":
+    return run_pipe(system, feed, start, end, on_step, tracer, boundary)
+  return run_serial(system, feed, start, end, on_step, tracer, boundary)

@@ -46,6 +46,7 @@ import jax
 
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.distributed import transfer as tr
+from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
@@ -53,6 +54,7 @@ from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.weights import VersionedWeights, required_version
 from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.settings import STAGES
+from pipe_rlhf_jax.system.steps import StopHere, finish_step
 
 
 # Key of the prompt source's state in the metrics that travel with a batch.
@@ -211,7 +213,8 @@ class _Weights:
     return self.subscriber.acquire(min_version, stop=stop)
 
 
-def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
+def gather_trace(tracer: Tracer, endpoint, into: int, run: str,
+                 timeout_s: float = 600.0) -> None:
   """Copies every process's spans into the tracer of process `into` (which writes the
   trace), on its time axis: spans travel as wall-clock times, so processes on different
   hosts line up as well as their clocks do. Each span keeps its `process` annotation (a
@@ -222,7 +225,7 @@ def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
     endpoint.put(f"trace/{run}/{me}", [
         [s.stage, wall_at_origin + s.start, wall_at_origin + s.end, s.batch, s.version,
          s.thread, s.args] for s in tracer.spans()])
-  distributed.barrier(f"pipe_trace_{run}")
+  distributed.barrier(f"pipe_trace_{run}", timeout_s=timeout_s)
   if me == into:
     for p in range(distributed.process_count()):
       if p == into:
@@ -235,9 +238,13 @@ def gather_trace(tracer: Tracer, endpoint, into: int, run: str) -> None:
 
 def run_pipe_across_processes(system, feed, start: int, end: int,
                               on_step: Callable[[int, dict], None], tracer: Tracer,
-                              on_interrupt: Callable | None = None) -> None:
-  """PPO steps [start, end) in pipe mode, this process running its own stages' workers."""
-  from pipe_rlhf_jax.system.modes import BadStepGuard, _finish_step
+                              boundary: StepBoundary) -> bool:
+  """PPO steps [start, end) in pipe mode, this process running its own stages' workers.
+
+  `boundary` must have the training group as its voters (`stage_processes(...)["train"]`):
+  they agree on the step to stop at and publish it; every other process's join loop
+  reads it and stops its workers. Returns True when the job stopped on a request.
+  """
   cfg = system.runtime
   where = stage_processes(system.layouts)
   me = distributed.process_index()
@@ -258,7 +265,6 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   critic_link = (_Weights(f"critic@{run}", where["train"], where["infer"],
                           system.layouts["infer"], abstract["critic"])
                  if system.has_critic else None)
-  guard = BadStepGuard(system.ppo.max_bad_steps)
   who = f"p{me}"
 
   def publish(version: int) -> None:
@@ -317,11 +323,13 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
       # From generation start to the end of the update, by wall clocks (exact on one
       # machine, as good as the hosts' clock synchronisation across machines).
       metrics["time/step_s"] = time.time() - began
-      _finish_step(system, step, metrics, guard, on_step)
+      finish_step(system, step, metrics, on_step)
+      if boundary.reached(step):
+        raise StopHere()
       with tracer.span("sync", batch=step, version=system.version, process=who):
         publish(system.version)
 
-  group = WorkerGroup(on_interrupt=on_interrupt, shutdown_timeout=cfg.shutdown_timeout_s)
+  group = WorkerGroup(shutdown_timeout=cfg.shutdown_timeout_s)
   for link in (rollouts, experience):
     if link.local:
       group.register_queue(link.queue)
@@ -333,12 +341,14 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   workers = {"generate": generate_worker, "infer": infer_worker, "train": train_worker}
   for stage in mine:
     group.add(stage, workers[stage])
+  stopped = False
   if mine:
     group.start()
-    group.join()
+    stopped = not group.join(should_stop=boundary.requested)
   # A peer may still pull the last items from this process's server.
-  distributed.barrier(f"pipe_run_{run}_done")
-  gather_trace(tracer, endpoint, trainer, run)
+  distributed.barrier(f"pipe_run_{run}_done", timeout_s=boundary.timeout_s())
+  gather_trace(tracer, endpoint, trainer, run, timeout_s=boundary.timeout_s())
   for weights in (actor_link, critic_link):
     if weights is not None and not weights.local and me in where["train"]:
       weights.publisher.close()
+  return stopped

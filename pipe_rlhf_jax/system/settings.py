@@ -367,6 +367,11 @@ class RuntimeConfig:
     queue_size: `pipe` only: capacity of the rollout and experience queues.
     shutdown_timeout_s: `pipe` only: how long the other workers may take to finish their
       current item after one fails.
+    progress_timeout_s: how long a PPO step (and a one-off wait between processes, such
+      as another process building the datasets) may make no progress before the job
+      stops, naming the stage and process that held it up
+      (`runtime/progress.py`); 0 sizes it from the slowest step seen and the planner's
+      prediction.
     placement: `pipe` only: devices of (generate, infer, train), contiguous blocks in
       device order.
     mesh: the one mesh of `sequential` mode.
@@ -377,6 +382,7 @@ class RuntimeConfig:
   max_staleness: int = 0
   queue_size: int = 2
   shutdown_timeout_s: float = 120.0
+  progress_timeout_s: float = 0.0
   placement: tuple[int, int, int] | None = None
   mesh: MeshSpec = MeshSpec()
   generate: StagePlan = StagePlan()
@@ -388,6 +394,7 @@ class RuntimeConfig:
     check_int(self.max_staleness, "runtime.max_staleness", low=0)
     check_int(self.queue_size, "runtime.queue_size")
     _check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
+    _check_number(self.progress_timeout_s, "runtime.progress_timeout_s", allow_zero=True)
     if self.mode == "pipe":
       if self.placement is None or len(self.placement) != len(STAGES):
         raise ValueError(f"runtime.placement must give device counts for {STAGES} in "
@@ -438,5 +445,6 @@ class RuntimeConfig:
     return cls(mode=rt["mode"], max_staleness=rt["max_staleness"],
                queue_size=rt["queue_size"],
                shutdown_timeout_s=float(rt.get("shutdown_timeout_s", 120.0)),
+               progress_timeout_s=float(rt.get("progress_timeout_s", 0.0)),
                placement=placement, mesh=MeshSpec.from_config(config.mesh, "mesh"),
                **stages)

@@ -44,6 +44,7 @@ from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.steps import BadStepGuard
 
 
 def stage_mesh_shapes(runtime: RuntimeConfig, num_devices: int
@@ -389,6 +390,8 @@ class PPOSystem:
     # v use kl_coefs[v], whichever thread computes them and whenever. Written by the
     # trainer before it publishes version v, so a reader always finds it.
     self.kl_coefs: dict[int, float] = {0: float(ppo.kl_coef)}
+    # Consecutive and total skipped updates, checkpointed with the state.
+    self.guard = BadStepGuard(ppo.max_bad_steps)
 
   def abstract_params(self) -> dict[str, nnx.State]:
     """Shapes and dtypes (with logical-axis metadata) of the actor and the critic."""
@@ -444,12 +447,20 @@ class PPOSystem:
                  "time/infer_s": time.perf_counter() - start}
 
   def train(self, exp: Experience, step: int) -> dict:
-    """One PPO update; afterwards the new version's KL coefficient is known."""
+    """One PPO update, committed together with its version.
+
+    The trainer state and `version` change in one place, after the update's metrics are
+    on the host: until then `state` is the pre-update state's (donated) buffers and
+    `version` its version, and nothing may read either. A schedule therefore only ever
+    sees, and a checkpoint only ever holds, a state whose version counts exactly the
+    updates in it; afterwards the new version's KL coefficient is known.
+    """
     start = time.perf_counter()
     exp, stats = reshard(exp, self.layouts["train"].batch_shardings(exp))
     rng = jax.random.fold_in(self.train_key, step)
-    self.state, metrics = self.train_stage.update(self.state, exp, rng, self.ptx_batch(step))
+    state, metrics = self.train_stage.update(self.state, exp, rng, self.ptx_batch(step))
     metrics = {k: float(v) for k, v in fetch(metrics).items()}
+    self._commit(state, metrics.get("kl/mean", 0.0))
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
 
@@ -465,10 +476,10 @@ class PPOSystem:
     # Every process draws the same rows; each uploads its devices' copies.
     return put_global(batch, self.layouts["train"].replicated)
 
-  def advance(self, observed_kl: float) -> None:
-    """Counts the update just applied as a new version and fixes that version's KL
-    coefficient (the adaptive controller's step on the KL observed in the batch that
-    produced it; unchanged unless `ppo.adaptive_kl`)."""
+  def _commit(self, state: ActorCriticState, observed_kl: float) -> None:
+    """Makes `state` (the update just applied) current as a new version, and fixes that
+    version's KL coefficient (the adaptive controller's step on the KL observed in the
+    batch that produced it; unchanged unless `ppo.adaptive_kl`)."""
     coef = self.kl_coefs[self.version]
     if self.ppo.adaptive_kl:
       coef = float(adaptive_kl_coef(coef, observed_kl, self.ppo.batch_size,
@@ -477,6 +488,7 @@ class PPOSystem:
     # Older versions can no longer be sampled from (staleness is bounded).
     for old in [v for v in self.kl_coefs if v < self.version - 64]:
       del self.kl_coefs[old]
+    self.state = state
     self.version += 1
 
   # ---- checkpointed state ------------------------------------------------------------
@@ -484,7 +496,8 @@ class PPOSystem:
     return {"trainer": self.state}
 
   def checkpoint_metadata(self) -> dict[str, Any]:
-    return {"version": self.version, "kl_coef": self.kl_coef}
+    return {"version": self.version, "kl_coef": self.kl_coef,
+            "bad_steps": self.guard.state()}
 
   def abstract_checkpoint_state(self) -> dict[str, Any]:
     return {"trainer": jax.tree.map(
@@ -496,8 +509,4 @@ class PPOSystem:
     self.state = state["trainer"]
     self.version = int(metadata["version"])
     self.kl_coefs = {self.version: float(metadata["kl_coef"])}
-
-
-def np_batch(batch: dict) -> dict:
-  """Host copy of a data batch (grain may hand out views into reused buffers)."""
-  return {k: np.array(v) for k, v in batch.items()}
+    self.guard.restore(metadata.get("bad_steps"))

@@ -1,0 +1,140 @@
+"""Results pages: what an experiment measured, with where and how, written by the script.
+
+Owns `machine_limits` (the f32 matmul peak and the memory bandwidth of this machine,
+measured in the calling process, so a page's rates are read against the machine that
+produced them), `provenance` (the block every results page starts with: the exact
+command, the git commit, the date, the versions, the CPU model and cores, the devices
+and those two limits) and `write_page` (a page under docs/results/, replaced whole by a
+newer run; the git log keeps the older ones).
+
+Usage, from an experiment script:
+
+  from experiments import results
+  limits = results.machine_limits()
+  ...
+  results.write_page("fault_matrix", "Fault matrix", body_markdown, limits)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "docs", "results")
+
+
+def _best_of(fn, repeats: int = 5) -> float:
+  fn()  # compile
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def machine_limits(n: int = 2048, stream_mib: int = 256) -> dict[str, float]:
+  """This process's f32 matmul peak (GFLOP/s) and memory bandwidth (GB/s), on its first
+  device: a jitted n x n matmul and a jitted sum over `stream_mib` MiB, best of 5."""
+  import jax
+  import jax.numpy as jnp
+  device = jax.devices()[0]
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+  matmul = jax.jit(lambda a: a @ a)
+  t = _best_of(lambda: matmul(a).block_until_ready())
+  elems = stream_mib * 2**20 // 4
+  big = jax.device_put(jnp.ones((elems,), jnp.float32), device)
+  total = jax.jit(jnp.sum)
+  tb = _best_of(lambda: total(big).block_until_ready())
+  return {"matmul_gflops": 2 * n**3 / t / 1e9, "mem_gbps": 4 * elems / tb / 1e9}
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
+  """The widest x86 vector extension of this CPU (it sets f32 matmul speed by 2-4x)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      text = f.read()
+  except OSError:
+    return "unknown"
+  for flag in ("avx512f", "avx2", "avx"):
+    if f" {flag} " in text or f" {flag}\n" in text:
+      return flag.upper()
+  return "none of AVX/AVX2/AVX-512"
+
+
+def git_commit() -> str:
+  try:
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--",
+                            "pipe_rlhf_jax", "experiments", "configs"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return commit + (" (with uncommitted changes)" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (not a git checkout)"
+
+
+def command_line() -> str:
+  """The command that is running, as a user would type it from the repository root."""
+  script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+  return "python " + " ".join(shlex.quote(a) for a in [script, *sys.argv[1:]])
+
+
+def provenance(limits: dict[str, float] | None, command: str | None = None,
+               extra: dict[str, Any] | None = None) -> str:
+  """The provenance block of a results page (markdown)."""
+  import flax
+  import jax
+  import jaxlib
+  devices = jax.devices()
+  rows = [
+      ("command", f"`{command or command_line()}`"),
+      ("commit", git_commit()),
+      ("date", datetime.datetime.now().strftime("%Y-%m-%d %H:%M")),
+      ("versions", f"python {platform.python_version()}, jax {jax.__version__}, jaxlib "
+                   f"{jaxlib.__version__}, flax {flax.__version__}"),
+      ("CPU", f"{cpu_model()}, {os.cpu_count()} cores, {cpu_flags()}"),
+      ("devices", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"),
+  ]
+  if limits:
+    rows.append(("measured in this run", f"f32 matmul peak {limits['matmul_gflops']:.0f} "
+                                         f"GFLOP/s, memory bandwidth "
+                                         f"{limits['mem_gbps']:.1f} GB/s (one device)"))
+  for key, value in (extra or {}).items():
+    rows.append((key, str(value)))
+  return "\n".join(["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
+
+
+def write_page(name: str, title: str, body: str, limits: dict[str, float] | None,
+               command: str | None = None, extra: dict[str, Any] | None = None,
+               directory: str = RESULTS_DIR) -> str:
+  """Writes docs/results/<name>.md: the title, the provenance block, then `body`.
+
+  Returns the page's path. A newer run replaces the page.
+  """
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"{name}.md")
+  text = (f"# {title}\n\n*Written by `{command or command_line()}`; re-run it to "
+          f"replace this page.*\n\n{provenance(limits, command, extra)}\n\n"
+          f"{body.strip()}\n")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+  return path
