@@ -79,7 +79,7 @@ from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
-                                         graphdef_of, with_backbone)
+                                         graphdef_of, ptx_rows_for, with_backbone)
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -344,6 +344,7 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
+  ptx_rows_for(PPOConfig.from_config(config.ppo), layouts["train"])
   warm_layout = supervised.warm_start_layout(
       warm_lib.warm_start_config(config)[0], devices,
       {"sft.batch_size": config.sft.batch_size,

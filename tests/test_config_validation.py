@@ -113,3 +113,16 @@ def test_ptx_coef_must_be_a_non_negative_number():
   config.ppo.ptx_coef = -0.5
   with pytest.raises(ValueError, match=r"ppo.ptx_coef=-0.5 must be a number >= 0"):
     validate_config(config)
+
+
+def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
+  # The tiny PPO minibatch (8) on the 8 data shards of sequential mode: an explicit 4
+  # demonstrations per gradient step cannot be split, found at set-up.
+  from pipe_rlhf_jax.train import train
+  config = quickstart.get_config("tiny")
+  config.runtime.mode = "sequential"
+  config.ppo.ptx_batch_size = 4
+  with pytest.raises(ValueError, match=r"ppo.ptx_batch_size: 4 demonstrations .* 8 batch "
+                                       r"shards of the train stage .* multiple of 8"):
+    train(config, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "data")  # before any data are built

@@ -92,8 +92,10 @@ class PPOConfig:
       InstructGPT's PPO-ptx mixes pretraining gradients into PPO: an anchor on what the
       policy learnt from demonstrations, for the answers PPO's own samples do not reach.
       The demonstrations are the SFT data (`PPOSystem(ptx_demos=...)`); 0 = off.
-    ptx_batch_size: demonstrations per actor gradient step (0: `minibatch_size`), drawn
-      uniformly with replacement, a function of the seed and the PPO step only.
+    ptx_batch_size: demonstrations per actor gradient step, drawn uniformly with
+      replacement, a function of the seed and the PPO step only; they are split over the
+      train stage's batch shards. 0: `minibatch_size` rounded up to a multiple of those
+      shards (`ptx_rows_over`), so the default splits on every layout.
     whiten_advantages: normalise advantages per batch (estimators that define their own
       normalisation, like grpo, need it off).
     advantage_estimator: registered name: "gae" (needs a critic), or the critic-free
@@ -240,8 +242,17 @@ class PPOConfig:
 
   @property
   def ptx_rows(self) -> int:
-    """Demonstrations per actor gradient step (0 without the SFT term)."""
-    return (self.ptx_batch_size or self.minibatch_size) if self.ptx_coef else 0
+    """Demonstrations per actor gradient step on one batch shard (0 without the SFT
+    term); `ptx_rows_over` gives them on a layout."""
+    return self.ptx_rows_over(1)
+
+  def ptx_rows_over(self, batch_shards: int) -> int:
+    """Demonstrations per actor gradient step on a train stage of `batch_shards` batch
+    shards: `ptx_batch_size`, or by default `minibatch_size` rounded up to a multiple of
+    the shards (0 without the SFT term)."""
+    if not self.ptx_coef:
+      return 0
+    return self.ptx_batch_size or -(-self.minibatch_size // batch_shards) * batch_shards
 
   @property
   def prompts_per_step(self) -> int:
