@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.checks import check_int, check_number
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -34,17 +34,6 @@ STAGES = ("generate", "infer", "train")
 def _plain(node: Any) -> Any:
   """A ConfigDict / mapping as a plain dict (leaves untouched)."""
   return node.to_dict() if hasattr(node, "to_dict") else dict(node)
-
-
-def _check_number(value: Any, field: str, *, allow_zero: bool = False,
-                  at_most: float | None = None) -> None:
-  # NaN passes every comparison below and inf every lower bound: refused first.
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-      value) or value < 0 or (value == 0 and not allow_zero) or (
-      at_most is not None and value > at_most):
-    low = ">= 0" if allow_zero else "> 0"
-    high = f" and <= {at_most}" if at_most is not None else ""
-    raise ValueError(f"{field}={value!r} must be a number {low}{high}.")
 
 
 def _check_choice(value: Any, field: str, choices) -> None:
@@ -171,15 +160,15 @@ class PPOConfig:
     check_int(self.warmup_steps, f + "warmup_steps", low=0)
     for name in ("actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
                  "kl_target", "kl_horizon", "behaviour_weight_cap", "reward_scale"):
-      _check_number(getattr(self, name), f + name)
+      check_number(getattr(self, name), f + name)
     if (isinstance(self.reward_shift, bool) or not isinstance(self.reward_shift, (int, float))
         or not math.isfinite(self.reward_shift)):
       raise ValueError(f"ppo.reward_shift={self.reward_shift!r} must be a finite number.")
     check_int(self.ptx_batch_size, f + "ptx_batch_size", low=0)
     for name in ("kl_coef", "entropy_coef", "target_kl", "ptx_coef"):
-      _check_number(getattr(self, name), f + name, allow_zero=True)
+      check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
-      _check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
+      check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
     _check_choice(self.lr_schedule, f + "lr_schedule", ("constant", "cosine"))
     _check_choice(self.kl_estimator, f + "kl_estimator", registry.KL_ESTIMATORS.names())
     _check_choice(self.advantage_estimator, f + "advantage_estimator",
@@ -195,7 +184,7 @@ class PPOConfig:
     f = "ppo."
     check_int(self.group_size, f + "group_size")
     check_int(self.loss_norm_len, f + "loss_norm_len", low=0)
-    _check_number(self.grpo_eps, f + "grpo_eps")
+    check_number(self.grpo_eps, f + "grpo_eps")
     for name in ("grpo_norm_by_std", "whiten_advantages", "adaptive_kl"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
@@ -398,7 +387,7 @@ class RuntimeConfig:
     _check_choice(self.mode, "runtime.mode", MODES)
     check_int(self.max_staleness, "runtime.max_staleness", low=0)
     check_int(self.queue_size, "runtime.queue_size")
-    _check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
+    check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
     if self.mode == "pipe":
       if self.placement is None or len(self.placement) != len(STAGES):
         raise ValueError(f"runtime.placement must give device counts for {STAGES} in "
