@@ -112,6 +112,37 @@ def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
           "reward": base.replace(head="score")}
 
 
+def run_tokenizer(config):
+  """The run's tokenizer: `model.path`'s own when set (saying so when `model.tokenizer`
+  names another, which is then ignored), else `model.tokenizer`."""
+  m = config.model
+  if m.path and m.tokenizer not in ("", "byte"):
+    say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
+        f"tokenizer ({os.path.join(m.path, 'tokenizer.json')}) is used")
+  return load_tokenizer(m.path or m.tokenizer)
+
+
+def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
+  """Raises when the tokenizer produces ids the model has no embedding row for.
+
+  An id at or past `vocab_size` (e.g. a token added to the tokenizer after the model was
+  saved) would embed as NaN (`jnp.take` fills rows out of range) and stop SFT far from
+  the cause.
+  """
+  if tokenizer.vocab_size <= cfg.vocab_size:
+    return
+  m = config.model
+  source = (f"model.path={m.path!r}: its tokenizer" if m.path
+            else f"model.tokenizer={m.tokenizer!r}")
+  raise ValueError(
+      f"{source} has {tokenizer.vocab_size} ids (added tokens included) but the model "
+      f"embeds {cfg.vocab_size} (vocab_size); ids from {cfg.vocab_size} on have no "
+      "embedding row. Use the tokenizer the model was saved with, or resize the model's "
+      f"embeddings to at least {tokenizer.vocab_size} rows (transformers: "
+      "model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and point "
+      "model.path at that directory.")
+
+
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
   """Builds the TFDS datasets and their grain pipelines.
 
@@ -291,7 +322,8 @@ def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None
 def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
-  Validates the config, chooses the devices, refuses to overwrite a run unless resuming,
+  Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
+  vocabulary, refuses to overwrite a run unless resuming,
   asks the planner for the plan (`runtime.plan`: "auto" chooses it, "manual" has the
   hand-written one checked; `RunSetup.config` is the config the run then uses), builds
   the stage layouts and checks the models fit them (on abstract parameters), and reads
@@ -302,8 +334,9 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
-  tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
+  tokenizer = run_tokenizer(config)
   cfgs = build_model_configs(config, tokenizer)
+  check_vocab(config, tokenizer, cfgs["actor"])
   # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
   # which the planner's checks (runtime checks on abstract meshes, memory model) accept
   # or reject here, before any data or compilation.
