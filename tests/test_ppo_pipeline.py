@@ -59,6 +59,45 @@ def test_every_phase_runs_and_writes_its_outputs(tiny_run):
   assert "reward/mean" in tiny_run["summary"]
 
 
+def test_a_failed_export_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+  from pipe_rlhf_jax.models import hf
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.phases.reporting import export_policy
+
+  def files(directory):
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory))}
+
+  cfg = tiny_config(vocab_size=264, embed_dim=16, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, mlp_dim=32)
+  export = str(tmp_path / "export")
+  export_policy(init_model(cfg, seed=0), export)
+  before = files(export)
+  write = hf.write_safetensors
+
+  def dies_half_way(path, tensors):
+    write(path, dict(list(tensors.items())[:2]))  # some tensors on disk, then the failure
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(hf, "write_safetensors", dies_half_way)
+  with pytest.raises(OSError, match="No space left"):
+    export_policy(init_model(cfg, seed=1), export)
+  assert files(export) == before
+  assert sorted(os.listdir(tmp_path)) == ["export"]  # no half-written directory beside it
+  # Stopped between the renames: the previous export waits beside, and is put back.
+  os.rename(export, export + ".previous")
+  with pytest.raises(OSError, match="No space left"):
+    export_policy(init_model(cfg, seed=1), export)
+  assert files(export) == before
+  monkeypatch.setattr(hf, "write_safetensors", write)
+  export_policy(init_model(cfg, seed=1), export)
+  after = files(export)
+  assert sorted(after) == sorted(before) and after != before
+  assert sorted(os.listdir(tmp_path)) == ["export"]
+  assert hf.from_pretrained(export).config.num_layers == 1
+
+
 def test_first_ppo_ratio_is_one(tiny_run):
   # Behaviour log-probs come from the sampler, the trainer recomputes them: with the
   # same weights the ratio is exactly 1 up to float rounding, so nothing is clipped at
