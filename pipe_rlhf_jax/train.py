@@ -28,7 +28,10 @@ from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N
 plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
 checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
 mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
-another mode, with a warning where that changes the staleness bound.
+another mode, with a warning where that changes the staleness bound. With
+`data.task='jsonl'` the user's files count by their content (`data/digests.py`): a
+resume, or a warm start, from a checkpoint trained on a file that has changed since is
+refused, naming the file.
 
 Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
 process runs `train` with the same config on a shared workdir (process 0's choice,
@@ -60,7 +63,7 @@ from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
-from pipe_rlhf_jax.data import builders, pipeline
+from pipe_rlhf_jax.data import builders, digests, pipeline
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import set_activity
@@ -251,6 +254,8 @@ class RunSetup:
   writes: bool = True
   trains: bool = True
   across: bool = False  # pipe mode with its stages in different processes
+  # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
+  data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def select_devices(config) -> list:
@@ -387,10 +392,13 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   warm_source = warm_lib.resolve_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
-  fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
+  # data.task='jsonl' files count by their content: one edited in place is other data.
+  data_files = digests.file_digests(config)
+  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
   start = 0
   if resume and latest is not None:
     meta = checkpointer.read_metadata(latest)
+    check_same_data(meta, data_files, checkpointer.step_dir(latest))
     if meta.get("config_fingerprint") != fingerprint:
       raise ckpt_lib.CheckpointError(
           f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
@@ -402,7 +410,17 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
     start = int(meta["step"]) + 1
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
                   start, warm_layout, warm_source, config, planned, writes=writes,
-                  trains=trains, across=across)
+                  trains=trains, across=across, data_files=data_files)
+
+
+def check_same_data(meta: dict[str, Any], data_files: dict[str, Any], step_dir) -> None:
+  """Refuses to resume from a checkpoint trained on data.jsonl files that have changed."""
+  changed = digests.changed_file(meta.get("data_files"), data_files)
+  if changed:
+    raise ckpt_lib.CheckpointError(
+        f"checkpoint {step_dir} was trained on other data: {changed}. A resumed run would "
+        "continue at the checkpoint's position in different records: restore the file, "
+        "or use a new workdir.")
 
 
 def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
@@ -582,7 +600,8 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       state = distributed.fetch(state)
     checkpointer.save(step, state, metadata={
         **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
-        "plan": plan, "data_state": feed.state_before(step + 1)})
+        "plan": plan, "data_state": feed.state_before(step + 1),
+        "data_files": setup.data_files})
 
   # The newest step on disk: a resumed run starts with its checkpoint already written.
   last_saved = [start - 1]

@@ -303,20 +303,49 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
 
 
-@pytest.mark.slow
-def test_user_jsonl_data_with_malformed_lines(tmp_path):
-  # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
-  # both are skipped and counted, and the run completes.
+def jsonl_config(directory):
+  """The tiny config on the user's own files (the reverse task written as JSONL)."""
   from pipe_rlhf_jax.data import task
-  paths = task.write_task_jsonl(str(tmp_path / "jsonl"), num_prompts=256, num_demos=256,
+  paths = task.write_task_jsonl(str(directory), num_prompts=256, num_demos=256,
                                 num_pairs=256, seed=1, num_eval=32)
-  with open(paths["prompts"], "ab") as f:
-    f.write(b'{"prompt": ""}\n{"prompt": "rev \\xff\\xfe="}\n'.replace(b"\\xff\\xfe", b"\xff\xfe"))
   config = tiny()
   config.data.task = "jsonl"
   config.data.jsonl.update({role: paths[role] for role in
                             ("prompts", "prompts_eval", "demos", "prefs", "prefs_eval")})
   config.reward.eval_fn = ""
+  return config, paths
+
+
+def test_resume_refuses_data_edited_in_place(tmp_path):
+  # A JSONL file edited under the same path is other data: the resumed run would continue
+  # at the checkpoint's index into different records.
+  config, paths = jsonl_config(tmp_path / "jsonl")
+  config.ppo.steps = 2
+  workdir = str(tmp_path / "run")
+  train(config, workdir, stop_after=1, progress=False)
+  original = open(paths["prompts"], "rb").read()
+  with open(paths["prompts"], "ab") as f:
+    f.write(b'{"prompt": "rev zz="}\n')
+  before = sorted(os.listdir(workdir))
+  with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoints/0 was trained on other "
+                                            r"data: data.jsonl.prompts='.*prompts.jsonl' "
+                                            r"holds other data .*restore the file, or use a "
+                                            r"new workdir"):
+    train(config, workdir, resume=True, progress=False)
+  assert sorted(os.listdir(workdir)) == before  # refused before anything was written
+  with open(paths["prompts"], "wb") as f:  # the same bytes again: the run resumes
+    f.write(original)
+  resumed = train(config, workdir, resume=True, progress=False)
+  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1]
+
+
+@pytest.mark.slow
+def test_user_jsonl_data_with_malformed_lines(tmp_path):
+  # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
+  # both are skipped and counted, and the run completes.
+  config, paths = jsonl_config(tmp_path / "jsonl")
+  with open(paths["prompts"], "ab") as f:
+    f.write(b'{"prompt": ""}\n{"prompt": "rev \\xff\\xfe="}\n'.replace(b"\\xff\\xfe", b"\xff\xfe"))
   config.ppo.steps = 2
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)
