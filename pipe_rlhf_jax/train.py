@@ -328,11 +328,11 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
   Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
-  vocabulary, refuses to overwrite a run unless resuming,
-  asks the planner for the plan (`runtime.plan`: "auto" chooses it, "manual" has the
-  hand-written one checked; `RunSetup.config` is the config the run then uses), builds
-  the stage layouts and checks the models fit them (on abstract parameters), and reads
-  where a resume starts, refusing a checkpoint whose mathematics differs.
+  vocabulary, refuses to overwrite a run unless resuming, asks the planner for the plan
+  (`runtime.plan`: "auto" chooses it, "manual" has the hand-written one checked;
+  `RunSetup.config` is the config the run then uses), builds the stage layouts and
+  checks the models and the SFT term's rows fit them (on abstract parameters), and
+  reads where a resume starts, refusing a checkpoint whose mathematics or data differ.
   """
   validate_config(config)
   devices = select_devices(config)
