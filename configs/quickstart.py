@@ -149,7 +149,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # stopping there kept it at 0.23 (README).
   config.ppo.target_kl = 0.02
   # > 0: PPO-ptx, + ptx_coef x the SFT loss on ptx_batch_size demonstrations (0: the
-  # minibatch size) of the SFT data in every actor gradient step; 0 = off. Without it,
+  # minibatch size, rounded up to a multiple of the train stage's batch shards) of the
+  # SFT data in every actor gradient step; 0 = off. Without it,
   # seed 9's greedy answers got worse beyond noise on two hosts (its reward model prefers
   # a right answer to a neighbour copy 55-59% of the time); at 0.3 no measured seed's
   # did, at about the same sampled gain. Higher weights cost sampled accuracy (README).

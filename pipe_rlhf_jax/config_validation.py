@@ -2,8 +2,11 @@
 
 Each check names the field, the value it got, and what is allowed, so a typo on the
 command line (`--config.ppo.kl_estimator=k4`) fails in a second with a readable message
-instead of deep inside a jitted function. Checks that need the devices (mesh sizes,
-divisibility of parameters over mesh axes) happen when the stage layouts are built.
+instead of deep inside a jitted function. Numbers go through the same checks as the
+typed settings (`checks.check_int`, `checks.check_number`: NaN and inf are refused), so
+a field fails alike from a config or from `PPOConfig`. Checks that need the devices
+(mesh sizes, divisibility of parameters over mesh axes) happen when the stage layouts
+are built.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.checks import check_int, check_number
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
 # module runs the ppo package, which registers the KL estimators and losses.)
@@ -35,12 +38,9 @@ def _positive_int(config, path: str, allow_zero: bool = False) -> int:
   return check_int(_get(config, path), path, low=0 if allow_zero else 1)
 
 
-def _positive_float(config, path: str, allow_zero: bool = False) -> float:
-  value = _get(config, path)
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-      value < 0 or (value == 0 and not allow_zero):
-    raise ValueError(f"{path}={value!r} must be a number {'>=' if allow_zero else '>'} 0.")
-  return float(value)
+def _positive_float(config, path: str, allow_zero: bool = False,
+                    at_most: float | None = None) -> float:
+  return check_number(_get(config, path), path, allow_zero=allow_zero, at_most=at_most)
 
 
 def _choice(config, path: str, choices) -> str:
@@ -75,11 +75,10 @@ def _check_task(config) -> None:
                          f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
   if "init" in config.reward_model:
     _choice(config, "reward_model.init", ("base", "sft"))
-  hard_pairs = config.data.get("hard_pairs", 0.0)
-  if not (isinstance(hard_pairs, (int, float)) and 0.0 <= hard_pairs <= 1.0):
-    raise ValueError(f"data.hard_pairs={hard_pairs!r} must be a probability in [0, 1] (the "
-                     "share of reverse-task preference pairs that differ by one "
-                     "neighbour-copy error).")
+  check_number(config.data.get("hard_pairs", 0.0), "data.hard_pairs", allow_zero=True,
+               at_most=1.0, what="a probability",
+               hint=" It is the share of reverse-task preference pairs that differ by one "
+                    "neighbour-copy error.")
   _check_policy_pairs(config, use_rm)
   # Other tasks ignore it (the quickstart sets it, and a user switching the quickstart to
   # data.task='jsonl' must not have to unset a knob of data they no longer generate).
@@ -134,9 +133,7 @@ def validate_config(config) -> None:
   for path in ("sft.learning_rate", "reward_model.learning_rate"):
     _positive_float(config, path)
   _positive_float(config, "ppo.temperature", allow_zero=True)
-  top_p = _positive_float(config, "ppo.top_p")
-  if top_p > 1:
-    raise ValueError(f"ppo.top_p={top_p} must be in (0, 1].")
+  _positive_float(config, "ppo.top_p", at_most=1.0)
   _positive_int(config, "ppo.top_k", allow_zero=True)
   if "num_eval" in config.data:  # optional: older configs hold out 256
     _positive_int(config, "data.num_eval")
@@ -146,6 +143,9 @@ def validate_config(config) -> None:
     _positive_int(config, "log.eval_samples_per_prompt", allow_zero=True)
   if "normalize_samples_per_prompt" in config.reward:  # optional: older configs: raw scores
     _positive_int(config, "reward.normalize_samples_per_prompt", allow_zero=True)
+  if "response_fraction" in config.runtime:  # optional: older configs price full rows
+    from pipe_rlhf_jax.planner.lengths import check_fraction
+    check_fraction(config.runtime.response_fraction, "runtime.response_fraction")
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)
   if "plan" in config.runtime:  # optional: older configs run their hand-written plan
@@ -184,10 +184,10 @@ def validate_config(config) -> None:
 def _check_policy_pairs(config, use_rm: bool) -> None:
   """reward_model.policy_pairs / policy_samples / label_fn (phases.policy_pairs)."""
   rm = config.reward_model
-  share = rm.get("policy_pairs", 0.0)
-  if not (isinstance(share, (int, float)) and 0.0 <= share <= 1.0):
-    raise ValueError(f"reward_model.policy_pairs={share!r} must be a fraction in [0, 1] (the "
-                     "share of each reward-model batch made of the SFT policy's samples).")
+  share = check_number(rm.get("policy_pairs", 0.0), "reward_model.policy_pairs",
+                       allow_zero=True, at_most=1.0, what="a fraction",
+                       hint=" It is the share of each reward-model batch made of the SFT "
+                            "policy's samples.")
   if not share or not use_rm:
     return
   k = rm.get("policy_samples", 4)

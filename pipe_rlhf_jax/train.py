@@ -28,7 +28,10 @@ from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N
 plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
 checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
 mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
-another mode, with a warning where that changes the staleness bound.
+another mode, with a warning where that changes the staleness bound. With
+`data.task='jsonl'` the user's files count by their content (`data/digests.py`): a
+resume, or a warm start, from a checkpoint trained on a file that has changed since is
+refused, naming the file.
 
 Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
 process runs `train` with the same config on a shared workdir (process 0's choice,
@@ -63,7 +66,7 @@ from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
-from pipe_rlhf_jax.data import builders, pipeline
+from pipe_rlhf_jax.data import builders, digests, pipeline
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
@@ -87,7 +90,7 @@ from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.steps import DataFeed, np_batch
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
-                                         graphdef_of, with_backbone)
+                                         graphdef_of, ptx_rows_for, with_backbone)
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.workdir import WorkdirLock
 
@@ -119,6 +122,37 @@ def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
                        pad_token_id=tokenizer.pad_id)
   return {"actor": base, "critic": base.replace(head="value"),
           "reward": base.replace(head="score")}
+
+
+def run_tokenizer(config):
+  """The run's tokenizer: `model.path`'s own when set (saying so when `model.tokenizer`
+  names another, which is then ignored), else `model.tokenizer`."""
+  m = config.model
+  if m.path and m.tokenizer not in ("", "byte"):
+    say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
+        f"tokenizer ({os.path.join(m.path, 'tokenizer.json')}) is used")
+  return load_tokenizer(m.path or m.tokenizer)
+
+
+def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
+  """Raises when the tokenizer produces ids the model has no embedding row for.
+
+  An id at or past `vocab_size` (e.g. a token added to the tokenizer after the model was
+  saved) would embed as NaN (`jnp.take` fills rows out of range) and stop SFT far from
+  the cause.
+  """
+  if tokenizer.vocab_size <= cfg.vocab_size:
+    return
+  m = config.model
+  source = (f"model.path={m.path!r}: its tokenizer" if m.path
+            else f"model.tokenizer={m.tokenizer!r}")
+  raise ValueError(
+      f"{source} has {tokenizer.vocab_size} ids (added tokens included) but the model "
+      f"embeds {cfg.vocab_size} (vocab_size); ids from {cfg.vocab_size} on have no "
+      "embedding row. Use the tokenizer the model was saved with, or resize the model's "
+      f"embeddings to at least {tokenizer.vocab_size} rows (transformers: "
+      "model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and point "
+      "model.path at that directory.")
 
 
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
@@ -232,6 +266,8 @@ class RunSetup:
   lock: WorkdirLock | None = None  # held by the process that writes (process 0)
   # How long a step / a one-off wait between processes may make no progress.
   deadline: ProgressDeadline = ProgressDeadline()
+  # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
+  data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def close(self) -> None:
     """Waits for the checkpoint writes and releases the workdir."""
@@ -311,11 +347,12 @@ def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None
 def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
-  Validates the config, chooses the devices, refuses to overwrite a run unless resuming,
-  asks the planner for the plan (`runtime.plan`: "auto" chooses it, "manual" has the
-  hand-written one checked; `RunSetup.config` is the config the run then uses), builds
-  the stage layouts and checks the models fit them (on abstract parameters), and reads
-  where a resume starts, refusing a checkpoint whose mathematics differs.
+  Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
+  vocabulary, refuses to overwrite a run unless resuming, asks the planner for the plan
+  (`runtime.plan`: "auto" chooses it, "manual" has the hand-written one checked;
+  `RunSetup.config` is the config the run then uses), builds the stage layouts and
+  checks the models and the SFT term's rows fit them (on abstract parameters), and
+  reads where a resume starts, refusing a checkpoint whose mathematics or data differ.
   """
   validate_config(config)
   devices = select_devices(config)
@@ -335,8 +372,9 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
 
 def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   """`set_up` once the workdir is agreed and locked."""
-  tokenizer = load_tokenizer(config.model.path or config.model.tokenizer)
+  tokenizer = run_tokenizer(config)
   cfgs = build_model_configs(config, tokenizer)
+  check_vocab(config, tokenizer, cfgs["actor"])
   # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
   # which the planner's checks (runtime checks on abstract meshes, memory model) accept
   # or reject here, before any data or compilation.
@@ -381,6 +419,7 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or with_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
+  ptx_rows_for(PPOConfig.from_config(config.ppo), layouts["train"])
   warm_layout = supervised.warm_start_layout(
       warm_lib.warm_start_config(config)[0], devices,
       {"sft.batch_size": config.sft.batch_size,
@@ -390,16 +429,19 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   warm_source = warm_lib.resolve_source(config, workdir)
 
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
-  fingerprint = ckpt_lib.config_fingerprint(config.to_dict())
+  # data.task='jsonl' files count by their content: one edited in place is other data.
+  data_files = digests.file_digests(config)
+  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
   start = 0
   if resume and latest is not None:
     meta = checkpointer.read_metadata(latest)
+    check_same_data(meta, data_files, checkpointer.step_dir(latest))
     if meta.get("config_fingerprint") != fingerprint:
       raise ckpt_lib.CheckpointError(
           f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
           f"{meta.get('config_fingerprint')!r} but the current run expects "
           f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
-          f"{_changed_fields(meta, config)}. Resume with that run's config (see "
+          f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
           "config.json in the workdir), or use a new workdir.")
     compare_plans(meta.get("plan"), plan_of(config, devices))
     start = int(meta["step"]) + 1
@@ -407,17 +449,29 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
                   start, warm_layout, warm_source, config, planned, writes=writes,
-                  trains=trains, across=across, lock=lock, deadline=deadline)
+                  trains=trains, across=across, lock=lock, deadline=deadline,
+                  data_files=data_files)
 
 
-def _changed_fields(meta: dict[str, Any], config) -> str:
+def _changed_fields(meta: dict[str, Any], config, data_files: dict[str, Any]) -> str:
   """`; changed: field: old -> new, ...` from the fields stored with the checkpoint."""
   saved = meta.get("config")
   if not isinstance(saved, dict):
     return " (the checkpoint predates the record of its fields: compare config.json)"
-  changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(config.to_dict()))
+  changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(
+      digests.with_content(config.to_dict(), data_files)))
   shown = "; ".join(changes[:12]) + ("; ..." if len(changes) > 12 else "")
   return f"; changed: {shown}" if changes else ""
+
+
+def check_same_data(meta: dict[str, Any], data_files: dict[str, Any], step_dir) -> None:
+  """Refuses to resume from a checkpoint trained on data.jsonl files that have changed."""
+  changed = digests.changed_file(meta.get("data_files"), data_files)
+  if changed:
+    raise ckpt_lib.CheckpointError(
+        f"checkpoint {step_dir} was trained on other data: {changed}. A resumed run would "
+        "continue at the checkpoint's position in different records: restore the file, "
+        "or use a new workdir.")
 
 
 def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
@@ -650,7 +704,8 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
                                 disable=not progress or not setup.writes)
   plan = plan_of(config, setup.devices)
-  fields = ckpt_lib.fingerprinted_fields(config.to_dict())
+  fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
+                                                               setup.data_files))
   fence = WriteFence()
 
   def save(step: int) -> None:
@@ -661,7 +716,8 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       state = distributed.fetch(state)
     checkpointer.save(step, state, metadata={
         **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
-        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1)})
+        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1),
+        "data_files": setup.data_files})
 
   # The newest step on disk: a resumed run starts with its checkpoint already written.
   last_saved = [start - 1]

@@ -10,6 +10,7 @@ from hf_helpers import write_tiny_llama
 
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.generation import SamplingParams
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
                                   StagePlan, prompts_from_texts, run)
 
@@ -40,7 +41,8 @@ def test_readme_library_example_runs(tmp_path, monkeypatch, capsys):
   assert printed.startswith("[") and len(printed.split(",")) == 3
 
 
-def _tiny_system(tmp_path, batch_size=8, **runtime):
+def _tiny_system(tmp_path, batch_size=8, reward_fn=lambda p, c: [len(x) for x in c],
+                 **runtime):
   path = write_tiny_llama(tmp_path / "m")
   tok = models.load_tokenizer(path)
   system = PPOSystem(
@@ -48,9 +50,37 @@ def _tiny_system(tmp_path, batch_size=8, **runtime):
       ppo=PPOConfig(steps=2, batch_size=batch_size, minibatch_size=batch_size,
                     actor_lr=1e-3),
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=RuntimeConfig(**runtime), reward_fn=lambda p, c: [len(x) for x in c],
-      decode=tok.decode)
+      runtime=RuntimeConfig(**runtime), reward_fn=reward_fn, decode=tok.decode)
   return system, tok
+
+
+@REWARD_FUNCTIONS.register("test_nan_for_the_third_completion")
+def _nan_for_the_third_completion(prompts, completions):
+  del prompts
+  return [float("nan") if i == 2 else 1.0 for i in range(len(completions))]
+
+
+def test_a_rule_reward_that_returns_nan_stops_the_step_naming_rule_and_sample(tmp_path):
+  # One NaN score would reach every advantage of the batch through the whitening.
+  system, tok = _tiny_system(tmp_path, reward_fn=_nan_for_the_third_completion)
+  texts = [f"rev {w}=" for w in "abcdefgh"]
+  with pytest.raises(ValueError, match=r"reward function 'test_nan_for_the_third_completion' "
+                                       r"scored completion 2 of the batch nan \(prompt "
+                                       r"'rev c=', completion '.*'\).*finite score"):
+    run(system, prompts_from_texts(texts, tok, 8, 8, shuffle=False), steps=1)
+  assert system.version == 0  # no update was applied
+
+
+def test_rule_scores_are_one_finite_number_per_completion():
+  from pipe_rlhf_jax.ppo.registry import score_rule
+  prompts, completions = ["rev ab=", "rev ba="], ["ba", "x" * 200]
+  assert score_rule(lambda p, c: [0.5, 1], prompts, completions).dtype == np.float32
+  with pytest.raises(ValueError, match=r"reward function '<lambda>' returned scores of shape "
+                                       r"\(3,\) for 2 completions"):
+    score_rule(lambda p, c: [0.0, 1.0, 2.0], prompts, completions)
+  # Finite in float64, not in the float32 the advantages are computed in.
+  with pytest.raises(ValueError, match=r"completion 1 of the batch inf .*'x{80}\.\.\.'"):
+    score_rule(lambda p, c: [0.0, 1e39], prompts, completions)
 
 
 @pytest.mark.slow

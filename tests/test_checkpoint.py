@@ -318,3 +318,41 @@ def test_config_fingerprint_ignores_the_run_plan():
   assert ckpt_lib.config_fingerprint(base) == ckpt_lib.config_fingerprint(other_plan)
   assert (ckpt_lib.config_fingerprint(base)
           != ckpt_lib.config_fingerprint({**base, "ppo": {"lr": 2e-5}}))
+
+
+def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
+  # A file edited in place changes both fingerprints; the same bytes under another path
+  # change neither; a generated task's config keeps the fingerprint it always had.
+  from configs import quickstart
+  from pipe_rlhf_jax.data import digests
+  from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
+
+  def fingerprints(config):
+    files = digests.file_digests(config)
+    return (ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), files)),
+            warm_start_fingerprint(config))
+
+  generated = quickstart.get_config("tiny")
+  assert digests.file_digests(generated) == {}
+  assert digests.with_content(generated.to_dict(), {}) == generated.to_dict()
+  config = quickstart.get_config("tiny")
+  config.data.task = "jsonl"
+  for role in digests.JSONL_ROLES:
+    (tmp_path / f"{role}.jsonl").write_text(f'{{"prompt": "{role}"}}\n')
+    config.data.jsonl[role] = str(tmp_path / f"{role}.jsonl")
+  first = fingerprints(config)
+  moved = tmp_path / "elsewhere.jsonl"
+  moved.write_bytes((tmp_path / "demos.jsonl").read_bytes())
+  config.data.jsonl.demos = str(moved)
+  assert fingerprints(config) == first
+  saved = digests.file_digests(config)
+  moved.write_text('{"prompt": "edited"}\n')
+  edited = fingerprints(config)
+  assert edited[0] != first[0] and edited[1] != first[1]
+  assert digests.changed_file(saved, digests.file_digests(config)).startswith(
+      f"data.jsonl.demos={str(moved)!r} holds other data than it was made from: sha256 ")
+  assert digests.changed_file(saved, saved) is None
+  assert digests.changed_file(None, saved) is None  # a checkpoint that recorded none
+  # The prompts decide PPO, not the warm start.
+  (tmp_path / "prompts.jsonl").write_text('{"prompt": "other"}\n')
+  assert fingerprints(config)[1] == edited[1] and fingerprints(config)[0] != edited[0]

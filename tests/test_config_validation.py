@@ -44,6 +44,37 @@ def test_integer_fields_name_field_and_value(path, value):
     validate_config(config)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("path, value, allowed", [
+    ("sft.learning_rate", NAN, "a number > 0"),
+    ("reward_model.learning_rate", INF, "a number > 0"),
+    ("ppo.temperature", INF, "a number >= 0"),
+    ("ppo.top_p", NAN, r"a number in \(0, 1\]"),
+    ("ppo.top_p", 1.5, r"a number in \(0, 1\]"),
+    ("data.hard_pairs", NAN, r"a probability in \[0, 1\]"),
+    ("reward_model.policy_pairs", INF, r"a fraction in \[0, 1\]"),
+    ("runtime.response_fraction", NAN, r"a number in \(0, 1\]"),
+    ("ppo.actor_lr", NAN, "a number > 0"),  # the typed settings' check, the same words
+])
+def test_float_fields_refuse_nan_and_inf(path, value, allowed):
+  config = quickstart.get_config("tiny")
+  section, name = path.rsplit(".", 1)
+  config[section][name] = value
+  with pytest.raises(ValueError, match=rf"{path}={value!r} must be {allowed}"):
+    validate_config(config)
+
+
+def test_arith_demo_noise_refuses_nan():
+  from configs import grpo_arith
+  config = grpo_arith.get_config("tiny")
+  config.data.arith.demo_noise = NAN
+  with pytest.raises(ValueError, match=r"data.arith.demo_noise=nan must be a probability "
+                                       r"in \[0, 1\]"):
+    validate_config(config)
+
+
 def test_grpo_arith_config_validates_and_fits_its_task():
   from configs import grpo_arith
   for variant in ("", "tiny"):
@@ -113,3 +144,16 @@ def test_ptx_coef_must_be_a_non_negative_number():
   config.ppo.ptx_coef = -0.5
   with pytest.raises(ValueError, match=r"ppo.ptx_coef=-0.5 must be a number >= 0"):
     validate_config(config)
+
+
+def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
+  # The tiny PPO minibatch (8) on the 8 data shards of sequential mode: an explicit 4
+  # demonstrations per gradient step cannot be split, found at set-up.
+  from pipe_rlhf_jax.train import train
+  config = quickstart.get_config("tiny")
+  config.runtime.mode = "sequential"
+  config.ppo.ptx_batch_size = 4
+  with pytest.raises(ValueError, match=r"ppo.ptx_batch_size: 4 demonstrations .* 8 batch "
+                                       r"shards of the train stage .* multiple of 8"):
+    train(config, str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "data")  # before any data are built

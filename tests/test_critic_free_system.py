@@ -116,6 +116,18 @@ def test_ptx_system_trains_on_rows_keyed_by_seed_and_step(policy_path):
   assert all(np.isfinite(m["ptx_loss"]) and m["ptx_loss"] > 0 for m in metrics)
 
 
+def test_ptx_rows_default_to_the_minibatch_rounded_up_to_the_batch_shards(policy_path):
+  # A minibatch of 4 on the 8 data shards of the one mesh: the default draws 8 rows per
+  # gradient step, so it splits; an explicit 4 does not, and is refused naming the field.
+  system, _ = system_for(policy_path, {**GRPO, "ptx_coef": 0.5}, demo_pool(),
+                         critic_from=None)
+  assert system.ptx_batch(0).prompt_tokens.shape == (1, 2, 8, 6)
+  with pytest.raises(ValueError, match=r"ppo.ptx_batch_size: 4 demonstrations per gradient "
+                                       r"step do not split over the 8 batch shards"):
+    system_for(policy_path, {**GRPO, "ptx_coef": 0.5, "ptx_batch_size": 4}, demo_pool(),
+               critic_from=None)
+
+
 def test_ptx_demonstrations_are_given_exactly_with_the_sft_term(policy_path):
   demos = demo_pool()
   with pytest.raises(ValueError, match="ptx_demos given with ppo.ptx_coef=0"):

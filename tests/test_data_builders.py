@@ -87,6 +87,18 @@ def test_reuse_stale_and_errors(tmp_path):
     build_dataset("prompts", str(tmp_path / "absent.jsonl"), data_dir)
 
 
+def test_rebuilding_an_edited_dataset_is_said(tmp_path, capsys):
+  data_dir = str(tmp_path / "tfds")
+  path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "rev ab="}).encode()])
+  build_dataset("prompts", path, data_dir, name="toy_prompts")
+  build_dataset("prompts", path, data_dir, name="toy_prompts", overwrite=True)
+  assert "its inputs changed" not in capsys.readouterr().out  # unchanged: reused
+  _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "rev cd="}).encode()])
+  build_dataset("prompts", path, data_dir, name="toy_prompts", overwrite=True)
+  assert (f"dataset toy_prompts: its inputs changed since it was built ({path}); rebuilding "
+          in capsys.readouterr().out)
+
+
 def test_make_task_datasets(tmp_path, no_tensorflow):
   data_dir = str(tmp_path / "tfds")
   kw = dict(num_prompts=64, num_demos=48, num_pairs=40, num_eval=16)

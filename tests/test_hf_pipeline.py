@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from hf_helpers import write_char_tokenizer
+from hf_helpers import write_char_tokenizer, write_tiny_llama
 
 from configs import hf_model
 from pipe_rlhf_jax import models
@@ -36,3 +36,24 @@ def test_rlhf_on_a_local_hf_llama(tmp_path):
 def test_hf_config_requires_a_model_path(tmp_path):
   with pytest.raises(ValueError, match="model.path"):
     train(hf_model.get_config("tiny"), str(tmp_path), progress=False)
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_at_set_up(tmp_path, capsys):
+  # Tokens added to the tokenizer after the model was saved: their ids have no embedding
+  # row (they would embed as NaN).
+  tokenizers = pytest.importorskip("tokenizers")
+  model_dir = write_tiny_llama(tmp_path / "tiny-llama")  # vocab_size 16, 16 tokens
+  file = os.path.join(model_dir, "tokenizer.json")
+  tok = tokenizers.Tokenizer.from_file(file)
+  tok.add_tokens(["<tool>", "<call>"])
+  tok.save(file)
+  config = hf_model.get_config("tiny")
+  config.model.path = model_dir
+  config.model.tokenizer = "/some/other/tokenizer"
+  with pytest.raises(ValueError, match=r"model.path=.*tiny-llama': its tokenizer has 18 ids "
+                                       r"\(added tokens included\) but the model embeds 16 "
+                                       r".*resize the model's embeddings to at least 18"):
+    train(config, str(tmp_path / "run"), progress=False)
+  assert not os.path.exists(tmp_path / "run" / "data")  # before any data are built
+  assert ("model.tokenizer='/some/other/tokenizer' is ignored: model.path is set"
+          in capsys.readouterr().out)

@@ -59,6 +59,45 @@ def test_every_phase_runs_and_writes_its_outputs(tiny_run):
   assert "reward/mean" in tiny_run["summary"]
 
 
+def test_a_failed_export_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+  from pipe_rlhf_jax.models import hf
+  from pipe_rlhf_jax.models.config import tiny_config
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.phases.reporting import export_policy
+
+  def files(directory):
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory))}
+
+  cfg = tiny_config(vocab_size=264, embed_dim=16, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, mlp_dim=32)
+  export = str(tmp_path / "export")
+  export_policy(init_model(cfg, seed=0), export)
+  before = files(export)
+  write = hf.write_safetensors
+
+  def dies_half_way(path, tensors):
+    write(path, dict(list(tensors.items())[:2]))  # some tensors on disk, then the failure
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(hf, "write_safetensors", dies_half_way)
+  with pytest.raises(OSError, match="No space left"):
+    export_policy(init_model(cfg, seed=1), export)
+  assert files(export) == before
+  assert sorted(os.listdir(tmp_path)) == ["export"]  # no half-written directory beside it
+  # Stopped between the renames: the previous export waits beside, and is put back.
+  os.rename(export, export + ".previous")
+  with pytest.raises(OSError, match="No space left"):
+    export_policy(init_model(cfg, seed=1), export)
+  assert files(export) == before
+  monkeypatch.setattr(hf, "write_safetensors", write)
+  export_policy(init_model(cfg, seed=1), export)
+  after = files(export)
+  assert sorted(after) == sorted(before) and after != before
+  assert sorted(os.listdir(tmp_path)) == ["export"]
+  assert hf.from_pretrained(export).config.num_layers == 1
+
+
 def test_first_ppo_ratio_is_one(tiny_run):
   # Behaviour log-probs come from the sampler, the trainer recomputes them: with the
   # same weights the ratio is exactly 1 up to float rounding, so nothing is clipped at
@@ -264,20 +303,49 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
 
 
-@pytest.mark.slow
-def test_user_jsonl_data_with_malformed_lines(tmp_path):
-  # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
-  # both are skipped and counted, and the run completes.
+def jsonl_config(directory):
+  """The tiny config on the user's own files (the reverse task written as JSONL)."""
   from pipe_rlhf_jax.data import task
-  paths = task.write_task_jsonl(str(tmp_path / "jsonl"), num_prompts=256, num_demos=256,
+  paths = task.write_task_jsonl(str(directory), num_prompts=256, num_demos=256,
                                 num_pairs=256, seed=1, num_eval=32)
-  with open(paths["prompts"], "ab") as f:
-    f.write(b'{"prompt": ""}\n{"prompt": "rev \\xff\\xfe="}\n'.replace(b"\\xff\\xfe", b"\xff\xfe"))
   config = tiny()
   config.data.task = "jsonl"
   config.data.jsonl.update({role: paths[role] for role in
                             ("prompts", "prompts_eval", "demos", "prefs", "prefs_eval")})
   config.reward.eval_fn = ""
+  return config, paths
+
+
+def test_resume_refuses_data_edited_in_place(tmp_path):
+  # A JSONL file edited under the same path is other data: the resumed run would continue
+  # at the checkpoint's index into different records.
+  config, paths = jsonl_config(tmp_path / "jsonl")
+  config.ppo.steps = 2
+  workdir = str(tmp_path / "run")
+  train(config, workdir, stop_after=1, progress=False)
+  original = open(paths["prompts"], "rb").read()
+  with open(paths["prompts"], "ab") as f:
+    f.write(b'{"prompt": "rev zz="}\n')
+  before = sorted(os.listdir(workdir))
+  with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoints/0 was trained on other "
+                                            r"data: data.jsonl.prompts='.*prompts.jsonl' "
+                                            r"holds other data .*restore the file, or use a "
+                                            r"new workdir"):
+    train(config, workdir, resume=True, progress=False)
+  assert sorted(os.listdir(workdir)) == before  # refused before anything was written
+  with open(paths["prompts"], "wb") as f:  # the same bytes again: the run resumes
+    f.write(original)
+  resumed = train(config, workdir, resume=True, progress=False)
+  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1]
+
+
+@pytest.mark.slow
+def test_user_jsonl_data_with_malformed_lines(tmp_path):
+  # The user's own files, with one empty prompt and one line of invalid UTF-8 among them:
+  # both are skipped and counted, and the run completes.
+  config, paths = jsonl_config(tmp_path / "jsonl")
+  with open(paths["prompts"], "ab") as f:
+    f.write(b'{"prompt": ""}\n{"prompt": "rev \\xff\\xfe="}\n'.replace(b"\\xff\\xfe", b"\xff\xfe"))
   config.ppo.steps = 2
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)

@@ -160,3 +160,29 @@ def test_reward_model_can_start_from_the_sft_backbone(tmp_path, monkeypatch):
   config = tiny("sequential", **{"reward_model.init": "policy"})
   with pytest.raises(ValueError, match=r"reward_model.init='policy'; choose one of"):
     train(config, str(tmp_path / "bad"), progress=False)
+
+
+def test_a_warm_start_whose_demonstrations_changed_is_refused(tmp_path):
+  # The user's files edited in place: the run's own warm start and a shared one were
+  # trained on other demonstrations than the file now holds.
+  from pipe_rlhf_jax.data import task
+  paths = task.write_task_jsonl(str(tmp_path / "jsonl"), num_prompts=64, num_demos=64,
+                                num_pairs=64, seed=1, num_eval=16)
+  config = tiny("sequential", **{"data.task": "jsonl", "reward.eval_fn": "",
+                                 **{f"data.jsonl.{role}": path
+                                    for role, path in paths.items()}})
+  workdir = str(tmp_path / "run")
+  prepare_warm_start(config, workdir, progress=False)
+  with open(paths["demos"], "ab") as f:
+    f.write(b'{"prompt": "rev zz=", "completion": "zz"}\n')
+  with pytest.raises(CheckpointError, match=r"the warm start in .*run/warmstart was trained "
+                                            r"on other data: data.jsonl.demos='.*demos.jsonl' "
+                                            r"holds other data .*Restore the file, or use a "
+                                            r"new workdir"):
+    prepare_warm_start(config, workdir, progress=False)
+  shared = tiny("sequential", **{"warm_start.checkpoint": os.path.join(workdir, "warmstart")})
+  shared.data, shared.reward = config.data, config.reward
+  with pytest.raises(CheckpointError, match=r"data.jsonl.demos=.*Restore the file, or set "
+                                            r"--config.warm_start.checkpoint=''"):
+    train(shared, str(tmp_path / "other"), progress=False)
+  assert not os.path.exists(tmp_path / "other" / "data")  # before any data are built

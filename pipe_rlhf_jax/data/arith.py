@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.checks import check_int, check_number
 from pipe_rlhf_jax.data.task import write_jsonl
 
 # Operator symbol -> the integer function it names.
@@ -78,10 +78,8 @@ class ArithSpec:
     if self.max_digits > 9:
       raise ValueError(f"{field}.max_digits={self.max_digits} is beyond any model this "
                        "task is for; use at most 9 digits per operand.")
-    noise = self.demo_noise
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or \
-        not 0.0 <= noise <= 1.0:
-      raise ValueError(f"{field}.demo_noise={noise!r} must be a probability in [0, 1].")
+    check_number(self.demo_noise, f"{field}.demo_noise", allow_zero=True, at_most=1.0,
+                 what="a probability")
 
   @classmethod
   def from_config(cls, section: Mapping[str, Any], field: str = "data.arith") -> "ArithSpec":

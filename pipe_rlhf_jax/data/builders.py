@@ -27,7 +27,8 @@ Each record goes through `records.RecordValidator` (structural checks only; toke
 budgets depend on the tokenizer and are applied in the pipeline); its counts per split
 are stored in `metadata.json`. The input fingerprint (JSONL bytes, kind, policy) is
 stored too: an existing dataset is reused when it matches and otherwise rebuilt only
-with `overwrite=True`, so stale data are never read by accident. The valid records of a
+with `overwrite=True` (and then said, whatever the log level), so stale data are never
+read by accident. The valid records of a
 split are held in memory while the shard is written, fine for RLHF-sized text sets.
 
 `make_task_datasets` generates the embedded reverse task (data/task.py) and builds its
@@ -51,6 +52,7 @@ import numpy as np
 from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data import arith as arith_lib
 from pipe_rlhf_jax.data import task as task_lib
+from pipe_rlhf_jax.data.digests import update_with_file
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator
 
 _log = logging.getLogger(__name__)
@@ -163,9 +165,7 @@ def _fingerprint(kind: str, paths: Mapping[str, str], validator: RecordValidator
                       sort_keys=True).encode())
   for split in sorted(paths):
     h.update(split.encode() + b"\0")
-    with open(paths[split], "rb") as f:
-      for chunk in iter(lambda: f.read(1 << 20), b""):
-        h.update(chunk)
+    update_with_file(h, paths[split])
     h.update(b"\0")
   return h.hexdigest()
 
@@ -245,7 +245,10 @@ def build_dataset(
           f"Dataset {path} exists but was built from different inputs or policy; pass "
           "overwrite=True to rebuild it, or use another name/data_dir."
       )
-    _log.info("Rebuilding stale dataset %s.", path)
+    # Visible whatever the log level: the run now reads other records than before.
+    from pipe_rlhf_jax.metrics import say
+    say(f"dataset {name}: its inputs changed since it was built "
+        f"({', '.join(os.path.abspath(p) for p in paths.values())}); rebuilding {path}")
   if os.path.isdir(path):
     shutil.rmtree(path)
 

@@ -26,6 +26,7 @@ from flax import nnx
 
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
+from pipe_rlhf_jax.ppo.registry import score_rule
 
 
 class PolicyPairs:
@@ -87,8 +88,8 @@ class PolicyPairs:
     tokens, mask = (np.asarray(x) for x in distributed.fetch((out.tokens, out.mask)))
     decode = self._tokenizer.decode
     prompts = [decode(p[m]) for p, m in zip(prompt, prompt_mask)]
-    labels = np.asarray(self._label(prompts, [decode(c[m]) for c, m in zip(tokens, mask)]),
-                        np.float32).reshape(rows, k)  # [rows, k]
+    completions = [decode(c[m]) for c, m in zip(tokens, mask)]
+    labels = score_rule(self._label, prompts, completions).reshape(rows, k)  # [rows, k]
     rows_at = np.arange(rows)
     best, worst = labels.argmax(axis=1), labels.argmin(axis=1)  # [rows]
     # A row whose samples all tie has nothing to prefer: its dataset pair stays.

@@ -2,7 +2,8 @@
 
 `report` turns a finished PPO phase into the run's files (process 0 alone writes them)
 and `train`'s result dict; `planned_vs_measured` and `reward_summary` are its summary
-lines. Split from train.py, which owns the phases' order.
+lines; `export_policy` writes the export so that it replaces the previous one whole.
+Split from train.py, which owns the phases' order.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,32 @@ def reward_summary(warm: dict[str, Any], stats=None) -> dict[str, str]:
   return lines
 
 
+def export_policy(model, export_dir: str) -> None:
+  """Writes `model` in Hugging Face format to `export_dir`, replacing a previous export
+  only once the new one is complete.
+
+  The files are written to `<export_dir>.partial` beside it; then the previous export is
+  renamed to `<export_dir>.previous`, the new one renamed into place, and the previous
+  one deleted. A run stopped at any point leaves the previous export or the new one,
+  never a half-written one: stopped between the two renames, the previous export waits
+  under `.previous`, and the next export first puts it back.
+  """
+  partial, previous = export_dir + ".partial", export_dir + ".previous"
+  if os.path.isdir(previous) and not os.path.isdir(export_dir):
+    os.rename(previous, export_dir)
+  for stale in (partial, previous):
+    shutil.rmtree(stale, ignore_errors=True)
+  try:
+    hf.save_pretrained(model, partial)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  if os.path.isdir(export_dir):
+    os.rename(export_dir, previous)
+  os.rename(partial, export_dir)
+  shutil.rmtree(previous, ignore_errors=True)
+
+
 def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, before: dict[str, heldout.HeldoutEval],
            after: dict[str, heldout.HeldoutEval],
@@ -81,7 +109,7 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
                        "summary are written by process 0", "ppo_metrics": [],
             "samples_after": samples_after, "tracer": tracer}
   export_dir = os.path.join(workdir, "export")
-  hf.save_pretrained(nnx.merge(built.actor_graphdef, actor), export_dir)
+  export_policy(nnx.merge(built.actor_graphdef, actor), export_dir)
   plot = None
   records = metrics_lib.read_metrics(writer.metrics_path)
   if any(r.get("phase") == "ppo" for r in records):

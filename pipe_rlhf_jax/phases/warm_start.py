@@ -3,10 +3,12 @@
 Owns what decides a warm start and where it comes from: whether the run trains a reward
 model at all (`uses_reward_model`: not with a rule reward), its settings
 (`warm_start.mesh`, `warm_start.checkpoint`), its fingerprint (the seed and the model,
-data, sft and reward_model sections; never the PPO plan), which checkpoint a run
+data, sft and reward_model sections, with the content of the user's demonstration and
+preference files in place of their paths; never the PPO plan), which checkpoint a run
 restores (its own `<workdir>/warmstart`, else the shared one the config names, refused
-when written under another config), and `fit_or_restore`, which trains the phases
-(`phases.supervised`) on their own layout or restores them onto it.
+when written under another config or from files that have changed since), and
+`fit_or_restore`, which trains the phases (`phases.supervised`) on their own layout or
+restores them onto it.
 
 SFT and the reward model train on one layout of their own (`warm_start.mesh` over all
 the job's devices), never on a PPO stage's mesh, so a seed's warm start is the same, to
@@ -25,6 +27,7 @@ from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.config_validation import policy_pairs_label
+from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
@@ -63,7 +66,9 @@ def warm_start_config(config) -> tuple[Any, str]:
 
 def warm_start_fingerprint(config) -> str:
   """Hash of what decides the warm start's result: the seed, and the model, data, SFT and
-  reward-model sections (not `data.dir`, a location, nor any part of the PPO plan).
+  reward-model sections (not `data.dir`, a location, nor any part of the PPO plan). With
+  `data.task='jsonl'` the demonstration and preference files count by their content,
+  not their paths (`data.digests.with_content`).
 
   A rule-reward run trains no reward model, so the reward_model settings do not decide
   its warm start (and a reward-model checkpoint is never mistaken for one).
@@ -78,7 +83,8 @@ def warm_start_fingerprint(config) -> str:
     for key in ("policy_pairs", "policy_samples", "label_fn"):
       sections["reward_model"].pop(key, None)
   return ckpt_lib.config_fingerprint(
-      {"seed": config.seed, **sections},
+      digests.with_content({"seed": config.seed, **sections},
+                           digests.file_digests(config, digests.WARM_START_ROLES)),
       ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
 
 
@@ -108,17 +114,31 @@ def warm_start_source(config, workdir: str) -> str | None:
 def resolve_source(config, workdir: str) -> str | None:
   """`warm_start_source`, decided once per run, before any data are built.
 
-  Refuses a shared warm start (`warm_start.checkpoint`) written under another seed,
-  model, data, sft or reward_model config (or reward). The run then passes the result
+  Refuses a warm start trained on a data.jsonl file whose content has changed since
+  (the run's own or a shared one), and a shared warm start (`warm_start.checkpoint`)
+  written under another seed, model, data, sft or reward_model config (or reward); the
+  run's own is compared with its config when it is restored. The run then passes the result
   on, never asking the file system again: in a multi-process job every process must
   make the same choice, and a later look could see the directory another process has
   just created (and open a checkpoint manager, a collective, the others never open).
   """
   source = warm_start_source(config, workdir)
-  if source is None or source == os.path.join(workdir, "warmstart"):
-    return source  # trained here, or this run's own (checked when it is restored)
+  if source is None:
+    return None  # trained here
+  own = source == os.path.join(workdir, "warmstart")
   with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
-    saved = ckpt.read_metadata().get("fingerprint")
+    meta = ckpt.read_metadata()
+  changed = digests.changed_file(meta.get("data_files"),
+                                 digests.file_digests(config, digests.WARM_START_ROLES))
+  if changed:
+    fix = ("use a new workdir" if own else
+           "set --config.warm_start.checkpoint='' to train a warm start on it here")
+    raise ckpt_lib.CheckpointError(
+        f"the warm start in {source} was trained on other data: {changed}. Restore the "
+        f"file, or {fix}.")
+  if own:
+    return source  # this run's own: its config is checked when it is restored
+  saved = meta.get("fingerprint")
   if saved != warm_start_fingerprint(config):
     raise ckpt_lib.CheckpointError(
         f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
@@ -200,7 +220,9 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
         f"on {rm_eval['eval_pairs']} pairs")
   else:
     say(f"reward: the rule {config.reward.fn!r}; no reward model is trained")
-  ckpt.save(0, state, metadata={"fingerprint": fingerprint, "rm_eval": rm_eval})
+  ckpt.save(0, state, metadata={
+      "fingerprint": fingerprint, "rm_eval": rm_eval,
+      "data_files": digests.file_digests(config, digests.WARM_START_ROLES)})
   ckpt.close()
   return {**state, "rm_eval": rm_eval}
 

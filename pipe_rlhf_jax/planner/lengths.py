@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import numpy as np
+
+from pipe_rlhf_jax.checks import check_number
 
 
 def _mean_fraction(q: float, max_len: int) -> float:
@@ -100,8 +101,6 @@ def fraction_from_metrics(path: str, max_len: int) -> float:
 
 def check_fraction(value, field: str) -> float:
   """`value` as a response fraction in (0, 1], or ValueError naming `field`."""
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-      not 0 < value <= 1 or math.isnan(value):
-    raise ValueError(f"{field}={value!r} must be a number in (0, 1]: the mean response "
-                     "length as a fraction of data.completion_len (1 = no early EOS).")
-  return float(value)
+  return check_number(value, field, at_most=1.0,
+                      hint=" It is the mean response length as a fraction of "
+                           "data.completion_len (1 = no early EOS).")

@@ -2,12 +2,17 @@
 
 Configs choose algorithm pieces by name (`config.ppo.kl_estimator = "k3"`,
 `config.reward.fn = "reverse_accuracy"`); this module owns the lookup tables and the
-error a user sees when a name is wrong.
+error a user sees when a name is wrong, and `score_rule`, the one way a rule reward is
+called: its scores are checked where they are computed (one finite score per
+completion), since a NaN would otherwise spread through the batch's advantage whitening
+to every sample and surface much later as a diverged update.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+
+import numpy as np
 
 F = TypeVar("F", bound=Callable)
 
@@ -60,6 +65,10 @@ class Registry(Generic[F]):
           f"Unknown {self.kind} {name!r}{where}; choose one of {sorted(self._entries)}."
       ) from None
 
+  def name_of(self, entry: Any) -> str | None:
+    """The name `entry` is registered under, or None."""
+    return next((name for name, fn in self._entries.items() if fn is entry), None)
+
   def names(self) -> list[str]:
     return sorted(self._entries)
 
@@ -84,3 +93,35 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
 # Rule-based rewards on host: (prompts: list[str], completions: list[str]) -> np.ndarray [batch].
 REWARD_FUNCTIONS: Registry = Registry("reward function")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def score_rule(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
+               dtype=np.float32) -> np.ndarray:
+  """`fn(prompts, completions)` as a `dtype` array [batch], checked.
+
+  Raises:
+    ValueError: naming the rule (its registered name) when it does not return one score
+      per completion, or when a score is NaN or infinite (in `dtype`), with that
+      sample's prompt and completion.
+  """
+  name = REWARD_FUNCTIONS.name_of(fn) or getattr(fn, "__name__", repr(fn))
+  with np.errstate(over="ignore"):  # a score beyond `dtype` becomes inf, reported below
+    scores = np.asarray(fn(prompts, completions), dtype)
+  if scores.shape != (len(completions),):
+    raise ValueError(f"reward function {name!r} returned scores of shape {scores.shape} for "
+                     f"{len(completions)} completions; it must return one score per "
+                     "completion, [batch].")
+  bad = np.flatnonzero(~np.isfinite(scores))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+        f"reward function {name!r} scored completion {i} of the batch {scores[i]} "
+        f"(prompt {_clip(prompts[i])!r}, completion {_clip(completions[i])!r}"
+        f"{f'; {bad.size} non-finite scores in all' if bad.size > 1 else ''}); a rule "
+        "reward must give every completion a finite score: fix the rule (e.g. score an "
+        "answer it cannot parse 0).")
+  return scores

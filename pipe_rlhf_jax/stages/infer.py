@@ -28,7 +28,7 @@ from pipe_rlhf_jax.ppo import advantages as adv_lib
 from pipe_rlhf_jax.ppo import kl as kl_lib
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.losses import explained_variance
-from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, score_rule
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          completion_values, sequence_scores)
@@ -187,7 +187,7 @@ class InferStage:
     self._make = jax.jit(make_experience)
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
-    """Rule reward `fn` of each completion, from decoded text."""
+    """Rule reward `fn` of each completion, from decoded text (checked finite)."""
     # One host transfer for the whole batch; every process of the stage scores the whole
     # batch (rule rewards are cheap next to the model passes), so all hold equal scores.
     prompts_np, pmask, completions_np, cmask = fetch(
@@ -195,7 +195,7 @@ class InferStage:
          rollout.completion_mask))
     prompts = [self.decode(p[m]) for p, m in zip(prompts_np, pmask)]
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
-    return np.asarray(fn(prompts, completions), np.float32)
+    return score_rule(fn, prompts, completions)
 
   def __call__(self, ref: nnx.State | None, critic: nnx.State | None,
                reward_model: nnx.State | None, rollout: Rollout, kl_coef: float

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.checks import check_int, check_number
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -34,17 +34,6 @@ STAGES = ("generate", "infer", "train")
 def _plain(node: Any) -> Any:
   """A ConfigDict / mapping as a plain dict (leaves untouched)."""
   return node.to_dict() if hasattr(node, "to_dict") else dict(node)
-
-
-def _check_number(value: Any, field: str, *, allow_zero: bool = False,
-                  at_most: float | None = None) -> None:
-  # NaN passes every comparison below and inf every lower bound: refused first.
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-      value) or value < 0 or (value == 0 and not allow_zero) or (
-      at_most is not None and value > at_most):
-    low = ">= 0" if allow_zero else "> 0"
-    high = f" and <= {at_most}" if at_most is not None else ""
-    raise ValueError(f"{field}={value!r} must be a number {low}{high}.")
 
 
 def _check_choice(value: Any, field: str, choices) -> None:
@@ -92,8 +81,10 @@ class PPOConfig:
       InstructGPT's PPO-ptx mixes pretraining gradients into PPO: an anchor on what the
       policy learnt from demonstrations, for the answers PPO's own samples do not reach.
       The demonstrations are the SFT data (`PPOSystem(ptx_demos=...)`); 0 = off.
-    ptx_batch_size: demonstrations per actor gradient step (0: `minibatch_size`), drawn
-      uniformly with replacement, a function of the seed and the PPO step only.
+    ptx_batch_size: demonstrations per actor gradient step, drawn uniformly with
+      replacement, a function of the seed and the PPO step only; they are split over the
+      train stage's batch shards. 0: `minibatch_size` rounded up to a multiple of those
+      shards (`ptx_rows_over`), so the default splits on every layout.
     whiten_advantages: normalise advantages per batch (estimators that define their own
       normalisation, like grpo, need it off).
     advantage_estimator: registered name: "gae" (needs a critic), or the critic-free
@@ -169,15 +160,15 @@ class PPOConfig:
     check_int(self.warmup_steps, f + "warmup_steps", low=0)
     for name in ("actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
                  "kl_target", "kl_horizon", "behaviour_weight_cap", "reward_scale"):
-      _check_number(getattr(self, name), f + name)
+      check_number(getattr(self, name), f + name)
     if (isinstance(self.reward_shift, bool) or not isinstance(self.reward_shift, (int, float))
         or not math.isfinite(self.reward_shift)):
       raise ValueError(f"ppo.reward_shift={self.reward_shift!r} must be a finite number.")
     check_int(self.ptx_batch_size, f + "ptx_batch_size", low=0)
     for name in ("kl_coef", "entropy_coef", "target_kl", "ptx_coef"):
-      _check_number(getattr(self, name), f + name, allow_zero=True)
+      check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
-      _check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
+      check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
     _check_choice(self.lr_schedule, f + "lr_schedule", ("constant", "cosine"))
     _check_choice(self.kl_estimator, f + "kl_estimator", registry.KL_ESTIMATORS.names())
     _check_choice(self.advantage_estimator, f + "advantage_estimator",
@@ -193,7 +184,7 @@ class PPOConfig:
     f = "ppo."
     check_int(self.group_size, f + "group_size")
     check_int(self.loss_norm_len, f + "loss_norm_len", low=0)
-    _check_number(self.grpo_eps, f + "grpo_eps")
+    check_number(self.grpo_eps, f + "grpo_eps")
     for name in ("grpo_norm_by_std", "whiten_advantages", "adaptive_kl"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
@@ -240,8 +231,17 @@ class PPOConfig:
 
   @property
   def ptx_rows(self) -> int:
-    """Demonstrations per actor gradient step (0 without the SFT term)."""
-    return (self.ptx_batch_size or self.minibatch_size) if self.ptx_coef else 0
+    """Demonstrations per actor gradient step on one batch shard (0 without the SFT
+    term); `ptx_rows_over` gives them on a layout."""
+    return self.ptx_rows_over(1)
+
+  def ptx_rows_over(self, batch_shards: int) -> int:
+    """Demonstrations per actor gradient step on a train stage of `batch_shards` batch
+    shards: `ptx_batch_size`, or by default `minibatch_size` rounded up to a multiple of
+    the shards (0 without the SFT term)."""
+    if not self.ptx_coef:
+      return 0
+    return self.ptx_batch_size or -(-self.minibatch_size // batch_shards) * batch_shards
 
   @property
   def prompts_per_step(self) -> int:
@@ -393,8 +393,8 @@ class RuntimeConfig:
     _check_choice(self.mode, "runtime.mode", MODES)
     check_int(self.max_staleness, "runtime.max_staleness", low=0)
     check_int(self.queue_size, "runtime.queue_size")
-    _check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
-    _check_number(self.progress_timeout_s, "runtime.progress_timeout_s", allow_zero=True)
+    check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
+    check_number(self.progress_timeout_s, "runtime.progress_timeout_s", allow_zero=True)
     if self.mode == "pipe":
       if self.placement is None or len(self.placement) != len(STAGES):
         raise ValueError(f"runtime.placement must give device counts for {STAGES} in "

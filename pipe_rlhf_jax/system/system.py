@@ -157,6 +157,23 @@ def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
                        f"multiple of {ways}, or give {field} fewer data/fsdp devices.")
 
 
+def ptx_rows_for(ppo: PPOConfig, train: StageLayout) -> int:
+  """The SFT term's demonstrations per gradient step on the train stage's layout.
+
+  `PPOConfig.ptx_rows_over` its batch shards: the default follows the layout; an explicit
+  `ppo.ptx_batch_size` that does not split over the shards raises, naming the field.
+  Checked by `PPOSystem` and, before any data are built, by the experiment's set-up.
+  """
+  ways = train.batch_ways()
+  rows = ppo.ptx_rows_over(ways)
+  if rows % ways:
+    raise ValueError(
+        f"ppo.ptx_batch_size: {rows} demonstrations per gradient step do not split over "
+        f"the {ways} batch shards of the train stage ({describe(train.mesh)}); make it a "
+        f"multiple of {ways}, or 0 (the minibatch size rounded up to one).")
+  return rows
+
+
 @dataclasses.dataclass
 class Models:
   """The graph definitions and initial parameters of the PPO models.
@@ -343,12 +360,7 @@ class PPOSystem:
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
-    ways = self.layouts["train"].batch_ways()
-    if ppo.ptx_rows % ways:
-      raise ValueError(
-          f"ppo.ptx_batch_size: {ppo.ptx_rows} demonstrations per gradient step do not split "
-          f"over the {ways} batch shards of the train stage "
-          f"({describe(self.layouts['train'].mesh)}); make it a multiple of {ways}.")
+    ptx_rows = ptx_rows_for(ppo, self.layouts["train"])
     self.has_critic = models.critic is not None
     # Each stage computes the same models its own way (attention kernel, remat).
     def for_stage(stage, graphdef, params):
@@ -371,7 +383,9 @@ class PPOSystem:
                                           max_grad_norm=ppo.max_grad_norm)
     self.train_stage = TrainStage(trn, for_stage("train", models.actor_graphdef, models.actor),
                                   critic_graphdef["train"],
-                                  PPOHyper.from_settings(ppo, sampling.temperature),
+                                  dataclasses.replace(
+                                      PPOHyper.from_settings(ppo, sampling.temperature),
+                                      ptx_rows=ptx_rows),
                                   optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr) if self.has_critic else None)
     self.reference = self.reward = self.state = None
