@@ -39,33 +39,36 @@ replaces it (an LM checkpoint loaded as "value"/"score" gets a freshly initialis
 head; a "score" checkpoint loaded as "value" reuses `score.weight`).
 
 Files: `config.json` and `model.safetensors`, or shards listed in
-`model.safetensors.index.json`. Tensors are read from the raw safetensors bytes, so bf16
-checkpoints load through `ml_dtypes` whatever numpy/safetensors versions are installed.
+`model.safetensors.index.json` (the single file wins when both exist). The bytes are
+`models/safetensors_io.py`'s: damaged files and indices whose shards leave the directory
+are refused there, naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import struct
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
 
 from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
+from pipe_rlhf_jax.models.safetensors_io import (load_checkpoint_tensors, read_safetensors,
+                                                 write_safetensors)
 from pipe_rlhf_jax.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
+
+# The file format's reader and writer, re-exported: callers of this module use them.
+__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_pretrained",
+           "hf_eos_token_ids", "read_safetensors", "save_pretrained", "write_safetensors"]
 
 # HF class name -> (our architecture, the head the checkpoint carries).
 SUPPORTED_ARCHITECTURES = {
@@ -130,19 +133,6 @@ _ROPE_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
 }
-
-# safetensors dtype codes <-> numpy dtypes (bf16 via ml_dtypes).
-_ST_TO_NP = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-}
-_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
-if sys.byteorder != "little":
-  raise ImportError("pipe_rlhf_jax.models.hf reads safetensors bytes in place and needs a "
-                    "little-endian host.")
-
 
 # --------------------------------------------------------------------------- config
 
@@ -383,78 +373,6 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
   return hf
 
 
-# ---------------------------------------------------------------------- safetensors
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Reads every tensor of a .safetensors file into numpy (bf16 as ml_dtypes.bfloat16)."""
-  path = Path(path)
-  with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
-  data = np.memmap(path, dtype=np.uint8, mode="r")
-  base = 8 + size
-  out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in _ST_TO_NP:
-      raise ValueError(f"{path.name}: tensor {name!r} has dtype {info['dtype']}, not one "
-                       f"of {sorted(_ST_TO_NP)}.")
-    dt = _ST_TO_NP[info["dtype"]]
-    start, end = info["data_offsets"]
-    shape = tuple(info["shape"])
-    if end - start != math.prod(shape) * dt.itemsize:
-      raise ValueError(f"{path.name}: tensor {name!r} byte range {end - start} does not "
-                       f"match shape {shape} of {info['dtype']}.")
-    # Copy out of the memmap; safetensors is little-endian, as is every host we run on.
-    out[name] = np.array(data[base + start:base + end]).view(dt).reshape(shape)
-  del data
-  return out
-
-
-def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
-                      metadata: Mapping[str, str] | None = None) -> None:
-  """Writes numpy tensors (bf16 included) in the safetensors format."""
-  header: dict[str, Any] = {}
-  arrays, offset = [], 0
-  for name in sorted(tensors):
-    arr = np.ascontiguousarray(tensors[name])
-    if arr.dtype not in _NP_TO_ST:
-      raise ValueError(f"tensor {name!r} has dtype {arr.dtype}; cannot store it.")
-    header[name] = {"dtype": _NP_TO_ST[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-    arrays.append(arr)
-  header["__metadata__"] = dict(metadata or {"format": "pt"})
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for arr in arrays:
-      f.write(arr.tobytes())
-
-
-def _load_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
-  index = path / "model.safetensors.index.json"
-  single = path / "model.safetensors"
-  if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    tensors: dict[str, np.ndarray] = {}
-    for shard in sorted(set(weight_map.values())):
-      for name, value in read_safetensors(path / shard).items():
-        if name in tensors:
-          raise ValueError(f"tensor {name!r} appears in more than one shard.")
-        tensors[name] = value
-    return tensors
-  if single.exists():
-    return read_safetensors(single)
-  raise FileNotFoundError(f"{path} has neither model.safetensors nor "
-                          f"model.safetensors.index.json (torch .bin checkpoints are not "
-                          f"read; re-save them with safe_serialization=True).")
-
-
 # ------------------------------------------------------------------ tensor layouts
 
 
@@ -570,7 +488,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
     raise FileNotFoundError(f"{config_file} does not exist.")
   hf = json.loads(config_file.read_text())
   config, ckpt_head = _parse_config(hf, head, dtype, param_dtype)
-  tensors = _load_checkpoint_tensors(path)
+  tensors = load_checkpoint_tensors(path)
 
   ignorable: set[str] = set()
   if config.head == "lm" and ckpt_head != "lm":
