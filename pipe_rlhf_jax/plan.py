@@ -27,8 +27,8 @@ _HARDWARE = flags.DEFINE_string("hardware", "cpu", "Hardware profile (planner/ha
 _DEVICES = flags.DEFINE_integer("devices", 8, "Devices to plan for.")
 _DEVICES_PER_HOST = flags.DEFINE_integer("devices_per_host", 0,
                                          "Devices per host (0: the profile's).")
-_MODEL = flags.DEFINE_string("model", "", "Model size preset (llama2-7b/13b/34b/70b); "
-                             "empty: the config's model.")
+_MODEL = flags.DEFINE_string("model", "", "Model size preset, a name in models/shapes.py "
+                             "(llama2-7b, qwen3-0.6b, ...); empty: the config's model.")
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Rollouts per step (0: config ppo.batch_size).")
 _MINIBATCH = flags.DEFINE_integer("minibatch_size", 0, "0: config ppo.minibatch_size.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 0, "0: config data.prompt_len.")

@@ -40,8 +40,8 @@ def test_valid_checkpoint_loads(ckpt):
 
 
 def test_unsupported_architecture():
-  with pytest.raises(ValueError, match="MistralForCausalLM") as err:
-    hf.config_from_hf(_config(architectures=["MistralForCausalLM"]))
+  with pytest.raises(ValueError, match="GemmaForCausalLM") as err:
+    hf.config_from_hf(_config(architectures=["GemmaForCausalLM"]))
   for name in hf.SUPPORTED_ARCHITECTURES:
     assert name in str(err.value)
 
@@ -117,6 +117,80 @@ def test_sliding_window():
   # No layer slides, or the window covers the whole context: full attention, accepted.
   assert hf.config_from_hf({**qwen, "max_window_layers": 2}).qkv_bias
   assert hf.config_from_hf({**qwen, "sliding_window": 4096}).qkv_bias
+
+
+MISTRAL = _config(architectures=["MistralForCausalLM"], model_type="mistral",
+                  max_position_embeddings=32768)
+
+
+def test_mistral_sliding_window():
+  # Mistral-7B-v0.1's window: every layer sees only the last 4096 keys. Refused, even
+  # with a Qwen-style switch saying no: transformers' Mistral does not read it.
+  for extra in ({}, {"use_sliding_window": False}):
+    with pytest.raises(ValueError, match=r"sliding_window=4096 < max_position_embeddings"
+                                         r"=32768"):
+      hf.config_from_hf({**MISTRAL, "sliding_window": 4096, **extra})
+  # Absent means transformers' default window (4096) and context (131072): refused too.
+  with pytest.raises(ValueError, match=r"sliding_window=4096 < max_position_embeddings"
+                                       r"=131072"):
+    hf.config_from_hf({k: v for k, v in MISTRAL.items()
+                       if k != "max_position_embeddings"})
+  for window in (None, 32768, 65536):  # no window, or one covering the whole context
+    config = hf.config_from_hf({**MISTRAL, "sliding_window": window})
+    assert config.architecture == "mistral" and not config.qkv_bias
+
+
+def test_mistral_attention_bias_is_refused():
+  with pytest.raises(ValueError, match="attention_bias=True"):
+    hf.config_from_hf({**MISTRAL, "sliding_window": None, "attention_bias": True})
+  assert not hf.config_from_hf({**MISTRAL, "sliding_window": None,
+                                "attention_bias": False}).out_bias
+
+
+def test_mistral_head_dim_and_defaults():
+  config = hf.config_from_hf({**MISTRAL, "sliding_window": None, "head_dim": None})
+  assert (config.head_dim, config.num_kv_heads) == (8, 2)
+  assert (config.bos_token_id, config.eos_token_id) == (1, 2)  # transformers' defaults
+  bare = {k: v for k, v in MISTRAL.items() if k != "num_key_value_heads"}
+  config = hf.config_from_hf({**bare, "num_attention_heads": 8, "hidden_size": 64,
+                              "head_dim": 16, "sliding_window": None})
+  assert (config.head_dim, config.num_kv_heads) == (16, 8)
+
+
+QWEN3 = _config(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+
+
+def test_qwen3_policy():
+  config = hf.config_from_hf(QWEN3)
+  assert config.qk_norm and config.head_dim == 16 and not config.qkv_bias
+  assert config.max_position_embeddings == 32768  # transformers' default
+  # Absent head_dim is transformers' Qwen3 default of 128, not hidden / heads.
+  assert hf.config_from_hf({k: v for k, v in QWEN3.items() if k != "head_dim"}).head_dim == 128
+  assert hf.config_from_hf({**QWEN3, "attention_bias": True}).out_bias
+  # Sliding windows follow the Qwen2 rule.
+  with pytest.raises(ValueError, match="use_sliding_window"):
+    hf.config_from_hf({**QWEN3, "use_sliding_window": True, "sliding_window": 1024,
+                       "max_window_layers": 1, "max_position_embeddings": 4096})
+  assert hf.config_from_hf({**QWEN3, "use_sliding_window": False, "sliding_window": 1024})
+  # Qwen3 always normalises q and k; a config saying otherwise is refused.
+  assert hf.config_from_hf({**QWEN3, "use_qk_norm": True}).qk_norm
+  with pytest.raises(ValueError, match="use_qk_norm=False"):
+    hf.config_from_hf({**QWEN3, "use_qk_norm": False})
+  with pytest.raises(ValueError, match="use_qk_norm=True"):
+    hf.config_from_hf(_config(use_qk_norm=True))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(architecture="llama", qk_norm=True), "qk_norm=True with architecture='llama'"),
+    (dict(architecture="qwen3"), "qk_norm=False with architecture='qwen3'"),
+    (dict(architecture="qwen3", qk_norm=True, qkv_bias=True), "qkv_bias=True != out_bias"),
+    (dict(architecture="mistral", qkv_bias=True, out_bias=True), "no attention biases"),
+])
+def test_export_refuses_what_transformers_cannot_express(tmp_path, changes, match):
+  config = TransformerConfig(vocab_size=40, embed_dim=32, num_layers=1, num_heads=4,
+                             num_kv_heads=2, head_dim=8, mlp_dim=48, **changes)
+  with pytest.raises(ValueError, match=match):
+    hf.save_pretrained(init_model(config), tmp_path)
 
 
 def test_score_head_needs_one_label():

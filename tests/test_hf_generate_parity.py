@@ -1,7 +1,8 @@
 """Greedy decoding of a loaded HF checkpoint matches transformers' `generate`, token for token.
 
-Covers the KV-cache sampler on left-padded batches (GQA LLaMA with llama3 RoPE and Qwen2
-with q/k/v biases), including a row stopping at EOS while others continue.
+Covers the KV-cache sampler on left-padded batches (GQA LLaMA with llama3 RoPE, Qwen2
+with q/k/v biases, Qwen3 with q/k norm and Mistral, both with head_dim != hidden / heads),
+including a row stopping at EOS while others continue.
 """
 
 import numpy as np
@@ -37,10 +38,9 @@ def _hf_model(arch, seed=0, **overrides):
                 rms_norm_eps=1e-6, max_position_embeddings=64, pad_token_id=PAD,
                 bos_token_id=BOS, eos_token_id=2)
   kwargs.update(overrides)
-  if arch == "llama":
-    config, cls = transformers.LlamaConfig(**kwargs), transformers.LlamaForCausalLM
-  else:
-    config, cls = transformers.Qwen2Config(**kwargs), transformers.Qwen2ForCausalLM
+  prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+  config = getattr(transformers, prefix + "Config")(**kwargs)
+  cls = getattr(transformers, prefix + "ForCausalLM")
   model = cls._from_config(config, attn_implementation="eager")
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -94,7 +94,9 @@ def _min_margin(scores, mask):
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", dict(rope_scaling=dict(LLAMA3_ROPE))),
     ("qwen2", dict(tie_word_embeddings=True)),
-], ids=["llama_gqa_llama3", "qwen2_tied"])
+    ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    ("mistral", dict(head_dim=24, sliding_window=None)),
+], ids=["llama_gqa_llama3", "qwen2_tied", "qwen3_tied_qk_norm", "mistral_head_dim"])
 def test_greedy_matches_hf_generate(tmp_path, arch, overrides):
   model = _hf_model(arch, **overrides)
   model.save_pretrained(tmp_path)

@@ -25,6 +25,7 @@ torch.set_num_threads(1)
 
 VOCAB, PAD, BOS, EOS = 97, 0, 1, 2
 TOL = 1e-4
+PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
@@ -35,14 +36,13 @@ def _hf_config(arch, **overrides):
                 rms_norm_eps=1e-6, max_position_embeddings=64, pad_token_id=PAD,
                 bos_token_id=BOS, eos_token_id=EOS)
   common.update(overrides)
-  cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
-  return cls(**common)
+  return getattr(transformers, PREFIX[arch] + "Config")(**common)
 
 
 def _hf_model(arch, head="lm", seed=0, **overrides):
   """A randomly initialised HF model whose every parameter (norms, biases too) is random."""
   torch.manual_seed(seed)
-  prefix = "Llama" if arch == "llama" else "Qwen2"
+  prefix = PREFIX[arch]
   suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
   if head != "lm":
     overrides.setdefault("num_labels", 1)
@@ -135,9 +135,44 @@ def test_qwen2_qkv_bias(tmp_path, tie):
   assert ours.config.architecture == "qwen2" and ours.config.tie_embeddings == tie
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen3_qk_norm_and_independent_head_dim(tmp_path, tie):
+  # head_dim 32 != hidden 64 / 4 heads, GQA 4 / 2, random q/k norm weights.
+  model = _hf_model("qwen3", head_dim=32, tie_word_embeddings=tie, rope_theta=1e6)
+  ours, _ = _check_causal_parity(tmp_path, model)
+  c = ours.config
+  assert (c.architecture, c.qk_norm, c.head_dim, c.num_kv_heads) == ("qwen3", True, 32, 2)
+  assert not c.qkv_bias and c.tie_embeddings == tie
+  assert ours.layers.q_norm.get_value().shape == (2, 32)
+
+
+def test_qwen3_attention_bias(tmp_path):
+  ours, _ = _check_causal_parity(
+      tmp_path, _hf_model("qwen3", head_dim=24, attention_bias=True))
+  assert ours.config.qkv_bias and ours.config.out_bias and ours.config.qk_norm
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_mistral_independent_head_dim(tmp_path, tie):
+  model = _hf_model("mistral", head_dim=24, tie_word_embeddings=tie, sliding_window=None,
+                    rope_theta=1e6)
+  ours, _ = _check_causal_parity(tmp_path, model)
+  c = ours.config
+  assert (c.architecture, c.head_dim, c.qk_norm, c.qkv_bias) == ("mistral", 24, False, False)
+  assert c.tie_embeddings == tie
+
+
+def test_mistral_window_covering_the_context(tmp_path):
+  # A window as long as the context is full attention for every position: it loads.
+  model = _hf_model("mistral", sliding_window=64, max_position_embeddings=64)
+  ours, _ = _check_causal_parity(tmp_path, model)
+  assert ours.config.head_dim == 16
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_sequence_classification_score(tmp_path, arch):
-  model = _hf_model(arch, head="score")
+  extra = dict(mistral=dict(sliding_window=None, head_dim=24), qwen3=dict(head_dim=24))
+  model = _hf_model(arch, head="score", **extra.get(arch, {}))
   model.save_pretrained(tmp_path)
   ours = hf.from_pretrained(tmp_path)
   assert ours.config.head == "score" and ours.config.pad_token_id == PAD
@@ -190,21 +225,28 @@ _EXPORT_CONFIGS = {
     "llama_tied_llama3": dict(architecture="llama", tie_embeddings=True,
                               rope_scaling=dict(LLAMA3_ROPE), rope_theta=5e5),
     "qwen2": dict(architecture="qwen2", qkv_bias=True),
+    "qwen3_untied": dict(architecture="qwen3", qk_norm=True, head_dim=24, rope_theta=1e6),
+    "qwen3_tied_bias": dict(architecture="qwen3", qk_norm=True, tie_embeddings=True,
+                            qkv_bias=True, out_bias=True),
+    "mistral": dict(architecture="mistral", head_dim=24, rope_theta=1e6),
+    "mistral_tied_llama3": dict(architecture="mistral", tie_embeddings=True,
+                                rope_scaling=dict(LLAMA3_ROPE)),
 }
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @pytest.mark.parametrize("name", sorted(_EXPORT_CONFIGS))
 def test_export_loads_in_transformers(tmp_path, name):
   config = TransformerConfig(
       vocab_size=VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
-      head_dim=16, mlp_dim=96, norm_eps=1e-6, max_position_embeddings=64,
-      pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, **_EXPORT_CONFIGS[name])
+      norm_eps=1e-6, max_position_embeddings=64, mlp_dim=96, pad_token_id=PAD,
+      bos_token_id=BOS, eos_token_id=EOS, **{"head_dim": 16, **_EXPORT_CONFIGS[name]})
   ours = _random_ours(config)
   hf.save_pretrained(ours, tmp_path)
   ref_model = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, attn_implementation="eager").eval()
-  assert type(ref_model).__name__ == ("Qwen2ForCausalLM" if "qwen2" in name
-                                      else "LlamaForCausalLM")
+  assert type(ref_model).__name__ == _CLASSES[config.architecture]
   tokens, mask, positions = _batch(seed=2)
   diff = _max_diff_real(_ours(ours, tokens, mask),
                         _torch_out(ref_model, tokens, mask, positions), mask)

@@ -1,4 +1,5 @@
-"""Models: the LLaMA/Qwen2 transformer family, its config, tokenizers and HF interop."""
+"""Models: the LLaMA / Qwen2 / Qwen3 / Mistral transformer family, its config, published
+shapes, tokenizers and HF interop."""
 
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.models.transformer import (KVCache, Transformer, default_positions,

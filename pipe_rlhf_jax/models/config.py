@@ -1,4 +1,5 @@
-"""Transformer hyper-parameters: one frozen dataclass for the LLaMA 2/3 and Qwen2 family.
+"""Transformer hyper-parameters: one frozen dataclass for the LLaMA 2/3, Qwen2/3 and
+Mistral family.
 
 This module owns the description of a model's shape and numerics, its validation, and the
 embedded default sizes. Conversion from and to Hugging Face `config.json` lives in
@@ -13,7 +14,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 HEADS = ("lm", "value", "score")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -65,7 +66,10 @@ class TransformerConfig:
     tie_embeddings: the LM head reuses the embedding table.
     qkv_bias: biases on the q/k/v projections (Qwen2).
     out_bias: bias on the attention output projection (LLaMA `attention_bias=True`).
-    architecture: "llama" or "qwen2"; decides the Hugging Face export class.
+    qk_norm: RMSNorm over head_dim on each query and key head, after the projection
+      (and its bias) and before RoPE, with one weight per layer shared by the heads
+      (Qwen3).
+    architecture: one of ARCHITECTURES; decides the Hugging Face export class.
     head: "lm" (logits over the vocabulary), "value" (critic: one scalar per token) or
       "score" (reward model: one scalar per token, read at the last valid token).
     dtype: compute dtype name ("float32" / "bfloat16").
@@ -99,6 +103,7 @@ class TransformerConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   out_bias: bool = False
+  qk_norm: bool = False
   architecture: str = "llama"
   head: str = "lm"
   dtype: str = "float32"
@@ -130,6 +135,9 @@ class TransformerConfig:
       raise ValueError(
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+    for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"model.{name} must be True or False, got {getattr(self, name)!r}.")
     if self.architecture not in ARCHITECTURES:
       raise ValueError(
           f"model.architecture={self.architecture!r}; choose one of {ARCHITECTURES}.")
@@ -181,6 +189,7 @@ class TransformerConfig:
     per_layer = e * d * (h + 2 * k) + h * d * e + 3 * e * f + 2 * e
     per_layer += d * (h + 2 * k) if self.qkv_bias else 0
     per_layer += e if self.out_bias else 0
+    per_layer += 2 * d if self.qk_norm else 0
     total = self.vocab_size * e + self.num_layers * per_layer + e
     if self.head == "lm" and not self.tie_embeddings:
       total += e * self.vocab_size
@@ -192,7 +201,8 @@ class TransformerConfig:
     """(arrays per layer, arrays outside the layers): how many separate weights a
     collective over sharded parameters moves one by one (the planner prices each one's
     latency)."""
-    per_layer = 9 + (3 if self.qkv_bias else 0) + (1 if self.out_bias else 0)
+    per_layer = (9 + (3 if self.qkv_bias else 0) + (1 if self.out_bias else 0)
+                 + (2 if self.qk_norm else 0))
     head = 0 if self.head == "lm" and self.tie_embeddings else 1
     return per_layer, 2 + head  # embedding and final norm, and the head
 

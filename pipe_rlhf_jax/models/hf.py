@@ -1,23 +1,41 @@
 """Hugging Face interop: `config.json` + safetensors <-> `Transformer`, without torch.
 
-This module owns the translation between Hugging Face LLaMA / Qwen2 checkpoints and our
-stacked-layer `Transformer`: the config mapping (`config_from_hf`, `config_to_hf`), the
-tensor layout mapping, a small safetensors reader/writer, and `from_pretrained` /
-`save_pretrained`.
+This module owns the translation between Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral
+checkpoints and our stacked-layer `Transformer`: the config mapping (`config_from_hf`,
+`config_to_hf`), the tensor layout mapping, and `from_pretrained` / `save_pretrained`.
 
-Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM (head "lm") and
-LlamaForSequenceClassification, Qwen2ForSequenceClassification with `num_labels == 1`
-(head "score"; a `"pipe_rlhf_head": "value"` field written by `save_pretrained` restores a
-critic's "value" head).
+Supported architectures: {Llama, Qwen2, Qwen3, Mistral}ForCausalLM (head "lm") and
+{Llama, Qwen2, Qwen3, Mistral}ForSequenceClassification with `num_labels == 1` (head
+"score"; a `"pipe_rlhf_head": "value"` field written by `save_pretrained` restores a
+critic's "value" head). What each family adds to the LLaMA block:
+- Qwen2: biases on q/k/v (never on o), whatever `attention_bias` says.
+- Qwen3: per-head RMSNorm on q and k (`q_norm` / `k_norm`, size head_dim, eps
+  `rms_norm_eps`) after the projection and before RoPE; `head_dim` independent of
+  hidden / heads; `attention_bias` puts biases on q/k/v/o as in LLaMA.
+- Mistral: no attention biases at all; `head_dim` independent of hidden / heads (null
+  or absent: hidden / heads).
 
 Config policy (one rule: a checkpoint never loads with silently different math):
 - MAPPED fields become `TransformerConfig` fields (sizes, eps, RoPE, biases, tying, ids).
 - MATH_CHANGING fields are accepted only at their neutral value (`MATH_CHANGING`, e.g.
   `mlp_bias=False`, `hidden_act="silu"`, `partial_rotary_factor=1.0`,
   `quantization_config=None`); any other value raises ValueError naming the field.
-- Qwen2 sliding-window attention: accepted when no layer uses it or when the window is at
-  least `max_position_embeddings` (then no in-context query can see past it, so the math
-  is that of full attention); otherwise ValueError naming `use_sliding_window`.
+- Qwen2 / Qwen3 sliding-window attention: accepted when no layer uses it or when the
+  window is at least `max_position_embeddings` (then no in-context query can see past it,
+  so the math is that of full attention); otherwise ValueError naming
+  `use_sliding_window`.
+- Mistral sliding-window attention: transformers' Mistral reads `sliding_window` alone
+  (it has no `use_sliding_window` switch, and applies the window to every layer), so null
+  or a window >= `max_position_embeddings` loads and anything smaller raises ValueError
+  naming `sliding_window` (Mistral-7B-v0.1's 4096 < 32768 is refused; v0.3's null
+  loads). `attention_bias=True` is refused: transformers' Mistral ignores it, so such a
+  config and its checkpoint disagree about which tensors exist.
+- Qwen3's q/k norm is not optional in transformers: `use_qk_norm`, if present, must be
+  true (or null) there; on the other families it must be false.
+- Fields a config.json omits take transformers' per-class defaults where those matter
+  (Qwen3: head_dim 128, 32 kv heads, 32768 positions; Mistral: 8 kv heads, 131072
+  positions, a 4096-key sliding window, bos 1 / eos 2), so an abbreviated config means
+  what it means to transformers.
 - RoPE: transformers 4.x `rope_scaling` + top-level `rope_theta` and 5.x
   `rope_parameters` {rope_type, rope_theta, ...} both load; types "default", "linear",
   "llama3" are supported, anything else (yarn, dynamic, longrope, ...) raises ValueError
@@ -39,33 +57,37 @@ replaces it (an LM checkpoint loaded as "value"/"score" gets a freshly initialis
 head; a "score" checkpoint loaded as "value" reuses `score.weight`).
 
 Files: `config.json` and `model.safetensors`, or shards listed in
-`model.safetensors.index.json`. Tensors are read from the raw safetensors bytes, so bf16
-checkpoints load through `ml_dtypes` whatever numpy/safetensors versions are installed.
+`model.safetensors.index.json` (the single file wins when both exist). The bytes are
+`models/safetensors_io.py`'s: damaged files and indices whose shards leave the directory
+are refused there, naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import struct
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from flax.core import FrozenDict
 
 from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
+from pipe_rlhf_jax.models.safetensors_io import (load_checkpoint_tensors, read_safetensors,
+                                                 write_safetensors)
 from pipe_rlhf_jax.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
+
+# The file format's reader and writer, re-exported: callers of this module use them.
+__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_pretrained",
+           "hf_eos_token_ids", "hf_tensor_shapes", "read_safetensors", "save_pretrained",
+           "write_safetensors"]
 
 # HF class name -> (our architecture, the head the checkpoint carries).
 SUPPORTED_ARCHITECTURES = {
@@ -73,8 +95,23 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
     "Qwen2ForSequenceClassification": ("qwen2", "score"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "MistralForCausalLM": ("mistral", "lm"),
+    "MistralForSequenceClassification": ("mistral", "score"),
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+# transformers' class defaults for math-relevant fields a config.json may omit, where
+# they differ from what the parsing below assumes (num_kv_heads = heads, head_dim =
+# hidden / heads, no sliding window).
+_ABSENT_DEFAULTS = {
+    "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "max_window_layers": 28, "sliding_window": 4096},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+}
 
 # Fields turned into TransformerConfig fields (or validated together with them).
 MAPPED = frozenset({
@@ -99,7 +136,10 @@ MATH_CHANGING = {
     "embedding_multiplier": (1.0, None),
     "residual_multiplier": (1.0, None),
     "use_qk_norm": (False, None),
+    "use_mrope": (False, None),
 }
+# Per-architecture exceptions to MATH_CHANGING's neutral values.
+_NEUTRAL_BY_ARCHITECTURE = {"qwen3": {"use_qk_norm": (True, None)}}
 
 # Dropout probabilities: ignored (no dropout here); > 0 warns.
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
@@ -130,19 +170,6 @@ _ROPE_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
 }
-
-# safetensors dtype codes <-> numpy dtypes (bf16 via ml_dtypes).
-_ST_TO_NP = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-}
-_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
-if sys.byteorder != "little":
-  raise ImportError("pipe_rlhf_jax.models.hf reads safetensors bytes in place and needs a "
-                    "little-endian host.")
-
 
 # --------------------------------------------------------------------------- config
 
@@ -248,8 +275,22 @@ def _check_sliding_window(hf: Mapping[str, Any], num_layers: int, max_positions:
       f"checkpoint with use_sliding_window=False (or a window >= the context length).")
 
 
-def _check_fields(hf: Mapping[str, Any]) -> None:
+def _check_mistral_window(hf: Mapping[str, Any], max_positions: int):
+  """Raises unless Mistral's window (on every layer, no switch) covers the context."""
+  window = hf.get("sliding_window")
+  if window is None or window >= max_positions:
+    return
+  raise ValueError(
+      f"sliding_window={window} < max_position_embeddings={max_positions}: Mistral then "
+      f"lets each query see only the last {window} keys, which changes attention for "
+      f"longer sequences and is not supported; supported: sliding_window null or >= "
+      f"max_position_embeddings.")
+
+
+def _check_fields(hf: Mapping[str, Any], architecture: str) -> None:
+  exceptions = _NEUTRAL_BY_ARCHITECTURE.get(architecture, {})
   for name, neutral in MATH_CHANGING.items():
+    neutral = exceptions.get(name, neutral)
     if name in hf and hf[name] not in neutral:
       raise ValueError(f"config.json field {name}={hf[name]!r} changes the model math and "
                        f"is not supported; supported value(s): {list(neutral)}.")
@@ -294,6 +335,7 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
   """(config, the head the checkpoint itself carries); see `config_from_hf`."""
   hf = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
   architecture, ckpt_head = _checkpoint_kind(hf)
+  hf = {**_ABSENT_DEFAULTS.get(architecture, {}), **hf}
   if ckpt_head == "score":
     num_labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
     if num_labels != 1:
@@ -301,13 +343,15 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
                        f"num_labels=1 (a scalar score) is supported.")
     if hf.get("pipe_rlhf_head") == "value":
       ckpt_head = "value"
-  _check_fields(hf)
+  _check_fields(hf, architecture)
   for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads"):
     if name not in hf:
       raise ValueError(f"config.json lacks the required field {name!r}.")
   hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_dim = hf.get("head_dim")
+  if architecture == "mistral" and not head_dim:
+    head_dim = None  # transformers' Mistral reads a head_dim of 0 as absent too
   if head_dim is None:
     if hidden % heads:
       raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads="
@@ -315,10 +359,20 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
     head_dim = hidden // heads
   max_positions = int(hf.get("max_position_embeddings", 2048))
   num_layers = hf["num_hidden_layers"]
-  _check_sliding_window(hf, num_layers, max_positions)
+  if architecture == "mistral":
+    _check_mistral_window(hf, max_positions)
+  else:
+    _check_sliding_window(hf, num_layers, max_positions)
   theta, scaling = _rope_from_hf(hf, max_positions, hf.get("layer_types"))
   if architecture == "qwen2":
     qkv_bias, out_bias = True, False
+  elif architecture == "mistral":
+    if hf.get("attention_bias"):
+      raise ValueError(
+          "attention_bias=True on a Mistral config: transformers' Mistral has no attention "
+          "biases and ignores the field, so the config and its checkpoint disagree; "
+          "supported value(s): [False, None].")
+    qkv_bias = out_bias = False
   else:
     qkv_bias = out_bias = bool(hf.get("attention_bias", False))
   eos = hf_eos_token_ids(hf)
@@ -329,7 +383,8 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
       head_dim=head_dim, mlp_dim=hf["intermediate_size"],
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-      out_bias=out_bias, architecture=architecture, head=head or ckpt_head, dtype=dtype,
+      out_bias=out_bias, qk_norm=architecture == "qwen3", architecture=architecture,
+      head=head or ckpt_head, dtype=dtype,
       param_dtype=dtype if param_dtype is None else param_dtype,
       max_position_embeddings=max_positions,
       bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if eos else None,
@@ -348,13 +403,19 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
     dtype: the dtype name written as `torch_dtype`/`dtype`; default `config.param_dtype`.
   """
   c = config
-  prefix = {"llama": "Llama", "qwen2": "Qwen2"}[c.architecture]
+  prefix = _CLASS_PREFIX[c.architecture]
   if c.architecture == "qwen2" and (not c.qkv_bias or c.out_bias):
     raise ValueError(f"architecture='qwen2' needs qkv_bias=True and out_bias=False, got "
                      f"qkv_bias={c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
-  if c.architecture == "llama" and c.qkv_bias != c.out_bias:
-    raise ValueError(f"architecture='llama' has one attention_bias for q/k/v/o, but "
-                     f"qkv_bias={c.qkv_bias} != out_bias={c.out_bias}.")
+  if c.architecture in ("llama", "qwen3") and c.qkv_bias != c.out_bias:
+    raise ValueError(f"architecture={c.architecture!r} has one attention_bias for q/k/v/o, "
+                     f"but qkv_bias={c.qkv_bias} != out_bias={c.out_bias}.")
+  if c.architecture == "mistral" and (c.qkv_bias or c.out_bias):
+    raise ValueError(f"architecture='mistral' has no attention biases, got qkv_bias="
+                     f"{c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
+  if c.qk_norm != (c.architecture == "qwen3"):
+    raise ValueError(f"qk_norm={c.qk_norm} with architecture={c.architecture!r}: in "
+                     f"transformers only (and always) Qwen3 normalises q and k.")
   dtype = c.param_dtype if dtype is None else dtype_name(dtype)
   hf: dict[str, Any] = {
       "architectures": [prefix + ("ForCausalLM" if c.head == "lm"
@@ -374,85 +435,17 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
   }
   if c.architecture == "llama":
     hf.update(attention_bias=c.qkv_bias, mlp_bias=False, pretraining_tp=1)
+  elif c.architecture == "mistral":
+    hf.update(sliding_window=None)
   else:
     hf.update(use_sliding_window=False, sliding_window=None,
               max_window_layers=c.num_layers)
+  if c.architecture == "qwen3":
+    hf.update(attention_bias=c.qkv_bias)
   if c.head != "lm":
     hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
               pipe_rlhf_head=c.head)
   return hf
-
-
-# ---------------------------------------------------------------------- safetensors
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Reads every tensor of a .safetensors file into numpy (bf16 as ml_dtypes.bfloat16)."""
-  path = Path(path)
-  with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
-  data = np.memmap(path, dtype=np.uint8, mode="r")
-  base = 8 + size
-  out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in _ST_TO_NP:
-      raise ValueError(f"{path.name}: tensor {name!r} has dtype {info['dtype']}, not one "
-                       f"of {sorted(_ST_TO_NP)}.")
-    dt = _ST_TO_NP[info["dtype"]]
-    start, end = info["data_offsets"]
-    shape = tuple(info["shape"])
-    if end - start != math.prod(shape) * dt.itemsize:
-      raise ValueError(f"{path.name}: tensor {name!r} byte range {end - start} does not "
-                       f"match shape {shape} of {info['dtype']}.")
-    # Copy out of the memmap; safetensors is little-endian, as is every host we run on.
-    out[name] = np.array(data[base + start:base + end]).view(dt).reshape(shape)
-  del data
-  return out
-
-
-def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
-                      metadata: Mapping[str, str] | None = None) -> None:
-  """Writes numpy tensors (bf16 included) in the safetensors format."""
-  header: dict[str, Any] = {}
-  arrays, offset = [], 0
-  for name in sorted(tensors):
-    arr = np.ascontiguousarray(tensors[name])
-    if arr.dtype not in _NP_TO_ST:
-      raise ValueError(f"tensor {name!r} has dtype {arr.dtype}; cannot store it.")
-    header[name] = {"dtype": _NP_TO_ST[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-    arrays.append(arr)
-  header["__metadata__"] = dict(metadata or {"format": "pt"})
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for arr in arrays:
-      f.write(arr.tobytes())
-
-
-def _load_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
-  index = path / "model.safetensors.index.json"
-  single = path / "model.safetensors"
-  if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    tensors: dict[str, np.ndarray] = {}
-    for shard in sorted(set(weight_map.values())):
-      for name, value in read_safetensors(path / shard).items():
-        if name in tensors:
-          raise ValueError(f"tensor {name!r} appears in more than one shard.")
-        tensors[name] = value
-    return tensors
-  if single.exists():
-    return read_safetensors(single)
-  raise FileNotFoundError(f"{path} has neither model.safetensors nor "
-                          f"model.safetensors.index.json (torch .bin checkpoints are not "
-                          f"read; re-save them with safe_serialization=True).")
 
 
 # ------------------------------------------------------------------ tensor layouts
@@ -473,6 +466,8 @@ def _hf_layer_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
                    "self_attn.v_proj.bias": (k * d,)})
   if c.out_bias:
     shapes["self_attn.o_proj.bias"] = (e,)
+  if c.qk_norm:
+    shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
   return shapes
 
 
@@ -496,6 +491,9 @@ def _layer_mapping(c: TransformerConfig):
                    v_bias=("self_attn.v_proj.bias", lambda b: b.reshape(k, d)))
   if c.out_bias:
     mapping["o_bias"] = ("self_attn.o_proj.bias", lambda b: b)
+  if c.qk_norm:
+    mapping.update(q_norm=("self_attn.q_norm.weight", lambda w: w),
+                   k_norm=("self_attn.k_norm.weight", lambda w: w))
   return mapping
 
 
@@ -512,13 +510,23 @@ def _to_hf_layer(name: str, w: np.ndarray) -> np.ndarray:
   return w
 
 
-def _expected_tensors(c: TransformerConfig, ckpt_head: str) -> dict[str, tuple[int, ...]]:
-  """Every tensor the checkpoint must hold (given its own head), with its HF shape."""
-  expected = {"model.embed_tokens.weight": (c.vocab_size, c.embed_dim),
-              "model.norm.weight": (c.embed_dim,)}
+def hf_tensor_shapes(c: TransformerConfig,
+                     ckpt_head: str | None = None) -> dict[str, tuple[int, ...]]:
+  """Every tensor a Hugging Face checkpoint of `c` holds, with its HF shape.
+
+  Args:
+    c: the model config.
+    ckpt_head: the head the checkpoint carries; default `c.head`.
+
+  Returns:
+    Tensor name -> shape, in the order embedding, layers, final norm, head.
+  """
+  ckpt_head = c.head if ckpt_head is None else ckpt_head
+  expected = {"model.embed_tokens.weight": (c.vocab_size, c.embed_dim)}
   for i in range(c.num_layers):
     for suffix, shape in _hf_layer_shapes(c).items():
       expected[f"model.layers.{i}.{suffix}"] = shape
+  expected["model.norm.weight"] = (c.embed_dim,)
   if ckpt_head == "lm" and not c.tie_embeddings:
     expected["lm_head.weight"] = (c.vocab_size, c.embed_dim)
   elif ckpt_head in ("value", "score"):
@@ -549,7 +557,7 @@ def _validate_tensors(tensors: Mapping[str, np.ndarray],
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
                     param_dtype: Any = None, head: str | None = None,
                     seed: int = 0) -> Transformer:
-  """Loads a Hugging Face LLaMA / Qwen2 checkpoint directory into a Transformer.
+  """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral checkpoint into a Transformer.
 
   Args:
     path: directory with config.json and model.safetensors (or a sharded index).
@@ -570,7 +578,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
     raise FileNotFoundError(f"{config_file} does not exist.")
   hf = json.loads(config_file.read_text())
   config, ckpt_head = _parse_config(hf, head, dtype, param_dtype)
-  tensors = _load_checkpoint_tensors(path)
+  tensors = load_checkpoint_tensors(path)
 
   ignorable: set[str] = set()
   if config.head == "lm" and ckpt_head != "lm":
@@ -580,7 +588,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
                        f"tie_word_embeddings=False.")
     ignorable.add("score.weight")
   fresh_head = config.head != "lm" and ckpt_head == "lm"
-  expected = _expected_tensors(config, ckpt_head)
+  expected = hf_tensor_shapes(config, ckpt_head)
   if fresh_head:
     ignorable.add("lm_head.weight")
   if (config.tie_embeddings and ckpt_head == "lm" and "lm_head.weight" in tensors

@@ -1,8 +1,10 @@
-"""The decoder-only transformer (LLaMA 2/3, Qwen2) with stacked layers and logical axes.
+"""The decoder-only transformer (LLaMA 2/3, Qwen2/3, Mistral) with stacked layers and
+logical axes.
 
 This module owns the model math: embeddings, RMSNorm, RoPE (with llama3 / linear
-frequency scaling), grouped-query attention with an optional KV cache, the SwiGLU MLP, and
-the three heads on one backbone (LM logits, critic value, reward score).
+frequency scaling), grouped-query attention with an optional KV cache and optional
+per-head q/k RMSNorm (Qwen3), the SwiGLU MLP, and the three heads on one backbone (LM
+logits, critic value, reward score).
 
 Design points a reader should know:
 - All transformer blocks live in ONE `Layers` module whose parameters carry a leading
@@ -41,6 +43,8 @@ LAYER_PARAM_AXES = {
     "q_bias": ("layers", "heads", "head_dim"),
     "k_bias": ("layers", "kv_heads", "head_dim"),
     "v_bias": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
     "o_bias": ("layers", "embed"),
     "mlp_norm": ("layers", "embed"),
     "gate_proj": ("layers", "embed", "mlp"),
@@ -183,6 +187,8 @@ class Layers(nnx.Module):
       shapes.update(q_bias=(n, h, d), k_bias=(n, k, d), v_bias=(n, k, d))
     if c.out_bias:
       shapes.update(o_bias=(n, e))
+    if c.qk_norm:
+      shapes.update(q_norm=(n, d), k_norm=(n, d))
     for name, shape in shapes.items():
       init = "ones" if name.endswith("norm") else "zeros" if "bias" in name else "normal"
       setattr(self, name, _param(rngs, shape, LAYER_PARAM_AXES[name], dt, init))
@@ -262,6 +268,11 @@ class Layers(nnx.Module):
     v = dense(x, w["v_proj"])
     if c.qkv_bias:
       q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if c.qk_norm:
+      # Over head_dim, one weight shared by all heads, before RoPE: the cache then holds
+      # normalised, rotated keys, exactly what every later query attends to.
+      q = rms_norm(q, w["q_norm"], c.norm_eps)
+      k = rms_norm(k, w["k_norm"], c.norm_eps)
     q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

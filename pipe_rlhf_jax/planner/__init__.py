@@ -18,7 +18,7 @@ Modules (one concern each):
               sync, shared hosts) into a `Tracer` (predicted Gantt).
   search      exhaustive branch and bound (small device counts) or per-stage Pareto sets
               over placements (large), ranked by the simulator.
-  presets     LLaMA-2 7B/13B/34B/70B shapes for projections.
+  presets     published model shapes (models/shapes.py) for projections.
   lengths     the response-length (EOS) model: passes the early-exiting decoders run.
   auto        the planner inside the main job: `runtime.plan = "auto"` (the best plan
               for the devices it sees) and the check of a hand-written plan before

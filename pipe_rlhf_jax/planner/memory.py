@@ -91,7 +91,9 @@ def layer_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int, impl:
   (2 H d), k and v (2 K d), the SwiGLU inputs, activations and products (6 F), and the
   attention path: dense keeps f32 scores and probabilities [H, keys] (+ 2 H row
   statistics); blockwise keeps each key block's running output and statistics
-  (ceil(keys / block) x (H d + 2 H) in f32) and recomputes the scores.
+  (ceil(keys / block) x (H d + 2 H) in f32) and recomputes the scores. With q/k norm
+  (Qwen3) each query and key head adds its input (compute dtype), its normalised value
+  and two row statistics (f32): (H + K) (d (act + 4) + 8) bytes.
   "save_matmuls": the layer input and the projections' outputs only (3 E + (H + 2 K) d
   + 2 F). "full": the layer input (E). Heads, kv heads and mlp split over tensor.
   """
@@ -108,7 +110,8 @@ def layer_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int, impl:
     attention = blocks * (h * d + 2 * h) * 4
   else:  # dense, and dot_product where the backend materialises the scores (CPU)
     attention = (2 * h * keys + 2 * h) * 4
-  return (4 * e + 2 * h * d + 2 * k * d + 6 * f) * act + 2 * e * 4 + attention
+  qk_norm = (h + k) * (d * (act + 4) + 2 * 4) if cfg.qk_norm else 0
+  return (4 * e + 2 * h * d + 2 * k * d + 6 * f) * act + 2 * e * 4 + attention + qk_norm
 
 
 def forward_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
