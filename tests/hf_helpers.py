@@ -33,3 +33,37 @@ def write_tiny_llama(path, seed: int = 0) -> str:
                            pad_token_id=tok.token_to_id("<pad>"))
   models.save_pretrained(models.init_model(cfg, seed=seed), path)
   return str(path)
+
+
+def write_chat_tokenizer(path, corpus: str, special_tokens, *, eos: str, bos: str | None = None,
+                         pad: str | None = None, chat_template: str | None = None,
+                         template_file: bool = False) -> "tokenizers.Tokenizer":
+  """A character-level tokenizer.json covering `corpus`, with added special tokens.
+
+  Every character of `corpus` (newlines included) is one token; `special_tokens` are
+  added tokens matched whole in text, as chat markers are. The template goes into
+  tokenizer_config.json, or into chat_template.jinja with `template_file`.
+  """
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, pre_tokenizers
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>"])
+  tok.train_from_iterator([corpus], trainer)
+  tok.add_special_tokens([t for t in special_tokens if t != "<unk>"])
+  os.makedirs(path, exist_ok=True)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  config = {"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+  if bos is not None:
+    config["bos_token"] = bos
+  if pad is not None:
+    config["pad_token"] = pad
+  if chat_template is not None and not template_file:
+    config["chat_template"] = chat_template
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  if chat_template is not None and template_file:
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+      f.write(chat_template)
+  return tok
