@@ -2,12 +2,17 @@
 
 Configs choose algorithm pieces by name (`config.ppo.kl_estimator = "k3"`,
 `config.reward.fn = "reverse_accuracy"`); this module owns the lookup tables and the
-error a user sees when a name is wrong.
+error a user sees when a name is wrong, and the calling convention of rule rewards
+(`score_rule`): `fn(prompts, completions)`, or `fn(prompts, completions, answers)` for a
+rule that checks each completion against its prompt's reference answer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterator, TypeVar
+import inspect
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
+
+import numpy as np
 
 F = TypeVar("F", bound=Callable)
 
@@ -82,5 +87,52 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", needs_critic=Tr
 POLICY_LOSSES: Registry = Registry("policy loss")
 # (per_token [batch, length], mask, norm_len) -> scalar; see ppo/aggregation.py.
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
-# Rule-based rewards on host: (prompts: list[str], completions: list[str]) -> np.ndarray [batch].
+# Rule-based rewards on host: (prompts: list[str], completions: list[str]) -> np.ndarray
+# [batch], or with a third parameter `answers: list[str]` (see `score_rule`).
 REWARD_FUNCTIONS: Registry = Registry("reward function")
+
+
+def rule_answers(fn: Callable) -> str:
+  """How a rule reward takes reference answers: "required" (a parameter `answers`
+  without a default), "optional" (`answers` with a default, or `**kwargs`) or "no"."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # builtins without a signature take what they take
+    return "no"
+  if "answers" in params:
+    return "optional" if params["answers"].default is not inspect.Parameter.empty else "required"
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return "optional"
+  return "no"
+
+
+def score_rule(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
+               answers: Sequence[str] | None = None) -> np.ndarray:
+  """Calls a rule reward by its convention; float32 [batch].
+
+  `answers` (each row's reference answer, None when the prompts carry none) is passed as
+  the keyword `answers` to a rule that takes it, and never to one that does not, so the
+  rules written for `(prompts, completions)` keep working on data with answers.
+
+  Raises:
+    ValueError: the rule needs answers but there are none (naming the rule and the fix),
+      or it returned the wrong number of scores.
+  """
+  takes = rule_answers(fn)
+  if answers is not None and len(answers) != len(completions):
+    raise ValueError(f"{len(answers)} answers for {len(completions)} completions.")
+  if takes == "required" and answers is None:
+    name = getattr(fn, "__name__", repr(fn))
+    raise ValueError(
+        f"The rule reward {name} checks each completion against its prompt's reference "
+        "answer, but the prompts carry none: give every prompt record an 'answer' field "
+        "(data.task='jsonl', e.g. {\"prompt\": ..., \"answer\": \"42\"}).")
+  if takes != "no" and answers is not None:
+    scores = fn(list(prompts), list(completions), answers=list(answers))
+  else:
+    scores = fn(list(prompts), list(completions))
+  scores = np.asarray(scores, np.float32).reshape(-1)
+  if scores.shape != (len(completions),):
+    raise ValueError(f"A rule reward returned {scores.shape[0]} scores for "
+                     f"{len(completions)} completions; return one float per completion.")
+  return scores
