@@ -67,3 +67,26 @@ def write_chat_tokenizer(path, corpus: str, special_tokens, *, eos: str, bos: st
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
       f.write(chat_template)
   return tok
+
+
+# A ChatML chat template (the <|im_start|> format of Qwen-style chat models).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_chat_llama(path, corpus: str, seed: int = 0,
+                          chat_template: str = CHATML_TEMPLATE) -> str:
+  """A 2-layer LLaMA with a character-level ChatML tokenizer covering `corpus`."""
+  from pipe_rlhf_jax import models
+  tok = write_chat_tokenizer(path, corpus, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                             eos="<|im_end|>", pad="<|endoftext|>",
+                             chat_template=chat_template)
+  vocab = -(-tok.get_vocab_size() // 8) * 8  # splits evenly over tensor axes of 2, 4, 8
+  cfg = models.tiny_config(vocab_size=vocab, embed_dim=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8, mlp_dim=64,
+                           eos_token_id=tok.token_to_id("<|im_end|>"), bos_token_id=None,
+                           pad_token_id=tok.token_to_id("<|endoftext|>"))
+  models.save_pretrained(models.init_model(cfg, seed=seed), path)
+  return str(path)
