@@ -3,9 +3,10 @@
 Reference log-probs (frozen SFT policy), critic values and reward-model scores are
 forward passes over the same `[prompt | completion]` tokens, one jitted program; KL
 shaping, the advantage estimator and advantage whitening follow in a second one. A
-rule-based reward (registered by name) is evaluated on the host from decoded text while
-the device runs the forward passes (dispatched first), and enters the second program as
-`scores`; the experience never crosses the host.
+rule-based reward (registered by name) is evaluated on the host from decoded text (and
+the rollout's reference answers, for a rule that takes them) while the device runs the
+forward passes (dispatched first), and enters the second program as `scores`; the
+experience never crosses the host.
 
 Only the models the algorithm needs run: no critic for a critic-free estimator
 (`values` is None), no reference when `ppo.kl_coef == 0` (`ref_logprobs` and `kl` are
