@@ -7,6 +7,7 @@ unchanged.
 """
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -129,8 +130,8 @@ def test_dataset_and_pipelines_render_conversations_and_carry_answers(tmp_path):
   again = build_dataset("prompts", {"train": prompts, "eval": held}, str(tmp_path / "tfds2"),
                         name="chat_prompts")
   assert again.fingerprint == built.fingerprint
-  shard = lambda b: open(f"{b.path}/chat_prompts-train.array_record-00000-of-00001",
-                         "rb").read()
+  shard = lambda b: pathlib.Path(b.path, "chat_prompts-train.array_record-00000-of-00001"
+                                 ).read_bytes()
   assert shard(again) == shard(built)
 
   pipe = PromptPipeline(built.source("train"), tok, 6, 64, seed=0, shuffle=False,

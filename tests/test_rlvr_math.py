@@ -30,9 +30,8 @@ def _records(name):
 def _corpus() -> str:
   """Every character of the sample's text (and of the template's markers)."""
   text = []
-  for path in glob.glob(os.path.join(rlvr_math.DATA, "math_*.jsonl")):
-    for line in open(path, encoding="utf-8"):
-      record = json.loads(line)
+  for path in sorted(glob.glob(os.path.join(rlvr_math.DATA, "math_*.jsonl"))):
+    for record in _records(os.path.basename(path)):
       text += [m["content"] for m in record["messages"]]
       text += [record.get("completion", ""), record.get("answer", "")]
   return "".join(text) + "systemuserassistant\n"
@@ -89,7 +88,8 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
   eval_answers = [r["answer"] for r in _records("math_prompts_eval.jsonl")]
   assert heldout[0][0] == eval_answers  # the held-out split, in file order
   assert set(result["heldout_before"]) == set(result["heldout_after"]) == {"math_verify"}
-  rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  rows = [json.loads(line) for line in
+          (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   data_row = next(r for r in rows if r["phase"] == "data")
   assert data_row["prompts/records/kept"] == 24 and data_row["demos/records/kept"] == 24
   assert [r["step"] for r in rows if r["phase"] == "heldout"] == [0, config.ppo.steps]

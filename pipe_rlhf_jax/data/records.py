@@ -430,7 +430,8 @@ class RecordValidator:
     prompt; None when the template refuses it and the record is skipped."""
     # Imported here: the models package (and jax with it) is not needed to read records.
     from pipe_rlhf_jax.models.chat_template import ChatTemplateError
-    if getattr(tokenizer, "chat_template", None) is None:
+    if (not callable(getattr(tokenizer, "apply_chat_template", None))
+        or getattr(tokenizer, "chat_template", "") is None):
       # A setting, not a bad record: every conversation would fail the same way.
       directory = getattr(tokenizer, "directory", None)
       owner = type(tokenizer).__name__ + (f" of {directory}" if directory else "")

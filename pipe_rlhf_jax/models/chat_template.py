@@ -16,8 +16,9 @@ a well-kept sandbox for templates that come from model hubs) with transformers' 
 * an immutable sandboxed environment with `trim_blocks` and `lstrip_blocks` and the
   `loopcontrols` extension (`{% break %}`, `{% continue %}`);
 * the globals `raise_exception(message)` (the template refuses a conversation: surfaces
-  here as `ChatTemplateError`), `strftime_now(format)` (today's date, for templates that
-  print it) and a `namespace` that refuses names starting with "_";
+  here as `ChatTemplateError`) and `strftime_now(format)` (today's date, for templates
+  that print it), beside Jinja's own (`namespace`, `range`, `dict`, ...), whose
+  attributes starting with "_" the sandbox never lets a template read;
 * a `tojson` filter that writes plain `json.dumps` (no HTML escaping; `indent`,
   `separators`, `sort_keys` and `ensure_ascii` accepted);
 * the variables `messages`, `add_generation_prompt`, `tools=None`, `documents=None`
@@ -94,32 +95,6 @@ def _raise_exception(message: str):
   raise jinja2.exceptions.TemplateError(message)
 
 
-def _namespace_class():
-  import jinja2.utils
-
-  class _Namespace(jinja2.utils.Namespace):
-    """`namespace(...)` whose attributes may not start with "_" (no CPython internals)."""
-
-    def __init__(*args, **kwargs):  # noqa: N805  (Jinja's Namespace takes self this way)
-      self, args = args[0], args[1:]
-      attrs = dict(*args, **kwargs)
-      for name in attrs:
-        _Namespace._check(name)
-      jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-      _Namespace._check(name)
-      jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-      if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates may not set the namespace attribute {name!r}")
-
-  return _Namespace
-
-
 class ChatTemplate:
   """A compiled chat template with the special tokens it renders.
 
@@ -146,7 +121,6 @@ class ChatTemplate:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _namespace_class()
     try:
       self._template = env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
