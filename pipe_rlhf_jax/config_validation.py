@@ -19,7 +19,7 @@ from pipe_rlhf_jax.checks import check_int, check_number
 # which is empty in a process that has not imported them yet. (Importing the registry
 # module runs the ppo package, which registers the KL estimators and losses.)
 from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
-from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
@@ -103,6 +103,12 @@ def _check_task(config) -> None:
         raise ValueError(
             f"{path}={name!r} scores the embedded {other} task only, but data.task={task!r};"
             f" choose a rule for your data (or set --config.reward.eval_fn='').")
+    if (task != "jsonl" and name in REWARD_FUNCTIONS
+        and rule_answers(REWARD_FUNCTIONS.get(name)) == "required"):
+      raise ValueError(
+          f"{path}={name!r} checks each completion against its prompt's reference answer, "
+          f"but the prompts of data.task={task!r} carry none: use data.task='jsonl' with "
+          "prompt records that have an 'answer' field.")
   from pipe_rlhf_jax.system.settings import PPOConfig
   needs_critic = PPOConfig.from_config(config.ppo).needs_critic
   if not use_rm and needs_critic and config.ppo.critic_init == "reward_model":

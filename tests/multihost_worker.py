@@ -12,7 +12,9 @@ Scenarios:
             begins (serial modes).
             In pipe mode `--placement` and `--meshes` place the stages, and every
             process writes DIR/p<i>.json: the digest of the actor each generation used
-            and of each version the trainer published.
+            and of each version the trainer published. With `--answers` each prompt
+            carries a reference answer and the rule rewards 1 where a row's answer is
+            its own prompt's.
   transfer  weights and a queue between two process groups through
             `distributed.transfer`; every process writes what it saw to DIR/p<i>.json.
   groups    the same between a one-process group and a group spanning two processes
@@ -44,6 +46,7 @@ def parse():
                  help="pipe: the generate/infer/train meshes (axis=size, comma-separated)")
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
+  p.add_argument("--answers", action="store_true")
   p.add_argument("--coordinator_address", default="")
   p.add_argument("--num_processes", type=int, default=1)
   p.add_argument("--process_id", type=int, default=0)
@@ -59,8 +62,10 @@ def mesh_specs(text: str):
           for part in text.split("/")]
 
 
-def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None):
-  """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch."""
+def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
+                answers: bool = False):
+  """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch (with
+  `answers`, prompts with reference answers and a rule that checks their pairing)."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   from pipe_rlhf_jax.generation import SamplingParams
@@ -75,6 +80,10 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None)
 
   def count_a(prompts, completions):
     return [float(c.count("a")) / max(len(c), 1) for c in completions]
+
+  def paired(prompts, completions, answers):
+    return [float(a == "ans " + p.strip().removeprefix("rev ").removesuffix("="))
+            for p, a in zip(prompts, answers)]
 
   # per_stage: a 2-stage pipelined decoder whose stages are the two processes (its ring
   # ppermute crosses them), tensor=4 inside each; inference and training data / fsdp.
@@ -92,9 +101,13 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None)
       ppo=PPOConfig(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
       sampling=SamplingParams(max_new_tokens=6, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
-      runtime=runtime, reward_fn=count_a, decode=tokenizer.decode)
+      runtime=runtime, reward_fn=paired if answers else count_a, decode=tokenizer.decode)
   words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",
            "bag", "dab", "egg", "hag", "aced"]
+  if answers:
+    from pipe_rlhf_jax.data.pipeline import PromptPipeline
+    records = [{"prompt": f"rev {w}=", "answer": f"ans {w}"} for w in words]
+    return system, PromptPipeline(records, tokenizer, 16, 10, seed=0, answer_len=16)
   prompts = prompts_from_texts([f"rev {w}=" for w in words], tokenizer, batch_size=16,
                                prompt_len=10)
   return system, prompts
@@ -105,7 +118,7 @@ def ppo(args) -> None:
   pipe = args.mode == "pipe"
   system, prompts = tiny_system(args.mode, args.staleness,
                                 [int(n) for n in args.placement.split(",")],
-                                mesh_specs(args.meshes) if pipe else None)
+                                mesh_specs(args.meshes) if pipe else None, args.answers)
   me = distributed.process_index()
   fail = args.fail_at >= 0 and me == args.fail_process
   across = pipe and distributed.process_count() > 1

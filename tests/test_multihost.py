@@ -98,6 +98,18 @@ def test_pipe_mode_across_processes_trains_within_its_staleness_bound(tmp_path):
 
 
 @pytest.mark.slow
+def test_reference_answers_cross_process_groups_with_their_rollouts(tmp_path):
+  # Generation in process 0, inference and training in process 1: each rollout's
+  # answers travel with it through distributed.transfer, and every row's answer is its
+  # own prompt's (the rule rewards 1 only then).
+  job = run_job(tmp_path, "answers", ["ppo", "--mode=pipe", "--steps=3", "--staleness=1",
+                                      "--answers"], num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  rows = read_metrics(tmp_path / "answers")
+  assert [r["reward/mean"] for r in rows] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
 def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path):
   # On-policy it computes what one process computes with the same placement.
   args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0"]

@@ -1,7 +1,8 @@
 """Data: the embedded tasks (reverse, arith), record validation, TFDS builders, grain pipelines.
 
 Importing this package registers the rule-based rewards ("reverse_accuracy",
-"reverse_exact", "arith_exact_match", "arith_digit_accuracy") in
+"reverse_exact", "arith_exact_match", "arith_digit_accuracy", and "math_verify", which
+checks completions against each prompt's reference answer) in
 `ppo.registry.REWARD_FUNCTIONS`. The other names are loaded on first use, so
 `python -m pipe_rlhf_jax.data.task` runs without importing its module twice, and
 TFDS/grain load only when a dataset is built or a pipeline constructed.
@@ -9,6 +10,7 @@ TFDS/grain load only when a dataset is built or a pipeline constructed.
 
 import importlib
 
+from pipe_rlhf_jax.data import math_reward  # noqa: F401  (registers "math_verify")
 from pipe_rlhf_jax.data import rewards  # noqa: F401  (registers the reward functions)
 
 _LAZY = {

@@ -31,6 +31,11 @@ with `overwrite=True` (and then said, whatever the log level), so stale data are
 read by accident. The valid records of a
 split are held in memory while the shard is written, fine for RLHF-sized text sets.
 
+A dataset's fields follow its records (`records.jsonl_fields`, the same for every
+split): the prompt as "prompt" text or as "messages" (a conversation, stored as its JSON
+text and rendered by the tokenizer's chat template in the pipeline), and for prompts an
+"answer" when the records carry reference answers.
+
 `make_task_datasets` generates the embedded reverse task (data/task.py) and builds its
 three datasets in one call; `make_arith_datasets` does the same for the arith task
 (data/arith.py), which has prompts and demonstrations only.
@@ -53,13 +58,13 @@ from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data import arith as arith_lib
 from pipe_rlhf_jax.data import task as task_lib
 from pipe_rlhf_jax.data.digests import update_with_file
-from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator
+from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator, jsonl_fields
 
 _log = logging.getLogger(__name__)
 
 VERSION = "1.0.0"
 # Bump when the record layout or validation semantics change, to invalidate old builds.
-_FORMAT = "pipe_rlhf_jax.data.builders/1"
+_FORMAT = "pipe_rlhf_jax.data.builders/2"
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -75,6 +80,7 @@ class BuiltDataset:
     splits: split -> number of examples.
     stats: split -> validator counts at build time.
     fingerprint: hash of the inputs and policy the dataset was built from.
+    fields: the text fields of its examples (besides "index").
   """
 
   name: str
@@ -84,6 +90,7 @@ class BuiltDataset:
   splits: dict[str, int]
   stats: dict[str, dict[str, int]]
   fingerprint: str
+  fields: tuple[str, ...] = ()
 
   def source(self, split: str = "train"):
     """The random-access TFDS data source of `split`."""
@@ -97,16 +104,16 @@ def load_source(name: str, data_dir: str, split: str):
   return tfds.data_source(name, data_dir=data_dir, split=split)
 
 
-def _features(kind: str):
+def _features(fields):
   import tensorflow_datasets as tfds
 
   spec = {"index": tfds.features.Scalar(dtype=np.int64)}
-  for field in FIELDS_BY_KIND[kind]:
+  for field in fields:
     spec[field] = tfds.features.Text()
   return tfds.features.FeaturesDict(spec)
 
 
-def _builder_class(name: str, kind: str):
+def _builder_class(name: str, kind: str, fields):
   """A GeneratorBasedBuilder subclass writing pre-validated records of one dataset."""
   import tensorflow_datasets as tfds
 
@@ -140,7 +147,7 @@ def _builder_class(name: str, kind: str):
       return _LocalDatasetInfo(
           builder=self,
           description=f"RLHF {kind} records from JSONL (pipe_rlhf_jax.data.builders).",
-          features=_features(kind),
+          features=_features(fields),
           metadata=tfds.core.MetadataDict(self._metadata),
           # File order is kept, so example i of a split is its i-th valid line.
           disable_shuffling=True,
@@ -185,6 +192,7 @@ def _built(name, kind, data_dir, path) -> BuiltDataset:
       splits={s: int(n) for s, n in meta.get("num_examples", {}).items()},
       stats={s: dict(c) for s, c in meta.get("stats", {}).items()},
       fingerprint=meta.get("fingerprint", ""),
+      fields=tuple(meta.get("fields", FIELDS_BY_KIND[kind])),
   )
 
 
@@ -200,8 +208,8 @@ def build_dataset(
   """Validates JSONL records and writes them as an array_record TFDS dataset.
 
   Args:
-    kind: "prompts" (field prompt), "demos" (prompt, completion) or "prefs" (prompt,
-      chosen, rejected).
+    kind: "prompts" (field prompt, optionally answer), "demos" (prompt, completion) or
+      "prefs" (prompt, chosen, rejected); the prompt as "prompt" text or as "messages".
     jsonl_path: one JSONL file (becomes split "train") or a mapping split -> file.
     data_dir: TFDS data directory.
     name: TFDS dataset name (snake_case); defaults to "rlhf_<kind>".
@@ -254,8 +262,10 @@ def build_dataset(
 
   records: dict[str, list] = {}
   stats: dict[str, dict[str, int]] = {}
+  # One set of fields for every split (TFDS has one feature spec per dataset).
+  fields = jsonl_fields(kind, [os.fspath(p) for p in paths.values()])
   for split, p in paths.items():
-    split_validator = RecordValidator.for_kind(kind, on_invalid=on_invalid)
+    split_validator = RecordValidator(fields, on_invalid=on_invalid)
     records[split] = list(split_validator.read_jsonl(os.fspath(p)))
     stats[split] = dict(split_validator.stats)
     if not records[split]:
@@ -269,8 +279,9 @@ def build_dataset(
       "sources": {s: os.path.abspath(p) for s, p in paths.items()},
       "stats": stats,
       "num_examples": {s: len(r) for s, r in records.items()},
+      "fields": list(fields),
   }
-  builder = _builder_class(name, kind)(
+  builder = _builder_class(name, kind, fields)(
       records=records, metadata=metadata, data_dir=data_dir, file_format="array_record"
   )
   builder.download_and_prepare(download_dir=os.path.join(data_dir, "downloads"))

@@ -4,7 +4,12 @@ Each pipeline turns a random-access source of text records (a `tfds.data_source`
 dataset from data/builders.py, or any sequence of dicts) into an endless or finite
 stream of fixed-shape numpy batches in the layout of `ppo/types.py`: prompts LEFT-padded
 to `prompt_len` with BOS first (when the tokenizer has one), completions RIGHT-padded to
-`completion_len` with EOS appended and masks True through EOS.
+`completion_len` with EOS appended and masks True through EOS. A prompt given as
+"messages" is rendered by the tokenizer's chat template with its generation prompt (the
+template writes its own BOS); prompt records with an "answer" add each prompt's
+reference answer as NUL-padded UTF-8 bytes ("answer_bytes", read back by
+`ppo.types.decode_answers`), which travel with the rollout to the rule reward. A
+source's fields are its first record's (`records.RecordValidator.like`).
 
 Order and resumption. At construction every record is validated and tokenized once
 (`records.RecordValidator`: skip / truncate / error, counted in `stats()`); the kept
@@ -32,7 +37,8 @@ import numpy as np
 
 from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data.builders import load_source, make_task_datasets
-from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, PROMPT_FIELDS, RecordValidator
+from pipe_rlhf_jax.data.records import (ANSWER_FIELD, FIELDS_BY_KIND, PROMPT_FIELDS,
+                                        RecordValidator)
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +53,9 @@ __all__ = [
 
 _STATE_VERSION = 1
 _SCAN_CHUNK = 1024
+# Width of a prompt's reference answer in bytes (GSM8K's are numbers, MATH's short
+# LaTeX expressions); longer answers are skipped, or raise under on_overlong="error".
+DEFAULT_ANSWER_LEN = 256
 
 
 def pad_left(ids: Sequence[int], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -90,12 +99,14 @@ class _Pipeline:
       num_epochs: int | None,
       name: str | None,
       num_threads: int,
+      answer_len: int | None = None,
   ):
     import grain
 
     check_int(batch_size, "batch_size")
     check_int(prompt_len, "prompt_len")
     check_int(completion_len, "completion_len", allow_none=True)
+    check_int(answer_len, "answer_len", allow_none=True)
     check_int(num_epochs, "num_epochs", allow_none=True, hint=" None repeats forever.")
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}.")
@@ -103,6 +114,7 @@ class _Pipeline:
     self.batch_size = int(batch_size)
     self.prompt_len = int(prompt_len)
     self.completion_len = None if completion_len is None else int(completion_len)
+    self.answer_len = answer_len
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
     self.num_epochs = num_epochs
@@ -133,9 +145,14 @@ class _Pipeline:
 
   def _make_validator(self, validator: RecordValidator | None) -> RecordValidator:
     budget_t = self.completion_len
+    # The fields (prompt form, answer) follow the source's first record; a prompt
+    # pipeline carries answers exactly when it has an answer width.
+    first = self._source[0] if len(self._source) else None
+    answers = self.answer_len is not None
     if validator is None:
       return RecordValidator.for_kind(
-          self.KIND, max_prompt_tokens=self.prompt_len, max_completion_tokens=budget_t)
+          self.KIND, max_prompt_tokens=self.prompt_len, max_completion_tokens=budget_t,
+          max_answer_bytes=self.answer_len).like(first, answers=answers)
     missing = set(FIELDS_BY_KIND[self.KIND]) - set(validator.required_fields)
     if missing:
       raise ValueError(
@@ -150,7 +167,7 @@ class _Pipeline:
       raise ValueError(
           f"validator.max_completion_tokens={max_t} exceeds completion_len={budget_t}.")
     # A fresh copy: its stats describe this pipeline's source only.
-    return validator.with_limits(max_p, max_t)
+    return validator.with_limits(max_p, max_t, self.answer_len).like(first, answers=answers)
 
   def _where(self, position: int) -> str:
     return f"{self.name}[{position}]"
@@ -193,13 +210,13 @@ class _Pipeline:
     pad = self.tokenizer.pad_id
     out = {}
     for field in self.validator.required_fields:
-      if field not in FIELDS_BY_KIND[self.KIND]:
-        continue
-      if field in PROMPT_FIELDS:
-        tokens, mask = pad_left(ids[field], self.prompt_len, pad)
-      else:
+      if field == ANSWER_FIELD:
+        out["answer_bytes"] = pad_right(ids[field], self.answer_len, 0)[0].astype(np.uint8)
+      elif field in PROMPT_FIELDS:  # text or conversation: the same prompt arrays
+        out["prompt_tokens"], out["prompt_mask"] = pad_left(ids[field], self.prompt_len, pad)
+      elif field in FIELDS_BY_KIND[self.KIND]:
         tokens, mask = pad_right(ids[field], self.completion_len, pad)
-      out[f"{field}_tokens"], out[f"{field}_mask"] = tokens, mask
+        out[f"{field}_tokens"], out[f"{field}_mask"] = tokens, mask
     index = record.get("index", position) if isinstance(record, Mapping) else position
     out["index"] = np.asarray(index, dtype=np.int64)
     return out
@@ -274,9 +291,10 @@ class PromptPipeline(_Pipeline):
   """Prompt batches for PPO generation.
 
   Args:
-    source: random-access records with a "prompt" field (str or UTF-8 bytes) and
-      optionally "index".
-    tokenizer: a `models.tokenizer.Tokenizer`.
+    source: random-access records with a "prompt" field (str or UTF-8 bytes) or a
+      "messages" conversation (a list, or its JSON text), optionally "answer" and
+      "index".
+    tokenizer: a `models.tokenizer.Tokenizer` (with a chat template for "messages").
     batch_size: B.
     prompt_len: P, including BOS.
     seed: shuffle seed (epoch e uses permutation seed + e).
@@ -286,19 +304,23 @@ class PromptPipeline(_Pipeline):
     num_epochs: epochs to yield; None repeats forever.
     name: label of the source in messages.
     num_threads: grain prefetch threads (0: produce batches synchronously).
+    answer_len: A, the bytes a reference answer may take (used when the records carry
+      answers).
 
   Yields:
     {"prompt_tokens": int32 [B, P] left-padded with pad_id,
-     "prompt_mask": bool [B, P], "index": int64 [B]}.
+     "prompt_mask": bool [B, P], "index": int64 [B]}, and with answers
+    "answer_bytes": uint8 [B, A], each answer's UTF-8 bytes, NUL-padded.
   """
 
   KIND = "prompts"
 
   def __init__(self, source, tokenizer, batch_size: int, prompt_len: int, seed: int,
                shuffle: bool = True, validator: RecordValidator | None = None, *,
-               num_epochs: int | None = None, name: str | None = None, num_threads: int = 0):
+               num_epochs: int | None = None, name: str | None = None, num_threads: int = 0,
+               answer_len: int = DEFAULT_ANSWER_LEN):
     super().__init__(source, tokenizer, batch_size, prompt_len, None, seed, shuffle,
-                     validator, num_epochs, name, num_threads)
+                     validator, num_epochs, name, num_threads, answer_len)
 
 
 class DemoPipeline(_Pipeline):

@@ -7,14 +7,17 @@ Owns one small protocol (`Tokenizer`) and two implementations:
   `encode`) so that an embedding sharded over a tensor axis of 2, 4 or 8 divides evenly;
   `models.config.tiny_config` uses the same 264.
 * `HFTokenizer`: a local Hugging Face `tokenizer.json` run by the `tokenizers` package,
-  with the special-token ids read from the config files that usually sit next to it.
+  with the special-token ids read from the config files that usually sit next to it,
+  and the directory's chat template (`models/chat_template.py`, rendered with Jinja2)
+  behind `apply_chat_template`, as transformers' tokenizers have it.
 
 `load_tokenizer(spec)` maps a config string ("byte", a directory, or a tokenizer.json
 path) to one of them.
 
 Special-token handling is uniform: `encode` never inserts specials except an optional
 leading BOS; EOS is appended by whoever builds completions (the data pipeline), so that
-the layout rules of `ppo/types.py` live in one place.
+the layout rules of `ppo/types.py` live in one place. A chat template writes its own
+specials (BOS included) into the text, so `apply_chat_template` adds none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import json
 import logging
 import os
 from typing import Protocol, Sequence, runtime_checkable
+
+from pipe_rlhf_jax.models import chat_template
 
 _log = logging.getLogger(__name__)
 
@@ -70,6 +75,17 @@ class ByteTokenizer:
     self.pad_id = self.PAD_ID
     self.bos_id: int | None = self.BOS_ID
     self.eos_id = self.EOS_ID
+    self.chat_template = None  # no conversation format: prompts are plain text
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                          tokenize: bool = True):
+    """Refuses: the byte tokenizer belongs to no chat model, so has no template."""
+    del messages, add_generation_prompt, tokenize
+    raise ValueError(
+        "The byte tokenizer has no chat template, so it cannot render {'messages': [...]} "
+        "records: give prompts as {'prompt': text}, or use a Hugging Face tokenizer "
+        "directory whose tokenizer_config.json has a chat_template (config.model.tokenizer"
+        " or config.model.path).")
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
     """Encodes `text` as its UTF-8 bytes, optionally after a BOS id.
@@ -226,6 +242,67 @@ class HFTokenizer:
     ids = [i for i in (self.eos_id, self.pad_id, self.bos_id) if i is not None]
     self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids) + 1)
     self._specials = set(ids)
+    self.directory = directory
+    self._chat_found = chat_template.find_chat_template(directory)
+    self._chat_names = self._template_tokens(directory, overrides)
+    self._chat: chat_template.ChatTemplate | None = None  # compiled on first use
+
+  def _template_tokens(self, directory: str, overrides: dict[str, str | None]
+                       ) -> dict[str, str]:
+    """The named special tokens a chat template may print, as strings."""
+    # Token strings as the side files name them (first file wins, then the constructor's
+    # overrides): a token only config.json names by id is not a template variable in
+    # transformers either.
+    names: dict[str, str] = {}
+    for name in reversed(self._SIDE_FILES_BY_TOKEN):
+      side = os.path.join(directory, name)
+      if os.path.isfile(side):
+        data = _read_json(side)
+        for key in chat_template.SPECIAL_TOKEN_NAMES:
+          token = _token_content(data.get(key))
+          if token is not None:
+            names[key] = token
+    names.update({f"{kind}_token": token for kind, token in overrides.items()
+                  if token is not None})
+    return names
+
+  @property
+  def chat_template(self) -> str | None:
+    """The Jinja source of the directory's chat template, or None without one."""
+    return None if self._chat_found is None else self._chat_found[0]
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                          tokenize: bool = True):
+    """Renders a conversation with the directory's chat template, as transformers does.
+
+    Args:
+      messages: a list of {"role", "content", ...} dicts.
+      add_generation_prompt: end with the header of an assistant turn, so the model's
+        continuation is the assistant's answer (what a prompt for generation needs).
+      tokenize: return ids (the rendered text encoded without adding specials: the
+        template writes BOS and the turn markers itself); False returns the text.
+
+    Returns:
+      A list of ids, or the text with `tokenize=False`.
+
+    Raises:
+      ValueError: the directory has no chat template (naming it and the fix), or the
+        template raised on the conversation (`chat_template.ChatTemplateError`).
+    """
+    if self._chat_found is None:
+      raise ValueError(
+          f"The tokenizer in {self.directory} has no chat template (neither "
+          f"{chat_template.TEMPLATE_FILE} nor a chat_template entry in "
+          f"{chat_template.CONFIG_FILE}), so it cannot render messages: use the tokenizer "
+          "of a chat (instruct) model, add its template to that directory, or give prompts "
+          "as plain {'prompt': text}.")
+    if self._chat is None:
+      source, origin = self._chat_found
+      self._chat = chat_template.ChatTemplate(source, self._chat_names, origin=origin)
+    text = self._chat.render(messages, add_generation_prompt=add_generation_prompt)
+    if not tokenize:
+      return text
+    return self._tok.encode(text, add_special_tokens=False).ids
 
   def _id_of(self, token: str, where: str) -> int:
     token_id = self._tok.token_to_id(token)

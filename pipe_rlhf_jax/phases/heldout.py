@@ -23,6 +23,7 @@ from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, score_rule
+from pipe_rlhf_jax.ppo.types import decode_answers
 
 
 def rule_rewards_to_report(config) -> dict[str, Any]:
@@ -88,8 +89,11 @@ def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
   completions = [tokenizer.decode(c[m]) for c, m in zip(tokens, mask)]
   lines = [f"{p!r} -> {c!r}"
            for p, c in zip(prompts[::k][:num_samples], completions[::k])]
-  per_prompt = {name: score_rule(fn, prompts, completions, np.float64).reshape(-1, k).mean(1)
-                for name, fn in rules.items()}
+  # Each prompt's reference answer (when the prompts carry them), for each of its k rows.
+  answers = (np.repeat(decode_answers(batch["answer_bytes"]), k).tolist()
+             if "answer_bytes" in batch else None)
+  per_prompt = {name: score_rule(fn, prompts, completions, answers, np.float64)
+                .reshape(-1, k).mean(1) for name, fn in rules.items()}
   return HeldoutEval(lines, {name: float(v.mean()) for name, v in per_prompt.items()},
                      len(prompts) // k, {name: v.tolist() for name, v in per_prompt.items()},
                      samples_per_prompt)

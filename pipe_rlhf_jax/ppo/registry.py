@@ -3,13 +3,16 @@
 Configs choose algorithm pieces by name (`config.ppo.kl_estimator = "k3"`,
 `config.reward.fn = "reverse_accuracy"`); this module owns the lookup tables and the
 error a user sees when a name is wrong, and `score_rule`, the one way a rule reward is
-called: its scores are checked where they are computed (one finite score per
-completion), since a NaN would otherwise spread through the batch's advantage whitening
-to every sample and surface much later as a diverged update.
+called: `fn(prompts, completions)`, or `fn(prompts, completions, answers)` for a rule that
+checks each completion against its prompt's reference answer; its scores are checked
+where they are computed (one finite score per completion), since a NaN would otherwise
+spread through the batch's advantage whitening to every sample and surface much later as
+a diverged update.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -91,7 +94,8 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", needs_critic=Tr
 POLICY_LOSSES: Registry = Registry("policy loss")
 # (per_token [batch, length], mask, norm_len) -> scalar; see ppo/aggregation.py.
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
-# Rule-based rewards on host: (prompts: list[str], completions: list[str]) -> np.ndarray [batch].
+# Rule-based rewards on host: (prompts: list[str], completions: list[str]) -> np.ndarray
+# [batch], or with a third parameter `answers: list[str]` (see `score_rule`).
 REWARD_FUNCTIONS: Registry = Registry("reward function")
 
 
@@ -99,18 +103,49 @@ def _clip(text: str, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
+def rule_answers(fn: Callable) -> str:
+  """How a rule reward takes reference answers: "required" (a parameter `answers`
+  without a default), "optional" (`answers` with a default, or `**kwargs`) or "no"."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # builtins without a signature take what they take
+    return "no"
+  if "answers" in params:
+    return "optional" if params["answers"].default is not inspect.Parameter.empty else "required"
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return "optional"
+  return "no"
+
+
 def score_rule(fn: Callable, prompts: Sequence[str], completions: Sequence[str],
-               dtype=np.float32) -> np.ndarray:
-  """`fn(prompts, completions)` as a `dtype` array [batch], checked.
+               answers: Sequence[str] | None = None, dtype=np.float32) -> np.ndarray:
+  """Calls a rule reward by its convention; `dtype` [batch], checked.
+
+  `answers` (each row's reference answer, None when the prompts carry none) is passed as
+  the keyword `answers` to a rule that takes it, and never to one that does not, so the
+  rules written for `(prompts, completions)` keep working on data with answers.
 
   Raises:
-    ValueError: naming the rule (its registered name) when it does not return one score
-      per completion, or when a score is NaN or infinite (in `dtype`), with that
-      sample's prompt and completion.
+    ValueError: the rule needs answers but there are none (naming the rule and the fix);
+      it does not return one score per completion; or a score is NaN or infinite (in
+      `dtype`), naming the rule (its registered name) with that sample's prompt and
+      completion.
   """
   name = REWARD_FUNCTIONS.name_of(fn) or getattr(fn, "__name__", repr(fn))
+  takes = rule_answers(fn)
+  if answers is not None and len(answers) != len(completions):
+    raise ValueError(f"{len(answers)} answers for {len(completions)} completions.")
+  if takes == "required" and answers is None:
+    raise ValueError(
+        f"The rule reward {name!r} checks each completion against its prompt's reference "
+        "answer, but the prompts carry none: give every prompt record an 'answer' field "
+        "(data.task='jsonl', e.g. {\"prompt\": ..., \"answer\": \"42\"}).")
   with np.errstate(over="ignore"):  # a score beyond `dtype` becomes inf, reported below
-    scores = np.asarray(fn(prompts, completions), dtype)
+    if takes != "no" and answers is not None:
+      scores = fn(list(prompts), list(completions), answers=list(answers))
+    else:
+      scores = fn(list(prompts), list(completions))
+    scores = np.asarray(scores, dtype)
   if scores.shape != (len(completions),):
     raise ValueError(f"reward function {name!r} returned scores of shape {scores.shape} for "
                      f"{len(completions)} completions; it must return one score per "

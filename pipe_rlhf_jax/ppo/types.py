@@ -4,11 +4,19 @@ Layout convention shared by every stage (and by the SFT / reward-model data): a 
 left-padded to a fixed length P, its completion right-padded to a fixed length T, so the
 full sequence `[prompt | completion]` has the prompt's last token at index P-1 and the
 completion's token i at index P+i for every row.
+
+A prompt's reference answer (for verifiable rule rewards) rides along as text in a fixed
+width: its UTF-8 bytes, NUL-padded to A bytes (`encode_answers` / `decode_answers`), so
+it moves with the rollout through every queue, reshard and cross-process transfer as an
+array like the others, and needs no side channel.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
+import numpy as np
 from flax import struct
 
 
@@ -25,6 +33,9 @@ class Rollout:
       the tempered, untruncated policy softmax(logits / T) of the generating weights
       (top-k / top-p only filtered the draw; see `generation/sampling.py`), 0 on padding.
     policy_version: int32 [], version of the actor weights that generated the batch.
+    answer_bytes: uint8 [batch, answer_len], each row's reference answer (NUL-padded
+      UTF-8, see `decode_answers`), or None when the prompts carry none. Read by the
+      rule reward only; the inference stage drops it from the experience.
   """
 
   prompt_tokens: jax.Array
@@ -33,6 +44,7 @@ class Rollout:
   completion_mask: jax.Array
   behaviour_logprobs: jax.Array
   policy_version: jax.Array
+  answer_bytes: jax.Array | None = None
 
 
 @struct.dataclass
@@ -70,3 +82,26 @@ class Experience:
   returns: jax.Array
   kl: jax.Array
   kl_coef: jax.Array
+
+
+def encode_answers(answers: Sequence[str], width: int) -> np.ndarray:
+  """Answers as uint8 [len(answers), width]: UTF-8 bytes, NUL-padded.
+
+  Raises:
+    ValueError: an answer longer than `width` bytes, or holding a NUL (it would read
+      back cut there).
+  """
+  out = np.zeros((len(answers), width), np.uint8)
+  for i, answer in enumerate(answers):
+    raw = answer.encode("utf-8")
+    if len(raw) > width or b"\0" in raw:
+      raise ValueError(f"answer {i} ({answer[:40]!r}) has {len(raw)} bytes or a NUL; answers "
+                       f"take at most {width} bytes and no NUL.")
+    out[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+  return out
+
+
+def decode_answers(answer_bytes) -> list[str]:
+  """The answers of uint8 [batch, width] NUL-padded UTF-8 rows (a host array)."""
+  rows = np.asarray(answer_bytes, np.uint8)
+  return [bytes(row).rstrip(b"\0").decode("utf-8", errors="replace") for row in rows]

@@ -57,7 +57,8 @@ class GenerateStage:
 
     Args:
       actor: actor parameters, already in this stage's layout.
-      batch: host prompt batch with "prompt_tokens", "prompt_mask" and "index"; each
+      batch: host prompt batch with "prompt_tokens", "prompt_mask" and "index", and
+        optionally "answer_bytes" (the reference answers, carried into the rollout); each
         prompt yields `group_size` completions.
       rng: key of this PPO step; token keys fold in each sample's global index.
       version: policy version of `actor`.
@@ -80,9 +81,11 @@ class GenerateStage:
       with self.layout.rules_context():
         state = self._prefill(actor, tokens, mask, rng, sample_ids)
         out = self._decode(actor, state, mask, rng, sample_ids).output()
+    answers = (self.layout.put_batch(np.asarray(batch["answer_bytes"], np.uint8))
+               if "answer_bytes" in batch else None)
     rollout = Rollout(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=out.tokens,
                       completion_mask=out.mask, behaviour_logprobs=out.logprobs,
-                      policy_version=jnp.asarray(version, jnp.int32))
+                      policy_version=jnp.asarray(version, jnp.int32), answer_bytes=answers)
     # Counted on the host: a device reduction here could queue behind another stage's
     # program and pollute the timing (seen on virtual CPU devices sharing cores).
     new_tokens = float(fetch(out.mask).sum())

@@ -3,9 +3,10 @@
 Reference log-probs (frozen SFT policy), critic values and reward-model scores are
 forward passes over the same `[prompt | completion]` tokens, one jitted program; KL
 shaping, the advantage estimator and advantage whitening follow in a second one. A
-rule-based reward (registered by name) is evaluated on the host from decoded text while
-the device runs the forward passes (dispatched first), and enters the second program as
-`scores`; the experience never crosses the host.
+rule-based reward (registered by name) is evaluated on the host from decoded text (and
+the rollout's reference answers, for a rule that takes them) while the device runs the
+forward passes (dispatched first), and enters the second program as `scores`; the
+experience never crosses the host.
 
 Only the models the algorithm needs run: no critic for a critic-free estimator
 (`values` is None), no reference when `ppo.kl_coef == 0` (`ref_logprobs` and `kl` are
@@ -29,7 +30,7 @@ from pipe_rlhf_jax.ppo import kl as kl_lib
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.losses import explained_variance
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, score_rule
-from pipe_rlhf_jax.ppo.types import Experience, Rollout
+from pipe_rlhf_jax.ppo.types import Experience, Rollout, decode_answers
 from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
                                          completion_values, sequence_scores)
 
@@ -133,7 +134,8 @@ class InferStage:
     reward_graphdef: structure of the reward model (score head), or None when the reward
       is a rule.
     hyper: settings.
-    reward_fn: host-side rule reward `(prompts, completions) -> [batch]`, used when
+    reward_fn: host-side rule reward `(prompts, completions) -> [batch]` (or with the
+      rollout's reference answers, `ppo.registry.score_rule`), used when
       `reward_graphdef` is None.
     eval_fn: a host-side rule reward reported as `rule_reward/mean`, not optimised.
     decode: token ids -> text, for rule rewards.
@@ -187,15 +189,17 @@ class InferStage:
     self._make = jax.jit(make_experience)
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
-    """Rule reward `fn` of each completion, from decoded text (checked finite)."""
+    """Rule reward `fn` of each completion, from decoded text (and the rollout's
+    reference answers, for a rule that takes them); checked finite."""
     # One host transfer for the whole batch; every process of the stage scores the whole
     # batch (rule rewards are cheap next to the model passes), so all hold equal scores.
-    prompts_np, pmask, completions_np, cmask = fetch(
+    prompts_np, pmask, completions_np, cmask, answer_bytes = fetch(
         (rollout.prompt_tokens, rollout.prompt_mask, rollout.completion_tokens,
-         rollout.completion_mask))
+         rollout.completion_mask, rollout.answer_bytes))
     prompts = [self.decode(p[m]) for p, m in zip(prompts_np, pmask)]
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
-    return score_rule(fn, prompts, completions)
+    answers = None if answer_bytes is None else decode_answers(answer_bytes)
+    return score_rule(fn, prompts, completions, answers)
 
   def __call__(self, ref: nnx.State | None, critic: nnx.State | None,
                reward_model: nnx.State | None, rollout: Rollout, kl_coef: float
@@ -208,19 +212,22 @@ class InferStage:
     if (critic is None) == self.hyper.needs_critic:
       raise ValueError("InferStage: pass critic parameters exactly when the advantage "
                        f"estimator {self.hyper.advantage_estimator!r} needs a critic.")
+    # The reference answers are for the rules on the host: the device programs and the
+    # experience the trainer receives go without them.
+    scored, rollout = rollout, rollout.replace(answer_bytes=None)
     # Asynchronous dispatch: the device runs the model passes while the host decodes
     # and scores the completions below.
     ref_logprobs, values, model_scores = self._forward(ref, critic, reward_model, rollout)
     if reward_model is None:
       # Each process holds the whole host batch; put_global keeps its own shards.
-      scores = put_global(self.score_on_host(rollout, self.reward_fn),
+      scores = put_global(self.score_on_host(scored, self.reward_fn),
                           self.layout.batch_sharding(1))
     else:
       scores = model_scores
     exp, metrics = self._make(rollout, ref_logprobs, values, scores,
                               jnp.asarray(kl_coef, jnp.float32))
     if self.eval_fn is not None:
-      metrics["rule_reward/mean"] = float(np.mean(self.score_on_host(rollout, self.eval_fn)))
+      metrics["rule_reward/mean"] = float(np.mean(self.score_on_host(scored, self.eval_fn)))
     return exp, metrics
 
 

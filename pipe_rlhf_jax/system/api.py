@@ -14,8 +14,10 @@ reward and prompts needs only:
 The prompt-source protocol (`PromptSource`): an iterator of batches, each a dict of numpy
 arrays {"prompt_tokens": int32 [batch, prompt_len], LEFT-padded; "prompt_mask": bool
 [batch, prompt_len]; "index": int [batch], a global id per sample that keys its sampling
-randomness}. `batch` must equal `PPOConfig.prompts_per_step` (= `batch_size` /
-`group_size`: each prompt is sampled `group_size` times). A source that also has
+randomness; optionally "answer_bytes": uint8 [batch, A], each prompt's reference answer
+(`ppo.types.encode_answers`), handed to rule rewards that take `answers`}. `batch` must
+equal `PPOConfig.prompts_per_step` (= `batch_size` / `group_size`: each prompt is
+sampled `group_size` times). A source that also has
 `get_state() -> dict` and `set_state(dict)` can be checkpointed and resumed exactly
 (`data.pipeline.PromptPipeline` is one, over TFDS or any list of {"prompt": text}).
 """
