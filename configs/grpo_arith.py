@@ -21,8 +21,8 @@ digits, so the policy mostly memorises 236 training facts and RL sharpens each f
 samples: how many distinct prompts a step covers matters more than the group size (8
 samples of 16 prompts learned far less in the same number of steps in development runs),
 and actor learning rates of 2e-3 made exact match fall; without the KL term (kl_coef=0)
-two seeds learned no faster and their greedy held-out answers got worse. The plan (pipe mode, 4 + 2 + 2
-devices, staleness 1) and the model are the quickstart's.
+two seeds learned no faster and their greedy held-out answers got worse. The plan (pipe
+mode, 4 + 2 + 2 devices, staleness 1) and the model are the quickstart's.
 """
 
 import ml_collections

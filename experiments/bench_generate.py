@@ -24,10 +24,10 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from pipe_rlhf_jax.generation import sampler  # noqa: E402
 from pipe_rlhf_jax.models.config import tiny_config  # noqa: E402

@@ -33,9 +33,9 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from pipe_rlhf_jax.models import KVCache, init_model, tiny_config  # noqa: E402
 from pipe_rlhf_jax.stages import common  # noqa: E402

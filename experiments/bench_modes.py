@@ -66,8 +66,8 @@ _default_cpu_devices()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-import jax  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
+import jax  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from pipe_rlhf_jax.system.settings import MODES, STAGES, RuntimeConfig  # noqa: E402

@@ -57,9 +57,10 @@ def _model_config(embed_dim: int):
 
 
 def sync_worker(args) -> None:
+  from flax import nnx
   import jax
   import numpy as np
-  from flax import nnx
+
   from pipe_rlhf_jax import distributed
   from pipe_rlhf_jax.distributed import transfer as tr
   from pipe_rlhf_jax.models.transformer import init_model
@@ -122,6 +123,7 @@ def _runtime(mode: str):
 
 def ppo_worker(args) -> None:
   import jax
+
   from pipe_rlhf_jax import distributed
   from pipe_rlhf_jax.generation import SamplingParams
   from pipe_rlhf_jax.models.config import tiny_config
@@ -216,7 +218,7 @@ def main() -> None:
             f"{r['bytes_per_s'] / 1e6:>9.1f} {r['first_s']:>8.2f}")
   print(f"\nseconds per PPO step (steps {args.warmup}..{args.steps - 1})")
   for mode in [m for m in args.modes.split(",") if m]:
-    for layout in [l for l in args.layouts.split(",") if l]:
+    for layout in [x for x in args.layouts.split(",") if x]:
       processes, devices = (int(x) for x in layout.split("x"))
       if not runnable_across_processes(_runtime(mode), processes, devices):
         print(f"  {mode:<11} {layout:>4}: not runnable (the placement does not cut at "

@@ -78,11 +78,11 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from tunix.models import dummy_model_creator  # noqa: E402
 from tunix.models.qwen2 import model as qwen2  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402

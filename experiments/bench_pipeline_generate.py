@@ -13,7 +13,8 @@ same model (the embedded tiny_config) and same prompt batch for every variant:
 For each it prints tokens/s (generated tokens / median wall time, compile excluded and
 reported separately; `vs_single` divides it by the one-device sampler's), the measured
 slot utilisation (busy (tick, stage) slots in the executed schedule / all slots) next
-to the schedule's theoretical value, and the peak memory per device. CPU devices expose no `memory_stats`, so memory is then XLA's
+to the schedule's theoretical value, and the peak memory per device. CPU devices expose
+no `memory_stats`, so memory is then XLA's
 compiled memory analysis (arguments + outputs + temporaries - aliased, per device),
 which the CSV marks as `xla_estimate`.
 
@@ -43,17 +44,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 DEFAULT_OUT_DIR = os.path.join(REPO, "experiments", "out", "bench_pipeline_generate")
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from pipe_rlhf_jax.generation import pipelined, sampler  # noqa: E402
 from pipe_rlhf_jax.generation import schedule as sched  # noqa: E402
 from pipe_rlhf_jax.models.config import tiny_config  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model, param_axes  # noqa: E402
-from pipe_rlhf_jax.parallel.logical import (DEFAULT_RULES, axis_rules,  # noqa: E402
-                                            tree_shardings)
+from pipe_rlhf_jax.parallel.logical import DEFAULT_RULES, axis_rules, tree_shardings  # noqa: E402
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh  # noqa: E402
 
 

@@ -43,8 +43,15 @@ import numpy as np  # noqa: E402
 
 from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
 from pipe_rlhf_jax.models import flops, init_model, tiny_config  # noqa: E402
-from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem,  # noqa: E402
-                                  RuntimeConfig, StagePlan, run)
+from pipe_rlhf_jax.system import (  # noqa: E402
+  MeshSpec,
+  Models,
+  PPOConfig,
+  PPOSystem,
+  RuntimeConfig,
+  StagePlan,
+  run,
+)
 
 # (layers, embed, heads, kv_heads, mlp, vocab; batch, prompt, gen): the first two are the
 # sizes of issue #9's comparison with a peer library, the third a larger one.

@@ -37,7 +37,8 @@ Outputs under --out (default experiments/out/learning_curves/<config name>[-<tag
 
 Warm starts live beside the output directories, in
 experiments/out/learning_curves/warm_starts/<fingerprint>/ (the hash of the seed and the
-sections that decide the warm start: `phases.warm_start.warm_start_fingerprint`), so experiments that
+sections that decide the warm start: `phases.warm_start.warm_start_fingerprint`), so
+experiments that
 change only PPO settings (--set ppo.kl_coef=..., another --tag) reuse them, and two
 invocations running at once wait for each other's warm start instead of training it twice.
 
@@ -649,8 +650,9 @@ def main(argv=None) -> int:
   check_settings(args.out, settings)
   store = os.path.join(os.path.dirname(args.out), "warm_starts")
   if not args.report_only:
-    import jax
     from absl import logging as absl_logging
+    import jax
+
     from pipe_rlhf_jax.train import prepare_warm_start, train
     absl_logging.set_verbosity(absl_logging.WARNING)
     print(f"[learning_curves] {command}\n  -> {args.out}; jax {jax.__version__}, "

@@ -30,11 +30,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before jax)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before jax)
+import numpy as np  # noqa: E402
 
 from pipe_rlhf_jax import train as train_lib  # noqa: E402
 from pipe_rlhf_jax.data.pipeline import PreferencePipeline, pad_left  # noqa: E402

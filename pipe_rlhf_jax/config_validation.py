@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from pipe_rlhf_jax.checks import check_int, check_number
+
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
 # module runs the ppo package, which registers the KL estimators and losses.)

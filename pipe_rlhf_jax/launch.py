@@ -81,7 +81,8 @@ class LaunchResult:
 
   def last_milestone(self, index: int) -> str:
     """The last line the process printed through `metrics.say` (its last known activity)."""
-    lines = [l for l in self.log_text(index).splitlines() if l.startswith("[pipe_rlhf_jax")]
+    lines = [line for line in self.log_text(index).splitlines()
+             if line.startswith("[pipe_rlhf_jax")]
     return lines[-1] if lines else "(no milestone printed)"
 
   def report(self) -> str:

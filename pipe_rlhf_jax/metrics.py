@@ -355,7 +355,7 @@ def drop_metrics(path: PathLike, drop: Callable[[Mapping[str, Any]], bool]) -> i
       raise ValueError(f"{p}: line {i + 1} is not valid JSON: {e}") from e
     if not drop(record):
       kept.append(line if line.endswith("\n") else line + "\n")
-  removed = len([l for l in lines if l.strip()]) - len(kept)
+  removed = len([line for line in lines if line.strip()]) - len(kept)
   if removed:
     tmp = p.with_name(f".{p.name}.rewrite")
     with open(tmp, "w", encoding="utf-8") as f:

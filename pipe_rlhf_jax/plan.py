@@ -50,6 +50,7 @@ _GANTT = flags.DEFINE_string("gantt", "", "Also draw the best plan's predicted G
 def workload_from_flags(config):
   """The hardware profile and the workload: the config's, with the flags' overrides."""
   import dataclasses
+
   from pipe_rlhf_jax.planner import auto, hardware, lengths, presets
   hw = hardware.get(_HARDWARE.value)
   if _MODEL.value:

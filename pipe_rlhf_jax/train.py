@@ -59,8 +59,8 @@ import threading
 import time
 from typing import Any
 
-import jax
 from flax import nnx
+import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
@@ -72,11 +72,11 @@ from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
 from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
-from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
@@ -85,13 +85,20 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
+from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.steps import DataFeed, np_batch
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
-from pipe_rlhf_jax.system.system import (Models, PPOSystem, build_layouts, check_fits,
-                                         graphdef_of, ptx_rows_for, with_backbone)
-from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.system.steps import DataFeed, np_batch
+from pipe_rlhf_jax.system.system import (
+  Models,
+  PPOSystem,
+  build_layouts,
+  check_fits,
+  graphdef_of,
+  ptx_rows_for,
+  with_backbone,
+)
 from pipe_rlhf_jax.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
@@ -500,11 +507,12 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
   their rows from before (phases "ppo" and "heldout") are dropped and the log holds each
   step once; the "data" row is written by every run, and the warm-start phases' rows
-  again when their checkpoint is missing. TensorBoard event files cannot be rewritten, and TensorBoard does not keep only
-  the newest value of a step: it keeps every event it reads, so the re-trained steps are
-  plotted twice. (It drops events only after a SessionLog.START event, which tensorboardX
-  writes for `purge_step`; but that drops every tag of the run directory at steps >= the
-  purge step, SFT and reward-model curves included, since all phases share one directory
+  again when their checkpoint is missing. TensorBoard event files cannot be rewritten,
+  and TensorBoard does not keep only the newest value of a step: it keeps every event
+  it reads, so the re-trained steps are plotted twice. (It drops events only after a
+  SessionLog.START event, which tensorboardX writes for `purge_step`; but that drops
+  every tag of the run directory at steps >= the purge step, SFT and reward-model curves
+  included, since all phases share one directory
   and start at step 0.) metrics.jsonl is the record to trust after a resume.
   """
   # Trained here before (restored now) or restored from `warm_start.checkpoint`: either

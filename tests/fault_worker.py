@@ -113,6 +113,7 @@ def faulty_arith_exact_match(prompts, completions):
 
 if __name__ == "__main__":
   from absl import app
+
   from pipe_rlhf_jax import main as main_module
   _patch()
   app.run(main_module.main)

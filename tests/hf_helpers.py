@@ -6,7 +6,7 @@ import os
 import pytest
 
 
-def write_char_tokenizer(path) -> "tokenizers.Tokenizer":
+def write_char_tokenizer(path):
   """A character-level tokenizer.json (+ tokenizer_config.json) covering the reverse task."""
   tokenizers = pytest.importorskip("tokenizers")
   from tokenizers import decoders, pre_tokenizers
@@ -37,7 +37,7 @@ def write_tiny_llama(path, seed: int = 0) -> str:
 
 def write_chat_tokenizer(path, corpus: str, special_tokens, *, eos: str, bos: str | None = None,
                          pad: str | None = None, chat_template: str | None = None,
-                         template_file: bool = False) -> "tokenizers.Tokenizer":
+                         template_file: bool = False):
   """A character-level tokenizer.json covering `corpus`, with added special tokens.
 
   Every character of `corpus` (newlines included) is one token; `special_tokens` are

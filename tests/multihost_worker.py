@@ -72,8 +72,15 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
-                                    StagePlan, prompts_from_texts)
+  from pipe_rlhf_jax.system import (
+    MeshSpec,
+    Models,
+    PPOConfig,
+    PPOSystem,
+    RuntimeConfig,
+    StagePlan,
+    prompts_from_texts,
+  )
   tokenizer = load_tokenizer("byte")
   policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4,
                                   head_dim=8, mlp_dim=64), seed=0)
@@ -175,6 +182,7 @@ def fail_as_step_infers(system, fail_at: int) -> None:
 def digest(tree) -> str:
   """sha256 over every leaf's bytes, in tree order: equal iff bit-for-bit equal."""
   import hashlib
+
   import numpy as np
   h = hashlib.sha256()
   for leaf in jax_leaves(distributed.fetch(tree)):
@@ -196,9 +204,10 @@ def transfer(args) -> None:
   queue of capacity 1; then a subscriber whose target layout differs from what is
   published must refuse before pulling.
   """
+  from flax import nnx
   import jax
   import numpy as np
-  from flax import nnx
+
   from pipe_rlhf_jax.distributed import transfer as tr
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.transformer import init_model
@@ -284,9 +293,10 @@ def groups(args) -> None:
   that lays generation's mesh out with the processes swapped: each process's block
   starts elsewhere, and both refuse it before pulling.
   """
+  from flax import nnx
   import jax
   import numpy as np
-  from flax import nnx
+
   from pipe_rlhf_jax.distributed import transfer as tr
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.transformer import init_model

@@ -3,16 +3,24 @@
 import os
 import re
 
+from hf_helpers import write_tiny_llama
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_helpers import write_tiny_llama
 
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
-                                  StagePlan, prompts_from_texts, run)
+from pipe_rlhf_jax.system import (
+  MeshSpec,
+  Models,
+  PPOConfig,
+  PPOSystem,
+  RuntimeConfig,
+  StagePlan,
+  prompts_from_texts,
+  run,
+)
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 

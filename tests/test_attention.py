@@ -1,10 +1,10 @@
 """Attention implementations and per-layer remat agree with the dense, unrematerialised model."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import generate
 from pipe_rlhf_jax.models import attention as attention_lib

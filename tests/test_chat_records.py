@@ -9,10 +9,10 @@ unchanged.
 import json
 import pathlib
 
+from hf_helpers import write_chat_tokenizer
 import numpy as np
 import pytest
 
-from hf_helpers import write_chat_tokenizer
 from pipe_rlhf_jax.data.builders import build_dataset
 from pipe_rlhf_jax.data.pipeline import DemoPipeline, PromptPipeline
 from pipe_rlhf_jax.data.records import RecordValidator, jsonl_fields

@@ -7,9 +7,9 @@ and lstrip_blocks, `tojson`, `namespace`, a `tools is not none` test and
 `raise_exception`).
 """
 
+from hf_helpers import write_chat_tokenizer
 import pytest
 
-from hf_helpers import write_chat_tokenizer
 from pipe_rlhf_jax.models.chat_template import ChatTemplateError
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
 

@@ -6,17 +6,15 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import ml_collections
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
-from pipe_rlhf_jax.checkpoint import CheckpointError
-from pipe_rlhf_jax.checkpoint import CheckpointExistsError
-from pipe_rlhf_jax.checkpoint import Checkpointer
+from pipe_rlhf_jax.checkpoint import Checkpointer, CheckpointError, CheckpointExistsError
 
 
 def _make_state(scale=1.0):

@@ -2,9 +2,9 @@
 
 import os
 
+from nbclient import NotebookClient
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

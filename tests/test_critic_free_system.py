@@ -1,16 +1,22 @@
 """The system builds only the models its algorithm needs: no critic for a critic-free
 estimator, no reference for kl_coef=0; checkpoints hold nothing of a missing model."""
 
+from hf_helpers import write_tiny_llama
 import jax
 import numpy as np
 import pytest
-from hf_helpers import write_tiny_llama
 
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.checkpoint import Checkpointer
 from pipe_rlhf_jax.generation import SamplingParams
-from pipe_rlhf_jax.system import (Models, PPOConfig, PPOSystem, RuntimeConfig,
-                                  prompts_from_texts, run)
+from pipe_rlhf_jax.system import (
+  Models,
+  PPOConfig,
+  PPOSystem,
+  RuntimeConfig,
+  prompts_from_texts,
+  run,
+)
 
 GRPO = dict(advantage_estimator="grpo", group_size=4, whiten_advantages=False)
 TEXTS = [f"rev {w}=" for w in ("ab", "ba", "abc", "cab", "bca", "a", "hg", "gfe")]

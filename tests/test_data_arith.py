@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax.data import rewards
-from pipe_rlhf_jax.data.arith import (ArithSpec, main, make_arith_records, make_prompt,
-                                      solve, write_arith_jsonl)
+from pipe_rlhf_jax.data.arith import (
+  ArithSpec,
+  main,
+  make_arith_records,
+  make_prompt,
+  solve,
+  write_arith_jsonl,
+)
 from pipe_rlhf_jax.data.builders import make_arith_datasets
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 
@@ -108,7 +114,7 @@ def test_bad_settings_name_the_field():
 def test_write_jsonl_and_cli(tmp_path):
   spec = ArithSpec(operators="+-", demo_noise=0.2)
   paths = write_arith_jsonl(str(tmp_path / "a"), 20, 10, seed=2, spec=spec, num_eval=4)
-  lines = {k: [json.loads(l) for l in open(p, encoding="utf-8")] for k, p in paths.items()}
+  lines = {k: [json.loads(line) for line in open(p, encoding="utf-8")] for k, p in paths.items()}
   assert lines == make_arith_records(20, 10, 2, spec, num_eval=4)
   main(["--out_dir", str(tmp_path / "b"), "--num_prompts", "20", "--num_demos", "10",
         "--num_eval", "4", "--seed", "2", "--operators", "+-", "--demo_noise", "0.2"])

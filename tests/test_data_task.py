@@ -87,7 +87,7 @@ def test_bad_arguments_are_rejected():
 
 def test_write_jsonl_and_cli(tmp_path):
   paths = write_task_jsonl(str(tmp_path / "a"), 20, 10, 5, seed=2, num_eval=4)
-  lines = {k: [json.loads(l) for l in open(p, encoding="utf-8")] for k, p in paths.items()}
+  lines = {k: [json.loads(line) for line in open(p, encoding="utf-8")] for k, p in paths.items()}
   expected = make_task_records(20, 10, 5, 2, num_eval=4)
   assert lines == expected
   main(["--out_dir", str(tmp_path / "b"), "--num_prompts", "20", "--num_demos", "10",

@@ -19,12 +19,10 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.data import rewards
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.runtime.interrupts import (EXIT_STALLED, Interrupted, SignalHandler,
-                                              Stalled)
+from pipe_rlhf_jax.runtime.interrupts import EXIT_STALLED, Interrupted, SignalHandler, Stalled
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.workers import WorkerGroup

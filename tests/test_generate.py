@@ -1,15 +1,14 @@
 """Tests for the plain KV-cache sampler (generation/sampler.py) on one device."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.generation.sampler import generate
-from pipe_rlhf_jax.generation.sampling import (policy_logprobs, sampling_logprobs,
-                                               token_logprob)
+from pipe_rlhf_jax.generation.sampling import policy_logprobs, sampling_logprobs, token_logprob
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 
@@ -187,9 +186,9 @@ def test_right_padded_prompt_is_refused(model):
 
 
 def test_public_entry_points():
+  from pipe_rlhf_jax import models
   import pipe_rlhf_jax.generation as generation
   import pipe_rlhf_jax.ppo as ppo
-  from pipe_rlhf_jax import models
   assert generation.generate is generate
   assert callable(generation.pipelined_generate)
   assert callable(ppo.gae) and callable(ppo.policy_loss) and callable(ppo.value_loss)

@@ -1,9 +1,9 @@
 """The plain sampler under data / fsdp / tensor parallelism equals one device (8 CPUs)."""
 
+from flax import nnx
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import generate
 from pipe_rlhf_jax.models.config import tiny_config

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from configs import grpo_arith
-
 from pipe_rlhf_jax.data import rewards  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 

@@ -47,6 +47,7 @@ def test_summary_line_states_the_change_and_its_interval():
 def policy_and_prompts():
   """A random tiny policy and 6 left-padded prompts (a batch as the eval pipeline makes)."""
   from flax import nnx
+
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
@@ -69,6 +70,7 @@ def first_letter_a(prompts, completions):
 
 def test_sampled_eval_averages_k_draws_per_prompt_whatever_the_layout():
   import jax
+
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   (graphdef, params), batch, tokenizer = policy_and_prompts()
   sampling = SamplingParams(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,

@@ -8,11 +8,11 @@ positions of a left-padded batch.
 import json
 import shutil
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -2,8 +2,8 @@
 
 import os
 
-import pytest
 from hf_helpers import write_char_tokenizer, write_tiny_llama
+import pytest
 
 from configs import hf_model
 from pipe_rlhf_jax import models

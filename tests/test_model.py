@@ -1,13 +1,19 @@
 """Model behaviour: KV-cache decoding equals the full pass, padding is invisible, heads."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from pipe_rlhf_jax.models import (KVCache, TransformerConfig, default_positions, init_model,
-                                  param_axes, tiny_config)
+from pipe_rlhf_jax.models import (
+  KVCache,
+  TransformerConfig,
+  default_positions,
+  init_model,
+  param_axes,
+  tiny_config,
+)
 
 SMALL = dict(vocab_size=64, embed_dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
              head_dim=8, mlp_dim=48)

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
+from metric_helpers import assert_metrics_close
 import pytest
 
-from metric_helpers import assert_metrics_close
 from pipe_rlhf_jax.distributed import DistributedConfig
 from pipe_rlhf_jax.launch import launch
 

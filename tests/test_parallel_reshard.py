@@ -2,11 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pipe_rlhf_jax.parallel import logical, mesh as mesh_lib, reshard as reshard_lib
+from pipe_rlhf_jax.parallel import logical
+from pipe_rlhf_jax.parallel import mesh as mesh_lib
+from pipe_rlhf_jax.parallel import reshard as reshard_lib
 from pipe_rlhf_jax.parallel.logical import DEFAULT_RULES
 
 LOGICAL = {

@@ -70,10 +70,10 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   ran = RuntimeConfig.from_config(quickstart.ml_collections.ConfigDict(saved))
   assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness
   # The summary and the metrics carry predicted and measured steady s/step.
-  line = next(l for l in result["summary"].splitlines() if "steady s/step" in l)
+  line = next(x for x in result["summary"].splitlines() if "steady s/step" in x)
   assert f"{best.step_time:.4g} predicted (cpu, planner's choice)" in line
   assert "measured" in line and "not measured" not in line
-  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   plan_row = next(r for r in rows if r["phase"] == "plan")
   assert plan_row["plan/predicted_step_s"] == pytest.approx(best.step_time)
   assert plan_row["plan/measured_step_s"] > 0

@@ -83,6 +83,7 @@ def test_an_earlier_calibrations_single_all_gathers_still_fit():
 
 def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
   import dataclasses
+
   from pipe_rlhf_jax.models.config import tiny_config
   samples = {**_synthetic(), "model": dataclasses.asdict(tiny_config())}
   # seconds = 2e-4 per array + bytes x replicas / 1e9
@@ -181,6 +182,7 @@ def _with_stages(constants):
   """Synthetic microbenchmarks plus real-stage samples at the calibration points, timed
   as the cost model prices them with `constants` on top of the microbenchmark fits."""
   import dataclasses
+
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.planner import space
   from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan

@@ -122,8 +122,9 @@ def test_alpha_beta_collectives():
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}, {"tie_embeddings": True},
                                        {"head": "value"}])
 def test_weight_collectives_count_the_models_own_arrays(overrides):
-  import jax
   from flax import nnx
+  import jax
+
   from pipe_rlhf_jax.models.transformer import init_model
   cfg = tiny_config(num_layers=3, **overrides)
   _, state = nnx.split(init_model(cfg))

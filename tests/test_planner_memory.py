@@ -18,19 +18,19 @@ hold a spread of these to 25%.
 
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
+from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.planner import hardware, memory, space
-from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan

@@ -3,9 +3,9 @@
 import dataclasses
 import itertools
 
+from flax import nnx
 import jax
 import pytest
-from flax import nnx
 
 from configs import quickstart
 from pipe_rlhf_jax.models.config import tiny_config

@@ -2,9 +2,9 @@
 best and the worst of k samples by the label rule, ties keep the dataset pair, the
 pairs are reproducible, and the warm start trains its reward model on them."""
 
+from flax import nnx
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import quickstart
 from pipe_rlhf_jax.generation.sampler import SamplingParams

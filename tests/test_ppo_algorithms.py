@@ -9,10 +9,9 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from numpy.testing import assert_allclose
+import pytest
 
-from pipe_rlhf_jax.ppo import critic_free
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.losses import policy_loss
@@ -131,7 +130,8 @@ def test_a_batch_of_partial_groups_is_refused():
 
 
 def test_group_sampling_repeats_prompts_with_distinct_sample_ids():
-  batch = {"prompt_tokens": np.array([[0, 5], [6, 7]]), "prompt_mask": np.array([[0, 1], [1, 1]], bool),
+  batch = {"prompt_tokens": np.array([[0, 5], [6, 7]]),
+           "prompt_mask": np.array([[0, 1], [1, 1]], bool),
            "index": np.array([10, 11])}
   out = repeat_for_groups(batch, 3)
   assert out["prompt_tokens"].tolist() == [[0, 5]] * 3 + [[6, 7]] * 3
@@ -230,7 +230,6 @@ def test_settings_say_which_models_the_algorithm_needs():
 
 def test_experiment_config_validation_names_the_new_fields():
   from configs import quickstart
-
   from pipe_rlhf_jax.config_validation import validate_config
   config = quickstart.get_config("tiny")
   config.ppo.group_size = 3

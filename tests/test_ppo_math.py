@@ -10,16 +10,16 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from numpy.testing import assert_allclose
+import pytest
 
 from pipe_rlhf_jax.ppo import advantages as adv_lib
 from pipe_rlhf_jax.ppo import kl as kl_lib
 from pipe_rlhf_jax.ppo import losses as loss_lib
 from pipe_rlhf_jax.ppo.registry import (
-    ADVANTAGE_ESTIMATORS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
+  ADVANTAGE_ESTIMATORS,
+  KL_ESTIMATORS,
+  POLICY_LOSSES,
 )
 
 RTOL = 1e-6

@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 
+from metric_helpers import assert_metrics_close  # noqa: E402
 import numpy as np
 import pytest
 
 from configs import quickstart
-from metric_helpers import assert_metrics_close  # noqa: E402
-
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402

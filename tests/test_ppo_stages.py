@@ -8,24 +8,24 @@ inference stage composes them, each against a hand / numpy computation.
 
 import types
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import make_mesh
+from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.optim import make_optimizer
-from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 
 VOCAB = 64
@@ -261,8 +261,8 @@ def test_unknown_advantage_estimator_names_the_field():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
   import quickstart
 
-  import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
   from pipe_rlhf_jax.config_validation import validate_config
+  import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
   config = quickstart.get_config("tiny")
   validate_config(config)
   config.ppo.advantage_estimator = "vtrace"

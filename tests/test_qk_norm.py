@@ -5,11 +5,11 @@ The norm weights are drawn away from their all-ones init, so a path that skipped
 norm or applied it after RoPE would change the numbers.
 """
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation.pipelined import pipelined_generate
 from pipe_rlhf_jax.generation.sampler import generate

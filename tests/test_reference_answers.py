@@ -16,8 +16,15 @@ from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer
 from pipe_rlhf_jax.ppo.registry import rule_answers, score_rule
 from pipe_rlhf_jax.ppo.types import decode_answers, encode_answers
-from pipe_rlhf_jax.system import (MeshSpec, Models, PPOConfig, PPOSystem, RuntimeConfig,
-                                  StagePlan, run)
+from pipe_rlhf_jax.system import (
+  MeshSpec,
+  Models,
+  PPOConfig,
+  PPOSystem,
+  RuntimeConfig,
+  StagePlan,
+  run,
+)
 
 TOK = ByteTokenizer()
 
@@ -46,7 +53,7 @@ def test_score_rule_passes_answers_only_to_rules_that_take_them():
   np.testing.assert_array_equal(score_rule(optional, *args, ["1", "2"]), [1, 1])
   with pytest.raises(ValueError, match="carry none.*'answer' field"):
     score_rule(needs, *args)
-  with pytest.raises(ValueError, match="one float per completion"):
+  with pytest.raises(ValueError, match="one score per completion"):
     score_rule(lambda p, c: [1.0], *args)
 
 

@@ -1,10 +1,10 @@
 """phases/reward_norm.py: the reward model's score statistics under the warm-start policy."""
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models.config import tiny_config

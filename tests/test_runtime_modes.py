@@ -6,12 +6,11 @@ import os
 import threading
 import time
 
+from metric_helpers import assert_metrics_close  # noqa: E402
 import numpy as np
 import pytest
 
 from configs import quickstart  # noqa: E402
-from metric_helpers import assert_metrics_close  # noqa: E402
-
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.runtime.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402

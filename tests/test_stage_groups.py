@@ -10,9 +10,10 @@ processes in test_multihost.py.
 import dataclasses
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipe_rlhf_jax.distributed import transfer as tr
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
@@ -123,7 +124,7 @@ def test_a_block_sent_for_another_place_in_the_array_is_refused():
   sharding = NamedSharding(make_mesh(MeshShape(pipe=4, tensor=2)), P("pipe", "tensor"))
   mine = tr.block_of(sharding, (8, 6), 1, PAIRS)
   theirs = tr.block_of(sharding, (8, 6), 2, PAIRS)  # same shape and sub-mesh, rows 4-5
-  layout = lambda b: [dataclasses.replace(l, start=b.start) for l in tr.layout_of(
+  layout = lambda b: [dataclasses.replace(x, start=b.start) for x in tr.layout_of(
       {"w": jax.ShapeDtypeStruct(b.shape, np.float32, sharding=b.sharding)})]
   with pytest.raises(tr.LayoutMismatch, match=r"leaf \['w'\] is sent as float32\[2, 6\] "
                      r"at \[4, 0\] .* but the receiver expects float32\[2, 6\] at \[2, 0\]"

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from pipe_rlhf_jax.system.steps import BadStepGuard
 from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer
+from pipe_rlhf_jax.system.steps import BadStepGuard
 
 
 def test_nan_gradient_leaves_params_and_optimizer_untouched():

@@ -4,15 +4,16 @@ modes can start PPO from one shared warm-start checkpoint."""
 import json
 import os
 
+from flax import nnx
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import quickstart
-
-from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
-from pipe_rlhf_jax.checkpoint import Checkpointer  # noqa: E402
+from pipe_rlhf_jax.checkpoint import (
+  Checkpointer,  # noqa: E402
+  CheckpointError,  # noqa: E402
+)
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 from pipe_rlhf_jax.train import build_model_configs, prepare_warm_start, train  # noqa: E402
@@ -125,6 +126,7 @@ def test_warm_start_devices_come_from_every_process():
   # A multi-process job: an explicit warm_start.mesh takes as many devices from each
   # process (each process runs the warm start's programs), in process order.
   from types import SimpleNamespace
+
   from pipe_rlhf_jax.phases.supervised import _warm_start_devices
   devices = [SimpleNamespace(id=i, process_index=p) for p, i in
              [(1, 4), (1, 5), (1, 6), (1, 7), (0, 0), (0, 1), (0, 2), (0, 3)]]

@@ -10,8 +10,10 @@ TFDS/grain load only when a dataset is built or a pipeline constructed.
 
 import importlib
 
-from pipe_rlhf_jax.data import math_reward  # noqa: F401  (registers "math_verify")
-from pipe_rlhf_jax.data import rewards  # noqa: F401  (registers the reward functions)
+from pipe_rlhf_jax.data import (
+  math_reward,  # noqa: F401  (registers "math_verify")
+  rewards,  # noqa: F401  (registers the reward functions)
+)
 
 _LAZY = {
     "ArithSpec": "arith",

@@ -37,8 +37,7 @@ import numpy as np
 
 from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data.builders import load_source, make_task_datasets
-from pipe_rlhf_jax.data.records import (ANSWER_FIELD, FIELDS_BY_KIND, PROMPT_FIELDS,
-                                        RecordValidator)
+from pipe_rlhf_jax.data.records import ANSWER_FIELD, FIELDS_BY_KIND, PROMPT_FIELDS, RecordValidator
 
 _log = logging.getLogger(__name__)
 

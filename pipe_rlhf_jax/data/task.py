@@ -217,7 +217,7 @@ def make_task_records(
       "prompts": prompts,
       "demos": demos,
       "prefs": prefs,
-      "prompts_eval": [{"prompt": make_prompt(l)} for l in eval_letters],
+      "prompts_eval": [{"prompt": make_prompt(w)} for w in eval_letters],
       "prefs_eval": prefs_eval,
   }
 

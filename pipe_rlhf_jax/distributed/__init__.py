@@ -9,9 +9,16 @@ code needs no separate path.
 """
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
-from pipe_rlhf_jax.distributed.cluster import (DistributedConfig, agree, barrier, initialize,
-                                               is_primary, listen_host, process_count,
-                                               process_index)
+from pipe_rlhf_jax.distributed.cluster import (
+                                               DistributedConfig,
+                                               agree,
+                                               barrier,
+                                               initialize,
+                                               is_primary,
+                                               listen_host,
+                                               process_count,
+                                               process_index,
+)
 
 __all__ = ["DistributedConfig", "agree", "barrier", "fetch", "initialize", "is_primary",
            "listen_host", "process_count", "process_index", "put_global"]

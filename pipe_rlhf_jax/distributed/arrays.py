@@ -23,8 +23,8 @@ import functools
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 
 
 def _local_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]

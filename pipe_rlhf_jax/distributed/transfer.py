@@ -59,8 +59,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 
 from pipe_rlhf_jax.distributed import arrays, cluster
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
@@ -144,9 +144,9 @@ def layout_of(tree: Any) -> list[LeafLayout]:
 def check_same_layout(sent: Sequence[LeafLayout], wanted: Sequence[LeafLayout],
                       what: str) -> None:
   """Raises `LayoutMismatch` naming the first differing leaf (or the structure)."""
-  if [l.path for l in sent] != [l.path for l in wanted]:
-    missing = sorted({l.path for l in wanted} - {l.path for l in sent})[:5]
-    extra = sorted({l.path for l in sent} - {l.path for l in wanted})[:5]
+  if [x.path for x in sent] != [x.path for x in wanted]:
+    missing = sorted({x.path for x in wanted} - {x.path for x in sent})[:5]
+    extra = sorted({x.path for x in sent} - {x.path for x in wanted})[:5]
     raise LayoutMismatch(f"{what}: the sender's pytree differs from the receiver's "
                          f"(missing {missing}, unexpected {extra}); nothing was moved.")
   for s, w in zip(sent, wanted):
@@ -307,7 +307,7 @@ def stage_blocks(tree: Any, targets: Any, consumers: Sequence[int],
         made[key] = jax.device_put(part, mirror)
       staged.append(made[key])
       starts.append(block.start)
-    layouts = [dataclasses.replace(l, start=s).as_json() for l, s in
+    layouts = [dataclasses.replace(x, start=s).as_json() for x, s in
                zip(layout_of(jax.tree.unflatten(treedef, staged)), starts)]
     out[process] = (staged, layouts)
   return out
@@ -409,9 +409,9 @@ def _receive(endpoint: Endpoint, source: int, uid: int, target: Any, sent: list,
   blocks = [block_of(x.sharding, tuple(x.shape), me) for x in leaves]
   local = [jax.ShapeDtypeStruct(b.shape, x.dtype, sharding=b.sharding)
            for x, b in zip(leaves, blocks)]
-  wanted = [dataclasses.replace(l, start=b.start)
-            for l, b in zip(layout_of(jax.tree.unflatten(treedef, local)), blocks)]
-  check_same_layout([LeafLayout.from_json(l) for l in sent], wanted, what)
+  wanted = [dataclasses.replace(x, start=b.start)
+            for x, b in zip(layout_of(jax.tree.unflatten(treedef, local)), blocks)]
+  check_same_layout([LeafLayout.from_json(x) for x in sent], wanted, what)
   # Complete before the caller reports the pull (the sender then frees the block).
   pulled = jax.block_until_ready(endpoint.connection(source).pull(uid, local))
   out = [p if x.sharding.is_fully_addressable else

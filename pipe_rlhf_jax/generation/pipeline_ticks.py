@@ -49,13 +49,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from pipe_rlhf_jax.generation import schedule as sched
-from pipe_rlhf_jax.generation.sampler import (SamplingParams, completion_key_mask,
-                                              next_tokens, record_tokens)
+from pipe_rlhf_jax.generation.sampler import (
+  SamplingParams,
+  completion_key_mask,
+  next_tokens,
+  record_tokens,
+)
 from pipe_rlhf_jax.models.transformer import KVCache, default_positions
 
 PIPE = "pipe"

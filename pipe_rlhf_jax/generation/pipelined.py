@@ -36,19 +36,23 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pipe_rlhf_jax.generation import schedule as sched
-from pipe_rlhf_jax.generation.pipeline_ticks import (  # noqa: F401 (public names)
-    NOT_REACHED, PIPE, PipelinePlan, stage_program)
+from pipe_rlhf_jax.generation.pipeline_ticks import NOT_REACHED, PIPE, PipelinePlan, stage_program  # noqa: F401 (public names)
 from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingParams, check_prompts
 from pipe_rlhf_jax.models.transformer import param_axes
-from pipe_rlhf_jax.parallel.logical import (STAGE_RULES, check_divisible,
-                                            is_logical_leaf, logical_sharding,
-                                            logical_to_spec, tree_shardings)
+from pipe_rlhf_jax.parallel.logical import (
+  STAGE_RULES,
+  check_divisible,
+  is_logical_leaf,
+  logical_sharding,
+  logical_to_spec,
+  tree_shardings,
+)
 
 # Logical axes of the pipeline's KV cache (k and v alike), resolved by the same rules
 # as the parameters: 'layers' -> 'pipe' keeps each stage's cache with its layers and

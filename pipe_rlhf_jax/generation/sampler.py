@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from flax import nnx, struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
 
 from pipe_rlhf_jax.generation.sampling import draw, token_keys
 from pipe_rlhf_jax.models.transformer import KVCache, default_positions

@@ -370,7 +370,8 @@ def validate_pipeline_config(num_layers: int, num_stages: int,
   pipe_field = f"{field_prefix}.mesh.pipe"
   mb_field = f"{field_prefix}.num_microbatches"
   batch_field = f"{field_prefix}.batch_size"
-  if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
+  if (isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer))
+      or num_stages < 1):
     raise ValueError(f"{pipe_field} must be a positive int, got {num_stages!r}")
   if num_layers < 1:
     raise ValueError(f"the model has num_layers={num_layers}; it must be >= 1")

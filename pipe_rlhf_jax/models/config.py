@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import jax.numpy as jnp
 from flax.core import FrozenDict
+import jax.numpy as jnp
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 HEADS = ("lm", "value", "score")

@@ -67,19 +67,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
+import warnings
 
+from flax import nnx
+from flax.core import FrozenDict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax.core import FrozenDict
 
 from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
-from pipe_rlhf_jax.models.safetensors_io import (load_checkpoint_tensors, read_safetensors,
-                                                 write_safetensors)
+from pipe_rlhf_jax.models.safetensors_io import (
+  load_checkpoint_tensors,
+  read_safetensors,
+  write_safetensors,
+)
 from pipe_rlhf_jax.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)

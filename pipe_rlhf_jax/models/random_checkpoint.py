@@ -28,17 +28,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import zlib
 from pathlib import Path
+import sys
 from typing import Any, Mapping, Sequence
+import zlib
 
 import numpy as np
 
 from pipe_rlhf_jax.models import hf, shapes
 from pipe_rlhf_jax.models.config import DTYPES, TransformerConfig, dtype_name
-from pipe_rlhf_jax.models.safetensors_io import (INDEX_FILE, SINGLE_FILE, write_index,
-                                                 write_safetensors_lazy)
+from pipe_rlhf_jax.models.safetensors_io import (
+  INDEX_FILE,
+  SINGLE_FILE,
+  write_index,
+  write_safetensors_lazy,
+)
 
 INIT_STD = 0.02
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024 ** 3

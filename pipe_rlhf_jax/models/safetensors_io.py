@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path, PurePosixPath, PureWindowsPath
 import struct
 import sys
-from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterable, Mapping
 
 import ml_dtypes

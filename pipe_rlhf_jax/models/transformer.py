@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from pipe_rlhf_jax.models import attention as attention_lib
 from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, TransformerConfig

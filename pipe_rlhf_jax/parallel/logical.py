@@ -9,10 +9,10 @@ context that lets `constrain(x, axes)` pin activation layouts inside jitted code
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec

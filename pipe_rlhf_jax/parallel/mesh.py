@@ -8,9 +8,9 @@ config block, and how the machine's devices are cut into disjoint contiguous gro
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np

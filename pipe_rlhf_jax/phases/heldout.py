@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax import nnx
 import jax
 import numpy as np
-from flax import nnx
 
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from flax import nnx
 import jax
 import numpy as np
-from flax import nnx
 
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
+from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh
 from pipe_rlhf_jax.stages.common import StageLayout, completion_nll, sequence_scores
-from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer, optimizer_shardings
 
 
 def _warm_start_devices(devices: Sequence[Any], wanted: int) -> list:

@@ -22,8 +22,8 @@ import os
 import time
 from typing import Any
 
-import jax
 from flax import nnx
+import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.config_validation import policy_pairs_label

@@ -31,8 +31,8 @@ from typing import Any
 
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
-from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.stages.train import PPOHyper
+from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 
 PLAN_CHOICES = ("manual", "auto")
 
@@ -168,6 +168,7 @@ def runnable_across_processes(plan: RuntimeConfig, processes: int,
   if processes == 1 or plan.mode != "pipe" or plan.placement is None:
     return True
   import numpy as np
+
   from pipe_rlhf_jax.distributed.transfer import is_rectangular
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   try:

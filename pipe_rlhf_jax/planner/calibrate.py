@@ -98,11 +98,12 @@ def fit_line(xs, ys) -> tuple[float, float]:
 
 def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   """Raw samples: lists of dicts with the sizes, analytic work and median seconds."""
+  from flax import nnx
   import jax
   import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   import numpy as np
-  from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from pipe_rlhf_jax.models import flops
   from pipe_rlhf_jax.models.transformer import KVCache, init_model
@@ -252,8 +253,9 @@ def measure_all_gathers(devices, per_device_sizes, count: int = 16) -> list[dict
   has no dispatch in it). Small buffers show the latency, larger ones the bandwidth."""
   import jax
   import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
   out = []
   for k in sorted({min(2, len(devices)), min(4, len(devices)), len(devices)} - {1}):
     sub = jax.sharding.Mesh(np.array(devices[:k]), ("d",))
@@ -301,6 +303,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
   """
   import jax
   import numpy as np
+
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.planner import composition
@@ -384,6 +387,7 @@ def nnls(columns: list[list[float]], target: list[float], weights: list[float]
   """Non-negative least squares min sum (w (X c - y))^2, c >= 0, by trying every subset
   of the (few) columns: the best unconstrained fit among those with no negative entry."""
   import itertools
+
   import numpy as np
   x = np.asarray(columns, float).T * np.asarray(weights, float)[:, None]  # [samples, k]
   y = np.asarray(target, float) * np.asarray(weights, float)
@@ -410,6 +414,7 @@ def fit_stages(samples: dict, fits: dict) -> dict:
   the planner multiplies them by. Relative residuals: small stages count as much as big.
   """
   import dataclasses as dc
+
   from pipe_rlhf_jax.models.config import TransformerConfig
   from pipe_rlhf_jax.planner import cost, hardware, space
   from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
@@ -538,8 +543,9 @@ def fit(samples: dict) -> dict:
 
 
 def efficiency_dict(fits: dict, source: str) -> dict:
-  from pipe_rlhf_jax.planner.cost import Efficiency
   import dataclasses
+
+  from pipe_rlhf_jax.planner.cost import Efficiency
   known = {f.name for f in dataclasses.fields(Efficiency)}
   values = {k: v for k, (v, _) in fits.items() if k in known}
   values["source"] = source
@@ -555,8 +561,9 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="fewer points (tests)")
   args = parser.parse_args(argv)
   _default_cpu_devices()
-  from ml_collections import config_flags  # noqa: F401 (config loading below)
   import importlib.util
+
+  from ml_collections import config_flags  # noqa: F401 (config loading below)
   spec = importlib.util.spec_from_file_location("_calib_config", args.config)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -23,14 +23,14 @@ import functools
 import itertools
 from typing import Any, Iterator
 
-import jax
 from flax import nnx
+import jax
 
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
-from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
+from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan

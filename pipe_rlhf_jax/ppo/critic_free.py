@@ -34,8 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pipe_rlhf_jax.ppo.advantages import (AdvantageSettings, check_2d, gae, masked_sum,
-                                          whiten)
+from pipe_rlhf_jax.ppo.advantages import AdvantageSettings, check_2d, gae, masked_sum, whiten
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 
 

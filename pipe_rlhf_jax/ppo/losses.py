@@ -18,13 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.advantages import (
-    as_f32_mask,
-    check_2d,
-    masked_mean,
-    masked_var,
+  as_f32_mask,
+  check_2d,
+  masked_mean,
+  masked_var,
 )
+from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.registry import POLICY_LOSSES
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from flax import struct
 import jax
 import numpy as np
-from flax import struct
 
 
 @struct.dataclass

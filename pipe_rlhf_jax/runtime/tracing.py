@@ -365,9 +365,9 @@ class Tracer:
       The path written, as a string.
     """
     # Imported lazily: matplotlib is slow to import and only needed here.
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib import colormaps
 
     spans = self.spans()
     stages = self.stages()

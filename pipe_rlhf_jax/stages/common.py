@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 
 from pipe_rlhf_jax.distributed.arrays import put_global
 from pipe_rlhf_jax.generation.sampling import policy_logprobs, token_logprob

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.generation import sampler

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.ppo import advantages as adv_lib
@@ -31,8 +31,12 @@ from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.losses import explained_variance
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, score_rule
 from pipe_rlhf_jax.ppo.types import Experience, Rollout, decode_answers
-from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs,
-                                         completion_values, sequence_scores)
+from pipe_rlhf_jax.stages.common import (
+  StageLayout,
+  completion_logprobs,
+  completion_values,
+  sequence_scores,
+)
 
 
 @dataclasses.dataclass(frozen=True)

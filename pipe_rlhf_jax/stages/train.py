@@ -27,20 +27,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flax import nnx, struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
 
 from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
 from pipe_rlhf_jax.ppo import losses
-from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.advantages import masked_mean
+from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.kl import kl_penalty
 from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
-from pipe_rlhf_jax.stages.common import (StageLayout, completion_logprobs, completion_nll,
-                                         completion_values)
+from pipe_rlhf_jax.stages.common import (
+  StageLayout,
+  completion_logprobs,
+  completion_nll,
+  completion_values,
+)
 from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
 
 

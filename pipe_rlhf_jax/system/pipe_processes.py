@@ -56,7 +56,6 @@ from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.settings import STAGES
 from pipe_rlhf_jax.system.steps import StopHere, finish_step
 
-
 # Key of the prompt source's state in the metrics that travel with a batch.
 DATA_STATE = "_data_state"
 

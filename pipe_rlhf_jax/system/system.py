@@ -24,15 +24,16 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
+from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MeshShape, describe, make_mesh, split_devices
 from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
@@ -41,7 +42,6 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.steps import BadStepGuard
