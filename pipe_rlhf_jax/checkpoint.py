@@ -60,11 +60,19 @@ def _small_arrays_unsliced() -> None:
   # Orbax's default handler keeps per-array metadata in a store; the replacement keeps
   # the same store so that what is written is unchanged apart from the slicing.
   default = ocp.type_handlers.get_type_handler(jax.Array)
-  ocp.type_handlers.register_type_handler(
-      jax.Array, ocp.type_handlers.ArrayHandler(
-          min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
-          array_metadata_store=getattr(default, "_array_metadata_store", None)),
-      override=True)
+  # Orbax warns on every override ("Type handler registry ... overriding"); this one is
+  # deliberate, so that one warning is kept out of the run's output (only around it).
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES,
+            array_metadata_store=getattr(default, "_array_metadata_store", None)),
+        override=True)
+  finally:
+    absl_logger.setLevel(level)
 
 # Fields that change where or how often things are written, or where and in which order
 # the same mathematics runs, never the mathematics itself: a run may resume with other

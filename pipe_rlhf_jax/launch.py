@@ -220,8 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours, theirs = argv, []
   parser = argparse.ArgumentParser(
       prog="python -m pipe_rlhf_jax.launch",
-      description="Start a multi-process job of the main job on this machine; the main "
-                  "job's flags follow `--`.")
+      description="Start a multi-process job of the main job on this machine (one process "
+                  "per simulated host, joined by jax.distributed); the main job's flags "
+                  "follow `--`. Ctrl-C / SIGTERM are passed on to every process, which "
+                  "write a final checkpoint and stop.",
+      epilog="example:\n  python -m pipe_rlhf_jax.launch --num_processes=2 --cpu_devices=4 -- "
+             "\\\n      --config=configs/quickstart.py:tiny --workdir=runs/two",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--num_processes", type=int, required=True)
   parser.add_argument("--cpu_devices", type=int, default=0,
                       help="virtual CPU devices per process (0: platform default)")

@@ -1,4 +1,8 @@
-"""Command-line entry point: parse flags, then `train(config, workdir)`.
+"""The main job: SFT -> reward model -> PPO on an experiment config, in one command.
+
+Parses the flags, then runs `pipe_rlhf_jax.train.train(config, workdir)`, which writes
+metrics, checkpoints, a trace and Gantt chart, samples, the exported policy and a summary
+under the workdir.
 
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py [--workdir=DIR] [--resume]
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py --workdir=DIR --warm_start_only
@@ -88,6 +92,10 @@ def distributed_config():
 
 def main(argv):
   del argv
+  # Library chatter (jax's probe for TPU plugins on a machine without one, TFDS writers,
+  # Orbax) stays at WARNING; the run's own milestones are printed by `train`. Set before
+  # anything touches a backend: jax logs its platform probe when devices are first listed.
+  logging.set_verbosity(logging.WARNING)
   from pipe_rlhf_jax import distributed
   from pipe_rlhf_jax.distributed.faults import FaultWatch
   # Before anything touches a backend: jax enumerates devices once.
@@ -101,9 +109,6 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   watch = FaultWatch.start()
   from pipe_rlhf_jax.train import prepare_warm_start, train  # after flags: jax sees XLA_FLAGS
-  # Library chatter (TFDS writers, Orbax) stays at WARNING; the run's own milestones are
-  # printed by `train`.
-  logging.set_verbosity(logging.WARNING)
   if _WARM_START_ONLY.value and _RESUME.value:
     raise app.UsageError("--warm_start_only and --resume: choose one.")
   from pipe_rlhf_jax.runtime.interrupts import Interrupted, Stalled, exit_status
@@ -140,6 +145,14 @@ def main(argv):
     watch.finish()
   if message:
     print(message)
+
+
+def run() -> None:
+  """The installed command (`pip install -e .`), the same as `python -m pipe_rlhf_jax.main`."""
+  import __main__
+  if not getattr(__main__, "__doc__", None):
+    __main__.__doc__ = __doc__  # absl's --help prints the main module's docstring
+  sys.exit(app.run(main))
 
 
 if __name__ == "__main__":

@@ -130,5 +130,13 @@ def main(argv):
   return 0
 
 
+def run() -> None:
+  """The installed command (`pip install -e .`), the same as `python -m pipe_rlhf_jax.plan`."""
+  import __main__
+  if not getattr(__main__, "__doc__", None):
+    __main__.__doc__ = __doc__  # absl's --help prints the main module's docstring
+  sys.exit(app.run(main))
+
+
 if __name__ == "__main__":
   sys.exit(app.run(main))

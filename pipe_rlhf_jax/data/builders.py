@@ -137,6 +137,15 @@ def _builder_class(name: str, kind: str, fields):
     # there are no checksums: no code path.
     code_path = None
 
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded
+    # and prepared" around every build, to let a user cancel a long download. Nothing is
+    # downloaded here; the run announces the datasets it rebuilds itself.
+    def _log_download_bytes(self) -> None:
+      pass
+
+    def _log_download_done(self) -> None:
+      pass
+
     def __init__(self, *, records: dict[str, list], metadata: dict[str, Any], **kwargs):
       # Set before the base constructor, which already calls `_info`.
       self._records = records

@@ -554,7 +554,15 @@ def efficiency_dict(fits: dict, source: str) -> dict:
 
 def main(argv=None) -> int:
   import argparse
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m pipe_rlhf_jax.planner.calibrate",
+      description="Time the matmul peak, memory bandwidth, collectives and the PPO stages "
+                  "of an experiment's model on this backend, and fit the planner's cost "
+                  "model to them (every fitted constant is printed and saved).",
+      epilog="example:\n  python -m pipe_rlhf_jax.planner.calibrate --out calib.json\n"
+             "  python -m pipe_rlhf_jax.plan --config=configs/quickstart.py "
+             "--calibration=calib.json",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", required=True, help="calibration JSON to write")
   parser.add_argument("--config", default="configs/quickstart.py",
                       help="experiment config whose model is timed")

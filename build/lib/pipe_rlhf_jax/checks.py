@@ -1,0 +1,62 @@
+"""Argument checks shared by the config validation and the library's constructors.
+
+Owns `check_int`, the one place that decides what counts as an integer setting (a
+Python or numpy int, never a bool, at least `low`) and how a bad one is reported
+("name=value must be an integer >= low."), and `check_number`, the same for real-valued
+settings (finite: NaN passes every comparison and inf every lower bound), so every
+field and argument fails alike, whether it comes from a config or a typed setting.
+Imports nothing heavy: config validation and data code call it before jax starts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def check_int(value: Any, name: str, *, low: int = 1, allow_none: bool = False,
+              hint: str = "") -> Any:
+  """Returns `value` as an int when it is an integer >= `low`; raises ValueError naming it.
+
+  Args:
+    value: the setting to check.
+    name: the config field or argument, as the user wrote it ("ppo.epochs", "batch_size").
+    low: the smallest allowed value (1 for counts and sizes, 0 for "may be none").
+    allow_none: accept None (returned as is), e.g. "unbounded".
+    hint: appended to the message (what None or 0 would mean, what to do instead).
+  """
+  if value is None and allow_none:
+    return None
+  # bool is an int subclass: `True` for a count is a typo, not 1.
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    more = " (or None)" if allow_none else ""
+    raise ValueError(f"{name}={value!r} must be an integer >= {low}{more}.{hint}")
+  return int(value)
+
+
+def check_number(value: Any, name: str, *, allow_zero: bool = False,
+                 at_most: float | None = None, what: str = "a number",
+                 hint: str = "") -> float:
+  """Returns `value` as a float when it is a finite number > 0 (>= 0 with `allow_zero`)
+  and at most `at_most`; raises ValueError naming it.
+
+  Args:
+    value: the setting to check (a Python or numpy int or float, never a bool).
+    name: the config field or argument ("sft.learning_rate", "ppo.top_p").
+    allow_zero: accept 0.
+    at_most: the largest allowed value (None: unbounded above).
+    what: what the value is, as the message says it ("a probability").
+    hint: appended to the message (what the setting means, what to do instead).
+  """
+  # NaN passes every comparison below and inf every lower bound: refused first.
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+      or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero) or (
+      at_most is not None and value > at_most):
+    if at_most is None:
+      allowed = ">= 0" if allow_zero else "> 0"
+    else:
+      allowed = f"in {'[' if allow_zero else '('}0, {at_most:g}]"
+    raise ValueError(f"{name}={value!r} must be {what} {allowed}.{hint}")
+  return float(value)

@@ -1,0 +1,217 @@
+"""Validation of an experiment config, once, before anything is built or compiled.
+
+Each check names the field, the value it got, and what is allowed, so a typo on the
+command line (`--config.ppo.kl_estimator=k4`) fails in a second with a readable message
+instead of deep inside a jitted function. Numbers go through the same checks as the
+typed settings (`checks.check_int`, `checks.check_number`: NaN and inf are refused), so
+a field fails alike from a config or from `PPOConfig`. Checks that need the devices
+(mesh sizes, divisibility of parameters over mesh axes) happen when the stage layouts
+are built.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pipe_rlhf_jax.checks import check_int, check_number
+
+# Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
+# which is empty in a process that has not imported them yet. (Importing the registry
+# module runs the ppo package, which registers the KL estimators and losses.)
+from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
+
+REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
+                     "mesh", "stages", "checkpoint", "log")
+
+
+def _get(config, path: str) -> Any:
+  node = config
+  for part in path.split("."):
+    if part not in node:
+      raise ValueError(f"Config field {path} is missing; add it (see configs/quickstart.py).")
+    node = node[part]
+  return node
+
+
+def _positive_int(config, path: str, allow_zero: bool = False) -> int:
+  return check_int(_get(config, path), path, low=0 if allow_zero else 1)
+
+
+def _positive_float(config, path: str, allow_zero: bool = False,
+                    at_most: float | None = None) -> float:
+  return check_number(_get(config, path), path, allow_zero=allow_zero, at_most=at_most)
+
+
+def _choice(config, path: str, choices) -> str:
+  value = _get(config, path)
+  if value not in choices:
+    raise ValueError(f"{path}={value!r}; choose one of {sorted(choices)}.")
+  return value
+
+
+# Built-in rule rewards that only apply to one embedded task, by name prefix.
+TASK_RULE_PREFIXES = {"reverse": "reverse_", "arith": "arith_"}
+
+
+def _check_task(config) -> None:
+  """The data source, and that the rewards and critic fit it.
+
+  A rule reward trains no reward model, so preference data are needed only with
+  `reward.fn="model"`, and a critic (when the estimator has one) cannot start from a
+  reward model then. A built-in rule of one task on another task's prompts would raise
+  at the first PPO step: refused here instead.
+  """
+  task = _choice(config, "data.task", ("reverse", "arith", "jsonl"))
+  use_rm = config.reward.fn == "model"
+  if task == "jsonl":
+    roles = ("prompts", "prompts_eval", "demos") + (("prefs", "prefs_eval") if use_rm else ())
+    for role in roles:
+      path = config.data.jsonl.get(role, "")
+      if not path or not os.path.isfile(path):
+        why = ("the prefs train the reward model" if use_rm
+               else "no prefs: reward.fn is a rule")
+        raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
+                         f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
+  if "init" in config.reward_model:
+    _choice(config, "reward_model.init", ("base", "sft"))
+  check_number(config.data.get("hard_pairs", 0.0), "data.hard_pairs", allow_zero=True,
+               at_most=1.0, what="a probability",
+               hint=" It is the share of reverse-task preference pairs that differ by one "
+                    "neighbour-copy error.")
+  _check_policy_pairs(config, use_rm)
+  # Other tasks ignore it (the quickstart sets it, and a user switching the quickstart to
+  # data.task='jsonl' must not have to unset a knob of data they no longer generate).
+  if task == "arith":
+    if "arith" not in config.data:
+      raise ValueError("data.task='arith' needs a data.arith section (operators, min_digits, "
+                       "max_digits, demo_noise); see configs/grpo_arith.py.")
+    from pipe_rlhf_jax.data.arith import ArithSpec
+    spec = ArithSpec.from_config(config.data.arith, "data.arith")
+    num_eval = config.data.get("num_eval", 256)
+    if num_eval > spec.num_problems() // 2:
+      raise ValueError(f"data.num_eval={num_eval} held-out problems is more than half of the "
+                       f"{spec.num_problems()} that data.arith allows; lower data.num_eval "
+                       "or allow more digits/operators.")
+    if use_rm:
+      raise ValueError("data.task='arith' has no preference pairs to train a reward model "
+                       "on: set reward.fn to a rule, e.g. --config.reward.fn=arith_exact_match.")
+  for path in ("reward.fn", "reward.eval_fn"):
+    name = _get(config, path)
+    for other, prefix in TASK_RULE_PREFIXES.items():
+      if name.startswith(prefix) and other != task:
+        raise ValueError(
+            f"{path}={name!r} scores the embedded {other} task only, but data.task={task!r};"
+            f" choose a rule for your data (or set --config.reward.eval_fn='').")
+    if (task != "jsonl" and name in REWARD_FUNCTIONS
+        and rule_answers(REWARD_FUNCTIONS.get(name)) == "required"):
+      raise ValueError(
+          f"{path}={name!r} checks each completion against its prompt's reference answer, "
+          f"but the prompts of data.task={task!r} carry none: use data.task='jsonl' with "
+          "prompt records that have an 'answer' field.")
+  from pipe_rlhf_jax.system.settings import PPOConfig
+  needs_critic = PPOConfig.from_config(config.ppo).needs_critic
+  if not use_rm and needs_critic and config.ppo.critic_init == "reward_model":
+    raise ValueError(f"ppo.critic_init='reward_model' but reward.fn={config.reward.fn!r} is a "
+                     "rule: no reward model is trained to start the critic from; set "
+                     "--config.ppo.critic_init=sft.")
+
+
+def validate_config(config) -> None:
+  """Raises ValueError naming the first bad field of `config`.
+
+  The PPO algorithm (`ppo`) and the plan (`runtime`, `mesh`, `stages`) are checked by
+  converting them to their typed settings (`system.settings`), which the library's own
+  users construct directly: one set of checks for both ways in.
+  """
+  from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+  for section in REQUIRED_SECTIONS:
+    _get(config, section)
+  PPOConfig.from_config(config.ppo, seed=config.get("seed", 0))
+  runtime = RuntimeConfig.from_config(config)
+  for path in ("sft.steps", "reward_model.steps"):
+    _positive_int(config, path, allow_zero=True)
+  for path in ("sft.batch_size", "reward_model.batch_size", "data.prompt_len",
+               "data.completion_len", "checkpoint.every", "checkpoint.keep", "log.every",
+               "model.num_layers", "model.embed_dim", "model.num_heads",
+               "model.num_kv_heads", "model.head_dim", "model.mlp_dim"):
+    _positive_int(config, path)
+  for path in ("sft.learning_rate", "reward_model.learning_rate"):
+    _positive_float(config, path)
+  _positive_float(config, "ppo.temperature", allow_zero=True)
+  _positive_float(config, "ppo.top_p", at_most=1.0)
+  _positive_int(config, "ppo.top_k", allow_zero=True)
+  if "num_eval" in config.data:  # optional: older configs hold out 256
+    _positive_int(config, "data.num_eval")
+  if "eval_prompts" in config.log:  # optional: older configs score nothing held out
+    _positive_int(config, "log.eval_prompts", allow_zero=True)
+  if "eval_samples_per_prompt" in config.log:  # optional: older configs sample none
+    _positive_int(config, "log.eval_samples_per_prompt", allow_zero=True)
+  if "normalize_samples_per_prompt" in config.reward:  # optional: older configs: raw scores
+    _positive_int(config, "reward.normalize_samples_per_prompt", allow_zero=True)
+  if "response_fraction" in config.runtime:  # optional: older configs price full rows
+    from pipe_rlhf_jax.planner.lengths import check_fraction
+    check_fraction(config.runtime.response_fraction, "runtime.response_fraction")
+  if "num_devices" in config.runtime:  # optional: older configs use all devices
+    _positive_int(config, "runtime.num_devices", allow_zero=True)
+  if "plan" in config.runtime:  # optional: older configs run their hand-written plan
+    _choice(config, "runtime.plan", ("manual", "auto"))
+  shared = (config.get("warm_start") or {}).get("checkpoint", "")
+  if shared and not os.path.isdir(shared):
+    raise ValueError(f"warm_start.checkpoint={shared!r} is not a directory; give the "
+                     "warmstart/ directory of an earlier run of this seed and config, or ''.")
+  _choice(config, "ppo.critic_init", ("reward_model", "sft"))
+  _choice(config, "data.on_invalid", ("skip", "error"))
+  _choice(config, "data.on_overlong", ("truncate", "skip", "error"))
+  _choice(config, "model.dtype", ("float32", "bfloat16"))
+  _choice(config, "model.param_dtype", ("float32", "bfloat16"))
+  _choice(config, "reward.fn", ["model"] + REWARD_FUNCTIONS.names())
+  if config.reward.eval_fn:
+    _choice(config, "reward.eval_fn", REWARD_FUNCTIONS.names())
+  _check_task(config)
+  if config.model.get("require_path") and not config.model.path:
+    raise ValueError("model.path is required by this config: pass "
+                     "--config.model.path=/path/to/a/local/huggingface/model/dir.")
+  if config.model.path and not os.path.isfile(os.path.join(config.model.path, "config.json")):
+    raise ValueError(f"model.path={config.model.path!r} has no config.json; give a local "
+                     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json).")
+  if config.ppo.temperature == 0:
+    raise ValueError("ppo.temperature=0 (greedy) gives PPO no exploration; use a value > 0.")
+  ppo = config.ppo
+  num_mb = runtime.generate.num_microbatches
+  if ppo.batch_size % num_mb:
+    raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
+                     f"stages.generate.num_microbatches={num_mb}; choose a divisor.")
+  if config.model.num_heads % config.model.num_kv_heads:
+    raise ValueError(f"model.num_heads={config.model.num_heads} must be a multiple of "
+                     f"model.num_kv_heads={config.model.num_kv_heads}.")
+
+
+def _check_policy_pairs(config, use_rm: bool) -> None:
+  """reward_model.policy_pairs / policy_samples / label_fn (phases.policy_pairs)."""
+  rm = config.reward_model
+  share = check_number(rm.get("policy_pairs", 0.0), "reward_model.policy_pairs",
+                       allow_zero=True, at_most=1.0, what="a fraction",
+                       hint=" It is the share of each reward-model batch made of the SFT "
+                            "policy's samples.")
+  if not share or not use_rm:
+    return
+  k = rm.get("policy_samples", 4)
+  if not (isinstance(k, int) and k >= 2):
+    raise ValueError(f"reward_model.policy_samples={k!r}: a pair is the best and the worst "
+                     "of at least 2 samples per prompt; set an int >= 2.")
+  policy_pairs_label(config)
+
+
+def policy_pairs_label(config):
+  """The registered rule that ranks the policy's samples for `reward_model.policy_pairs`
+  (`reward_model.label_fn`, empty: `reward.eval_fn`); errors name the field it came from."""
+  own = config.reward_model.get("label_fn", "")
+  label = own or config.reward.eval_fn
+  if not label:
+    raise ValueError("reward_model.policy_pairs needs a rule to rank the samples: set "
+                     "reward_model.label_fn (or reward.eval_fn) to a registered reward "
+                     "function, or policy_pairs=0.")
+  return REWARD_FUNCTIONS.get(label, field="reward_model.label_fn" if own
+                              else "reward.eval_fn (ranking reward_model.policy_pairs)")

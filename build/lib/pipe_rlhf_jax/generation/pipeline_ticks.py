@@ -1,0 +1,492 @@
+"""One stage's work per tick of the delayed pipeline, and the loop over ticks.
+
+Owns the program each 'pipe' stage runs inside the pipelined decoder's `shard_map`
+(`stage_program`), built from `PipelinePlan`, the static shape of one call. The work of
+stage s at tick t is the closed form of `schedule.delayed_slot`.
+
+Per tick, each stage runs five documented functions over an explicit `LoopState`
+(`tick` composes them; `Stage` holds what is read-only for the whole call):
+  1. `absorb`: stage 0 takes in the ring message from stage P-1 (the token just
+     sampled for some micro-batch and which of its rows are done);
+  2. `compute`: the stage's layers on (micro-batch, pass) under `lax.cond` (bubbles,
+     finished micro-batches and ticks outside the stage's window skip all compute):
+     stage 0 embeds the prompt (pass 0) or the micro-batch's latest token, and every
+     layer writes its k/v straight into the stage's cache (`stage_layers`);
+  3. `sample`: stage P-1 applies the head and draws (`draw_token`: the plain
+     sampler's `next_tokens`, i.e. `sampling_logprobs` and
+     `token_keys(rng, sample_ids_of_mb, pass)`), so tokens equal the plain sampler's
+     for the same rng, and writes the token, its log-prob and mask with the plain
+     sampler's EOS rules (`record_tokens`); all under one `lax.cond`, so the other
+     stages run none of it;
+  4. `record`: every stage logs what it ran;
+  5. `send`: one message round the ring with `lax.ppermute`: activations to s + 1,
+     and from P-1 the new token (plus row-done flags) back to stage 0. A `valid` flag
+     in the message says whether the sender really ran; receivers never use invalid
+     payloads, which the NaN-poisoning test checks.
+
+KV cache: `[layers, M, mb, P_len + T, kv_heads, head_dim]` on the logical axes
+`CACHE_AXES` (layers -> 'pipe', kv_heads -> 'tensor' under the generate rules). Inside
+a stage it is viewed as `[local_layers * M, mb, ...]` (a free reshape), so layer l of
+micro-batch m is row `l * M + m`: the model's per-layer block updates that row in
+place, and no tick copies a micro-batch's cache out or back.
+
+Prefill vs decode shapes: the prefill passes all happen in the first M + P - 1 ticks
+(stage s prefills at ticks s .. s + M - 1). Those ticks run in a first segment whose
+ring messages are `[mb, P_len, embed]` (a decode step inside it uses row 0 only and
+`lax.cond` picks the prefill or decode compute); every later tick is decode-only and
+runs in a second segment with `[mb, 1, embed]` messages. The schedule is unchanged;
+only the message buffer shrinks (`split_segments=False` keeps the padded buffer for
+every tick, for comparison in `experiments/bench_pipeline_generate.py`).
+
+EOS: a micro-batch whose rows are all done is skipped from its next pass on (stage 0
+stops it, and the `valid` flag switches the downstream stages off). The decode segment
+is a `lax.while_loop` over chunks of `chunk_ticks` ticks (default W) that exits once
+the last stage has every micro-batch done (one `psum` over 'pipe' per chunk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from pipe_rlhf_jax.generation import schedule as sched
+from pipe_rlhf_jax.generation.sampler import (
+  SamplingParams,
+  completion_key_mask,
+  next_tokens,
+  record_tokens,
+)
+from pipe_rlhf_jax.models.transformer import KVCache, default_positions
+
+PIPE = "pipe"
+# Executed-schedule marker for ticks the decode loop never reached because every
+# micro-batch had already finished (idle ticks that did run are sched.BUBBLE = -1).
+NOT_REACHED = -2
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+  """Static shape of one pipelined generation call (hashable: keys the jit cache).
+
+  Attributes:
+    num_stages: P, the mesh's 'pipe' size.
+    num_microbatches: M.
+    batch, prompt_len: B and P_len of the prompt batch.
+    params: sampling settings (T = params.max_new_tokens).
+    chunk_ticks: ticks per early-exit check in the decode segment.
+    split_segments: use [mb, 1, embed] ring messages once all prefills are done.
+    poison_bubbles: debug: idle stages emit NaN activations / garbage tokens, and the
+      ring starts poisoned, to prove that idle slots never reach the results.
+  """
+
+  num_stages: int
+  num_microbatches: int
+  batch: int
+  prompt_len: int
+  params: SamplingParams
+  chunk_ticks: int
+  split_segments: bool = True
+  poison_bubbles: bool = False
+
+  @property
+  def microbatch(self) -> int:
+    return self.batch // self.num_microbatches
+
+  @property
+  def slots(self) -> int:
+    """KV cache slots: the prompt then one per completion token."""
+    return self.prompt_len + self.params.max_new_tokens
+
+  @property
+  def width(self) -> int:
+    return sched.ring_width(self.num_stages, self.num_microbatches)
+
+  @property
+  def total_ticks(self) -> int:
+    return sched.num_ticks(self.num_stages, self.num_microbatches,
+                           self.params.max_new_tokens, "delayed")
+
+  @property
+  def prefill_ticks(self) -> int:
+    """Ticks [0, M + P - 1) contain every prefill; later ticks are decode-only."""
+    return min(self.total_ticks, self.num_microbatches + self.num_stages - 1)
+
+
+class Message(NamedTuple):
+  """What one stage sends round the ring each tick.
+
+  h: [mb, length, embed] activations for the next stage (from stages 0..P-2).
+  token: int32 [mb] the token just sampled (from stage P-1, for stage 0).
+  rows_done: bool [mb] rows of that micro-batch that have emitted EOS (from P-1).
+  valid: bool [] the sender really ran its scheduled work at this tick.
+  """
+
+  h: jax.Array
+  token: jax.Array
+  rows_done: jax.Array
+  valid: jax.Array
+
+
+class LoopState(NamedTuple):
+  """Everything one stage carries from tick to tick (its local blocks).
+
+  The cache is kept flat over (local layer, micro-batch) so a layer's k/v update for
+  one micro-batch is a single in-place `dynamic_update_slice` at row
+  `layer * M + microbatch`, never a copy of the micro-batch's slice.
+  """
+
+  cache: KVCache  # k, v: [local_layers * M, mb, slots, kv_heads, head_dim]
+  msg: Message  # received at the end of the previous tick
+  last_token: jax.Array  # int32 [M, mb]: stage 0's next input token per micro-batch
+  done_rows: jax.Array  # bool [M, mb]: rows that emitted EOS (as this stage knows)
+  out_tokens: jax.Array  # int32 [M, mb, T] (filled on stage P-1)
+  out_logprobs: jax.Array  # f32 [M, mb, T]
+  out_mask: jax.Array  # bool [M, mb, T]
+  executed: jax.Array  # int32 [ticks + chunk, 2]: (mb, pass) per tick, -1 idle, -2 not reached
+  tick: jax.Array  # int32 []
+  all_done: jax.Array  # bool []: every micro-batch finished (psum'd per chunk)
+
+
+class Slot(NamedTuple):
+  """One stage's scheduled work at one tick (`schedule.delayed_slot`)."""
+
+  microbatch: jax.Array  # int32 [], clipped into [0, M) (meaningless unless active)
+  step: jax.Array  # int32 [] pass: 0 = prefill, k >= 1 = decode of token k
+  active: jax.Array  # bool []: not a bubble / fill / drain tick
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """The read-only context of one stage for a whole call (closed over, not carried).
+
+  Built once per call inside the shard_map body; the prompt-derived arrays are
+  reshaped per micro-batch so a tick only indexes them.
+  """
+
+  plan: PipelinePlan
+  model: Any  # the merged nnx Transformer (this stage's local layers)
+  index: jax.Array  # int32 [] this stage's position on the 'pipe' axis
+  prompts: jax.Array  # int32 [M, mb, P_len]
+  positions: jax.Array  # int32 [M, mb, P_len] RoPE positions of the prompt
+  key_masks: jax.Array  # bool [M, mb, slots]
+  num_real: jax.Array  # int32 [M, mb] real prompt tokens per row
+  sample_ids: jax.Array  # int32 [M, mb] global ids: they pick the random keys
+  rng: jax.Array
+
+  @property
+  def is_first(self) -> jax.Array:
+    return self.index == 0
+
+  @property
+  def is_last(self) -> jax.Array:
+    return self.index == self.plan.num_stages - 1
+
+  def slot(self, tick, stage) -> Slot:
+    plan = self.plan
+    mb, step, active = sched.delayed_slot(tick, stage, plan.num_stages,
+                                          plan.num_microbatches,
+                                          plan.params.max_new_tokens)
+    return Slot(jnp.clip(mb, 0, plan.num_microbatches - 1).astype(jnp.int32),
+                step.astype(jnp.int32), active)
+
+  def idle_message(self, length: int) -> Message:
+    """The message of a stage that did not run (NaN / -1 / all-done when poisoned)."""
+    poison = self.plan.poison_bubbles
+    config = self.model.config
+    return Message(
+        h=jnp.full((self.plan.microbatch, length, config.embed_dim),
+                   jnp.nan if poison else 0.0, config.compute_dtype),
+        token=jnp.full((self.plan.microbatch,), -1 if poison else 0, jnp.int32),
+        rows_done=jnp.full((self.plan.microbatch,), poison, bool),
+        valid=jnp.zeros((), bool))
+
+
+# ---------------------------------------------------------------------------
+# The parts of one tick, in order: absorb, compute, sample, record, send.
+# ---------------------------------------------------------------------------
+
+
+def absorb(stage: Stage, state: LoopState) -> LoopState:
+  """Stage 0 takes in the ring message from stage P-1: the token it sampled at tick
+  t - 1 (and which rows of that micro-batch are done), if it really ran."""
+  prev = stage.slot(state.tick - 1, stage.plan.num_stages - 1).microbatch
+
+  def take_in(carry):
+    last_token, done_rows = carry
+    # With P = 1 stage 0 is the last stage and `sample` already updated its flags.
+    done_rows = jnp.where(stage.is_last, done_rows,
+                          done_rows.at[prev].set(state.msg.rows_done))
+    return last_token.at[prev].set(state.msg.token), done_rows
+
+  last_token, done_rows = jax.lax.cond(stage.is_first & state.msg.valid, take_in,
+                                       lambda carry: carry,
+                                       (state.last_token, state.done_rows))
+  return state._replace(last_token=last_token, done_rows=done_rows)
+
+
+def should_run(stage: Stage, state: LoopState, slot: Slot) -> jax.Array:
+  """Stage 0 runs its slot unless the micro-batch has finished; later stages run
+  exactly when their predecessor ran the same (micro-batch, pass) at t - 1."""
+  mb_done = jnp.all(state.done_rows[slot.microbatch])
+  return slot.active & jnp.where(stage.is_first, ~mb_done, state.msg.valid)
+
+
+def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCache,
+                 microbatch: jax.Array, first_slot) -> tuple[jax.Array, KVCache]:
+  """This stage's layers on one micro-batch, its k/v written into the cache in place.
+
+  The model's own `Layers.__call__` (so the numbers are the plain sampler's), with each
+  layer addressing the flat cache at row `layer * M + microbatch`: one
+  `dynamic_update_slice` writes there, and that row is read as the keys/values.
+
+  Args:
+    x: [mb, length, embed] residual stream entering the stage.
+    positions: int32 [mb, length] RoPE positions of the queries.
+    cache: k, v [local_layers * M, mb, slots, kv_heads, head_dim].
+    microbatch: int32 [] which micro-batch's rows to use.
+    first_slot: cache slot of the first query; queries occupy [slot, slot + length).
+
+  Returns:
+    The residual stream after the stage's layers [mb, length, embed], the cache.
+  """
+  return stage.model.layers(x, positions, stage.key_masks[microbatch], cache, first_slot,
+                            cache_stride=stage.plan.num_microbatches,
+                            cache_offset=microbatch)
+
+
+def compute(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, length: int,
+            prefill_possible: bool) -> tuple[KVCache, jax.Array, jax.Array]:
+  """The stage's work on (micro-batch, pass) under `lax.cond(run)`.
+
+  Stage 0 embeds the prompt (pass 0) or the micro-batch's latest token; other stages
+  take the received activations. Idle stages skip all compute and emit the idle
+  message's activations.
+
+  Args:
+    length: ring message length (P_len in the prefill segment, else 1).
+    prefill_possible: this segment can hold pass 0 (then `lax.cond` picks the
+      prefill or the decode shape on `step == 0`).
+
+  Returns:
+    The cache, the outgoing activations [mb, length, embed], and the residual stream
+    at the last query position [mb, 1, embed] (what the head reads).
+  """
+  plan, model = stage.plan, stage.model
+  mb = slot.microbatch
+  h_in = state.msg.h
+
+  def prefill(cache):
+    x = jax.lax.cond(stage.is_first, lambda: model.embed(stage.prompts[mb]),
+                     lambda: h_in)
+    h, cache = stage_layers(stage, x, stage.positions[mb], cache, mb, 0)
+    # Left padding: the last prompt column is every row's last token.
+    return cache, h, h[:, -1:]
+
+  def decode(cache):
+    x = jax.lax.cond(stage.is_first,
+                     lambda: model.embed(state.last_token[mb][:, None]),
+                     lambda: h_in[:, :1])
+    fed = slot.step - 1  # the token drawn at pass step - 1 sits at its own slot
+    positions = (stage.num_real[mb] + fed)[:, None]  # [mb, 1]
+    h, cache = stage_layers(stage, x, positions, cache, mb, plan.prompt_len + fed)
+    # A decode step inside the padded (prefill) segment fills only column 0.
+    padded = jnp.pad(h, ((0, 0), (0, length - 1), (0, 0))) if length != 1 else h
+    return cache, padded, h
+
+  def work(cache):
+    if prefill_possible:
+      return jax.lax.cond(slot.step == 0, prefill, decode, cache)
+    return decode(cache)
+
+  def skip(cache):
+    idle = stage.idle_message(length).h
+    return cache, idle, idle[:, :1]
+
+  return jax.lax.cond(run, work, skip, state.cache)
+
+
+def draw_token(stage: Stage, h_last: jax.Array, slot: Slot
+               ) -> tuple[jax.Array, jax.Array]:
+  """The last stage's head and draw: token `step` of each row and its log-prob.
+
+  `next_tokens` applies `sampling_logprobs` and draws with
+  `token_keys(rng, sample_ids, step)`, exactly as the plain sampler does.
+
+  Args:
+    h_last: [mb, 1, embed] residual stream at the last query position.
+
+  Returns:
+    int32 tokens [mb] and their f32 log-probs [mb] under the sampling distribution.
+  """
+  logits = stage.model.head(h_last)[:, 0]  # [mb, vocab]
+  return next_tokens(logits, stage.rng, stage.sample_ids[slot.microbatch], slot.step,
+                     stage.plan.params)
+
+
+def sample(stage: Stage, state: LoopState, h_last: jax.Array, slot: Slot,
+           run: jax.Array) -> tuple[LoopState, jax.Array]:
+  """On the last stage when it ran: `draw_token`, then column `step` of the
+  micro-batch's outputs written with the plain sampler's EOS rules (`record_tokens`),
+  updating which rows are done. Every other stage skips all of it (one `lax.cond`: no
+  head compute and none of the bookkeeping, which on a shared host is CPU time the
+  busy stages lose).
+
+  Returns:
+    The state and the tokens int32 [mb] (zeros where nothing was drawn).
+  """
+  mb = slot.microbatch
+  outputs = (state.out_tokens, state.out_logprobs, state.out_mask,
+             state.done_rows)  # [M, mb, T] x 3, [M, mb]
+
+  def draw_and_write(outputs):
+    tokens, logprobs = draw_token(stage, h_last, slot)
+    new = record_tokens(*(buf[mb] for buf in outputs), slot.step, tokens, logprobs,
+                        stage.plan.params)
+    return tuple(buf.at[mb].set(n) for buf, n in zip(outputs, new)), tokens
+
+  def skip(outputs):
+    return outputs, jnp.zeros((stage.plan.microbatch,), jnp.int32)
+
+  outputs, tokens = jax.lax.cond(run & stage.is_last, draw_and_write, skip, outputs)
+  out_tokens, out_logprobs, out_mask, done_rows = outputs
+  return state._replace(out_tokens=out_tokens, out_logprobs=out_logprobs,
+                        out_mask=out_mask, done_rows=done_rows), tokens
+
+
+def record(state: LoopState, slot: Slot, run: jax.Array) -> LoopState:
+  """Every stage notes what it ran at this tick in the executed schedule."""
+  ran = jnp.where(run, jnp.stack([slot.microbatch, slot.step]), sched.BUBBLE)
+  return state._replace(executed=state.executed.at[state.tick].set(ran.astype(jnp.int32)))
+
+
+def send(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, h_out: jax.Array,
+         tokens: jax.Array) -> Message:
+  """One ring hop: activations to stage s + 1, the fresh token (and its micro-batch's
+  done rows) from stage P-1 back to stage 0. Returns the message this stage receives."""
+  poison = stage.plan.poison_bubbles
+  msg = Message(h=h_out, token=jnp.where(run, tokens, -1 if poison else 0),
+                rows_done=state.done_rows[slot.microbatch], valid=run)
+  if poison:
+    msg = msg._replace(h=jnp.where(run, msg.h, jnp.nan),
+                       rows_done=jnp.where(run, msg.rows_done, True))
+  num_stages = stage.plan.num_stages
+  ring = [(i, (i + 1) % num_stages) for i in range(num_stages)]
+  # One collective per tick, not one per field: every ppermute is a rendezvous of
+  # all stages, so the four fields travel as one byte buffer.
+  return _unpack(jax.lax.ppermute(_pack(msg), PIPE, ring), msg)
+
+
+def _pack(msg: Message) -> jax.Array:
+  """The message's fields, bit for bit, as one flat uint8 buffer."""
+  as_bytes = lambda x: jax.lax.bitcast_convert_type(
+      x.astype(jnp.uint8) if x.dtype == bool else x, jnp.uint8).reshape(-1)
+  return jnp.concatenate([as_bytes(x) for x in msg])
+
+
+def _unpack(buffer: jax.Array, like: Message) -> Message:
+  """Inverse of `_pack`, with `like` giving each field's shape and dtype."""
+  fields, offset = [], 0
+  for x in like:
+    if x.dtype == bool:
+      fields.append(buffer[offset:offset + x.size].reshape(x.shape).astype(bool))
+      offset += x.size
+      continue
+    width = x.dtype.itemsize
+    chunk = buffer[offset:offset + x.size * width]
+    shape = (*x.shape, width) if width > 1 else x.shape
+    fields.append(jax.lax.bitcast_convert_type(chunk.reshape(shape), x.dtype))
+    offset += x.size * width
+  return Message(*fields)
+
+
+def tick(stage: Stage, state: LoopState, length: int, prefill_possible: bool
+         ) -> LoopState:
+  """One lock-step tick of this stage: absorb, compute, sample, record, send."""
+  state = absorb(stage, state)
+  slot = stage.slot(state.tick, stage.index)
+  run = should_run(stage, state, slot)
+  cache, h_out, h_last = compute(stage, state, slot, run, length, prefill_possible)
+  state, tokens = sample(stage, state._replace(cache=cache), h_last, slot, run)
+  state = record(state, slot, run)
+  msg = send(stage, state, slot, run, h_out, tokens)
+  return state._replace(msg=msg, tick=state.tick + 1)
+
+
+# ---------------------------------------------------------------------------
+# The tick loops and the per-stage program.
+# ---------------------------------------------------------------------------
+
+
+def run_ticks(stage: Stage, state: LoopState, count: int, length: int,
+              prefill_possible: bool) -> LoopState:
+  """A plain scan over the next `count` ticks (the prefill segment)."""
+  def body(s, _):
+    return tick(stage, s, length, prefill_possible), None
+  return jax.lax.scan(body, state, None, length=count)[0]
+
+
+def run_until_done(stage: Stage, state: LoopState, stop: int, length: int,
+                   prefill_possible: bool) -> LoopState:
+  """while_loop over chunks of `chunk_ticks` ticks up to tick `stop`, leaving once
+  every micro-batch is done (one psum over 'pipe' per chunk, not per tick)."""
+  def cond(s: LoopState):
+    return (s.tick < stop) & ~s.all_done
+
+  def body(s: LoopState):
+    s = run_ticks(stage, s, stage.plan.chunk_ticks, length, prefill_possible)
+    # Only the last stage knows every micro-batch's fate first-hand.
+    mine = jnp.where(stage.is_last, jnp.all(s.done_rows), False).astype(jnp.int32)
+    return s._replace(all_done=jax.lax.psum(mine, PIPE) > 0)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def stage_program(graphdef, plan: PipelinePlan, state, prompt_tokens, prompt_mask,
+                  sample_ids, rng, cache_k, cache_v):
+  """The per-stage program run under shard_map (manual over 'pipe').
+
+  Args:
+    state: the model's parameters (this stage's slice of the layers).
+    prompt_tokens, prompt_mask: [B, P_len]; sample_ids: [B]; rng: key.
+    cache_k, cache_v: this stage's zeroed cache [local_layers, M, mb, slots, kv, hd].
+
+  Returns:
+    ((tokens, logprobs, mask) each [1, M, mb, T], executed [ticks, 1, 2]).
+  """
+  num_mb, mb = plan.num_microbatches, plan.microbatch
+  steps, plen = plan.params.max_new_tokens, plan.prompt_len
+  per_mb = lambda x: x.reshape(num_mb, mb, *x.shape[1:])
+  stage = Stage(
+      plan=plan, model=nnx.merge(graphdef, state), index=jax.lax.axis_index(PIPE),
+      prompts=per_mb(prompt_tokens), positions=per_mb(default_positions(prompt_mask)),
+      key_masks=per_mb(completion_key_mask(prompt_mask, steps)),
+      num_real=per_mb(jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)),
+      sample_ids=per_mb(sample_ids), rng=rng)
+  # Merging (layer, micro-batch) is a free reshape of the contiguous leading dims.
+  flat = lambda c: c.reshape(-1, *c.shape[2:])  # [local_layers * M, mb, slots, kv, hd]
+  state = LoopState(
+      cache=KVCache(flat(cache_k), flat(cache_v)), msg=stage.idle_message(plen),
+      last_token=jnp.zeros((num_mb, mb), jnp.int32),
+      done_rows=jnp.zeros((num_mb, mb), bool),
+      out_tokens=jnp.full((num_mb, mb, steps), plan.params.pad_id, jnp.int32),
+      out_logprobs=jnp.zeros((num_mb, mb, steps), jnp.float32),
+      out_mask=jnp.zeros((num_mb, mb, steps), bool),
+      executed=jnp.full((plan.total_ticks + plan.chunk_ticks, 2), NOT_REACHED,
+                        jnp.int32),
+      tick=jnp.zeros((), jnp.int32), all_done=jnp.zeros((), bool))
+
+  if plan.split_segments:
+    state = run_ticks(stage, state, plan.prefill_ticks, plen, True)
+    if plan.total_ticks > plan.prefill_ticks:
+      state = state._replace(msg=state.msg._replace(h=state.msg.h[:, :1]))
+      state = run_until_done(stage, state, plan.total_ticks, 1, False)
+  else:
+    state = run_until_done(stage, state, plan.total_ticks, plen, True)
+
+  executed = state.executed[:plan.total_ticks][:, None]  # [ticks, 1, 2]
+  outputs = (state.out_tokens[None], state.out_logprobs[None], state.out_mask[None])
+  return outputs, executed

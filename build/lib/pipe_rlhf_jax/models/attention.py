@@ -1,0 +1,132 @@
+"""Grouped-query attention over an arbitrary key mask, three ways with one signature.
+
+- `dense`: scores `[batch, kv_heads, groups, length, keys]` materialised in f32, one
+  softmax. Fastest at short lengths; memory quadratic in length. Both products run as
+  batched matmuls on head-major operands (`[batch, kv_heads, groups * length, head_dim]`),
+  the layout XLA:CPU multiplies without re-laying out the scores.
+- `blockwise`: the keys in blocks of `block_size`, an online softmax (running max and
+  denominator) carried through a `lax.scan`, each block's body rematerialised for the
+  backward pass. Memory linear in length (one block of scores at a time, also in the
+  gradient); pure JAX, so it runs on every backend, CPU included.
+- `dot_product`: `jax.nn.dot_product_attention`, which lets XLA / cuDNN choose a fused
+  kernel where the backend has one for this mask.
+
+All three agree within float tolerance on every query row that can see at least one
+key. A row that sees none (a left-padding position) is never read downstream; `dense`
+and `dot_product` average all values there, `blockwise` returns zeros.
+
+`auto` (the default of `TransformerConfig.attention`) is `dense` when all keys fit in one
+block (the two are then the same computation) and `blockwise` beyond.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_MIN = float(jnp.finfo(jnp.float32).min)  # finite: masked rows stay free of NaN
+
+
+def resolve(impl: str, num_keys: int, block_size: int) -> str:
+  """The implementation `impl` stands for at `num_keys` keys."""
+  if impl != "auto":
+    return impl
+  return "dense" if num_keys <= block_size else "blockwise"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
+              impl: str = "auto", block_size: int = 512) -> jax.Array:
+  """Softmax attention of grouped queries.
+
+  Args:
+    q: [batch, length, kv_heads, groups, head_dim] queries (RoPE applied, unscaled).
+    k, v: [batch, keys, kv_heads, head_dim].
+    allowed: bool [batch, length, keys]: which keys each query may attend to.
+    impl: "auto", "dense", "blockwise" or "dot_product".
+    block_size: keys per block of `blockwise`.
+
+  Returns:
+    [batch, length, kv_heads, groups, head_dim] in q's dtype.
+  """
+  impl = resolve(impl, k.shape[1], block_size)
+  if impl == "dense":
+    return _dense(q, k, v, allowed)
+  if impl == "blockwise":
+    return _blockwise(q, k, v, allowed, block_size)
+  if impl == "dot_product":
+    return _dot_product(q, k, v, allowed)
+  raise ValueError(f"attention impl={impl!r}; choose auto, dense, blockwise or dot_product.")
+
+
+def _dense(q, k, v, allowed):
+  dt = q.dtype
+  batch, length, kv_heads, groups, head_dim = q.shape
+  keys = k.shape[1]
+  # Head-major operands, so both products are plain batched matmuls over
+  # (batch, kv_heads) with a group's queries stacked along the rows: XLA:CPU then runs
+  # them without re-laying out the scores between the two. The scale is folded into q
+  # (length x head_dim values rather than length x keys scores).
+  q = (q * (1.0 / math.sqrt(head_dim))).astype(dt)
+  q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
+  k = k.astype(dt).transpose(0, 2, 3, 1)  # [batch, kv_heads, head_dim, keys]
+  v = v.astype(dt).transpose(0, 2, 1, 3)  # [batch, kv_heads, keys, head_dim]
+  # [batch, kv_heads, groups, length, keys]
+  scores = jnp.matmul(q, k).astype(jnp.float32).reshape(
+      batch, kv_heads, groups, length, keys)
+  scores = jnp.where(allowed[:, None, None], scores, _MIN)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.matmul(probs.reshape(batch, kv_heads, groups * length, keys), v)
+  # [batch, length, kv_heads, groups, head_dim]
+  return out.reshape(batch, kv_heads, groups, length, head_dim).transpose(0, 3, 1, 2, 4)
+
+
+def _blockwise(q, k, v, allowed, block_size):
+  dt = q.dtype
+  batch, length, kv_heads, groups, head_dim = q.shape
+  keys = k.shape[1]
+  num_blocks = -(-keys // block_size)
+  pad = num_blocks * block_size - keys
+  if pad:  # padded keys are masked out
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, pad)))
+  # [blocks, batch, block, kv_heads, head_dim] and [blocks, batch, length, block]
+  k_blocks = k.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
+  v_blocks = v.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
+  m_blocks = allowed.reshape(batch, length, num_blocks, block_size).transpose(2, 0, 1, 3)
+  scale = 1.0 / math.sqrt(head_dim)
+
+  def step(carry, xs):
+    # running max, denominator [batch, kv_heads, groups, length]; numerator [..., head_dim]
+    running_max, denom, numer = carry
+    k_blk, v_blk, mask = xs
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, k_blk.astype(dt)).astype(jnp.float32)
+    mask = mask[:, None, None]  # [batch, 1, 1, length, block]
+    scores = jnp.where(mask, scores * scale, _MIN)
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+    probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
+    correction = jnp.exp(running_max - new_max)
+    denom = denom * correction + jnp.sum(probs, axis=-1)
+    numer = numer * correction[..., None] + jnp.einsum(
+        "bkgls,bskd->bkgld", probs.astype(dt), v_blk.astype(dt)).astype(jnp.float32)
+    return (new_max, denom, numer), None
+
+  stats_shape = (batch, kv_heads, groups, length)
+  init = (jnp.full(stats_shape, _MIN, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+          jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+  # Rematerialised: the backward pass recomputes one block's scores at a time instead of
+  # keeping every block's (which would be the dense matrix again).
+  (_, denom, numer), _ = jax.lax.scan(jax.checkpoint(step, prevent_cse=False), init,
+                                      (k_blocks, v_blocks, m_blocks))
+  out = numer / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+  return jnp.einsum("bkgld->blkgd", out).astype(dt)
+
+
+def _dot_product(q, k, v, allowed):
+  batch, length, kv_heads, groups, head_dim = q.shape
+  out = jax.nn.dot_product_attention(
+      q.reshape(batch, length, kv_heads * groups, head_dim), k.astype(q.dtype),
+      v.astype(q.dtype), mask=allowed[:, None])
+  return out.reshape(batch, length, kv_heads, groups, head_dim)

@@ -1,0 +1,671 @@
+"""Hugging Face interop: `config.json` + safetensors <-> `Transformer`, without torch.
+
+This module owns the translation between Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral
+checkpoints and our stacked-layer `Transformer`: the config mapping (`config_from_hf`,
+`config_to_hf`), the tensor layout mapping, and `from_pretrained` / `save_pretrained`.
+
+Supported architectures: {Llama, Qwen2, Qwen3, Mistral}ForCausalLM (head "lm") and
+{Llama, Qwen2, Qwen3, Mistral}ForSequenceClassification with `num_labels == 1` (head
+"score"; a `"pipe_rlhf_head": "value"` field written by `save_pretrained` restores a
+critic's "value" head). What each family adds to the LLaMA block:
+- Qwen2: biases on q/k/v (never on o), whatever `attention_bias` says.
+- Qwen3: per-head RMSNorm on q and k (`q_norm` / `k_norm`, size head_dim, eps
+  `rms_norm_eps`) after the projection and before RoPE; `head_dim` independent of
+  hidden / heads; `attention_bias` puts biases on q/k/v/o as in LLaMA.
+- Mistral: no attention biases at all; `head_dim` independent of hidden / heads (null
+  or absent: hidden / heads).
+
+Config policy (one rule: a checkpoint never loads with silently different math):
+- MAPPED fields become `TransformerConfig` fields (sizes, eps, RoPE, biases, tying, ids).
+- MATH_CHANGING fields are accepted only at their neutral value (`MATH_CHANGING`, e.g.
+  `mlp_bias=False`, `hidden_act="silu"`, `partial_rotary_factor=1.0`,
+  `quantization_config=None`); any other value raises ValueError naming the field.
+- Qwen2 / Qwen3 sliding-window attention: accepted when no layer uses it or when the
+  window is at least `max_position_embeddings` (then no in-context query can see past it,
+  so the math is that of full attention); otherwise ValueError naming
+  `use_sliding_window`.
+- Mistral sliding-window attention: transformers' Mistral reads `sliding_window` alone
+  (it has no `use_sliding_window` switch, and applies the window to every layer), so null
+  or a window >= `max_position_embeddings` loads and anything smaller raises ValueError
+  naming `sliding_window` (Mistral-7B-v0.1's 4096 < 32768 is refused; v0.3's null
+  loads). `attention_bias=True` is refused: transformers' Mistral ignores it, so such a
+  config and its checkpoint disagree about which tensors exist.
+- Qwen3's q/k norm is not optional in transformers: `use_qk_norm`, if present, must be
+  true (or null) there; on the other families it must be false.
+- Fields a config.json omits take transformers' per-class defaults where those matter
+  (Qwen3: head_dim 128, 32 kv heads, 32768 positions; Mistral: 8 kv heads, 131072
+  positions, a 4096-key sliding window, bos 1 / eos 2), so an abbreviated config means
+  what it means to transformers.
+- RoPE: transformers 4.x `rope_scaling` + top-level `rope_theta` and 5.x
+  `rope_parameters` {rope_type, rope_theta, ...} both load; types "default", "linear",
+  "llama3" are supported, anything else (yarn, dynamic, longrope, ...) raises ValueError
+  naming the field. A llama3 dict without `original_max_position_embeddings` falls back
+  to `max_position_embeddings`, as transformers does.
+- Dropout fields (`attention_dropout`, ...) are ignored: our model has no dropout. A
+  value > 0 warns, because fine-tuning here will not reproduce HF's training-time noise.
+- NEUTRAL fields (bookkeeping, generation defaults, `pretraining_tp` which only splits
+  matmuls, `initializer_range`, ...) are ignored silently.
+- Any other field warns (UserWarning) naming it: it is not known to be math-neutral.
+- `eos_token_id` may be a list (LLaMA 3 instruct); `TransformerConfig.eos_token_id` keeps
+  the first, and `hf_eos_token_ids(hf_config)` returns all of them for generation stops.
+
+Tensor policy: every tensor the config implies must be present with the HF shape, and
+every tensor in the checkpoint must be used; violations raise one ValueError listing each
+tensor with its expected and actual shape. Ignored: rotary `inv_freq` buffers, a tied
+`lm_head.weight` identical to the embedding, and the checkpoint's own head when `head=`
+replaces it (an LM checkpoint loaded as "value"/"score" gets a freshly initialised scalar
+head; a "score" checkpoint loaded as "value" reuses `score.weight`).
+
+Files: `config.json` and `model.safetensors`, or shards listed in
+`model.safetensors.index.json` (the single file wins when both exist). The bytes are
+`models/safetensors_io.py`'s: damaged files and indices whose shards leave the directory
+are refused there, naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+import warnings
+
+from flax import nnx
+from flax.core import FrozenDict
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
+from pipe_rlhf_jax.models.safetensors_io import (
+  load_checkpoint_tensors,
+  read_safetensors,
+  write_safetensors,
+)
+from pipe_rlhf_jax.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+# The file format's reader and writer, re-exported: callers of this module use them.
+__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_pretrained",
+           "hf_eos_token_ids", "hf_tensor_shapes", "read_safetensors", "save_pretrained",
+           "write_safetensors"]
+
+# HF class name -> (our architecture, the head the checkpoint carries).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "MistralForCausalLM": ("mistral", "lm"),
+    "MistralForSequenceClassification": ("mistral", "score"),
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+# transformers' class defaults for math-relevant fields a config.json may omit, where
+# they differ from what the parsing below assumes (num_kv_heads = heads, head_dim =
+# hidden / heads, no sliding window).
+_ABSENT_DEFAULTS = {
+    "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "max_window_layers": 28, "sliding_window": 4096},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+}
+
+# Fields turned into TransformerConfig fields (or validated together with them).
+MAPPED = frozenset({
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "attention_bias", "max_position_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id", "num_labels", "id2label", "label2id", "use_sliding_window",
+    "sliding_window", "max_window_layers", "layer_types", "torch_dtype", "dtype",
+    "pipe_rlhf_head",
+})
+
+# Fields that change the computation, with the values under which they do not.
+MATH_CHANGING = {
+    "hidden_act": ("silu", "swish"),
+    "mlp_bias": (False, None),
+    "partial_rotary_factor": (1.0, None),
+    "quantization_config": (None,),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logits_scaling": (1.0, None),
+    "embedding_multiplier": (1.0, None),
+    "residual_multiplier": (1.0, None),
+    "use_qk_norm": (False, None),
+    "use_mrope": (False, None),
+}
+# Per-architecture exceptions to MATH_CHANGING's neutral values.
+_NEUTRAL_BY_ARCHITECTURE = {"qwen3": {"use_qk_norm": (True, None)}}
+
+# Dropout probabilities: ignored (no dropout here); > 0 warns.
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                  "attn_pdrop", "dropout")
+
+# Bookkeeping and generation defaults that never change the forward pass.
+NEUTRAL = frozenset({
+    "transformers_version", "use_cache", "initializer_range", "pretraining_tp",
+    "problem_type", "_name_or_path", "name_or_path", "_attn_implementation",
+    "attn_implementation", "tokenizer_class", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "use_return_dict", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "pruned_heads", "finetuning_task", "task_specific_params", "prefix", "sep_token_id",
+    "decoder_start_token_id", "cross_attention_hidden_size", "tf_legacy_loss",
+    "use_bfloat16", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+})
+
+# Keys a rope dict may carry per supported type (besides rope_type/type/rope_theta).
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+# --------------------------------------------------------------------------- config
+
+
+def _checkpoint_kind(hf: Mapping[str, Any]) -> tuple[str, str]:
+  """(architecture, checkpoint head) from `architectures` (or `model_type` alone)."""
+  archs = hf.get("architectures")
+  supported = sorted(SUPPORTED_ARCHITECTURES)
+  if not archs:
+    model_type = hf.get("model_type")
+    if model_type in _MODEL_TYPES:
+      warnings.warn(f"config.json has no 'architectures'; assuming a causal LM from "
+                    f"model_type={model_type!r}.")
+      return _MODEL_TYPES[model_type], "lm"
+    raise ValueError(f"config.json has no 'architectures' and model_type={model_type!r}; "
+                     f"supported architectures: {supported}.")
+  if isinstance(archs, str):
+    archs = [archs]
+  if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"Unsupported architectures={list(archs)}; supported architectures: "
+                     f"{supported}.")
+  return SUPPORTED_ARCHITECTURES[archs[0]]
+
+
+def _rope_from_hf(hf: Mapping[str, Any], max_positions: int,
+                  layer_types) -> tuple[float, dict | None]:
+  """(rope_theta, rope_scaling for TransformerConfig) from either config format."""
+  scaling = hf.get("rope_scaling") or None
+  params = hf.get("rope_parameters") or None
+  if params is not None and layer_types and all(k in set(layer_types) for k in params):
+    # 5.x nests per layer type; one shared RoPE is all our model has.
+    nested = list(params.values())
+    if any(n != nested[0] for n in nested):
+      raise ValueError(f"rope_parameters differs per layer type ({params}); only one RoPE "
+                       f"for all layers is supported.")
+    params = nested[0]
+  source = "rope_parameters" if params is not None else "rope_scaling"
+  if params is not None and scaling is not None:
+    a = {k: v for k, v in params.items() if k != "rope_theta"}
+    b = dict(scaling)
+    if (a.get("rope_type", a.get("type", "default"))
+        != b.get("rope_type", b.get("type", "default")) or
+        any(a.get(k) != b.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor"))):
+      raise ValueError(f"config.json has both rope_parameters={params} and "
+                       f"rope_scaling={scaling} and they disagree; keep one.")
+  rope = dict(params if params is not None else (scaling or {}))
+  theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise ValueError(f"{source}.rope_type={kind!r} is not supported (it changes the "
+                     f"positional math); supported rope types: {ROPE_TYPES}.")
+  prf = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  if prf not in (None, 1.0):
+    raise ValueError(f"partial_rotary_factor={prf} is not supported (only full-width "
+                     f"RoPE, partial_rotary_factor=1.0).")
+  known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_ROPE_KEYS[kind]}
+  if kind == "default":
+    known |= {"factor"}  # transformers ignores a factor on default RoPE; so do we
+  extra = sorted(set(rope) - known)
+  if extra:
+    warnings.warn(f"{source} fields {extra} are not used by rope_type={kind!r}; ignored.")
+  if kind == "default":
+    return float(theta), None
+  out = {"rope_type": kind}
+  for key in _ROPE_KEYS[kind]:
+    if key == "original_max_position_embeddings" and key not in rope:
+      out[key] = int(max_positions)
+    elif key not in rope:
+      raise ValueError(f"{source}.{key} is required for rope_type={kind!r}.")
+    else:
+      out[key] = rope[key]
+  for key in ("factor", "low_freq_factor", "high_freq_factor"):
+    if key in out:
+      out[key] = float(out[key])
+  if "original_max_position_embeddings" in out:
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+  # Hashable: the config is a static attribute of the model's graphdef, which jit caches
+  # (and the sampler's function cache) hash.
+  return float(theta), FrozenDict(out)
+
+
+def _check_sliding_window(hf: Mapping[str, Any], num_layers: int, max_positions: int):
+  """Raises unless sliding-window attention is absent or wider than the context."""
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:
+    bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if bad:
+      raise ValueError(f"layer_types contains {bad}; only 'full_attention' (and "
+                       f"'sliding_attention' with a window >= max_position_embeddings) "
+                       f"are supported.")
+  if not hf.get("use_sliding_window"):
+    return
+  window = hf.get("sliding_window")
+  if layer_types is not None:
+    sliding = any(t == "sliding_attention" for t in layer_types)
+  else:
+    sliding = hf.get("max_window_layers", num_layers) < num_layers
+  if window is None or not sliding or window >= max_positions:
+    return
+  raise ValueError(
+      f"use_sliding_window=True with sliding_window={window} < max_position_embeddings="
+      f"{max_positions} changes attention for long sequences and is not supported; use a "
+      f"checkpoint with use_sliding_window=False (or a window >= the context length).")
+
+
+def _check_mistral_window(hf: Mapping[str, Any], max_positions: int):
+  """Raises unless Mistral's window (on every layer, no switch) covers the context."""
+  window = hf.get("sliding_window")
+  if window is None or window >= max_positions:
+    return
+  raise ValueError(
+      f"sliding_window={window} < max_position_embeddings={max_positions}: Mistral then "
+      f"lets each query see only the last {window} keys, which changes attention for "
+      f"longer sequences and is not supported; supported: sliding_window null or >= "
+      f"max_position_embeddings.")
+
+
+def _check_fields(hf: Mapping[str, Any], architecture: str) -> None:
+  exceptions = _NEUTRAL_BY_ARCHITECTURE.get(architecture, {})
+  for name, neutral in MATH_CHANGING.items():
+    neutral = exceptions.get(name, neutral)
+    if name in hf and hf[name] not in neutral:
+      raise ValueError(f"config.json field {name}={hf[name]!r} changes the model math and "
+                       f"is not supported; supported value(s): {list(neutral)}.")
+  for name in DROPOUT_FIELDS:
+    if (hf.get(name) or 0) > 0:
+      warnings.warn(f"config.json field {name}={hf[name]} is ignored: this model has no "
+                    f"dropout (inference is unaffected; fine-tuning runs without it).")
+  known = MAPPED | NEUTRAL | set(MATH_CHANGING) | set(DROPOUT_FIELDS)
+  unknown = sorted(set(hf) - known)
+  if unknown:
+    warnings.warn(f"config.json fields {unknown} are not known to this loader and were "
+                  f"ignored; check that they do not change the model math.")
+
+
+def hf_eos_token_ids(hf_config: Mapping[str, Any]) -> tuple[int, ...]:
+  """All end-of-sequence ids of a config (`eos_token_id` may be an int or a list)."""
+  eos = hf_config.get("eos_token_id")
+  if eos is None:
+    return ()
+  return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, head: str | None = None,
+                   dtype: Any = None,
+                   param_dtype: Any = None) -> TransformerConfig:
+  """Maps a Hugging Face `config.json` dict to a TransformerConfig.
+
+  Args:
+    hf_config: the parsed config.json (a transformers config object also works).
+    head: override of the head ("lm", "value", "score"); default: the checkpoint's.
+    dtype: compute dtype, a name or a dtype object; default "float32".
+    param_dtype: parameter storage dtype, likewise; default: `dtype`.
+
+  Returns:
+    The TransformerConfig. Raises ValueError on anything that would change the math
+    (see the module docstring for the policy).
+  """
+  return _parse_config(hf_config, head, dtype, param_dtype)[0]
+
+
+def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfig, str]:
+  """(config, the head the checkpoint itself carries); see `config_from_hf`."""
+  hf = dict(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
+  architecture, ckpt_head = _checkpoint_kind(hf)
+  hf = {**_ABSENT_DEFAULTS.get(architecture, {}), **hf}
+  if ckpt_head == "score":
+    num_labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if num_labels != 1:
+      raise ValueError(f"{hf['architectures'][0]} with num_labels={num_labels}: only "
+                       f"num_labels=1 (a scalar score) is supported.")
+    if hf.get("pipe_rlhf_head") == "value":
+      ckpt_head = "value"
+  _check_fields(hf, architecture)
+  for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads"):
+    if name not in hf:
+      raise ValueError(f"config.json lacks the required field {name!r}.")
+  hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+  head_dim = hf.get("head_dim")
+  if architecture == "mistral" and not head_dim:
+    head_dim = None  # transformers' Mistral reads a head_dim of 0 as absent too
+  if head_dim is None:
+    if hidden % heads:
+      raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads="
+                       f"{heads} and config.json has no head_dim.")
+    head_dim = hidden // heads
+  max_positions = int(hf.get("max_position_embeddings", 2048))
+  num_layers = hf["num_hidden_layers"]
+  if architecture == "mistral":
+    _check_mistral_window(hf, max_positions)
+  else:
+    _check_sliding_window(hf, num_layers, max_positions)
+  theta, scaling = _rope_from_hf(hf, max_positions, hf.get("layer_types"))
+  if architecture == "qwen2":
+    qkv_bias, out_bias = True, False
+  elif architecture == "mistral":
+    if hf.get("attention_bias"):
+      raise ValueError(
+          "attention_bias=True on a Mistral config: transformers' Mistral has no attention "
+          "biases and ignores the field, so the config and its checkpoint disagree; "
+          "supported value(s): [False, None].")
+    qkv_bias = out_bias = False
+  else:
+    qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+  eos = hf_eos_token_ids(hf)
+  dtype = "float32" if dtype is None else dtype
+  config = TransformerConfig(
+      vocab_size=hf["vocab_size"], embed_dim=hidden, num_layers=num_layers,
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=head_dim, mlp_dim=hf["intermediate_size"],
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+      out_bias=out_bias, qk_norm=architecture == "qwen3", architecture=architecture,
+      head=head or ckpt_head, dtype=dtype,
+      param_dtype=dtype if param_dtype is None else param_dtype,
+      max_position_embeddings=max_positions,
+      bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if eos else None,
+      pad_token_id=hf.get("pad_token_id"))
+  return config, ckpt_head
+
+
+def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, Any]:
+  """A transformers-loadable config.json dict (4.x `rope_scaling` + `rope_theta` format).
+
+  "lm" heads export as *ForCausalLM; "value"/"score" heads as *ForSequenceClassification
+  with num_labels=1 (plus `pipe_rlhf_head` so that a critic reloads as "value").
+
+  Args:
+    config: the model config.
+    dtype: the dtype name written as `torch_dtype`/`dtype`; default `config.param_dtype`.
+  """
+  c = config
+  prefix = _CLASS_PREFIX[c.architecture]
+  if c.architecture == "qwen2" and (not c.qkv_bias or c.out_bias):
+    raise ValueError(f"architecture='qwen2' needs qkv_bias=True and out_bias=False, got "
+                     f"qkv_bias={c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
+  if c.architecture in ("llama", "qwen3") and c.qkv_bias != c.out_bias:
+    raise ValueError(f"architecture={c.architecture!r} has one attention_bias for q/k/v/o, "
+                     f"but qkv_bias={c.qkv_bias} != out_bias={c.out_bias}.")
+  if c.architecture == "mistral" and (c.qkv_bias or c.out_bias):
+    raise ValueError(f"architecture='mistral' has no attention biases, got qkv_bias="
+                     f"{c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
+  if c.qk_norm != (c.architecture == "qwen3"):
+    raise ValueError(f"qk_norm={c.qk_norm} with architecture={c.architecture!r}: in "
+                     f"transformers only (and always) Qwen3 normalises q and k.")
+  dtype = c.param_dtype if dtype is None else dtype_name(dtype)
+  hf: dict[str, Any] = {
+      "architectures": [prefix + ("ForCausalLM" if c.head == "lm"
+                                  else "ForSequenceClassification")],
+      "model_type": c.architecture,
+      "vocab_size": c.vocab_size, "hidden_size": c.embed_dim,
+      "intermediate_size": c.mlp_dim, "num_hidden_layers": c.num_layers,
+      "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
+      "rope_theta": c.rope_theta,
+      "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
+      "tie_word_embeddings": c.tie_embeddings,
+      "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+      "pad_token_id": c.pad_token_id, "torch_dtype": dtype, "dtype": dtype,
+      "use_cache": True, "initializer_range": 0.02, "attention_dropout": 0.0,
+  }
+  if c.architecture == "llama":
+    hf.update(attention_bias=c.qkv_bias, mlp_bias=False, pretraining_tp=1)
+  elif c.architecture == "mistral":
+    hf.update(sliding_window=None)
+  else:
+    hf.update(use_sliding_window=False, sliding_window=None,
+              max_window_layers=c.num_layers)
+  if c.architecture == "qwen3":
+    hf.update(attention_bias=c.qkv_bias)
+  if c.head != "lm":
+    hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+              pipe_rlhf_head=c.head)
+  return hf
+
+
+# ------------------------------------------------------------------ tensor layouts
+
+
+def _hf_layer_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
+  """HF per-layer tensor suffix -> its HF shape ([out, in] for Linear weights)."""
+  e, h, k, d, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+  shapes = {
+      "input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
+      "self_attn.q_proj.weight": (h * d, e), "self_attn.k_proj.weight": (k * d, e),
+      "self_attn.v_proj.weight": (k * d, e), "self_attn.o_proj.weight": (e, h * d),
+      "mlp.gate_proj.weight": (f, e), "mlp.up_proj.weight": (f, e),
+      "mlp.down_proj.weight": (e, f),
+  }
+  if c.qkv_bias:
+    shapes.update({"self_attn.q_proj.bias": (h * d,), "self_attn.k_proj.bias": (k * d,),
+                   "self_attn.v_proj.bias": (k * d,)})
+  if c.out_bias:
+    shapes["self_attn.o_proj.bias"] = (e,)
+  if c.qk_norm:
+    shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+  return shapes
+
+
+# Our stacked parameter <- (HF per-layer suffix, HF [..] -> our per-layer layout).
+def _layer_mapping(c: TransformerConfig):
+  e, h, k, d = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+  mapping = {
+      "attn_norm": ("input_layernorm.weight", lambda w: w),
+      "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
+      "q_proj": ("self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
+      "k_proj": ("self_attn.k_proj.weight", lambda w: w.T.reshape(e, k, d)),
+      "v_proj": ("self_attn.v_proj.weight", lambda w: w.T.reshape(e, k, d)),
+      "o_proj": ("self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
+      "gate_proj": ("mlp.gate_proj.weight", lambda w: w.T),
+      "up_proj": ("mlp.up_proj.weight", lambda w: w.T),
+      "down_proj": ("mlp.down_proj.weight", lambda w: w.T),
+  }
+  if c.qkv_bias:
+    mapping.update(q_bias=("self_attn.q_proj.bias", lambda b: b.reshape(h, d)),
+                   k_bias=("self_attn.k_proj.bias", lambda b: b.reshape(k, d)),
+                   v_bias=("self_attn.v_proj.bias", lambda b: b.reshape(k, d)))
+  if c.out_bias:
+    mapping["o_bias"] = ("self_attn.o_proj.bias", lambda b: b)
+  if c.qk_norm:
+    mapping.update(q_norm=("self_attn.q_norm.weight", lambda w: w),
+                   k_norm=("self_attn.k_norm.weight", lambda w: w))
+  return mapping
+
+
+def _to_hf_layer(name: str, w: np.ndarray) -> np.ndarray:
+  """Inverse of `_layer_mapping` for one layer's slice of our parameter `name`."""
+  if name in ("q_proj", "k_proj", "v_proj"):
+    return w.reshape(w.shape[0], -1).T
+  if name == "o_proj":
+    return w.reshape(-1, w.shape[-1]).T
+  if name in ("gate_proj", "up_proj", "down_proj"):
+    return w.T
+  if name in ("q_bias", "k_bias", "v_bias"):
+    return w.reshape(-1)
+  return w
+
+
+def hf_tensor_shapes(c: TransformerConfig,
+                     ckpt_head: str | None = None) -> dict[str, tuple[int, ...]]:
+  """Every tensor a Hugging Face checkpoint of `c` holds, with its HF shape.
+
+  Args:
+    c: the model config.
+    ckpt_head: the head the checkpoint carries; default `c.head`.
+
+  Returns:
+    Tensor name -> shape, in the order embedding, layers, final norm, head.
+  """
+  ckpt_head = c.head if ckpt_head is None else ckpt_head
+  expected = {"model.embed_tokens.weight": (c.vocab_size, c.embed_dim)}
+  for i in range(c.num_layers):
+    for suffix, shape in _hf_layer_shapes(c).items():
+      expected[f"model.layers.{i}.{suffix}"] = shape
+  expected["model.norm.weight"] = (c.embed_dim,)
+  if ckpt_head == "lm" and not c.tie_embeddings:
+    expected["lm_head.weight"] = (c.vocab_size, c.embed_dim)
+  elif ckpt_head in ("value", "score"):
+    expected["score.weight"] = (1, c.embed_dim)
+  return expected
+
+
+def _validate_tensors(tensors: Mapping[str, np.ndarray],
+                      expected: Mapping[str, tuple[int, ...]], ignorable: set[str]):
+  problems = []
+  for name, shape in expected.items():
+    if name not in tensors:
+      problems.append(f"missing tensor {name!r} (expected shape {shape})")
+    elif tuple(tensors[name].shape) != shape:
+      problems.append(f"tensor {name!r}: expected shape {shape}, got "
+                      f"{tuple(tensors[name].shape)}")
+  for name in sorted(set(tensors) - set(expected) - ignorable):
+    if not name.endswith("rotary_emb.inv_freq"):
+      problems.append(f"unexpected tensor {name!r} (shape {tuple(tensors[name].shape)}) "
+                      f"is not used by this config")
+  if problems:
+    raise ValueError("Checkpoint does not match its config:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------- load and save
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
+                    param_dtype: Any = None, head: str | None = None,
+                    seed: int = 0) -> Transformer:
+  """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral checkpoint into a Transformer.
+
+  Args:
+    path: directory with config.json and model.safetensors (or a sharded index).
+    dtype: compute dtype, a name or a dtype object (`jnp.bfloat16`, "bfloat16").
+    param_dtype: parameter storage dtype, likewise; default `dtype` (a bf16 checkpoint
+      then loads as exact f32 upcasts).
+    head: override of the checkpoint's head. "value"/"score" on an LM checkpoint loads
+      the backbone and freshly initialises the scalar head (critic / reward-model init
+      from the SFT policy); the LM head tensor is then dropped.
+    seed: PRNG seed of a freshly initialised scalar head.
+
+  Returns:
+    The model with every parameter set from the checkpoint (axes metadata kept).
+  """
+  path = Path(path)
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{config_file} does not exist.")
+  hf = json.loads(config_file.read_text())
+  config, ckpt_head = _parse_config(hf, head, dtype, param_dtype)
+  tensors = load_checkpoint_tensors(path)
+
+  ignorable: set[str] = set()
+  if config.head == "lm" and ckpt_head != "lm":
+    if not config.tie_embeddings:
+      raise ValueError(f"head='lm' needs an LM head, but this checkpoint is a "
+                       f"{hf['architectures'][0]} without lm_head.weight and with "
+                       f"tie_word_embeddings=False.")
+    ignorable.add("score.weight")
+  fresh_head = config.head != "lm" and ckpt_head == "lm"
+  expected = hf_tensor_shapes(config, ckpt_head)
+  if fresh_head:
+    ignorable.add("lm_head.weight")
+  if (config.tie_embeddings and ckpt_head == "lm" and "lm_head.weight" in tensors
+      and "model.embed_tokens.weight" in tensors):
+    # Some exporters write the tied head anyway; it must be the embedding itself.
+    if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+      raise ValueError("tie_word_embeddings=True but the checkpoint's lm_head.weight "
+                       "differs from model.embed_tokens.weight.")
+    ignorable.add("lm_head.weight")
+  _validate_tensors(tensors, expected, ignorable)
+
+  storage = config.storage_dtype
+
+  def put(param: nnx.Param, value: np.ndarray):
+    param.set_value(jnp.asarray(value.astype(np.float32), dtype=storage))
+
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
+  put(model.embedding, tensors["model.embed_tokens.weight"])
+  put(model.final_norm, tensors["model.norm.weight"])
+  for name, (suffix, convert) in _layer_mapping(config).items():
+    stacked = np.stack([convert(tensors[f"model.layers.{i}.{suffix}"])
+                        for i in range(config.num_layers)])
+    put(getattr(model.layers, name), stacked)
+  if config.head == "lm":
+    if not config.tie_embeddings:
+      put(model.lm_head, tensors["lm_head.weight"].T)
+  elif fresh_head:
+    logger.info("Initialised a fresh %r head (seed %d) on the backbone of %s.",
+                config.head, seed, path)
+    init = 0.02 * jax.random.normal(jax.random.key(seed), (config.embed_dim, 1),
+                                    jnp.float32)
+    model.scalar_head.set_value(init.astype(storage))
+  else:
+    put(model.scalar_head, tensors["score.weight"].T)
+  unset = [path for path, var in nnx.iter_graph(model)
+           if isinstance(var, nnx.Param) and isinstance(var.get_value(), jax.ShapeDtypeStruct)]
+  if unset:  # a parameter the mapping does not cover: a bug here, never a silent init
+    raise RuntimeError(f"from_pretrained left parameters unset: {unset}")
+  return model
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, *,
+                    dtype: Any = None) -> Path:
+  """Writes config.json and model.safetensors that transformers (4.x and 5.x) loads.
+
+  Args:
+    model: the Transformer.
+    path: output directory (created if missing).
+    dtype: storage dtype name of the written tensors; default the model's param dtype.
+
+  Returns:
+    The output directory.
+  """
+  c = model.config
+  dtype = c.param_dtype if dtype is None else dtype_name(dtype)
+  np_dtype = np.dtype(DTYPES[dtype])
+  hf_config = config_to_hf(c, dtype=dtype)
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+
+  def host(param: nnx.Param) -> np.ndarray:
+    return np.asarray(jax.device_get(param.get_value())).astype(np_dtype)
+
+  tensors = {"model.embed_tokens.weight": host(model.embedding),
+             "model.norm.weight": host(model.final_norm)}
+  for name, (suffix, _) in _layer_mapping(c).items():
+    stacked = host(getattr(model.layers, name))
+    for i in range(c.num_layers):
+      tensors[f"model.layers.{i}.{suffix}"] = _to_hf_layer(name, stacked[i])
+  if c.head == "lm":
+    if not c.tie_embeddings:
+      tensors["lm_head.weight"] = host(model.lm_head).T
+  else:
+    tensors["score.weight"] = host(model.scalar_head).T
+  write_safetensors(path / "model.safetensors", tensors)
+  (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  return path

@@ -1,0 +1,405 @@
+"""The decoder-only transformer (LLaMA 2/3, Qwen2/3, Mistral) with stacked layers and
+logical axes.
+
+This module owns the model math: embeddings, RMSNorm, RoPE (with llama3 / linear
+frequency scaling), grouped-query attention with an optional KV cache and optional
+per-head q/k RMSNorm (Qwen3), the SwiGLU MLP, and the three heads on one backbone (LM
+logits, critic value, reward score).
+
+Design points a reader should know:
+- All transformer blocks live in ONE `Layers` module whose parameters carry a leading
+  `layers` axis and are applied with `lax.scan`. A pipeline stage owns a contiguous slice
+  of layers simply by sharding that axis over the `pipe` mesh axis; inside `shard_map` the
+  same `Layers.__call__` runs on the local slice.
+- Every parameter is an `nnx.Param` with `axes=` metadata naming its logical axes, and
+  activations are constrained with `parallel.logical.constrain`; a per-stage rules table
+  maps the names to mesh axes. Outside a rules context the constraints are no-ops.
+- Batches are left-padded: `attention_mask` marks real tokens, positions default to the
+  running count of real tokens, and padded keys are never attended to.
+- The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout), so all
+  rows of a batch write the same slot at each step and no per-row scatter is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from pipe_rlhf_jax.models import attention as attention_lib
+from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, TransformerConfig
+from pipe_rlhf_jax.parallel.logical import constrain
+
+# Logical axes of each stacked per-layer parameter (leading `layers` axis included).
+LAYER_PARAM_AXES = {
+    "attn_norm": ("layers", "embed"),
+    "q_proj": ("layers", "embed", "heads", "head_dim"),
+    "k_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "v_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "o_proj": ("layers", "heads", "head_dim", "embed"),
+    "q_bias": ("layers", "heads", "head_dim"),
+    "k_bias": ("layers", "kv_heads", "head_dim"),
+    "v_bias": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "o_bias": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "gate_proj": ("layers", "embed", "mlp"),
+    "up_proj": ("layers", "embed", "mlp"),
+    "down_proj": ("layers", "mlp", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer, indexed by sequence slot.
+
+  k, v: [layers, batch, slots, kv_heads, head_dim].
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def zeros(cls, config: TransformerConfig, batch: int, slots: int,
+            num_layers: int | None = None) -> "KVCache":
+    shape = (num_layers or config.num_layers, batch, slots, config.num_kv_heads,
+             config.head_dim)
+    zeros = jnp.zeros(shape, config.compute_dtype)
+    return cls(constrain(zeros, CACHE_AXES), constrain(zeros, CACHE_AXES))
+
+
+def default_positions(mask: jax.Array) -> jax.Array:
+  """Position ids for a left-padded batch: count of real tokens before each slot."""
+  # [batch, length]
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_inv_freq(config: TransformerConfig) -> jax.Array:
+  """Inverse RoPE frequencies [head_dim // 2], with the configured scaling applied."""
+  dim = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  scaling = config.rope_scaling
+  if not scaling:
+    return inv_freq
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return inv_freq
+  factor = float(scaling["factor"])
+  if kind == "linear":
+    return inv_freq / factor
+  # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band in
+  # between interpolated smoothly, so the model extends its context without retuning.
+  low = float(scaling["low_freq_factor"])
+  high = float(scaling["high_freq_factor"])
+  original = float(scaling["original_max_position_embeddings"])
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+  smooth = (original / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= original / high) & (wavelen <= original / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(config: TransformerConfig, positions: jax.Array):
+  """cos/sin tables [batch, length, head_dim // 2] for integer positions [batch, length]
+  (one entry per rotated pair: the half-split convention uses each angle twice)."""
+  angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates x [batch, length, heads, head_dim] (half-split convention, as in HF).
+
+  Pair i is (x[i], x[i + head_dim // 2]); rotating the two halves directly computes
+  HF's `x * cos + rotate_half(x) * sin` value for value, without materialising the
+  rotated copy of x or the duplicated tables.
+  """
+  half = x.shape[-1] // 2
+  x1 = x[..., :half].astype(jnp.float32)
+  x2 = x[..., half:].astype(jnp.float32)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:
+  """`x [..., *in] @ w [*in, *out]` computed as one 2-D matmul `[tokens, in] x [in, out]`.
+
+  Why not `jnp.einsum("ble,ef->blf", ...)`: XLA:CPU lowers the weight gradient of a
+  3-D einsum through a loop fusion that transposes the `[batch, length, out]` cotangent
+  element by element, and that fusion took longer than the matmuls themselves (the
+  backward pass ran at 8x the forward's time instead of 2x; see the README's performance
+  notes). Flattening the token dimensions first gives plain row-major matmuls in both
+  passes. The reshapes merge a sharded leading dimension with unsharded ones, which keeps
+  every `batch` / `heads` / `mlp` sharding.
+
+  Args:
+    x: [..., *in] activations.
+    w: [*in, *out] weights, `num_in` contracting dimensions first.
+    num_in: how many trailing dimensions of `x` (leading of `w`) are contracted.
+
+  Returns:
+    [..., *out].
+  """
+  in_shape, out_shape = w.shape[:num_in], w.shape[num_in:]
+  if tuple(x.shape[x.ndim - num_in:]) != tuple(in_shape):
+    raise ValueError(f"dense: input {x.shape} does not end with the weight's input "
+                     f"dimensions {in_shape}.")
+  lead = x.shape[:x.ndim - num_in]
+  fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
+  y = x.reshape(math.prod(lead), fan_in) @ w.reshape(fan_in, fan_out)
+  return y.reshape(*lead, *out_shape)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in f32, scaled in the input dtype (matches HF LLaMA / Qwen2)."""
+  xf = x.astype(jnp.float32)
+  normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, axes=axes)
+
+
+class Layers(nnx.Module):
+  """All transformer blocks, parameters stacked on a leading `layers` axis."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c, n, dt = config, config.num_layers, config.storage_dtype
+    e, h, k, d, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+    shapes = {
+        "attn_norm": (n, e), "q_proj": (n, e, h, d), "k_proj": (n, e, k, d),
+        "v_proj": (n, e, k, d), "o_proj": (n, h, d, e), "mlp_norm": (n, e),
+        "gate_proj": (n, e, f), "up_proj": (n, e, f), "down_proj": (n, f, e),
+    }
+    if c.qkv_bias:
+      shapes.update(q_bias=(n, h, d), k_bias=(n, k, d), v_bias=(n, k, d))
+    if c.out_bias:
+      shapes.update(o_bias=(n, e))
+    if c.qk_norm:
+      shapes.update(q_norm=(n, d), k_norm=(n, d))
+    for name, shape in shapes.items():
+      init = "ones" if name.endswith("norm") else "zeros" if "bias" in name else "normal"
+      setattr(self, name, _param(rngs, shape, LAYER_PARAM_AXES[name], dt, init))
+
+  def param_names(self) -> list[str]:
+    return [name for name in LAYER_PARAM_AXES if hasattr(self, name)]
+
+  def __call__(self, h: jax.Array, positions: jax.Array, key_mask: jax.Array,
+               cache: KVCache | None = None, slot: jax.Array | int = 0,
+               cache_stride: int = 1, cache_offset: jax.Array | int = 0,
+               ) -> tuple[jax.Array, KVCache | None]:
+    """Applies every (local) layer in order.
+
+    Args:
+      h: [batch, length, embed] residual stream entering the first local layer.
+      positions: [batch, length] RoPE positions of the query tokens.
+      key_mask: bool [batch, keys]: which keys hold real tokens. Without a cache the keys
+        are the query tokens themselves (keys == length); with a cache they are the
+        cache slots (keys == slots), and keys beyond the query's own slot are masked
+        causally on top.
+      cache: optional KV cache for the local layers, [local_layers, batch, slots, ...].
+      slot: the cache slot of the first query token; the queries occupy
+        [slot, slot + length).
+      cache_stride, cache_offset: local layer i reads and writes cache row
+        `i * cache_stride + cache_offset` (default: row i). The pipelined decoder keeps
+        all its micro-batches' caches in one array, [local_layers * M, mb, ...], and
+        addresses micro-batch m with stride M and offset m, in place.
+
+    Returns:
+      The residual stream after the local layers, and the updated cache (or None).
+    """
+    c = self.config
+    params = {name: getattr(self, name).get_value() for name in self.param_names()}
+    cos, sin = rope_tables(c, positions)
+    length = h.shape[1]
+    keys = key_mask.shape[1]
+    # [length, keys]: causal in slot order; with left padding, slot order is time order.
+    query_slots = slot + jnp.arange(length)
+    causal = jnp.arange(keys)[None, :] <= query_slots[:, None]
+    # [batch, length, keys]
+    allowed = causal[None] & key_mask[:, None, :].astype(bool)
+
+    def block(carry, xs):
+      h, cache_k, cache_v = carry
+      p, index = xs
+      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v,
+                                        index * cache_stride + cache_offset, slot)
+      return (h, cache_k, cache_v), None
+
+    if c.remat != "none":
+      # Each layer's activations are recomputed in the backward pass instead of kept for
+      # all layers at once; "save_matmuls" keeps the projections' outputs (the dots
+      # without batch dimensions) and recomputes attention and elementwise work.
+      policy = (None if c.remat == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+      block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+
+    cache_k = cache.k if cache is not None else None
+    cache_v = cache.v if cache is not None else None
+    num_local = params["q_proj"].shape[0]
+    (h, cache_k, cache_v), _ = jax.lax.scan(
+        block, (h, cache_k, cache_v), (params, jnp.arange(num_local)),
+        unroll=min(c.scan_unroll, num_local))
+    return h, (KVCache(cache_k, cache_v) if cache is not None else None)
+
+  def _block(self, p, h, cos, sin, allowed, cache_k, cache_v, index, slot):
+    """One transformer block on one layer's parameters `p` (the scan slice)."""
+    c = self.config
+    dt = c.compute_dtype
+    w = {name: value.astype(dt) for name, value in p.items()}
+    batch, length, _ = h.shape
+    groups = c.num_heads // c.num_kv_heads
+
+    x = rms_norm(h, w["attn_norm"], c.norm_eps)
+    q = dense(x, w["q_proj"])  # [batch, length, heads, head_dim]
+    k = dense(x, w["k_proj"])  # [batch, length, kv_heads, head_dim]
+    v = dense(x, w["v_proj"])
+    if c.qkv_bias:
+      q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if c.qk_norm:
+      # Over head_dim, one weight shared by all heads, before RoPE: the cache then holds
+      # normalised, rotated keys, exactly what every later query attends to.
+      q = rms_norm(q, w["q_norm"], c.norm_eps)
+      k = rms_norm(k, w["k_norm"], c.norm_eps)
+    q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
+    k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+
+    if cache_k is not None:
+      start = (index, 0, slot, 0, 0)
+      cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
+      cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
+      keys, values = cache_k[index], cache_v[index]  # [batch, slots, kv_heads, head_dim]
+    else:
+      keys, values = k, v
+
+    q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
+    # [batch, length, kv_heads, groups, head_dim]
+    attn = attention_lib.attention(q, keys.astype(dt), values.astype(dt), allowed,
+                                   impl=c.attention, block_size=c.attention_block_size)
+    attn = attn.reshape(batch, length, c.num_heads, c.head_dim)
+    out = dense(attn, w["o_proj"], num_in=2)
+    if c.out_bias:
+      out = out + w["o_bias"]
+    h = constrain(h + out, ("batch", "length", "embed"))
+
+    x = rms_norm(h, w["mlp_norm"], c.norm_eps)
+    gate = dense(x, w["gate_proj"])
+    up = dense(x, w["up_proj"])
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    h = h + dense(hidden, w["down_proj"])
+    return constrain(h, ("batch", "length", "embed")), cache_k, cache_v
+
+
+class Transformer(nnx.Module):
+  """Embedding, stacked layers, final norm, and one head (LM, value or score).
+
+  Calling the model runs the full forward pass:
+    `model(tokens, attention_mask=None, positions=None)` -> `[batch, length, vocab]`
+    f32 logits for an LM head, or `[batch, length]` f32 scalars for a value/score head.
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dt = config.storage_dtype
+    e, vocab = config.embed_dim, config.vocab_size
+    self.embedding = _param(rngs, (vocab, e), ("vocab", "embed"), dt)
+    self.layers = Layers(config, rngs=rngs)
+    self.final_norm = _param(rngs, (e,), ("embed",), dt, "ones")
+    if config.head == "lm":
+      self.lm_head = (None if config.tie_embeddings
+                      else _param(rngs, (e, vocab), ("embed", "vocab"), dt))
+    else:
+      # One scalar per token: V(s_t) for the critic, r(x, y_<=t) for the reward model.
+      self.scalar_head = _param(rngs, (e, 1), ("embed", None), dt)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """[batch, length] int -> [batch, length, embed] in the compute dtype."""
+    h = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.config.compute_dtype)
+    return constrain(h, ("batch", "length", "embed"))
+
+  def head(self, h: jax.Array) -> jax.Array:
+    """Final norm and head: [batch, length, embed] -> logits [.., vocab] or scalars."""
+    c = self.config
+    x = rms_norm(h, self.final_norm.get_value(), c.norm_eps)
+    dt = c.compute_dtype
+    if c.head == "lm":
+      kernel = (self.embedding.get_value().T if c.tie_embeddings else self.lm_head.get_value())
+      logits = dense(x, kernel.astype(dt)).astype(jnp.float32)
+      return constrain(logits, ("batch", "length", "vocab"))
+    out = dense(x, self.scalar_head.get_value().astype(dt))
+    return out[..., 0].astype(jnp.float32)
+
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    return self.head(self.hidden(tokens, attention_mask, positions))
+
+  def hidden(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
+             positions: jax.Array | None = None) -> jax.Array:
+    """The residual stream after the last layer, [batch, length, embed] (before the head:
+    a caller that needs few positions slices first and applies `head` to those only)."""
+    if attention_mask is None:
+      attention_mask = jnp.ones(tokens.shape, bool)
+    if positions is None:
+      positions = default_positions(attention_mask)
+    h, _ = self.layers(self.embed(tokens), positions, attention_mask)
+    return h
+
+  def forward_cached(self, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,
+                     cache: KVCache, slot: jax.Array | int
+                     ) -> tuple[jax.Array, KVCache]:
+    """Forward over `tokens` placed at cache slots [slot, slot + length).
+
+    Used by prefill (the whole prompt at slot 0) and by each decode step (one token).
+
+    Args:
+      tokens: [batch, length] int.
+      positions: [batch, length] RoPE positions.
+      key_mask: bool [batch, slots], True where a slot holds (or will hold) a real token.
+      cache: the model's KVCache with `slots` columns.
+      slot: first slot written by these tokens.
+
+    Returns:
+      Head outputs for `tokens` and the updated cache.
+    """
+    h, cache = self.layers(self.embed(tokens), positions, key_mask, cache, slot)
+    return self.head(h), cache
+
+
+def init_model(config: TransformerConfig, seed: int = 0) -> Transformer:
+  """Builds a randomly initialised model (the usual entry point for tests and tiny runs)."""
+  return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def with_execution(graphdef: nnx.GraphDef, params: nnx.State, **changes) -> nnx.GraphDef:
+  """The same model computed differently: `changes` of execution fields only.
+
+  A stage uses it to choose its own attention implementation and remat policy for a
+  model it was handed; parameters (and so checkpoints) are unaffected.
+  """
+  bad = sorted(set(changes) - set(EXECUTION_FIELDS))
+  if bad:
+    raise ValueError(f"with_execution changes execution fields {EXECUTION_FIELDS} only, "
+                     f"got {bad}.")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  config = nnx.merge(graphdef, abstract).config.replace(**changes)
+  return nnx.split(nnx.eval_shape(lambda: init_model(config)))[0]
+
+
+def param_axes(model: nnx.Module):
+  """The logical-axes pytree matching `nnx.state(model, nnx.Param)` (tuples as leaves)."""
+  state = nnx.state(model, nnx.Param)
+  return jax.tree.map(lambda v: v.get_metadata()["axes"], state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))

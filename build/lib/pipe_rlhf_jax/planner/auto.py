@@ -1,0 +1,263 @@
+"""The planner inside the main job: `runtime.plan = "auto"`, and the planner's veto.
+
+Owns what `train.set_up` asks of the planner before anything is built or compiled:
+  * which hardware profile describes the devices the run sees (`detect_hardware`; the
+    config field `runtime.hardware` overrides it) and which efficiencies price it (the
+    calibration file `runtime.calibration` when given, else the profile's analytic
+    defaults);
+  * `runtime.plan = "auto"`: the best plan of the space for this experiment on these
+    devices (`search.search`), applied to a copy of the config as the overrides
+    `space.to_overrides` writes, so `RuntimeConfig.from_config` reads it back typed;
+    the search keeps `runtime.max_staleness` as the bound the user allows (an
+    algorithmic choice: how far off-policy a rollout may be), trying 0..bound;
+  * `runtime.plan = "manual"` (the default, the hand-written plan): the planner's checks
+    (the runtime's own, on abstract meshes, and the memory model) run on it, and a plan
+    they reject fails here with their reason, before data are built or SFT compiles;
+  * the predicted steady seconds per step of the plan that runs, and the measured one
+    from the run's trace (`steady_step_time`), for the summary and metrics.
+
+Config fields (section `runtime`, all optional): `plan` ("manual" | "auto"), `hardware`
+(a `planner.hardware` profile name; "" detects it), `calibration` (a JSON file written
+by `python -m pipe_rlhf_jax.planner.calibrate`; "" uses the analytic efficiencies),
+`response_fraction` (mean response length over `data.completion_len`, for pricing
+generation's early EOS stop; 1 = every row runs to the end; `planner.lengths`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
+from pipe_rlhf_jax.stages.train import PPOHyper
+from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+
+PLAN_CHOICES = ("manual", "auto")
+
+# device_kind substrings (lower case) -> profile; the first match wins, so the more
+# specific names come first ("tpu v5 lite" is a v5e, a bare "tpu v5" a v5p).
+_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"),
+          ("tpu v5 lite", "tpu-v5e"), ("tpu v5e", "tpu-v5e"), ("tpu v5p", "tpu-v5p"),
+          ("tpu v5", "tpu-v5p"), ("tpu v6", "tpu-v6e"), ("tpu v4", "tpu-v4"))
+
+
+def _host_ram_bytes() -> float:
+  return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def detect_hardware(devices, name: str = "") -> hardware.Hardware:
+  """The profile of `devices` (or the profile `name`, from `runtime.hardware`).
+
+  On the CPU backend the `cpu` profile is sized to this host: its RAM, shared by every
+  virtual device the process has (`jax.device_count()`), not only the run's.
+  """
+  import jax
+  if name:
+    try:
+      return hardware.get(name)
+    except ValueError as e:
+      raise ValueError(f"runtime.hardware: {e}") from None
+  platform = devices[0].platform
+  if platform == "cpu":
+    return dataclasses.replace(hardware.get("cpu"), hbm_bytes=_host_ram_bytes(),
+                               devices_per_host=jax.local_device_count())
+  kind = devices[0].device_kind.lower()
+  for key, profile in _KINDS:
+    if key in kind:
+      return hardware.get(profile)
+  raise ValueError(f"no hardware profile matches device_kind={devices[0].device_kind!r} "
+                   f"({platform}); set runtime.hardware to one of "
+                   f"{sorted(hardware.PROFILES)} (the closest), or runtime.plan='manual' "
+                   "with runtime.hardware naming a profile.")
+
+
+def workload(config, actor: TransformerConfig, num_devices: int,
+             devices_per_host: int) -> space.Workload:
+  """What one PPO step of the experiment `config` computes, on `num_devices` devices."""
+  ppo = PPOConfig.from_config(config.ppo)
+  return space.Workload(
+      actor=actor, batch_size=config.ppo.batch_size,
+      minibatch_size=config.ppo.minibatch_size, epochs=config.ppo.epochs,
+      prompt_len=config.data.prompt_len, gen_len=config.data.completion_len,
+      num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
+      reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
+      reference_model=ppo.needs_reference,
+      proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
+      response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
+                                               "runtime.response_fraction"))
+
+
+def options_of(config) -> space.SpaceOptions:
+  """The search's knobs from the config: staleness 0..runtime.max_staleness, and the
+  execution fields (attention, logits chunk) of the hand-written training stage."""
+  train = config.stages.train
+  return space.SpaceOptions(staleness=tuple(range(config.runtime.max_staleness + 1)),
+                            attention=train.get("attention", "auto"),
+                            logits_chunk=train.get("logits_chunk", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+  """The plan a run uses and what the planner predicts for it.
+
+  Attributes:
+    runtime: the plan (chosen by the planner, or the hand-written one it accepted).
+    chosen: True when `runtime.plan = "auto"` chose it.
+    predicted_step_s: the simulator's steady seconds per PPO step.
+    bottleneck: the stage that bounds the step.
+    memory_gib: predicted peak GiB per device, per device group.
+    hardware: the profile's name.
+    efficiency: where the efficiencies come from (a calibration file, or the defaults).
+    search_s: seconds the search took (0 for a hand-written plan).
+  """
+
+  runtime: RuntimeConfig
+  chosen: bool
+  predicted_step_s: float
+  bottleneck: str
+  memory_gib: dict[str, float]
+  hardware: str
+  efficiency: str
+  search_s: float = 0.0
+
+  def describe(self) -> str:
+    how = "chosen by the planner" if self.chosen else "hand-written, checked by the planner"
+    mem = ", ".join(f"{k} {v:.2f}" for k, v in self.memory_gib.items())
+    return (f"plan ({how}): {self.runtime}; predicted {self.predicted_step_s:.4g} s/step "
+            f"(bottleneck {self.bottleneck}; GiB/device {mem}) on {self.hardware}, "
+            f"efficiencies: {self.efficiency}")
+
+
+def machine_of(config, devices) -> cost.Machine:
+  """The hardware profile and efficiencies that price a run on `devices`."""
+  rt = config.runtime
+  hw = detect_hardware(devices, rt.get("hardware", ""))
+  path = rt.get("calibration", "")
+  if path:
+    if not os.path.isfile(path):
+      raise ValueError(f"runtime.calibration={path!r} is not a file; write one with "
+                       "`python -m pipe_rlhf_jax.planner.calibrate --out FILE`, or set "
+                       "runtime.calibration='' to use the analytic efficiencies.")
+    eff = cost.Efficiency.load(path)
+    eff = dataclasses.replace(eff, source=f"calibration {path} ({eff.source})")
+  else:
+    eff = cost.Efficiency(source=f"analytic {hw.name} profile, assumed efficiencies "
+                          "(no runtime.calibration)")
+  return cost.Machine(hw, eff)
+
+
+def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
+             ) -> PlannedRun:
+  return PlannedRun(runtime=c.plan, chosen=chosen, predicted_step_s=c.step_time,
+                    bottleneck=c.bottleneck,
+                    memory_gib={k: v / hardware.GIB for k, v in c.memory.items()},
+                    hardware=m.hw.name, efficiency=m.eff.source, search_s=seconds)
+
+
+def runnable_across_processes(plan: RuntimeConfig, processes: int,
+                              devices_per_process: int) -> bool:
+  """Whether the runtime can run `plan` in a job of `processes` processes.
+
+  `pipe` mode there (`system/pipe_processes.py`) places each stage within one process
+  (several stages may share it) or on whole processes of its own, with each process's
+  devices a rectangular block of the stage's mesh (so it can receive its block of an
+  array); the device order cuts at process boundaries. One process runs anything.
+  """
+  if processes == 1 or plan.mode != "pipe" or plan.placement is None:
+    return True
+  import numpy as np
+
+  from pipe_rlhf_jax.distributed.transfer import is_rectangular
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  try:
+    shapes = stage_mesh_shapes(plan, processes * devices_per_process)
+  except ValueError:
+    return False
+  for shape, _, indices in shapes.values():
+    owners = np.asarray(indices) // devices_per_process
+    if owners[0] == owners[-1]:
+      continue  # within one process
+    if indices[0] % devices_per_process or len(indices) % devices_per_process:
+      return False  # shares a process with another stage
+    grid = owners.reshape(shape.axis_sizes())
+    if not all(is_rectangular(grid == p) for p in np.unique(owners)):
+      return False
+  return True
+
+
+def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun]:
+  """(the config to run, the planned run) for `runtime.plan` on `devices`.
+
+  "auto": a copy of `config` with the best plan's overrides applied. "manual": `config`
+  itself, after the planner's checks; raises ValueError with the planner's reason when
+  the hand-written plan cannot run (the runtime's checks on abstract meshes, then the
+  memory model on the detected hardware).
+  """
+  rt = config.runtime
+  choice = rt.get("plan", "manual")
+  if choice not in PLAN_CHOICES:
+    raise ValueError(f"runtime.plan={choice!r}; choose one of {list(PLAN_CHOICES)}.")
+  if choice == "auto":
+    custom = [s for s in config.stages if config.stages[s].get("rules")]
+    if custom:
+      raise ValueError(f"runtime.plan='auto' plans with each stage's default logical "
+                       f"rules, but stages.{custom[0]}.rules is set; remove it, or use "
+                       "runtime.plan='manual'.")
+  import jax  # (the backend exists by now: `devices` came from it)
+  processes = jax.process_count()
+  m = machine_of(config, devices)
+  # In a multi-process job a process is a host: placements align to its devices.
+  per_host = len(devices) // processes if processes > 1 else m.hw.devices_per_host
+  work = workload(config, actor, len(devices), per_host)
+  if choice == "manual":
+    runtime = RuntimeConfig.from_config(config)
+    reason = space.plan_error(runtime, work)
+    if reason is None:
+      c = search.price(runtime, work, m, simulate=True)
+      reason = c.rejected
+    if reason is not None:
+      raise ValueError(
+          f"the hand-written plan {runtime} cannot run {work.batch_size} rollouts of "
+          f"{work.length} tokens on {len(devices)} {m.hw.name} devices: "
+          f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
+          "or let the planner choose: --config.runtime.plan=auto.")
+    return config, _planned(c, False, m, 0.0)
+  best, rejected, stats = search.search(work, m, options_of(config),
+                                        k=1 if processes == 1 else 64)
+  best = [c for c in best if runnable_across_processes(c.plan, processes, per_host)][:1]
+  if not best:
+    reasons = "; ".join(f"{c.plan}: {c.rejected}" for c in rejected[:3])
+    raise ValueError(f"runtime.plan='auto': no plan of the space fits {len(devices)} "
+                     f"{m.hw.name} devices ({len(rejected)} rejected, e.g. {reasons}); "
+                     "reduce ppo.minibatch_size or the model, or add devices.")
+  top = best[0]
+  chosen = space.apply_overrides(config, space.to_overrides(top.plan, config))
+  if top.plan.placement is None and "placement" in chosen.runtime:
+    chosen.runtime.placement = None  # only pipe mode places stages on device blocks
+  read_back = RuntimeConfig.from_config(chosen)
+  if dataclasses.replace(read_back, shutdown_timeout_s=top.plan.shutdown_timeout_s,
+                         progress_timeout_s=top.plan.progress_timeout_s) != top.plan:
+    raise AssertionError(f"the overrides of {top.plan} read back as {read_back}")
+  return chosen, _planned(dataclasses.replace(top, plan=read_back), True, m,
+                          stats["seconds"])
+
+
+def completion_times(tracer) -> list[float]:
+  """When each traced batch finished: the end of its last train / sync span (seconds)."""
+  ends: dict[int, float] = {}
+  for span in tracer.spans():
+    if span.batch is not None and span.stage in ("train", "sync"):
+      ends[span.batch] = max(ends.get(span.batch, 0.0), span.end)
+  return [ends[k] for k in sorted(ends)]
+
+
+def steady_step_time(tracer, warmup: int = 2) -> float | None:
+  """Measured steady seconds per step: the mean gap between batch completions after the
+  first `warmup` (compilation), fewer when the run is short; None below 2 batches."""
+  done = completion_times(tracer)
+  if len(done) < 2:
+    return None
+  skip = min(warmup, len(done) - 2)
+  return (done[-1] - done[skip]) / (len(done) - 1 - skip)

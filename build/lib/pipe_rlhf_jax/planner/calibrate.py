@@ -1,0 +1,600 @@
+"""Calibration: time real pieces on the current backend and fit the cost model's constants.
+
+  python -m pipe_rlhf_jax.planner.calibrate --out calibration.json [--config=configs/quickstart.py]
+
+Measures (median of repeats, after a compile-and-warm-up call):
+  matmul        f32 [n, n] @ [n, n] on one device, n in {256, 512, 1024}: the device peak;
+                and the same batched over all local devices (one per device): the host's
+                (shared hardware: how much more than one device all of them reach).
+  bandwidth     y = 2 x + 1 over 32 Mi f32 (read + write) on one device.
+  forward       the config's model, forward to the last hidden state + LM head, over a few
+                (batch, length) points; forward+backward (value_and_grad) likewise.
+  decode        K = 16 cached decode steps inside one jitted `lax.fori_loop` (as the
+                sampler runs them) over a few (batch, cache slots) points.
+  all-gather    16 f32 buffers sharded over 2, 4 and all local devices gathered to every
+                device in one program, against one buffer alone, over a few sizes.
+  dispatch      a trivial jitted call.
+  concurrency   k copies of the forward+backward, one per device, run at once (k = 1, 2,
+                all devices).
+  split         the same forward / forward+backward / decode steps with the batch split
+                over all local devices (same FLOPs, one program per device).
+  optimizer     the Adam update (optax.adam, update + apply) of the model's parameters on
+                one device.
+  stages        the REAL stage calls, as the runtime makes them (`PPOSystem.generate`,
+                `.infer`, `.train`: sampler or pipelined decoder, reference + critic
+                passes + rule reward + experience, the whole PPO update with the
+                critic and both optimizers), on calibration workloads of their own
+                (`STAGE_POINTS`: 1 device, and 2, 4 and all devices with data, fsdp,
+                tensor and pipe meshes), median of repeats after a compile call.
+Fits (each printed and saved with how it was obtained):
+  device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
+  hbm_bw                               bandwidth bytes/s
+  matmul, call_overhead_s              forward time = c + FLOPs / (device peak x matmul)
+                                       (least squares; c is the per-call overhead)
+  train                                forward+backward time = c + FLOPs / (peak x train)
+  tick_overhead_s, decode_bw           decode step = tick + bytes / (hbm_bw x decode_bw)
+                                       (least squares over the decode points)
+  link_latency, link_bw                all-gather time = alpha + V (k-1)/k / W ((k-1)
+                                       alpha where `Hardware.serial_collectives`)
+  host_concurrency                     best k x t(1 copy) / t(k copies at once)
+  forward/train/tick_device_overhead_s (t(split over k) - t(one device)) / (k - 1), per
+                                       call (forward, train) or per decode step (tick)
+                                       (replaced by the stage fits below when measured)
+  optimizer_bw                         Adam bytes (7 x parameters) / (seconds - dispatch)
+                                       / hbm_bw
+  reshard_array_s, reshard_bw          the stage points' own moves (weight sync, rollout
+                                       and experience in): seconds = arrays x a + bytes x
+                                       destination replicas / W (the stage samples are
+                                       timed without their batch's move)
+  per stage (`cost.STAGE_CONSTANTS`)   the stage's seconds = scale x roofline + per call +
+                                       per unit x units + per device unit x units x
+                                       (devices - 1) + per exchange x the collectives'
+                                       exchanges + (collectives, dispatch, Adam bytes: the
+                                       analytic terms), the terms from `cost.stage_terms`
+                                       with the constants above; non-negative least squares
+                                       on relative residuals over the stage samples
+The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _default_cpu_devices() -> None:
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
+      os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+
+def timeit(fn, *args, repeats: int = 5) -> float:
+  """Median seconds of `fn(*args)` (blocked), after one warm-up (compile) call."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+  """Least-squares (intercept, slope) of y = a + b x; the intercept is clipped at 0."""
+  n = len(xs)
+  mx, my = sum(xs) / n, sum(ys) / n
+  sxx = sum((x - mx) ** 2 for x in xs)
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+  intercept = my - slope * mx
+  if intercept < 0:  # a negative fixed cost is not physical: refit through the origin
+    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    intercept = 0.0
+  return intercept, slope
+
+
+def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
+  """Raw samples: lists of dicts with the sizes, analytic work and median seconds."""
+  from flax import nnx
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+
+  from pipe_rlhf_jax.models import flops
+  from pipe_rlhf_jax.models.transformer import KVCache, init_model
+
+  devices = jax.devices()
+  dev0 = devices[0]
+  out = {"backend": jax.default_backend(), "devices": len(devices),
+         "device_kind": dev0.device_kind, "model": dataclasses.asdict(cfg)}
+  if out["backend"] == "cpu":
+    out["hardware"] = "cpu"
+  else:
+    from pipe_rlhf_jax.planner.auto import detect_hardware
+    out["hardware"] = detect_hardware(devices).name
+  sizes = (256, 512) if quick else (256, 512, 1024)
+
+  # Matmul peak: one device, then one matmul per device at once.
+  out["matmul"] = []
+  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+  for n in sizes:
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev0)
+    t1 = timeit(jax.jit(lambda a: a @ a), a)
+    batch = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32),
+                           NamedSharding(mesh, P("d")))
+    ta = timeit(jax.jit(lambda b: jnp.einsum("bij,bjk->bik", b, b)), batch)
+    out["matmul"].append({"n": n, "flops": 2 * n ** 3, "seconds_one": t1,
+                          "seconds_all": ta})
+
+  # Memory bandwidth: read + write of a 128 MiB f32 array.
+  elems = (8 if quick else 32) * 2 ** 20
+  x = jax.device_put(jnp.ones((elems,), jnp.float32), dev0)
+  tb = timeit(jax.jit(lambda x: 2 * x + 1), x)
+  out["bandwidth"] = {"bytes": 2 * 4 * elems, "seconds": tb}
+
+  # Dispatch: a trivial call.
+  s = jax.device_put(jnp.ones((), jnp.float32), dev0)
+  out["dispatch"] = {"seconds": timeit(jax.jit(lambda s: s + 1), s, repeats=50)}
+
+  graphdef, params = nnx.split(init_model(cfg))
+  params = jax.device_put(params, dev0)
+
+  def forward(params, tokens):
+    model = nnx.merge(graphdef, params)
+    return model.head(model.hidden(tokens)).sum()
+
+  points = [(8, 24), (32, 24), (64, 24), (64, 48)] if not quick else [(8, 24), (64, 24)]
+  out["forward"], out["train"] = [], []
+  for b, length in points:
+    tokens = jax.device_put(jnp.ones((b, length), jnp.int32), dev0)
+    tf = timeit(jax.jit(forward), params, tokens)
+    tt = timeit(jax.jit(jax.value_and_grad(forward)), params, tokens)
+    out["forward"].append({"batch": b, "length": length, "seconds": tf,
+                           "flops": flops.forward_flops(cfg, b, length)})
+    out["train"].append({"batch": b, "length": length, "seconds": tt,
+                         "flops": flops.train_flops(cfg, b, length)})
+
+  # Concurrency: k copies of the forward+backward, one per device, at once (threads).
+  from concurrent.futures import ThreadPoolExecutor
+  b, length = points[len(points) // 2]
+  step = jax.jit(jax.value_and_grad(forward))
+  out["concurrency"] = []
+  for k in sorted({1, 2, len(devices)}):
+    args = [(jax.device_put(params, d), jax.device_put(jnp.ones((b, length), jnp.int32), d))
+            for d in devices[:k]]
+    with ThreadPoolExecutor(k) as pool:
+      def all_at_once():
+        return list(pool.map(lambda a: jax.block_until_ready(step(*a)), args))
+      all_at_once()
+      times = []
+      for _ in range(3):
+        start = time.perf_counter()
+        all_at_once()
+        times.append(time.perf_counter() - start)
+    out["concurrency"].append({"copies": k, "seconds": statistics.median(times)})
+
+  # Per-device overhead: the same forward / forward+backward, batch split over all local
+  # devices (params replicated): the same FLOPs, run as one program per device.
+  k = len(devices)
+  out["split"] = []
+  if k > 1 and b % k == 0:
+    rep = NamedSharding(mesh, P())
+    split_params = jax.device_put(params, rep)
+    split_tokens = jax.device_put(jnp.ones((b, length), jnp.int32), NamedSharding(mesh, P("d")))
+    for kind, fn in (("forward", jax.jit(forward)),
+                     ("train", jax.jit(jax.value_and_grad(forward)))):
+      one = next(s["seconds"] for s in out[kind] if (s["batch"], s["length"]) == (b, length))
+      out["split"].append({"kind": kind, "devices": k, "seconds": timeit(
+          fn, split_params, split_tokens), "seconds_one": one})
+
+  # Decode: K steps in one fori_loop, like the sampler's scan.
+  steps = 16
+  out["decode"] = []
+  split_point = (64, 128)
+  for b, slots in ([(8, 32), (64, 32), (64, 128), (256, 128)] if not quick
+                   else [(8, 32), (64, 128)]):
+    cache = jax.device_put(KVCache.zeros(cfg, b, slots), dev0)
+    mask = jax.device_put(jnp.ones((b, slots), bool), dev0)
+
+    def run(params, cache, mask, b=b, slots=slots):
+      model = nnx.merge(graphdef, params)
+
+      def body(i, carry):
+        cache, acc = carry
+        tok = jnp.full((b, 1), 1, jnp.int32) + (acc > 1e30).astype(jnp.int32)
+        pos = jnp.full((b, 1), slots - steps, jnp.int32) + i
+        logits, cache = model.forward_cached(tok, pos, mask, cache, slots - steps + i)
+        return cache, acc + logits[:, -1, 0].sum()
+      return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((), jnp.float32)))[1]
+
+    t = timeit(jax.jit(run), params, cache, mask) / steps
+    # Every step attends over all `slots` (unused ones masked), as the cost model prices.
+    out["decode"].append({"batch": b, "slots": slots, "seconds": t,
+                          "bytes": flops.decode_step_bytes(cfg, b, slots),
+                          "flops": flops.forward_flops(cfg, b, 1, context=slots)})
+    # The same steps with the batch split over all devices (params replicated): what
+    # each extra device's program adds to a decode step / pipeline tick on this host.
+    if k > 1 and b % k == 0 and (b, slots) == split_point:
+      batch_split = NamedSharding(mesh, P("d"))
+      cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
+      t_split = timeit(jax.jit(run), jax.device_put(params, NamedSharding(mesh, P())),
+                       jax.device_put(cache, cache_split),
+                       jax.device_put(mask, batch_split)) / steps
+      out["split"].append({"kind": "tick", "devices": k, "seconds": t_split,
+                           "seconds_one": t})
+
+  # The Adam update alone: what every minibatch step of training pays per model.
+  import optax
+  tx = optax.adam(1e-4)
+  opt_state = jax.device_put(tx.init(params), dev0)
+
+  def adam(params, opt_state):
+    updates, opt_state = tx.update(params, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  from pipe_rlhf_jax.planner.memory import param_bytes
+  out["optimizer"] = {"bytes": 7 * param_bytes(cfg),
+                      "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
+
+  out["all_gather"] = measure_all_gathers(
+      devices, (2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16))
+  if stages:
+    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
+  return out
+
+
+def measure_all_gathers(devices, per_device_sizes, count: int = 16) -> list[dict]:
+  """Seconds per all-gather of f32 buffers of each size per device, on 2, 4 and all of
+  `devices`: `count` independent ones in one program against one alone (the difference
+  has no dispatch in it). Small buffers show the latency, larger ones the bandwidth."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+  out = []
+  for k in sorted({min(2, len(devices)), min(4, len(devices)), len(devices)} - {1}):
+    sub = jax.sharding.Mesh(np.array(devices[:k]), ("d",))
+    for per_device in per_device_sizes:
+      def seconds(c, k=k, sub=sub, per_device=per_device):
+        bufs = [jax.device_put(jnp.full((k * per_device,), float(i), jnp.float32),
+                               NamedSharding(sub, P("d"))) for i in range(c)]
+        gather = jax.jit(lambda xs: [2 * x for x in xs],
+                         out_shardings=[NamedSharding(sub, P())] * c)
+        return timeit(gather, bufs, repeats=10)
+      one, many = seconds(1), seconds(count)
+      out.append({"devices": k, "bytes": 4 * k * per_device, "count": count,
+                  "seconds": max(many - one, 0.0) / (count - 1)})
+  return out
+
+
+# Calibration workloads of the real stages: (devices, mode, generate / infer / train
+# meshes, generation micro-batches, batch, minibatch, prompt length, new tokens). Their
+# own sizes, not an experiment's: the fit must extrapolate, not remember.
+_SMALL = (16, 8, 12, 6)
+_LARGE = (48, 16, 20, 10)
+STAGE_POINTS = (
+    (1, "sequential", {}, {}, {}, 1, _SMALL),
+    (1, "sequential", {}, {}, {}, 1, _LARGE),
+    (8, "per_stage", dict(data=8), dict(data=8), dict(data=8), 1, _LARGE),
+    (8, "per_stage", dict(pipe=4, tensor=2), dict(fsdp=8), dict(fsdp=8), 4, _SMALL),
+    (4, "per_stage", dict(pipe=2, tensor=2), dict(data=2, tensor=2), dict(data=2, fsdp=2), 2,
+     _LARGE),
+    (2, "per_stage", dict(tensor=2), dict(pipe=2), dict(tensor=2), 1, _SMALL),
+)
+QUICK_STAGE_POINTS = (STAGE_POINTS[0], STAGE_POINTS[2], STAGE_POINTS[3])
+
+
+def _mesh(axes: dict) -> dict:
+  return {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1, **axes}
+
+
+def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
+  """Median seconds of the real stage calls at each calibration point.
+
+  Each point builds a `PPOSystem` (random-init actor, critic and reference from `cfg`, a
+  host rule reward) on its first `devices` devices and times, after one compile call,
+  `generate`, `infer` and `train` as `system/modes.py` calls them (each returns only after
+  its device work: they read metrics back).
+  """
+  import jax
+  import numpy as np
+
+  from pipe_rlhf_jax.generation.sampler import SamplingParams
+  from pipe_rlhf_jax.models.transformer import init_model
+  from pipe_rlhf_jax.planner import composition
+  from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+  from pipe_rlhf_jax.system.system import Models, PPOSystem
+
+  devices = jax.devices()
+  out = []
+  for k, mode, gen, inf, trn, micro, (batch, minibatch, prompt_len, gen_len) in points:
+    if k > len(devices):
+      continue
+    meshes = {"generate": _mesh(gen), "infer": _mesh(inf), "train": _mesh(trn)}
+    if mode == "sequential":
+      runtime = RuntimeConfig(mesh=MeshSpec(**_mesh({"data": k})))
+      meshes = {s: _mesh({"data": k}) for s in meshes}
+    else:
+      runtime = RuntimeConfig(
+          mode=mode, generate=StagePlan(mesh=MeshSpec(**meshes["generate"]),
+                                        num_microbatches=micro),
+          infer=StagePlan(mesh=MeshSpec(**meshes["infer"])),
+          train=StagePlan(mesh=MeshSpec(**meshes["train"])))
+    system = PPOSystem(
+        Models.from_policy(init_model(cfg)),
+        ppo=PPOConfig(steps=1000, batch_size=batch, minibatch_size=minibatch, epochs=1),
+        sampling=SamplingParams(max_new_tokens=gen_len, eos_id=None, pad_id=0),
+        runtime=runtime, reward_fn=lambda p, c: [float(len(x)) for x in c],
+        decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices[:k])
+    rng = np.random.default_rng(0)
+    prompts = {"prompt_tokens": rng.integers(3, cfg.vocab_size, (batch, prompt_len)
+                                             ).astype(np.int32),
+               "prompt_mask": np.ones((batch, prompt_len), bool), "index": np.arange(batch)}
+    times = {"generate": [], "infer": [], "train": []}
+    # The reshard helper's moves at this point (weights, and each stage's batch in):
+    # [(arrays, bytes, seconds)] per move.
+    moves = {"actor": [], "critic": [], "infer": [], "train": []}
+    for step in range(repeats + 1):  # step 0 compiles
+      actor, actor_stats = system.actor_for_generation()
+      critic, critic_stats = system.critic_for_inference()
+      jax.block_until_ready((actor, critic))
+      t0 = time.perf_counter()
+      rollout, _ = system.generate(actor, prompts, step, system.version)
+      t1 = time.perf_counter()
+      exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
+                                critic_version=system.version)
+      t2 = time.perf_counter()
+      trn_m = system.train(exp, step)
+      t3 = time.perf_counter()
+      if step:
+        for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+          times[stage].append(seconds)
+        for name, st in (("actor", actor_stats), ("critic", critic_stats)):
+          moves[name].append((st.num_arrays, st.bytes, st.seconds))
+        for stage, metrics, key in (("infer", inf_m, "rollout"), ("train", trn_m,
+                                                                   "experience")):
+          moves[stage].append(tuple(metrics[f"transfer/{key}/{field}"]
+                                    for field in ("num_arrays", "bytes", "seconds")))
+    # Destination replicas of each move, as the cost model counts them.
+    dest = {"actor": "generate", "critic": "infer", "infer": "infer", "train": "train"}
+    for name, values in moves.items():
+      mesh = meshes[dest[name]]
+      replicas = (composition.weight_replicas(mesh) if name in ("actor", "critic")
+                  else composition.batch_replicas(mesh))
+      arrays, nbytes, _ = values[0]
+      if arrays:
+        out.append({"stage": "reshard", "what": name, "devices": k, "mesh": mesh,
+                    "arrays": arrays, "bytes": nbytes, "replicas": replicas,
+                    "seconds": statistics.median(v[2] for v in values)})
+    for stage, values in times.items():
+      # The batch's move in is priced on its own (`composition.batch_moves`).
+      moved = statistics.median(v[2] for v in moves[stage]) if stage in moves else 0.0
+      out.append({"stage": stage, "devices": k, "mode": mode, "mesh": meshes[stage],
+                  "num_microbatches": micro if stage == "generate" else 1,
+                  "batch": batch, "minibatch": minibatch, "prompt_len": prompt_len,
+                  "gen_len": gen_len, "seconds": statistics.median(values) - moved,
+                  "moved_s": moved})
+  return out
+
+
+def nnls(columns: list[list[float]], target: list[float], weights: list[float]
+         ) -> list[float]:
+  """Non-negative least squares min sum (w (X c - y))^2, c >= 0, by trying every subset
+  of the (few) columns: the best unconstrained fit among those with no negative entry."""
+  import itertools
+
+  import numpy as np
+  x = np.asarray(columns, float).T * np.asarray(weights, float)[:, None]  # [samples, k]
+  y = np.asarray(target, float) * np.asarray(weights, float)
+  k = x.shape[1]
+  best, best_err = np.zeros(k), float(np.sum(y ** 2))
+  for size in range(1, k + 1):
+    for subset in itertools.combinations(range(k), size):
+      sol, *_ = np.linalg.lstsq(x[:, subset], y, rcond=None)
+      if np.any(sol < 0):
+        continue
+      coef = np.zeros(k)
+      coef[list(subset)] = sol
+      err = float(np.sum((x @ coef - y) ** 2))
+      if err < best_err - 1e-18:
+        best, best_err = coef, err
+  return [float(c) for c in best]
+
+
+def fit_stages(samples: dict, fits: dict) -> dict:
+  """Per-stage constants (`cost.STAGE_CONSTANTS`) from the real-stage samples.
+
+  The analytic terms of each sample come from the cost model itself (`cost.*_terms`)
+  with the microbenchmark constants in `fits`, so the fitted constants mean exactly what
+  the planner multiplies them by. Relative residuals: small stages count as much as big.
+  """
+  import dataclasses as dc
+
+  from pipe_rlhf_jax.models.config import TransformerConfig
+  from pipe_rlhf_jax.planner import cost, hardware, space
+  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
+  cfg = TransformerConfig(**samples["model"])
+  hw = hardware.get(samples.get("hardware", "cpu"))
+  known = {f.name for f in dc.fields(cost.Efficiency)}
+  fitted_here = {name for names in cost.STAGE_CONSTANTS.values() for name in names}
+  machine = cost.Machine(hw, cost.Efficiency(
+      **{k: v for k, (v, _) in fits.items() if k in known and k not in fitted_here}))
+  out = {}
+  for stage, names in cost.STAGE_CONSTANTS.items():
+    rows = [s for s in samples["stages"] if s["stage"] == stage]
+    if not rows:
+      continue
+    cols, target, weights = [[], [], [], [], []], [], []
+    for s in rows:
+      work = space.Workload(actor=cfg, batch_size=s["batch"], minibatch_size=s["minibatch"],
+                            epochs=1, prompt_len=s["prompt_len"], gen_len=s["gen_len"],
+                            num_devices=s["devices"], reward_model=False)
+      plan = StagePlan(mesh=MeshSpec(**s["mesh"]), num_microbatches=s["num_microbatches"])
+      terms = cost.stage_terms(stage, plan, s["mesh"], work, machine)
+      for col, value in zip(cols, (terms.roofline, 1.0, terms.units, terms.device_units,
+                                   terms.exchanges)):
+        col.append(value)
+      target.append(s["seconds"] - terms.memory - terms.comm - terms.fixed)
+      weights.append(1.0 / s["seconds"])
+    used = [i for i, name in enumerate(names) if name]
+    coef = nnls([cols[i] for i in used], target, weights)
+    what = {"generate": ("decode tick", "prefill + decode"),
+            "infer": ("model pass", "reference + critic passes"),
+            "train": ("minibatch step x model", "PPO update")}[stage]
+    how = (f"{stage} stage ({what[1]}) timed at {len(rows)} calibration points; seconds = "
+           "scale x roofline + per call + per {0} + per {0} x (devices - 1) + per "
+           "collective exchange + analytic collectives/dispatch/Adam; non-negative least "
+           "squares, relative residuals").format(what[0])
+    labels = ("seconds per analytic roofline second", "seconds per call",
+              f"seconds per {what[0]}", f"seconds per {what[0]} per extra device",
+              "seconds per collective exchange beyond the microbenchmarked latency")
+    for i, value in zip(used, coef):
+      out[names[i]] = (value, f"{labels[i]}: {how}")
+  return out
+
+
+def fit(samples: dict) -> dict:
+  """The efficiency constants from raw samples, each with how it was obtained."""
+  fits = {}
+  device_peak = max(s["flops"] / s["seconds_one"] for s in samples["matmul"])
+  host_peak = max(s["flops"] * samples["devices"] / s["seconds_all"]
+                  for s in samples["matmul"])
+  fits["device_peak_flops"] = (device_peak, "best f32 matmul FLOP/s on one device")
+  fits["host_peak_flops"] = (max(host_peak, device_peak),
+                             "best f32 matmul FLOP/s, one matmul per device at once")
+  bw = samples["bandwidth"]["bytes"] / samples["bandwidth"]["seconds"]
+  fits["hbm_bw"] = (bw, "bytes/s of y = 2x + 1 (read + write)")
+  fits["dispatch_s"] = (samples["dispatch"]["seconds"], "seconds of a trivial jitted call")
+  a, b = fit_line([s["flops"] for s in samples["forward"]],
+                  [s["seconds"] for s in samples["forward"]])
+  fits["matmul"] = (1 / (b * device_peak), "forward: seconds = c + FLOPs / (device peak x "
+                    "matmul), least squares")
+  fits["call_overhead_s"] = (max(a, samples["dispatch"]["seconds"]),
+                             "forward fit's intercept (at least the dispatch time)")
+  _, b = fit_line([s["flops"] for s in samples["train"]],
+                  [s["seconds"] for s in samples["train"]])
+  fits["train"] = (1 / (b * device_peak), "forward+backward: seconds = c + FLOPs / "
+                   "(device peak x train), least squares")
+  if samples.get("concurrency"):
+    one = next(s["seconds"] for s in samples["concurrency"] if s["copies"] == 1)
+    fits["host_concurrency"] = (max(s["copies"] * one / s["seconds"]
+                                    for s in samples["concurrency"]),
+                                "throughput of k concurrent single-device forward+backward "
+                                "steps / one alone, best k")
+  for s in samples.get("split", []):
+    fits[f"{s['kind']}_device_overhead_s"] = (
+        max(0.0, s["seconds"] - s["seconds_one"]) / (s["devices"] - 1),
+        f"{s['kind']}: (seconds split over {s['devices']} devices - on one) / "
+        f"{s['devices'] - 1}: what each extra device's program adds")
+  a, b = fit_line([s["bytes"] for s in samples["decode"]],
+                  [s["seconds"] for s in samples["decode"]])
+  fits["tick_overhead_s"] = (a, "decode step (in a fori_loop): seconds = tick + bytes / "
+                             "(hbm_bw x decode_bw), least squares intercept")
+  fits["decode_bw"] = (1 / (b * bw) if b > 0 else 1.0, "the same fit's slope vs hbm_bw")
+  gathers = samples["all_gather"]
+  if gathers and "count" in gathers[0]:
+    from pipe_rlhf_jax.planner import hardware
+    serial = hardware.get(samples.get("hardware", "cpu")).serial_collectives
+    hops = [(s["devices"] - 1) if serial else 1.0 for s in gathers]
+    moved = [s["bytes"] * (s["devices"] - 1) / s["devices"] for s in gathers]
+    alpha, beta = nnls([hops, moved], [s["seconds"] for s in gathers],
+                       [1 / max(s["seconds"], 1e-9) for s in gathers])
+    how = ("all-gathers of {} - {} B on {} devices, {} per program: seconds each = "
+           "{}alpha + V (k-1)/k / W, non-negative least squares, relative residuals"
+           ).format(min(s["bytes"] for s in gathers), max(s["bytes"] for s in gathers),
+                    "/".join(str(k) for k in sorted({s["devices"] for s in gathers})),
+                    gathers[0]["count"], "(k-1) " if serial else "")
+    fits["link_latency"] = (alpha, how + "; alpha" + (" (per exchange)" if serial else ""))
+    fits["link_bw"] = (1 / beta if beta > 0 else 0.0, "the same fit's W (bytes/s)")
+  elif gathers:  # samples of an earlier calibration: one all-gather per program
+    k = gathers[0]["devices"]
+    a, b = fit_line([s["bytes"] * (k - 1) / k for s in gathers],
+                    [s["seconds"] for s in gathers])
+    fits["link_latency"] = (a, "all-gather: seconds = alpha + V (k-1)/k / W; alpha")
+    fits["link_bw"] = (1 / b if b > 0 else 0.0, "the same fit's W (bytes/s)")
+  if samples.get("optimizer"):
+    o = samples["optimizer"]
+    busy = max(o["seconds"] - samples["dispatch"]["seconds"], 1e-12)
+    fits["optimizer_bw"] = (o["bytes"] / busy / bw, "Adam update: 7 x parameter bytes / "
+                            "(seconds - dispatch) / hbm_bw")
+  moves = [s for s in samples.get("stages", []) if s["stage"] == "reshard"]
+  if moves:
+    per_array, per_byte = nnls([[s["arrays"] for s in moves],
+                                [s["bytes"] * s["replicas"] for s in moves]],
+                               [s["seconds"] for s in moves],
+                               [1 / max(s["seconds"], 1e-9) for s in moves])
+    how = (f"the reshard helper's {len(moves)} moves (weights, rollouts, experience) at "
+           "the stage points: seconds = arrays x a + bytes x destination replicas / W, "
+           "non-negative least squares, relative residuals")
+    fits["reshard_array_s"] = (per_array, how + "; a")
+    fits["reshard_bw"] = (1 / per_byte if per_byte > 0 else 0.0, "the same fit's W")
+  if samples.get("stages"):
+    stage_fits = fit_stages(samples, fits)
+    for name, value in stage_fits.items():
+      if name in fits:  # the microbenchmark's estimate, kept for the record
+        fits["microbenchmark_" + name] = fits[name]
+      fits[name] = value
+  return fits
+
+
+def efficiency_dict(fits: dict, source: str) -> dict:
+  import dataclasses
+
+  from pipe_rlhf_jax.planner.cost import Efficiency
+  known = {f.name for f in dataclasses.fields(Efficiency)}
+  values = {k: v for k, (v, _) in fits.items() if k in known}
+  values["source"] = source
+  return values
+
+
+def main(argv=None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(
+      prog="python -m pipe_rlhf_jax.planner.calibrate",
+      description="Time the matmul peak, memory bandwidth, collectives and the PPO stages "
+                  "of an experiment's model on this backend, and fit the planner's cost "
+                  "model to them (every fitted constant is printed and saved).",
+      epilog="example:\n  python -m pipe_rlhf_jax.planner.calibrate --out calib.json\n"
+             "  python -m pipe_rlhf_jax.plan --config=configs/quickstart.py "
+             "--calibration=calib.json",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", required=True, help="calibration JSON to write")
+  parser.add_argument("--config", default="configs/quickstart.py",
+                      help="experiment config whose model is timed")
+  parser.add_argument("--quick", action="store_true", help="fewer points (tests)")
+  args = parser.parse_args(argv)
+  _default_cpu_devices()
+  import importlib.util
+
+  from ml_collections import config_flags  # noqa: F401 (config loading below)
+  spec = importlib.util.spec_from_file_location("_calib_config", args.config)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.train import build_model_configs
+  cfg = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
+  start = time.perf_counter()
+  samples = measure(cfg, quick=args.quick)
+  fits = fit(samples)
+  source = (f"calibrated on {samples['backend']} ({samples['device_kind']}, "
+            f"{samples['devices']} devices) by planner.calibrate, {time.strftime('%Y-%m-%d')}")
+  result = {"source": source, "model": str(cfg.num_params()) + " params",
+            "seconds": time.perf_counter() - start, "samples": samples,
+            "fits": {k: {"value": v, "how": how} for k, (v, how) in fits.items()},
+            "efficiency": efficiency_dict(fits, source)}
+  for name, (value, how) in fits.items():
+    print(f"{name:>18} = {value:.4g}   ({how})")
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out} in {result['seconds']:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,251 @@
+"""The memory model: bytes per device of each stage under a plan, and the fit check.
+
+Per device and stage (b = rows per device, L = prompt + completion tokens):
+  generate: the actor's parameters; the KV cache [layers/pipe, b, L slots,
+    kv_heads/tensor, head_dim] x2 (k, v); the prefill's forward activations of one layer
+    (`forward_activation_bytes`, over b x prompt tokens attending to L slots) and its f32
+    logits on every prompt position; with fsdp, two layers' gathered weights.
+  infer: parameters of the reference, the critic and the reward model (each with its
+    own head); one layer's forward activations over [b, L]; the head's logits and
+    log-softmax over a chunk of positions (all completion positions when
+    logits_chunk = 0) in f32.
+  train: actor and critic parameters, their Adam moments (2 per parameter, in the
+    parameter dtype), gradients and the optimizer's updates; the residuals every layer
+    saves for the backward (`layer_activation_bytes`: by remat policy and attention
+    implementation, counted from `jax.checkpoint`'s saved residuals) for BOTH models at
+    once (XLA runs the actor's and the critic's forward before either backward), plus
+    the layer being recomputed under remat; the head's logits.
+Parameters are split over fsdp x tensor x pipe (data replicates). In `sequential` and
+`per_stage` modes the three stages share the devices, so the persistent state of all three
+lives there at once, plus the largest transient. Shares of the host (cpu profile): all
+virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
+Checked against XLA's `compiled.memory_analysis()` of the real train, infer and generate
+programs (tests/test_planner_memory.py: within 25%, the measured ratios listed there).
+
+Sizes are bytes; every estimate is a sum of named terms so a rejection can say which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.planner.hardware import GIB, Hardware
+from pipe_rlhf_jax.planner.space import Workload
+from pipe_rlhf_jax.system.settings import STAGES, RuntimeConfig, StagePlan
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Headroom XLA needs beyond what is modelled (fragmentation, small temporaries): the
+# model's total must fit under this fraction of the capacity.
+USABLE_FRACTION = 0.9
+
+
+def param_bytes(cfg: TransformerConfig) -> float:
+  return cfg.num_params() * _BYTES[cfg.param_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+  """Bytes per device of one stage: persistent (lives across steps) and transient."""
+
+  persistent: tuple[tuple[str, float], ...]
+  transient: tuple[tuple[str, float], ...]
+
+  @property
+  def persistent_bytes(self) -> float:
+    return sum(v for _, v in self.persistent)
+
+  @property
+  def transient_bytes(self) -> float:
+    return sum(v for _, v in self.transient)
+
+  @property
+  def total(self) -> float:
+    return self.persistent_bytes + self.transient_bytes
+
+  def describe(self) -> str:
+    terms = self.persistent + self.transient
+    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in terms if v) + " GiB"
+
+
+def _splits(plan: StagePlan, mesh_sizes: dict[str, int]) -> tuple[int, int]:
+  """(batch ways data*fsdp, parameter ways fsdp*tensor*pipe)."""
+  m = mesh_sizes
+  return m["data"] * m["fsdp"], m["fsdp"] * m["tensor"] * m["pipe"]
+
+
+def _attention_impl(cfg: TransformerConfig, plan: StagePlan, keys: int) -> str:
+  """The attention implementation a stage runs at `keys` keys (`models.attention`)."""
+  from pipe_rlhf_jax.models.attention import resolve
+  impl = cfg.attention if plan.attention == "auto" else plan.attention
+  return resolve(impl, keys, cfg.attention_block_size)
+
+
+def layer_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int, impl: str,
+                           remat: str = "none") -> float:
+  """Bytes per token one layer keeps for its backward pass (`jax.checkpoint` residuals
+  of `models.transformer.Layers._block`, counted with `saved_residuals`).
+
+  remat "none": every intermediate: the residual stream and both norms (4 E in the
+  compute dtype, 2 E in f32: RMSNorm computes in f32), q and the attention output
+  (2 H d), k and v (2 K d), the SwiGLU inputs, activations and products (6 F), and the
+  attention path: dense keeps f32 scores and probabilities [H, keys] (+ 2 H row
+  statistics); blockwise keeps each key block's running output and statistics
+  (ceil(keys / block) x (H d + 2 H) in f32) and recomputes the scores. With q/k norm
+  (Qwen3) each query and key head adds its input (compute dtype), its normalised value
+  and two row statistics (f32): (H + K) (d (act + 4) + 8) bytes.
+  "save_matmuls": the layer input and the projections' outputs only (3 E + (H + 2 K) d
+  + 2 F). "full": the layer input (E). Heads, kv heads and mlp split over tensor.
+  """
+  act = _BYTES[cfg.dtype]
+  e, d = cfg.embed_dim, cfg.head_dim
+  h, k, f = (cfg.num_heads / tensor, max(cfg.num_kv_heads / tensor, 1),
+             cfg.mlp_dim / tensor)
+  if remat == "full":
+    return e * act
+  if remat == "save_matmuls":
+    return (3 * e + (h + 2 * k) * d + 2 * f) * act
+  if impl == "blockwise":
+    blocks = -(-keys // cfg.attention_block_size)
+    attention = blocks * (h * d + 2 * h) * 4
+  else:  # dense, and dot_product where the backend materialises the scores (CPU)
+    attention = (2 * h * keys + 2 * h) * 4
+  qk_norm = (h + k) * (d * (act + 4) + 2 * 4) if cfg.qk_norm else 0
+  return (4 * e + 2 * h * d + 2 * k * d + 6 * f) * act + 2 * e * 4 + attention + qk_norm
+
+
+def forward_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
+                             impl: str) -> float:
+  """Bytes per token one layer holds at once in a forward pass without gradients: the
+  residual and its norm (2 E), q, k, v / the attention output ((H + 2 K) d), gate and up
+  (2 F), and one set of f32 scores (dense: [H, keys]; blockwise: one key block). XLA
+  fuses the rest away and frees each layer's values before the next."""
+  act = _BYTES[cfg.dtype]
+  e, d = cfg.embed_dim, cfg.head_dim
+  h, k, f = (cfg.num_heads / tensor, max(cfg.num_kv_heads / tensor, 1),
+             cfg.mlp_dim / tensor)
+  scores = h * (cfg.attention_block_size if impl == "blockwise" else keys) * 4
+  return (2 * e + (h + 2 * k) * d + 2 * f) * act + scores
+
+
+def model_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
+                           impl: str) -> float:
+  """Bytes per token one model keeps outside its layer scan: the f32 RoPE tables (cos,
+  sin and their broadcasts: 4 head_dim) and, for dense attention, the [H, keys] f32 mask
+  bias with its bool mask."""
+  h = cfg.num_heads / tensor
+  mask = h * keys * 5 if impl != "blockwise" else 0.0
+  return 4 * cfg.head_dim * 4 + mask
+
+
+def _layer_params(cfg: TransformerConfig) -> float:
+  from pipe_rlhf_jax.models import flops
+  return flops.layer_matmul_params(cfg) * _BYTES[cfg.param_dtype]
+
+
+def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
+                 work: Workload) -> StageMemory:
+  """Bytes per device of `stage` run with `plan` on a mesh of `mesh_sizes`."""
+  cfg = work.actor
+  act = _BYTES[cfg.dtype]
+  batch_ways, param_ways = _splits(plan, mesh_sizes)
+  t, p = mesh_sizes["tensor"], mesh_sizes["pipe"]
+  L = work.length
+  vocab_dev = cfg.vocab_size / t
+  fsdp = mesh_sizes["fsdp"] > 1
+  if stage == "generate":
+    b = work.batch_size / batch_ways
+    slots = L  # prompt + completion: the cache every step attends over
+    impl = _attention_impl(cfg, plan, slots)
+    kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
+        * cfg.head_dim * act
+    tokens = b * work.prompt_len
+    prefill = tokens * (forward_activation_bytes(cfg, t, slots, impl)
+                        + model_activation_bytes(cfg, t, slots, impl))
+    # The prefill applies the LM head to every prompt position (f32).
+    logits = b * work.prompt_len * vocab_dev * 4
+    # fsdp: the scan gathers one layer's weights at a time (and prefetches the next).
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory((("actor params", param_bytes(cfg) / param_ways),),
+                       (("kv cache", kv), ("prefill activations", prefill),
+                        ("logits", logits), ("fsdp-gathered weights", gathered)))
+  impl = _attention_impl(cfg, plan, L)
+  per_model = model_activation_bytes(cfg, t, L, impl)
+  positions = plan.logits_chunk or work.gen_len
+  if stage == "infer":
+    models = work.models("infer")
+    b = work.batch_size / batch_ways
+    # Forward only: one layer's intermediates at a time, one model at a time.
+    layer = b * L * (forward_activation_bytes(cfg, t, L, impl) + per_model)
+    logits = b * positions * vocab_dev * 4 * 2  # logits and log-softmax, f32
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory(
+        (("ref/critic/reward params", sum(param_bytes(c) for c in models) / param_ways),),
+        (("layer activations", layer), ("logits", logits),
+         ("fsdp-gathered weights", gathered)))
+  if stage == "train":
+    b = work.minibatch_size / batch_ways
+    trained = work.models("train")  # the actor, and the critic when there is one
+    params = sum(param_bytes(c) for c in trained) / param_ways
+    opt = 2 * params  # Adam m and v of actor and critic, parameter dtype
+    grads = params
+    updates = params  # the optimizer's updates, alive with the gradients until applied
+    # The SFT term's demonstrations (ppo.ptx_coef) are more rows of the actor's forward.
+    ptx = work.ptx_rows / batch_ways
+    tokens = b * L
+    # Actor and critic are differentiated in one program: XLA runs both forwards before
+    # either backward, so both models' saved activations are alive at the peak
+    # (memory_analysis of the PPO update: twice one model's residuals).
+    saved = (len(trained) * tokens + ptx * L) * (
+        cfg.num_layers * layer_activation_bytes(cfg, t, L, impl, plan.remat) + per_model)
+    if plan.remat != "none":  # the layer being recomputed in the backward
+      saved += tokens * layer_activation_bytes(cfg, t, L, impl)
+    logits = (b + ptx) * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
+    # fsdp: the scan gathers a layer's weights at a time (and prefetches the next).
+    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    return StageMemory((("actor+critic params", params), ("adam moments", opt)),
+                       (("gradients", grads), ("optimizer updates", updates),
+                        ("saved activations", saved),
+                        ("logits", logits), ("fsdp-gathered weights", gathered)))
+  raise ValueError(f"stage={stage!r}; choose one of {STAGES}.")
+
+
+def capacity(hw: Hardware) -> float:
+  """Usable bytes per device (a share of the host's RAM on shared hardware)."""
+  total = hw.hbm_bytes / hw.devices_per_host if hw.shared_host else hw.hbm_bytes
+  return total * USABLE_FRACTION
+
+
+def plan_memory(runtime: RuntimeConfig, work: Workload) -> dict[str, float]:
+  """Peak bytes per device of each device group ({stage: bytes} in pipe mode, else
+  {"all": bytes}: the three stages' persistent state together plus the largest
+  transient)."""
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  shapes = stage_mesh_shapes(runtime, work.num_devices)
+  mems = {s: stage_memory(s, runtime.stage(s), shapes[s][0].as_dict(), work)
+          for s in STAGES}
+  return combine(runtime, mems)
+
+
+def combine(runtime: RuntimeConfig, mems: dict[str, StageMemory]) -> dict[str, float]:
+  """Peak bytes per device of each device group from the stages' memories."""
+  if runtime.mode == "pipe":
+    return {s: m.total for s, m in mems.items()}
+  return {"all": sum(m.persistent_bytes for m in mems.values())
+          + max(m.transient_bytes for m in mems.values())}
+
+
+def memory_error(runtime: RuntimeConfig, work: Workload, hw: Hardware) -> str | None:
+  """Why the plan does not fit in device memory (None: it fits)."""
+  from pipe_rlhf_jax.system.system import stage_mesh_shapes
+  limit = capacity(hw)
+  shapes = stage_mesh_shapes(runtime, work.num_devices)
+  for group, need in plan_memory(runtime, work).items():
+    if need > limit:
+      stages = [group] if group != "all" else list(STAGES)
+      detail = "; ".join(
+          f"{s}: " + stage_memory(s, runtime.stage(s), shapes[s][0].as_dict(),
+                                  work).describe() for s in stages)
+      return (f"needs {need / GIB:.2f} GiB per device on the {group} devices, over the "
+              f"{limit / GIB:.2f} GiB usable of {hw.name} ({detail})")
+  return None

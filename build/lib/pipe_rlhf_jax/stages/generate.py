@@ -1,0 +1,113 @@
+"""The generation stage: sampling rollouts with behaviour log-probs on its own mesh.
+
+When the stage's mesh has a `pipe` axis larger than one, decoding runs the delayed
+inter-batch pipeline (`generation/pipelined.py`) with `num_microbatches`; otherwise the
+plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules.
+Either way the output is a `Rollout` in the shared `[prompt | completion]` layout.
+
+Group sampling (`ppo.group_size = n`): each prompt of the batch is repeated n times,
+consecutively, before decoding, so the n completions of one prompt are generated in the
+same call (by the same pipelined schedule) and sit in rows [g * n, (g + 1) * n) of the
+rollout, where the group estimators (`ppo/critic_free.py`) expect them. Sample j of the
+prompt with global id i draws its tokens with key id i * n + j: distinct for every
+completion, and equal to i when n = 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipe_rlhf_jax.distributed.arrays import fetch
+from pipe_rlhf_jax.generation import sampler
+from pipe_rlhf_jax.ppo.types import Rollout
+from pipe_rlhf_jax.stages.common import StageLayout
+
+
+class GenerateStage:
+  """Samples completions for prompt batches.
+
+  Args:
+    layout: the generation stage's mesh and rules.
+    graphdef: the actor's structure.
+    params: static sampling settings (length, temperature, top-k/p, EOS, pad).
+    num_microbatches: micro-batches of the pipelined decoder (used when pipe > 1).
+    group_size: completions sampled per prompt.
+  """
+
+  def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
+               params: sampler.SamplingParams, num_microbatches: int = 1,
+               group_size: int = 1):
+    self.layout = layout
+    self.group_size = group_size
+    self.graphdef = graphdef
+    self.params = params
+    self.num_microbatches = num_microbatches
+    self.pipe = layout.mesh.shape.get("pipe", 1)
+    if self.pipe == 1:
+      self._prefill, self._decode = sampler.make_generate_fns(graphdef, params)
+
+  def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
+               ) -> tuple[Rollout, dict]:
+    """Generates one rollout batch.
+
+    Args:
+      actor: actor parameters, already in this stage's layout.
+      batch: host prompt batch with "prompt_tokens", "prompt_mask" and "index", and
+        optionally "answer_bytes" (the reference answers, carried into the rollout); each
+        prompt yields `group_size` completions.
+      rng: key of this PPO step; token keys fold in each sample's global index.
+      version: policy version of `actor`.
+
+    Returns:
+      The Rollout (on this stage's mesh) and timing metrics.
+    """
+    start = time.perf_counter()
+    batch = repeat_for_groups(batch, self.group_size)
+    prompts = self.layout.put_batch({k: batch[k] for k in ("prompt_tokens", "prompt_mask")})
+    tokens, mask = prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool)
+    sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
+    if self.pipe > 1:
+      from pipe_rlhf_jax.generation import pipelined
+      out, _ = pipelined.pipelined_generate(
+          self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
+          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
+          rules=self.layout.rules)
+    else:
+      with self.layout.rules_context():
+        state = self._prefill(actor, tokens, mask, rng, sample_ids)
+        out = self._decode(actor, state, mask, rng, sample_ids).output()
+    answers = (self.layout.put_batch(np.asarray(batch["answer_bytes"], np.uint8))
+               if "answer_bytes" in batch else None)
+    rollout = Rollout(prompt_tokens=tokens, prompt_mask=mask, completion_tokens=out.tokens,
+                      completion_mask=out.mask, behaviour_logprobs=out.logprobs,
+                      policy_version=jnp.asarray(version, jnp.int32), answer_bytes=answers)
+    # Counted on the host: a device reduction here could queue behind another stage's
+    # program and pollute the timing (seen on virtual CPU devices sharing cores).
+    new_tokens = float(fetch(out.mask).sum())
+    seconds = time.perf_counter() - start
+    return rollout, {"time/generate_s": seconds,
+                     "generate/tokens_per_s": new_tokens / max(seconds, 1e-9)}
+
+
+def repeat_for_groups(batch: dict, group_size: int) -> dict:
+  """Each prompt `group_size` times in a row, with per-sample ids index * n + j.
+
+  Args:
+    batch: host arrays {"prompt_tokens": [prompts, prompt_len], "prompt_mask": same,
+      "index": [prompts]} (other keys are repeated alike).
+    group_size: n.
+
+  Returns:
+    The same keys with [prompts * n, ...] arrays; the batch itself when n = 1.
+  """
+  if group_size == 1:
+    return batch
+  out = {k: np.repeat(np.asarray(v), group_size, axis=0) for k, v in batch.items()}
+  index = np.asarray(batch["index"], np.int64)
+  out["index"] = (index[:, None] * group_size + np.arange(group_size)).reshape(-1)
+  return out

@@ -1,0 +1,422 @@
+"""The training stage: PPO epochs over minibatches for the actor and (if any) the critic.
+
+One jitted call runs a whole PPO update (epochs x minibatches as nested `lax.scan`s), so
+the host dispatches once per PPO step. Actor and critic have separate optax optimizers
+and schedules; with a critic-free advantage estimator there is no critic, no critic
+optimizer and no value loss (`ActorCriticState.critic` is None). An update whose loss or
+gradients are not finite is skipped inside the jitted function (parameters and optimizer
+state keep their old values) and counted; the caller stops the run after
+`ppo.max_bad_steps` consecutive bad PPO steps.
+
+With `ppo.kl_policy == "proximal"` the update first takes the rewards' KL penalty again at
+its own actor (the proximal policy) and re-derives advantages and returns from it
+(`stages.infer.derive_targets`), so stale rollouts are penalised for the KL of the policy
+being trained rather than of the one that sampled them.
+
+The actor loss is the policy surrogate, plus `kl_coef` times the KL to the reference
+when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
+tokens as `ppo.loss_agg` says, plus `ptx_coef` times the SFT loss on demonstrations
+(PPO-ptx: the token-mean negative log-likelihood at temperature 1, as the SFT phase
+computes it) when the caller passes a `PtxBatch` for the update. Minibatches are drawn
+group by group (`ppo.group_size` contiguous rows), so a prompt's samples always share a
+gradient step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx, struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
+from pipe_rlhf_jax.ppo import losses
+from pipe_rlhf_jax.ppo.advantages import masked_mean
+from pipe_rlhf_jax.ppo.aggregation import aggregate
+from pipe_rlhf_jax.ppo.kl import kl_penalty
+from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
+from pipe_rlhf_jax.ppo.types import Experience
+from pipe_rlhf_jax.stages.common import (
+  StageLayout,
+  completion_logprobs,
+  completion_nll,
+  completion_values,
+)
+from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
+
+
+@struct.dataclass
+class ActorCriticState:
+  """Everything the trainer owns, as one pytree (checkpointed as is).
+
+  `critic` and `critic_opt` are None (no leaves) when the advantage estimator needs no
+  critic, so nothing of a critic is placed, trained or checkpointed.
+  """
+
+  actor: Any
+  critic: Any
+  actor_opt: Any
+  critic_opt: Any
+  step: jax.Array
+
+
+@struct.dataclass
+class PtxBatch:
+  """The demonstrations of one update's SFT term, one row block per gradient step.
+
+  Every leaf is [epochs, minibatches, ptx_rows, ...] in the order the update's gradient
+  steps run; prompts left-padded, completions right-padded with their mask through EOS
+  (the `data.pipeline.DemoPipeline` layout).
+  """
+
+  prompt_tokens: jax.Array  # int32 [E, M, R, P]
+  prompt_mask: jax.Array  # bool [E, M, R, P]
+  completion_tokens: jax.Array  # int32 [E, M, R, T]
+  completion_mask: jax.Array  # bool [E, M, R, T]
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOHyper:
+  """The static PPO settings the jitted update closes over.
+
+  `temperature` defines the policy whose log-probs, ratios and entropy are optimised;
+  top-k / top-p are deliberately absent: they filter the draw, never a log-prob (see
+  `generation/sampling.py`).
+  """
+
+  epochs: int
+  minibatch_size: int
+  clip_eps: float
+  value_clip_eps: float
+  entropy_coef: float
+  loss: str
+  behaviour_weight_cap: float | None
+  temperature: float
+  group_size: int = 1
+  loss_agg: str = "token_mean"
+  loss_norm_len: int = 0
+  kl_loss_coef: float = 0.0  # kl_coef when ppo.kl_in == "loss", else 0 (no KL loss)
+  kl_estimator: str = "k3"
+  # "proximal": the rewards' KL penalty is taken again at the trainer's actor as the
+  # update starts, and the targets re-derived with `targets` (the inference stage's
+  # settings); "behaviour": the experience is used as it arrives.
+  kl_policy: str = "behaviour"
+  targets: InferHyper | None = None
+  target_kl: float = 0.0  # > 0: stop the update's remaining steps past 1.5 x this KL
+  ptx_coef: float = 0.0  # > 0: + ptx_coef x the SFT loss on a PtxBatch each step
+  ptx_rows: int = 0  # demonstrations per gradient step (0 without the SFT term)
+
+  @property
+  def proximal_pass(self) -> bool:
+    """Whether the update starts with a forward pass of the actor over the whole batch
+    (the proximal log-probs: for the decoupled loss, the rewards' KL or the early stop);
+    the planner prices it (`planner.cost.train_terms`)."""
+    return (self.loss == "decoupled_ppo_clip" or self.kl_policy == "proximal"
+            or self.target_kl > 0)
+
+  @classmethod
+  def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
+    """From a `system.settings.PPOConfig` (or any object with its fields).
+
+    `kl_policy="proximal"` is kept only where the rewards hold a KL penalty: without
+    one the re-derived targets would equal the inference stage's.
+    """
+    kl_policy = ppo.kl_policy
+    if ppo.kl_in != "reward" or not ppo.kl_coef:
+      kl_policy = "behaviour"
+    return cls(epochs=ppo.epochs, minibatch_size=ppo.minibatch_size, clip_eps=ppo.clip_eps,
+               value_clip_eps=ppo.value_clip_eps, entropy_coef=ppo.entropy_coef,
+               loss=ppo.loss, behaviour_weight_cap=ppo.behaviour_weight_cap,
+               temperature=temperature, group_size=ppo.group_size, loss_agg=ppo.loss_agg,
+               loss_norm_len=ppo.loss_norm_len,
+               kl_loss_coef=float(ppo.kl_coef) if ppo.kl_in == "loss" else 0.0,
+               kl_estimator=ppo.kl_estimator, kl_policy=kl_policy,
+               target_kl=float(ppo.target_kl), ptx_coef=float(ppo.ptx_coef),
+               ptx_rows=ppo.ptx_rows,
+               targets=(InferHyper.from_settings(ppo, temperature)
+                        if kl_policy == "proximal" else None))
+
+
+class TrainStage:
+  """Builds and runs the jitted PPO update on the training mesh.
+
+  Args:
+    layout: the training stage's mesh and rules.
+    actor_graphdef / critic_graphdef: static model structure (from `nnx.split`); the
+      critic's is None when there is no critic.
+    hyper: PPO settings.
+    actor_tx / critic_tx: their optimizers (critic_tx None without a critic).
+  """
+
+  def __init__(self, layout: StageLayout, actor_graphdef: nnx.GraphDef,
+               critic_graphdef: nnx.GraphDef | None, hyper: PPOHyper,
+               actor_tx: optax.GradientTransformation,
+               critic_tx: optax.GradientTransformation | None):
+    if (critic_graphdef is None) != (critic_tx is None):
+      raise ValueError("TrainStage: give both critic_graphdef and critic_tx (a critic) or "
+                       "neither (a critic-free estimator).")
+    self.layout = layout
+    self.actor_graphdef = actor_graphdef
+    self.critic_graphdef = critic_graphdef
+    self.hyper = hyper
+    self.actor_tx = actor_tx
+    self.critic_tx = critic_tx
+    POLICY_LOSSES.get(hyper.loss, field="ppo.loss")
+    LOSS_AGGREGATIONS.get(hyper.loss_agg, field="ppo.loss_agg")
+    self._update = None
+    self._state_shardings = None
+
+  @property
+  def has_critic(self) -> bool:
+    return self.critic_graphdef is not None
+
+  def _check_critic(self, critic) -> None:
+    if (critic is None) == self.has_critic:
+      raise ValueError("TrainStage: pass critic parameters exactly when the stage was "
+                       "built with a critic_graphdef.")
+
+  def state_shardings(self, actor: nnx.State, critic: nnx.State | None = None
+                      ) -> ActorCriticState:
+    """Shardings of the whole trainer state: optimizer moments follow their params."""
+    self._check_critic(critic)
+    actor_sh = self.layout.param_shardings(actor)
+    replicated = self.layout.replicated
+    critic_sh = critic_opt_sh = None
+    if critic is not None:
+      critic_sh = self.layout.param_shardings(critic)
+      critic_opt_sh = optimizer_shardings(self.critic_tx, critic, critic_sh, replicated)
+    return ActorCriticState(
+        actor=actor_sh, critic=critic_sh,
+        actor_opt=optimizer_shardings(self.actor_tx, actor, actor_sh, replicated),
+        critic_opt=critic_opt_sh, step=replicated)
+
+  def init_state(self, actor: nnx.State, critic: nnx.State | None = None
+                 ) -> ActorCriticState:
+    """Places actor (and critic) on the training mesh and builds optimizer states there."""
+    shardings = self.state_shardings(actor, critic)
+    self._state_shardings = shardings
+
+    def init(actor, critic):
+      return ActorCriticState(
+          actor=actor, critic=critic, actor_opt=self.actor_tx.init(actor),
+          critic_opt=None if critic is None else self.critic_tx.init(critic),
+          step=jnp.zeros((), jnp.int32))
+
+    # out_shardings makes the optimizer moments born in their final layout.
+    init = jax.jit(init, out_shardings=shardings)
+    actor = jax.device_put(actor, shardings.actor)
+    if critic is not None:
+      critic = jax.device_put(critic, shardings.critic)
+    return init(actor, critic)
+
+  def _build_update(self, state: ActorCriticState):
+    h = self.hyper
+    actor_gd, critic_gd = self.actor_graphdef, self.critic_graphdef
+    loss_fn = POLICY_LOSSES.get(h.loss)
+    decoupled = h.loss == "decoupled_ppo_clip"
+    has_critic = self.has_critic
+    layout = self.layout
+
+    def gradient_step(state: ActorCriticState, mb: dict):
+      r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
+      mask = r.completion_mask
+      agg = lambda per_token: aggregate(per_token, mask, h.loss_agg, h.loss_norm_len)
+
+      def actor_loss(actor):
+        logprobs, entropy = completion_logprobs(
+            actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
+            mask, temperature=h.temperature, return_entropy=True)
+        kwargs = {}
+        if decoupled:
+          kwargs = dict(behaviour_logprobs=r.behaviour_logprobs,
+                        behaviour_weight_cap=h.behaviour_weight_cap)
+        pg, aux = loss_fn(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                          clip_eps=h.clip_eps, loss_agg=h.loss_agg,
+                          loss_norm_len=h.loss_norm_len, **kwargs)
+        total = pg - h.entropy_coef * agg(entropy) if h.entropy_coef else pg
+        # The reported entropy is a token mean whatever ppo.loss_agg, so runs compare.
+        aux = {**aux, "policy_loss": pg, "entropy": masked_mean(entropy, mask)}
+        if h.target_kl:
+          # How far this update has moved the policy so far (the same (r - 1) - log r
+          # as approx_kl, but against the actor the update started from, so stale
+          # rollouts' own distance from it does not count).
+          log_ratio = jnp.where(mask, logprobs - mb["start_logprobs"], 0.0)
+          aux["kl_from_start"] = masked_mean(jnp.expm1(log_ratio) - log_ratio, mask)
+        if h.ptx_coef:
+          # PPO-ptx: the SFT objective on demonstrations, so that the answers PPO's own
+          # samples never visit keep what SFT taught them while the parameters move.
+          d = mb["ptx"]
+          nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
+                               d.completion_tokens, d.completion_mask)
+          total = total + h.ptx_coef * nll
+          aux["ptx_loss"] = nll
+        if h.kl_loss_coef:
+          # GRPO-style KL term: of the *current* policy to the reference, on the sampled
+          # tokens (k3: unbiased and >= 0, with a gradient that pulls towards the
+          # reference); no importance weight, as in GRPO, even for stale rollouts.
+          kl = agg(kl_penalty(logprobs, mb["ref_logprobs"], mask, h.kl_estimator))
+          total = total + h.kl_loss_coef * kl
+          aux["kl_loss"] = kl
+        return total, aux
+
+      def critic_loss(critic):
+        values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
+                                   r.completion_tokens, mask)
+        loss, aux = losses.value_loss(values, mb["values"], mb["returns"], mask,
+                                      clip_eps=h.value_clip_eps)
+        return loss, {**aux, "value_loss": loss}
+
+      (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
+      actor, actor_opt, a_ok = apply_if_finite(self.actor_tx, state.actor, state.actor_opt,
+                                               a_grads, a_loss)
+      metrics = {**a_aux, "actor_grad_norm": optax.tree.norm(a_grads)}
+      new = state.replace(actor=actor, actor_opt=actor_opt)
+      ok = a_ok
+      if has_critic:
+        (c_loss, c_aux), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(
+            state.critic)
+        critic, critic_opt, c_ok = apply_if_finite(self.critic_tx, state.critic,
+                                                   state.critic_opt, c_grads, c_loss)
+        metrics.update(c_aux, critic_grad_norm=optax.tree.norm(c_grads))
+        new = new.replace(critic=critic, critic_opt=critic_opt)
+        ok = a_ok & c_ok
+      metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
+      return new, metrics
+
+    def minibatch_step(carry, mb: dict):
+      """One gradient step, or none once the update has stopped early (`target_kl`).
+
+      The carry is (state, stopped); a stopped update skips the remaining steps' work
+      (`lax.cond`), and the step whose starting KL passes 1.5 x target_kl is measured
+      but not applied (the usual early stop). Metrics come with `ran`: 1 for the steps
+      that were computed, whose means are reported.
+      """
+      state, stopped = carry
+      if not h.target_kl:
+        new, metrics = gradient_step(state, mb)
+        return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
+
+      def run(state):
+        new, metrics = gradient_step(state, mb)
+        over = metrics["kl_from_start"] > 1.5 * h.target_kl
+        new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
+        return new, metrics, over
+
+      shapes = jax.eval_shape(lambda s: run(s)[1], state)
+
+      def skip(state):
+        return (state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                jnp.ones((), bool))
+
+      new, metrics, over = jax.lax.cond(stopped, skip, run, state)
+      ran = 1.0 - stopped.astype(jnp.float32)
+      return (new, stopped | over), {**metrics, "ran": ran}
+
+    def update(state: ActorCriticState, exp: Experience, rng: jax.Array,
+               ptx: PtxBatch | None = None):
+      with layout.rules_context():
+        r = exp.rollout
+        proximal = h.kl_policy == "proximal"
+        old_logprobs = exp.old_logprobs
+        extra = {}
+        if h.proximal_pass:
+          # The proximal policy is the trainer's actor as the update starts, which may be
+          # several versions ahead of the behaviour policy that sampled the rollout.
+          prox_logprobs = completion_logprobs(
+              actor_gd, state.actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
+              r.completion_mask, temperature=h.temperature)
+          if decoupled:
+            old_logprobs = prox_logprobs
+          if proximal:
+            # The KL-regularised objective penalises the KL of the policy being
+            # optimised; the behaviour policy's lags it by the rollout's staleness, a
+            # delayed restoring force that lets full (decoupled) steps overshoot.
+            exp = derive_targets(h.targets, r, prox_logprobs, exp.ref_logprobs,
+                                 exp.values, exp.scores, exp.kl_coef)
+          if exp.ref_logprobs is not None:
+            # The rewards' KL term at the proximal policy, beside the behaviour policy's
+            # `kl/mean`: on behaviour-sampled tokens, with k1, their difference estimates
+            # KL(behaviour || proximal), how far the trainer has moved since sampling.
+            kl = kl_penalty(prox_logprobs, exp.ref_logprobs, r.completion_mask,
+                            h.kl_estimator)
+            extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
+        # Every leaf is [batch, ...] so minibatches can be gathered uniformly.
+        per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version, (
+            r.prompt_tokens.shape[0],)))
+        data = {"rollout": per_sample, "old_logprobs": old_logprobs,
+                "advantages": exp.advantages}
+        if has_critic:
+          data.update(values=exp.values, returns=exp.returns)
+        if h.kl_loss_coef:
+          data["ref_logprobs"] = exp.ref_logprobs
+        if h.target_kl:
+          data["start_logprobs"] = prox_logprobs
+        batch = r.prompt_tokens.shape[0]
+        n = h.group_size
+        num_mb = batch // h.minibatch_size
+        groups_per_mb = h.minibatch_size // n
+
+        def epoch(carry, xs):
+          epoch_rng, epoch_ptx = xs
+          # Shuffle whole groups (rows [g * n, (g + 1) * n)); with n = 1 this is the
+          # per-sample permutation, so PPO runs without groups are unchanged.
+          groups = jax.random.permutation(epoch_rng, batch // n)
+          groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
+          perm = (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
+          mbs = jax.tree.map(lambda x: x[perm], data)
+          if epoch_ptx is not None:
+            mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
+          return jax.lax.scan(minibatch_step, carry, mbs)
+
+        (state, stopped), metrics = jax.lax.scan(
+            epoch, (state, jnp.zeros((), bool)), (jax.random.split(rng, h.epochs), ptx))
+        # Means over the gradient steps that ran (all of them without target_kl).
+        ran = metrics.pop("ran")
+        metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
+        metrics["bad_updates"] = metrics.pop("bad_update") * jnp.sum(ran)
+        if h.target_kl:
+          # Gradient steps taken: the ones that ran, less the one that stopped.
+          metrics["early_stop"] = stopped.astype(jnp.float32)
+          metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
+        metrics.update(extra)
+        return state.replace(step=state.step + 1), metrics
+
+    shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(update, donate_argnums=(0,),
+                   out_shardings=(shardings, self.layout.replicated))
+
+  def ptx_shape(self, batch: int) -> tuple[int, int, int]:
+    """[epochs, minibatches, rows] of the `PtxBatch` an update of `batch` rollouts takes."""
+    return (self.hyper.epochs, batch // self.hyper.minibatch_size, self.hyper.ptx_rows)
+
+  def update(self, state: ActorCriticState, exp: Experience, rng: jax.Array,
+             ptx: PtxBatch | None = None) -> tuple[ActorCriticState, dict]:
+    """One PPO update on `exp` (already on the training mesh). Donates `state`.
+
+    `ptx`: the demonstrations of the SFT term, exactly when `hyper.ptx_coef` > 0, with
+    leading dims `ptx_shape(batch)`.
+    """
+    batch = exp.rollout.prompt_tokens.shape[0]
+    if (ptx is None) != (not self.hyper.ptx_coef):
+      raise ValueError(f"TrainStage.update: ppo.ptx_coef={self.hyper.ptx_coef} "
+                       f"{'needs' if self.hyper.ptx_coef else 'takes no'} demonstrations "
+                       "(ptx); pass a PtxBatch exactly when ptx_coef > 0.")
+    if ptx is not None and ptx.completion_tokens.shape[:3] != self.ptx_shape(batch):
+      raise ValueError(f"TrainStage.update: ptx leaves are {ptx.completion_tokens.shape[:3]}"
+                       f" [epochs, minibatches, rows]; this update needs "
+                       f"{self.ptx_shape(batch)}.")
+    if batch % self.hyper.minibatch_size:
+      raise ValueError(f"ppo.batch_size={batch} is not a multiple of "
+                       f"ppo.minibatch_size={self.hyper.minibatch_size}.")
+    if self.hyper.minibatch_size % self.hyper.group_size:
+      raise ValueError(f"ppo.minibatch_size={self.hyper.minibatch_size} is not a multiple "
+                       f"of ppo.group_size={self.hyper.group_size}.")
+    if self.hyper.kl_loss_coef and exp.ref_logprobs is None:
+      raise ValueError("ppo.kl_in='loss' needs reference log-probs in the experience; "
+                       "the system must build the reference (ppo.kl_coef > 0).")
+    if self._update is None:
+      self._update = self._build_update(state)
+    return self._update(state, exp, rng, ptx)

@@ -1,0 +1,14 @@
+"""The PPO system and its schedules.
+
+`system.py` owns the *what* of one PPO iteration (the three stages, the models they hold,
+weight sync); `modes.py` owns the *when* (`sequential`, `per_stage`, `pipe`). The generic,
+model-free machinery they run on (queues, workers, versioned weights, tracing) lives in
+`pipe_rlhf_jax.runtime`.
+"""
+
+from pipe_rlhf_jax.system.api import PromptSource, RunResult, prompts_from_texts, run
+from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.system import Models, PPOSystem
+
+__all__ = ["MeshSpec", "Models", "PPOConfig", "PPOSystem", "PromptSource", "RunResult",
+           "RuntimeConfig", "StagePlan", "prompts_from_texts", "run"]

@@ -1,0 +1,925 @@
+"""The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
+
+With a rule reward (`reward.fn` other than "model", e.g. `arith_exact_match`) the
+reward-model phase is skipped: SFT -> PPO against the rule. With `log.eval_prompts` > 0
+the held-out prompts are answered greedily before and after PPO and scored by the rules
+(metrics phase "heldout", and a summary line per rule).
+
+Everything a run writes goes under `workdir`: data/ (generated task and TFDS datasets),
+warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.jsonl,
+tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
+export/ (the final policy in Hugging Face format) and summary.txt.
+
+`train` runs five phases, each a function here: `set_up` (validate, choose devices,
+build and check the stage layouts on abstract parameters, read where a resume starts:
+all before any data are built), `open_metrics` + `build_data` + the warm start
+(`phases.warm_start`), `build_system` (the one place the PPO system is constructed),
+`restore_ppo` + `run_ppo`, and `phases.reporting.report` (with `phases.heldout`'s greedy
+answers before and after PPO).
+
+Warm start (`phases/warm_start.py`): SFT and the reward model train on a layout of their
+own, the same in every runtime mode; `warm_start.checkpoint` names another run's
+`<workdir>/warmstart` to start PPO from; `prepare_warm_start` runs the warm-start phases
+alone to write one.
+
+Resume: the warm-start phases are checkpointed once, when both are done; PPO is
+checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
+from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
+plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
+checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
+mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
+another mode, with a warning where that changes the staleness bound. With
+`data.task='jsonl'` the user's files count by their content (`data/digests.py`): a
+resume, or a warm start, from a checkpoint trained on a file that has changed since is
+refused, naming the file.
+
+Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
+process runs `train` with the same config on a shared workdir (process 0's choice,
+agreed through the coordination service). Process 0 alone writes files (datasets first,
+then metrics, traces, samples, export); the others wait for the datasets and write
+nothing. `sequential` and `per_stage` meshes span all processes' devices, every process
+runs every program, and Orbax checkpoints are written by all processes together. In
+`pipe` mode each stage lives on a group of processes (`system/pipe_processes.py`: one
+process, or several whole processes of its own) and the training stage includes process
+0 (its devices come last in the device order `runtime.placement` cuts); the training
+group alone holds and checkpoints the trainer state (host copies, written by process 0);
+the warm start still runs on `config.mesh` over every process, after which each process
+builds its own stages from host copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from flax import nnx
+import jax
+
+from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.config_validation import validate_config
+from pipe_rlhf_jax.data import builders, digests, pipeline
+from pipe_rlhf_jax.data.arith import ArithSpec
+from pipe_rlhf_jax.data.records import RecordValidator
+from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
+from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
+from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.metrics import say
+from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
+from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
+from pipe_rlhf_jax.phases import warm_start as warm_lib
+from pipe_rlhf_jax.phases.warm_start import uses_reward_model
+from pipe_rlhf_jax.planner import auto as auto_plan
+from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
+from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
+from pipe_rlhf_jax.runtime.queues import PipelineShutdown
+from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.pipe_processes import stage_processes
+from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.steps import DataFeed, np_batch
+from pipe_rlhf_jax.system.system import (
+  Models,
+  PPOSystem,
+  build_layouts,
+  check_fits,
+  graphdef_of,
+  ptx_rows_for,
+  with_backbone,
+)
+from pipe_rlhf_jax.workdir import WorkdirLock
+
+log = logging.getLogger(__name__)
+
+
+def default_workdir(config) -> str:
+  return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
+  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint."""
+  m = config.model
+  if m.path:
+    with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
+      base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)
+    base = base.replace(head="lm")
+  else:
+    # A vocabulary padded to a multiple of 8 splits evenly over tensor axes of 2, 4, 8.
+    base = tiny_config(vocab_size=_round_up(tokenizer.vocab_size, 8), embed_dim=m.embed_dim,
+                       num_layers=m.num_layers, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim,
+                       dtype=m.dtype, param_dtype=m.param_dtype,
+                       eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
+                       pad_token_id=tokenizer.pad_id)
+  return {"actor": base, "critic": base.replace(head="value"),
+          "reward": base.replace(head="score")}
+
+
+def run_tokenizer(config):
+  """The run's tokenizer: `model.path`'s own when set (saying so when `model.tokenizer`
+  names another, which is then ignored), else `model.tokenizer`."""
+  m = config.model
+  if m.path and m.tokenizer not in ("", "byte"):
+    say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
+        f"tokenizer ({os.path.join(m.path, 'tokenizer.json')}) is used")
+  return load_tokenizer(m.path or m.tokenizer)
+
+
+def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
+  """Raises when the tokenizer produces ids the model has no embedding row for.
+
+  An id at or past `vocab_size` (e.g. a token added to the tokenizer after the model was
+  saved) would embed as NaN (`jnp.take` fills rows out of range) and stop SFT far from
+  the cause.
+  """
+  if tokenizer.vocab_size <= cfg.vocab_size:
+    return
+  m = config.model
+  source = (f"model.path={m.path!r}: its tokenizer" if m.path
+            else f"model.tokenizer={m.tokenizer!r}")
+  raise ValueError(
+      f"{source} has {tokenizer.vocab_size} ids (added tokens included) but the model "
+      f"embeds {cfg.vocab_size} (vocab_size); ids from {cfg.vocab_size} on have no "
+      "embedding row. Use the tokenizer the model was saved with, or resize the model's "
+      f"embeddings to at least {tokenizer.vocab_size} rows (transformers: "
+      "model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and point "
+      "model.path at that directory.")
+
+
+def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
+  """Builds the TFDS datasets and their grain pipelines.
+
+  Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
+  trained; the arith task has no preference pairs at all.
+
+  Returns:
+    (counts of records skipped or truncated while building, {role: pipeline}).
+  """
+  d = config.data
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
+  data_dir = d.dir or os.path.join(workdir, "data")
+  use_rm = uses_reward_model(config)
+  if d.task == "reverse":
+    built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
+                                        num_demos=d.num_demos, num_pairs=d.num_pairs,
+                                        num_eval=d.get("num_eval", 256),
+                                        hard_pairs=d.get("hard_pairs", 0.0))
+  elif d.task == "arith":
+    built = builders.make_arith_datasets(data_dir, seed=config.seed,
+                                         spec=ArithSpec.from_config(d.arith),
+                                         num_prompts=d.num_prompts, num_demos=d.num_demos,
+                                         num_eval=d.get("num_eval", 256))
+  else:  # "jsonl": the user's own files, one TFDS dataset per kind
+    files = d.jsonl
+    built = {
+        "prompts": builders.build_dataset(
+            "prompts", {"train": files.prompts, "eval": files.prompts_eval}, data_dir,
+            name="user_prompts", on_invalid=d.on_invalid, overwrite=True),
+        "demos": builders.build_dataset("demos", {"train": files.demos}, data_dir,
+                                        name="user_demos", on_invalid=d.on_invalid,
+                                        overwrite=True),
+    }
+    if use_rm:
+      built["prefs"] = builders.build_dataset(
+          "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
+          name="user_prefs", on_invalid=d.on_invalid, overwrite=True)
+
+  def validator(kind: str):
+    return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
+
+  seed = config.seed
+  kinds = ("prompts", "demos", "prefs") if use_rm else ("prompts", "demos")
+  # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
+  build_stats = {f"build/{kind}/{split}/{key}": float(value)
+                 for kind in kinds
+                 for split, counts in built[kind].stats.items()
+                 for key, value in counts.items()}
+  data = {
+      "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
+                                     config.sft.batch_size, d.prompt_len, d.completion_len,
+                                     seed, validator=validator("demos")),
+      # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
+      "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
+                                         config.ppo.batch_size // config.ppo.group_size,
+                                         d.prompt_len, seed,
+                                         validator=validator("prompts")),
+      # One batch of held-out prompts, in file order: the samples shown and the prompts
+      # scored greedily before and after PPO (at most the whole eval split).
+      "prompts_eval": pipeline.PromptPipeline(
+          built["prompts"].source("eval"), tokenizer,
+          min(max(config.log.samples, config.log.get("eval_prompts", 0), 1),
+              built["prompts"].splits["eval"]),
+          d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
+  }
+  if use_rm and config.reward.get("normalize_samples_per_prompt", 0):
+    # The first training prompts, in file order: the answers the reward model's scale is
+    # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
+    data["prompts_norm"] = pipeline.PromptPipeline(
+        built["prompts"].source("train"), tokenizer,
+        min(REWARD_NORM_PROMPTS, built["prompts"].splits["train"]), d.prompt_len, seed,
+        shuffle=False, validator=validator("prompts"))
+  if use_rm:
+    data["prefs"] = pipeline.PreferencePipeline(
+        built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
+    data["prefs_eval"] = pipeline.PreferencePipeline(
+        built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
+        d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
+  return build_stats, data
+
+
+# Prompts the reward model's scale is measured on (times reward.normalize_samples_per_prompt).
+REWARD_NORM_PROMPTS = 256
+
+
+@dataclasses.dataclass
+class RunSetup:
+  """What `set_up` decided before any data is built or model trained."""
+
+  workdir: str
+  devices: list
+  tokenizer: Any
+  cfgs: dict[str, TransformerConfig]
+  layouts: dict[str, Any]
+  checkpointer: ckpt_lib.Checkpointer
+  fingerprint: str
+  start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
+  warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
+  config: Any = None  # the config the run uses: the input, or the planner's plan applied
+  planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
+  # Multi-process jobs: whether this process writes the run's files (process 0) and
+  # holds the trainer state (every process, except in pipe mode across processes).
+  writes: bool = True
+  trains: bool = True
+  across: bool = False  # pipe mode with its stages in different processes
+  lock: WorkdirLock | None = None  # held by the process that writes (process 0)
+  # How long a step / a one-off wait between processes may make no progress.
+  deadline: ProgressDeadline = ProgressDeadline()
+  # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
+  data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def close(self) -> None:
+    """Waits for the checkpoint writes and releases the workdir."""
+    try:
+      self.checkpointer.close()
+    finally:
+      if self.lock is not None:
+        self.lock.release()
+
+
+def select_devices(config) -> list:
+  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them).
+
+  In `pipe` mode across processes, process 0's devices are moved to the end, so that
+  `runtime.placement`'s last block, the training stage, is process 0's: the process that
+  writes the run's files also holds the trainer state (and Orbax saves the state of a
+  one-process group only from process 0).
+  """
+  devices = jax.devices()
+  if config.runtime.mode == "pipe" and jax.process_count() > 1:
+    devices = ([d for d in devices if d.process_index != 0] +
+               [d for d in devices if d.process_index == 0])
+  n = config.runtime.get("num_devices", 0)
+  if n and n != len(devices) and jax.process_count() > 1:
+    raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
+                     f"processes: every process must hold devices of the meshes; use 0 "
+                     f"(all {len(devices)} devices), or start fewer processes.")
+  if n > len(devices):
+    raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
+                     f"at most {len(devices)} (0 = all).")
+  return devices[:n] if n else devices
+
+
+def plan_of(config, devices) -> dict[str, Any]:
+  """The fields that decide where and in which order PPO runs (not what it computes):
+  the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
+
+  Stored in each checkpoint so that a resume under another plan can say what changed.
+  """
+  plan = dataclasses.asdict(RuntimeConfig.from_config(config))
+  # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
+  return json.loads(json.dumps({"num_devices": len(devices),
+                                "num_processes": distributed.process_count(), **plan}))
+
+
+def effective_staleness(plan: dict[str, Any]) -> int:
+  """How far a rollout may lag the policy: only `pipe` mode generates ahead."""
+  return plan["max_staleness"] if plan["mode"] == "pipe" else 0
+
+
+def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+  """Logs how the resumed run's plan differs from the checkpoint's.
+
+  Meshes, placement, device count and mode change only how the same mathematics is laid
+  out (up to the order of floating-point reductions); the staleness bound changes which
+  policy generates each rollout, i.e. what is computed: that gets its own warning.
+  """
+  if saved is None:
+    log.warning("The checkpoint records no run plan (written by an older version); "
+                "resuming under mode=%s on %d devices.", current["mode"],
+                current["num_devices"])
+    return
+  changed = sorted(k for k in current if saved.get(k) != current[k])
+  if changed:
+    log.warning("Resuming under a different plan (%s): %s.", ", ".join(changed),
+                "; ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed))
+  before, after = effective_staleness(saved), effective_staleness(current)
+  if before != after:
+    log.warning(
+        "The resumed schedule changes what PPO computes: rollouts may now lag the policy "
+        "by up to %d update(s) instead of %d (mode %s -> %s, runtime.max_staleness %s -> "
+        "%s). Metrics after the resume are not those of an uninterrupted run.", after,
+        before, saved["mode"], current["mode"], saved["max_staleness"],
+        current["max_staleness"])
+
+
+def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
+  """Checks everything that can be checked cheaply, before data are built.
+
+  Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
+  vocabulary, refuses to overwrite a run unless resuming, asks the planner for the plan
+  (`runtime.plan`: "auto" chooses it, "manual" has the hand-written one checked;
+  `RunSetup.config` is the config the run then uses), builds the stage layouts and
+  checks the models and the SFT term's rows fit them (on abstract parameters), and
+  reads where a resume starts, refusing a checkpoint whose mathematics or data differ.
+  """
+  validate_config(config)
+  devices = select_devices(config)
+  # Every process must use process 0's workdir (a default one is named by the clock).
+  workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
+  os.makedirs(workdir, exist_ok=True)
+  # Before anything is written there, and released by `RunSetup.close` (or the kernel,
+  # however this process ends).
+  lock = WorkdirLock(workdir) if distributed.is_primary() else None
+  try:
+    return _set_up(config, workdir, resume, devices, lock)
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    raise
+
+
+def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
+  """`set_up` once the workdir is agreed and locked."""
+  tokenizer = run_tokenizer(config)
+  cfgs = build_model_configs(config, tokenizer)
+  check_vocab(config, tokenizer, cfgs["actor"])
+  # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
+  # which the planner's checks (runtime checks on abstract meshes, memory model) accept
+  # or reject here, before any data or compilation.
+  config, planned = auto_plan.plan_run(config, cfgs["actor"], devices)
+  say(planned.describe())
+  # The planner may choose another mode, and the device order depends on it.
+  devices = select_devices(config)
+  # ----
+  layouts = build_layouts(RuntimeConfig.from_config(config), devices)
+  me = jax.process_index()
+  across = config.runtime.mode == "pipe" and jax.process_count() > 1
+  writes, trains, group = me == 0, True, None
+  if across:
+    # Each stage on its group of processes (checked here, before anything is built); the
+    # training group holds process 0 (which writes the run's files) and holds,
+    # checkpoints (together) the trainer state; the others only read checkpoints (a
+    # manager over their own process, which writes nothing).
+    trainers = stage_processes(layouts)["train"]
+    if 0 not in trainers:
+      raise ValueError(
+          f"runtime.placement: in pipe mode across processes the training stage must "
+          f"include process 0's devices (the last block of the device order, "
+          f"{jax.local_device_count()} per process); it lies in processes "
+          f"{list(trainers)}. Make runtime.placement.train the last block: a multiple of "
+          f"{jax.local_device_count()} devices, or at most {jax.local_device_count()}.")
+    trains = me in trainers
+    group = list(trainers) if trains else [me]
+  ppo_dir = os.path.join(workdir, "checkpoints")
+  # The group that writes removes what an interrupted write of an earlier run left.
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
+                                       processes=group, cleanup=trains)
+  if checkpointer.unfinished:
+    say(f"{ppo_dir}: removed {len(checkpointer.unfinished)} unfinished checkpoint "
+        f"write(s) of an earlier run ({', '.join(checkpointer.unfinished)})")
+  latest = checkpointer.latest_step()
+  if latest is not None and not resume:
+    raise FileExistsError(
+        f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
+        f"to continue, or choose a new --workdir. Nothing was changed.")
+
+  with_critic = PPOConfig.from_config(config.ppo).needs_critic
+  abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
+              for name in ("actor", "critic") if name == "actor" or with_critic}
+  check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
+  ptx_rows_for(PPOConfig.from_config(config.ppo), layouts["train"])
+  warm_layout = supervised.warm_start_layout(
+      warm_lib.warm_start_config(config)[0], devices,
+      {"sft.batch_size": config.sft.batch_size,
+       **({"reward_model.batch_size": config.reward_model.batch_size}
+          if uses_reward_model(config) else {})})
+  warm_layout.check_params(abstract["actor"], "warm_start.mesh")
+  warm_source = warm_lib.resolve_source(config, workdir)
+
+  # What changes the mathematics; the plan (runtime, meshes) is compared separately.
+  # data.task='jsonl' files count by their content: one edited in place is other data.
+  data_files = digests.file_digests(config)
+  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
+  start = 0
+  if resume and latest is not None:
+    meta = checkpointer.read_metadata(latest)
+    check_same_data(meta, data_files, checkpointer.step_dir(latest))
+    if meta.get("config_fingerprint") != fingerprint:
+      raise ckpt_lib.CheckpointError(
+          f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
+          f"{meta.get('config_fingerprint')!r} but the current run expects "
+          f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
+          f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
+          "config.json in the workdir), or use a new workdir.")
+    compare_plans(meta.get("plan"), plan_of(config, devices))
+    start = int(meta["step"]) + 1
+  runtime = RuntimeConfig.from_config(config)
+  deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
+  return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
+                  start, warm_layout, warm_source, config, planned, writes=writes,
+                  trains=trains, across=across, lock=lock, deadline=deadline,
+                  data_files=data_files)
+
+
+def _changed_fields(meta: dict[str, Any], config, data_files: dict[str, Any]) -> str:
+  """`; changed: field: old -> new, ...` from the fields stored with the checkpoint."""
+  saved = meta.get("config")
+  if not isinstance(saved, dict):
+    return " (the checkpoint predates the record of its fields: compare config.json)"
+  changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(
+      digests.with_content(config.to_dict(), data_files)))
+  shown = "; ".join(changes[:12]) + ("; ..." if len(changes) > 12 else "")
+  return f"; changed: {shown}" if changes else ""
+
+
+def check_same_data(meta: dict[str, Any], data_files: dict[str, Any], step_dir) -> None:
+  """Refuses to resume from a checkpoint trained on data.jsonl files that have changed."""
+  changed = digests.changed_file(meta.get("data_files"), data_files)
+  if changed:
+    raise ckpt_lib.CheckpointError(
+        f"checkpoint {step_dir} was trained on other data: {changed}. A resumed run would "
+        "continue at the checkpoint's position in different records: restore the file, "
+        "or use a new workdir.")
+
+
+def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
+  """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
+  set_activity("building datasets")
+  # Process 0 may take long (a large JSONL file): the others wait up to the one-off
+  # deadline (runtime.progress_timeout_s), not a fixed time.
+  timeout_s = setup.deadline.one_off()
+  if not distributed.is_primary():
+    distributed.barrier("datasets_built", timeout_s=timeout_s)
+  result = make_data(config, setup.workdir, setup.tokenizer)
+  if distributed.is_primary():
+    distributed.barrier("datasets_built", timeout_s=timeout_s)
+  return result
+
+
+def sampling_params(setup: RunSetup, system: PPOSystem):
+  """The actor to show samples from: in the generation layout, or, in pipe mode across
+  processes, where the trainer holds it (generation is another process's)."""
+  return system.state.actor if setup.across else system.actor_for_generation()[0]
+
+
+def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
+  """The metrics writer, after removing the rows this run is about to write again.
+
+  A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
+  their rows from before (phases "ppo" and "heldout") are dropped and the log holds each
+  step once; the "data" row is written by every run, and the warm-start phases' rows
+  again when their checkpoint is missing. TensorBoard event files cannot be rewritten,
+  and TensorBoard does not keep only the newest value of a step: it keeps every event
+  it reads, so the re-trained steps are plotted twice. (It drops events only after a
+  SessionLog.START event, which tensorboardX writes for `purge_step`; but that drops
+  every tag of the run directory at steps >= the purge step, SFT and reward-model curves
+  included, since all phases share one directory
+  and start at step 0.) metrics.jsonl is the record to trust after a resume.
+  """
+  # Trained here before (restored now) or restored from `warm_start.checkpoint`: either
+  # way this run writes no warm-start rows, so the ones from before stay.
+  warm_restored = setup.warm_source is not None
+
+  def rewritten(record) -> bool:
+    phase = record.get("phase")
+    return ((phase in ("ppo", "heldout") and record.get("step", 0) >= setup.start)
+            or phase in ("data", "plan")
+            or (phase in warm_lib.PHASES and not warm_restored))
+
+  if not setup.writes:
+    return metrics_lib.SecondaryWriter(setup.workdir)
+  dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
+  if dropped:
+    say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
+        f"(PPO steps >= {setup.start})")
+  return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=config.log.tensorboard,
+                                   use_wandb=config.log.wandb,
+                                   wandb_project=config.log.wandb_project,
+                                   config=config.to_dict())
+
+
+@dataclasses.dataclass
+class BuiltSystem:
+  """The PPO system and what the before/after samples need from its construction."""
+
+  system: PPOSystem
+  sampling: SamplingParams
+  actor_graphdef: nnx.GraphDef
+  # The reward model's score statistics the rewards are standardised by (None: raw).
+  reward_stats: reward_norm.ScoreStatistics | None = None
+
+
+def ppo_sampling(config, tokenizer) -> SamplingParams:
+  """PPO's sampling distribution: completions of `data.completion_len` tokens at
+  `ppo.temperature` / `top_k` / `top_p`."""
+  return SamplingParams(max_new_tokens=config.data.completion_len,
+                        temperature=config.ppo.temperature, top_k=config.ppo.top_k,
+                        top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
+                        pad_id=tokenizer.pad_id)
+
+
+def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
+                      data: dict[str, Any]) -> reward_norm.ScoreStatistics | None:
+  """The reward model's score statistics under the warm-start policy, when
+  `reward.normalize_samples_per_prompt` > 0 and the reward is a model; else None."""
+  k = config.reward.get("normalize_samples_per_prompt", 0)
+  if not (k and uses_reward_model(config)):
+    return None
+  set_activity("measuring the reward model's scale")
+  stats = reward_norm.score_statistics(
+      graphdef_of(setup.cfgs["actor"]), warm["actor"], graphdef_of(setup.cfgs["reward"]),
+      warm["reward"], np_batch(next(iter(data["prompts_norm"]))),
+      ppo_sampling(config, setup.tokenizer), samples_per_prompt=k, seed=config.seed)
+  say(f"reward model under the warm-start policy: score mean {stats.mean:.4g}, std "
+      f"{stats.std:.4g} over {stats.samples} answers; PPO's reward is (score - mean) / std")
+  return stats
+
+
+def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
+                 tokenizer, devices,
+                 reward_stats: reward_norm.ScoreStatistics | None = None,
+                 demos=None) -> BuiltSystem:
+  """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
+
+  The one place that constructs the system from the config (the critic starts from the
+  reward model's or the SFT policy's backbone, per `ppo.critic_init`). Only the models
+  the algorithm uses are built: no critic for a critic-free estimator, no reference when
+  `ppo.kl_coef == 0`. `demos` (the SFT `DemoPipeline`) gives the pool of PPO's SFT term
+  when `ppo.ptx_coef > 0`: the SFT data, every record once.
+  """
+  ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
+  if reward_stats is not None:
+    ppo = dataclasses.replace(ppo, reward_shift=reward_stats.mean,
+                              reward_scale=reward_stats.std)
+  actor_gd = graphdef_of(cfgs["actor"])
+  critic_gd = critic = None
+  if ppo.needs_critic:
+    critic_gd = graphdef_of(cfgs["critic"])
+    # Validation refuses critic_init="reward_model" with a rule reward (no reward model).
+    critic_source = (warm["reward"] if config.ppo.critic_init == "reward_model"
+                     else warm["actor"])
+    critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
+  use_rm = uses_reward_model(config)
+  reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
+  models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
+                  actor=warm["actor"],
+                  reference=warm["actor"] if ppo.needs_reference else None, critic=critic,
+                  reward=warm["reward"] if use_rm else None)
+  sampling = ppo_sampling(config, tokenizer)
+  decode = lambda ids: tokenizer.decode(ids)
+  reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
+  eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
+             if config.reward.eval_fn else None)
+  # Without demos, PPOSystem's check names what the SFT term lacks.
+  ptx_demos = demos.as_arrays() if ppo.ptx_coef and demos is not None else None
+  system = PPOSystem(models, ppo=ppo,
+                     sampling=sampling, runtime=RuntimeConfig.from_config(config),
+                     reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
+                     ptx_demos=ptx_demos)
+  return BuiltSystem(system, sampling, actor_gd, reward_stats)
+
+
+def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
+  """Loads the newest PPO checkpoint into `system` and the prompt iterator (on resume).
+
+  The arrays are read straight into the current layouts, whatever mesh wrote them.
+  """
+  if not setup.start:
+    return
+  if not setup.trains:  # a pipe-mode process without the training stage: no arrays
+    meta = setup.checkpointer.read_metadata()
+    system.restore({"trainer": None}, meta)
+    prompts.set_state(meta["data_state"])
+    return
+  state, meta = setup.checkpointer.restore(
+      target=system.abstract_checkpoint_state(),
+      expect_metadata={"config_fingerprint": setup.fingerprint})
+  system.restore(state, meta)
+  prompts.set_state(meta["data_state"])
+  say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
+
+
+def describe_stall(tracer: Tracer) -> str:
+  """What held a step up: the stage working longest on its item, or that all wait."""
+  me = distributed.process_index()
+  where = f" (process {me})" if distributed.process_count() > 1 else ""
+  spans = tracer.open_spans()
+  if spans:
+    stage, batch, seconds, _ = spans[0]
+    text = f"the {stage} stage{where} has been working on batch {batch} for {seconds:.0f} s"
+    others = [f"{s} on batch {b} for {t:.0f} s" for s, b, t, _ in spans[1:]]
+    if others:
+      text += f" (also running: {', '.join(others)})"
+  else:
+    text = (f"no stage{where} is working: each waits for another (a batch or weights "
+            "that never came, from this process or a peer)")
+  if distributed.process_count() > 1:
+    peers = [f"process {p}: {activity_of(p)}" for p in range(distributed.process_count())
+             if p != me]
+    text += "; the others' last activity: " + "; ".join(peers)
+  return text
+
+
+class WriteFence:
+  """Keeps a worker the run has given up on from writing while the run closes its files.
+
+  Every write of a step (metrics row, checkpoint) runs inside `open()`; `close()` waits
+  (bounded) for the one in progress, and afterwards `open()` refuses with a clean
+  shutdown, so a worker that outlived the shutdown timeout cannot write into a metrics
+  file or checkpoint directory that the main thread is closing.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._closed = False
+
+  @contextlib.contextmanager
+  def open(self):
+    with self._lock:
+      if self._closed:
+        raise PipelineShutdown("the run has ended: this worker's step is not recorded")
+      yield
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    got = self._lock.acquire(timeout=timeout_s)
+    self._closed = True
+    if got:
+      self._lock.release()
+    else:
+      log.warning("A worker kept writing past the end of the run for %.0f s; closing "
+                  "the run's files anyway.", timeout_s)
+
+
+def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
+            writer: metrics_lib.MetricsWriter, end: int, progress: bool,
+            signals: SignalHandler) -> Tracer:
+  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, stops.
+
+  A metrics row is written every `log.every` steps and at the last step of the schedule;
+  the progress bar and the checkpoints (every `checkpoint.every` steps, at `end`, and on
+  a stop) do not depend on it.
+
+  Stops: a SIGINT or SIGTERM (`signals`) during the loop ends it at the next step
+  boundary, agreed by every process that checkpoints; the checkpoint of that step is
+  written and `Interrupted` raised. A step that makes no progress within the deadline
+  (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
+  step is saved first when the trainer state is whole (the stuck stage is not the
+  update) and only this process holds it.
+  """
+  start, checkpointer = setup.start, setup.checkpointer
+  feed = DataFeed(prompts)
+  tracer = Tracer()
+  bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
+                                keys=("reward/mean", "rule_reward/mean", "kl/mean"),
+                                disable=not progress or not setup.writes)
+  plan = plan_of(config, setup.devices)
+  fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
+                                                               setup.data_files))
+  fence = WriteFence()
+
+  def save(step: int) -> None:
+    state = system.checkpoint_state()
+    if setup.across:
+      # Orbax refuses device arrays held by one process of a multi-process job; host
+      # copies are written by process 0 and restored straight onto the devices.
+      state = distributed.fetch(state)
+    checkpointer.save(step, state, metadata={
+        **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
+        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1),
+        "data_files": setup.data_files})
+
+  # The newest step on disk: a resumed run starts with its checkpoint already written.
+  last_saved = [start - 1]
+
+  def on_step(step: int, metrics: dict) -> None:
+    with fence.open():
+      metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
+                                               if k.startswith("skipped")))
+      if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
+        writer.write(step, metrics, phase="ppo")
+      bar.update(metrics)
+      set_activity(f"PPO step {step + 1}")
+      if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
+        kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
+        say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
+            f"{metrics['time/step_s']:.2f}s/step")
+      if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+        save(step)
+        last_saved[0] = step
+      watchdog.beat(step)
+
+  def save_last(step: int | None) -> None:
+    """The checkpoint of `step`, the last one finished, unless it is on disk already."""
+    if setup.trains and step is not None and step >= 0 and step != last_saved[0]:
+      log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
+      save(step)
+      last_saved[0] = step
+    checkpointer.wait()
+
+  def on_stall(error: Stalled) -> bool:
+    stalled_in_update[0] = any(s[0] == "train" for s in tracer.open_spans())
+    return signals.raise_in_main(error)
+
+  def on_exit(error: Stalled) -> None:
+    watch = FaultWatch.current()
+    if watch is not None:
+      watch.report_failure(error)
+
+  stalled_in_update = [False]
+  watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
+  voters = stage_processes(system.layouts)["train"] if setup.across else None
+  with signals.deferred() as request:
+    boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
+                            timeout_s=watchdog.current_deadline)
+    watchdog.start(start)
+    try:
+      stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
+      if stopped or request.is_set():
+        last = boundary.stop_step if not setup.trains else system.version - 1
+        save_last(last)
+        signum = request.signum or boundary.signum or signal.SIGINT
+        raise Interrupted(signum, last_saved[0], agreed=True,
+                          where=f"after PPO step {last}" if last is not None else "")
+    except Stalled:
+      watchdog.stop()
+      # A whole trainer state (not stuck inside an update) that only this process
+      # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
+      alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
+      if alone and not stalled_in_update[0]:
+        save_last(system.version - 1)
+      raise
+    finally:
+      watchdog.stop()
+      fence.close()
+      bar.close()
+      checkpointer.wait()
+      if tracer.spans() and setup.writes:
+        tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
+        tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
+                     title=f"PPO stages ({system.mode})")
+      writer.flush()
+  return tracer
+
+
+def train(config, workdir: str | None = None, *, resume: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
+  """Runs the whole RLHF pipeline; returns a summary dict.
+
+  Args:
+    config: a validated-on-entry ConfigDict (see configs/quickstart.py).
+    workdir: output directory (default `runs/<name>-<time>`).
+    resume: continue from the newest PPO checkpoint in `workdir`, under any plan (mode,
+      devices, meshes); the config's mathematics must match the checkpoint's.
+    stop_after: stop after this many PPO steps in total (for resume tests / preemption
+      drills); the schedule still assumes `ppo.steps`.
+    progress: show progress bars.
+  """
+  # SIGINT / SIGTERM: at once outside PPO's loop, at its next step boundary inside.
+  with SignalHandler() as signals:
+    return _train(config, workdir, resume, stop_after, progress, signals)
+
+
+def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, Any]:
+  """`train` under its signal handlers."""
+  start_time = time.perf_counter()
+  setup = set_up(config, workdir, resume)
+  config = setup.config  # runtime.plan='auto': the planner's plan applied
+  writer = open_metrics(config, setup)
+  try:
+    build_stats, data = build_data(config, setup)
+    # Malformed-record decisions of every input pipeline, counted once up front.
+    writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
+                                       for name, pipe in data.items()
+                                       for key, value in pipe.stats().items()}}, phase="data")
+    set_activity("warm start (SFT, reward model)")
+    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+                                  setup.cfgs, writer, setup.warm_layout, progress,
+                                  setup.tokenizer)
+    warm_devices = set(setup.warm_layout.mesh.devices.flat)
+    if setup.across or (distributed.process_count() > 1
+                        and warm_devices != set(setup.devices)):
+      # jax moves arrays across processes only between meshes of the same devices: a
+      # stage in one process (pipe mode across processes) or a warm-start mesh on some
+      # of the devices hands over host copies instead (SPMD: every process fetches).
+      warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
+              for k, v in warm.items()}
+    built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices,
+                         reward_statistics(config, setup, warm, data), data["demos"])
+    for layout in built.system.layouts.values():
+      say(f"stage {layout}")
+    restore_ppo(setup, built.system, data["prompts"])
+    # Written only once the config is known to match any checkpoint it resumes.
+    if setup.writes:
+      with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+    eval_batch = np_batch(next(iter(data["prompts_eval"])))
+    rules = heldout.rule_rewards_to_report(config)
+
+    samples_per_prompt = config.log.get("eval_samples_per_prompt", 0) if rules else 0
+
+    def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
+      """The held-out answers at `step`: "greedy" (also the samples shown), and
+      "sampled" with `log.eval_samples_per_prompt` > 0."""
+      if not setup.trains:  # pipe mode across processes: the trainer's process evaluates
+        return {}
+      params = sampling_params(setup, built.system)
+      evals = {"greedy": heldout.heldout_eval(built.actor_graphdef, params, eval_batch,
+                                              setup.tokenizer, built.sampling, rules,
+                                              config.log.samples)}
+      if samples_per_prompt:
+        evals["sampled"] = heldout.heldout_eval(
+            built.actor_graphdef, params, eval_batch, setup.tokenizer, built.sampling, rules,
+            0, samples_per_prompt=samples_per_prompt)
+      row = {f"heldout{'' if name == 'greedy' else '_' + name}/{rule}": value
+             for name, result in evals.items() for rule, value in result.scores.items()}
+      if row:
+        writer.write(step, row, phase="heldout")
+      return evals
+
+    before = evaluate(setup.start)
+    end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+    set_activity(f"PPO step {setup.start}")
+    tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress,
+                     signals)
+    return reporting.report(setup, built, warm, tracer, writer, before, evaluate(end),
+                            start_time)
+  finally:
+    writer.close()
+    setup.close()
+
+
+def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = True
+                       ) -> dict[str, Any]:
+  """Runs only the warm-start phases (SFT, and the reward model unless the reward is a
+  rule) into `<workdir>/warmstart`.
+
+  Other runs of the same seed, model, data, sft and reward_model config start PPO from
+  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
+  mode. Restores instead of training when that checkpoint already exists.
+
+  Returns:
+    {"workdir", "checkpoint" (the warmstart directory), "rm_eval" (None with a rule
+    reward)}.
+  """
+  with SignalHandler():  # a signal stops it at once (Interrupted); nothing is half-saved
+    return _prepare_warm_start(config, workdir, progress)
+
+
+def _prepare_warm_start(config, workdir, progress) -> dict[str, Any]:
+  setup = set_up(config, workdir, resume=False)
+  config = setup.config  # runtime.plan='auto': the planner's plan applied
+  if warm_lib.warm_start_config(config)[1]:
+    raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
+                     "empty (it names one to restore).")
+  writer = open_metrics(config, setup)
+  try:
+    build_stats, data = build_data(config, setup)
+    writer.write(0, build_stats, phase="data")
+    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+                                  setup.cfgs, writer, setup.warm_layout, progress,
+                                  setup.tokenizer)
+  finally:
+    writer.close()
+    setup.close()
+  return {"workdir": setup.workdir, "checkpoint": os.path.join(setup.workdir, "warmstart"),
+          "rm_eval": warm["rm_eval"]}
