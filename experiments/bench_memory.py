@@ -105,6 +105,8 @@ def main() -> None:
   parser.add_argument("--budget-gib", type=float, default=1.0)
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "bench_memory"))
+  parser.add_argument("--page", default="",
+                      help="also write the tables as docs/results/<PAGE>.md (e.g. memory)")
   args = parser.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   vocabs = [int(x) for x in args.vocabs.split(",")]
@@ -156,6 +158,13 @@ def main() -> None:
   with open(os.path.join(args.out_dir, "memory.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
+  if args.page:
+    from experiments import results
+    # XLA's compiled memory analysis does not depend on the machine's speed.
+    what = __doc__.split("\nUsage:")[0].split("\n", 1)[1].strip()  # the settings compared
+    path = results.write_page(args.page, "Memory at long lengths",
+                              what + "\n\n" + "\n".join(lines[1:]), None, command=command)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   # Under the repository's git-ignored experiments/out/, wherever the script is run from.
   parser.add_argument("--out-dir",
                       default=os.path.join(_ROOT, "experiments", "out", "bench_modes"))
+  parser.add_argument("--page", default="",
+                      help="also write the table as docs/results/<PAGE>.md (e.g. modes)")
   parser.add_argument("--no-share-warmstart", action="store_true",
                       help="train SFT + reward model in every workdir instead of once")
   args = parser.parse_args(argv)
@@ -350,6 +352,20 @@ def main(argv=None) -> int:
   for r in ok:
     print(f"{r['label']}: trace {r['trace']}  gantt {r['gantt']}")
   print(f"wrote {csv_path} and {json_path}")
+  if args.page and ok:
+    from experiments import results
+    body = "\n".join([
+        f"PPO steps {args.ppo_steps} (the first {args.warmup_steps_excluded} excluded: "
+        f"compilation), {make_config(args, 'sequential', 0).ppo.batch_size} rollouts per "
+        f"step, config variant {args.config_variant or 'full'}; every mode starts from "
+        "the same warm start. On a few CPU cores shared by virtual devices the stages "
+        "cannot run faster concurrently: this table shows the schedules and their "
+        "overlap, not an accelerator's speed-up.", "", format_table(ok), "",
+        LEGEND.replace("\n", " "),
+        *[f"\n{r['label']}: {r['status']}" for r in rows if r["status"] != "ok"]])
+    path = results.write_page(args.page, "Runtime modes side by side", body,
+                              results.machine_limits(), command=command)
+    print(f"wrote {path}")
   return 0
 
 

@@ -575,6 +575,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="a config override, e.g. ppo.kl_coef=0.1 (repeatable)")
   parser.add_argument("--tag", default="", help="suffix of the default --out directory")
   parser.add_argument("--out", default="", help="output directory")
+  parser.add_argument("--page", default="",
+                      help="also write the table as docs/results/<PAGE>.md (with its "
+                           "provenance) and its plot beside it, replacing that page")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
   parser.add_argument("--warm-starts-only", action="store_true",
@@ -694,8 +697,20 @@ def main(argv=None) -> int:
   if not runs:
     print("no finished runs yet")
     return 1
-  print(write_report(args.out, runs, args.cells, settings))
+  text = write_report(args.out, runs, args.cells, settings)
+  print(text)
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
+  if args.page:
+    from experiments import results
+    figure = os.path.join(results.RESULTS_DIR, f"{args.page}.png")
+    os.makedirs(results.RESULTS_DIR, exist_ok=True)
+    shutil.copyfile(os.path.join(args.out, "curves.png"), figure)
+    # Accuracies do not depend on the machine's speed: no limits are measured for it.
+    path = results.write_page(
+        args.page, f"Learning curves: {os.path.relpath(settings['config'], _ROOT)}",
+        f"![accuracy over PPO steps, mean and ±1 std over seeds]({args.page}.png)\n\n"
+        + text, None, command=settings["command"])
+    print(f"wrote {path}")
   return 0
 
 

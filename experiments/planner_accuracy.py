@@ -160,6 +160,8 @@ def reprice(plans, work, machine, measured_csv: str, out_dir: str) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--plans", type=int, default=20)
+  parser.add_argument("--page", default="",
+                      help="also write docs/results/<PAGE>.md (e.g. planner_accuracy)")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--window", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=5)
@@ -312,6 +314,40 @@ def main() -> None:
   fig.tight_layout()
   fig.savefig(os.path.join(args.out_dir, "scatter.png"))
   print(json.dumps({k: v for k, v in summary.items() if k != "calibration"}, indent=1))
+  if args.page:
+    write_results_page(args.page, rows, summary, os.path.join(args.out_dir, "scatter.png"))
+
+
+def write_results_page(name: str, rows: list[dict], summary: dict, scatter: str) -> None:
+  """docs/results/<name>.md: the error over the plans, each plan's predicted and measured
+  seconds, the scatter plot beside it, and the run's provenance."""
+  import shutil
+
+  from experiments import results
+  os.makedirs(results.RESULTS_DIR, exist_ok=True)
+  shutil.copyfile(scatter, os.path.join(results.RESULTS_DIR, f"{name}.png"))
+  lo, hi = summary["host_gflops_range"]
+  lines = [
+      f"Over {summary['measured']} plans of the three modes: mean absolute percentage "
+      f"error **{summary['mape']:.0%}**, max {summary['max_ape']:.0%}, Spearman rank "
+      f"correlation {summary['spearman']:.2f}; the plan the planner ranks first measures "
+      f"{summary['picked_vs_best']:+.0%} against the best measured plan.", "",
+      f"![predicted against measured seconds per step]({name}.png)", "",
+      "Each plan is priced by the cost model with efficiencies calibrated in the same "
+      "process, then the simulator; measured by the runtime in interleaved rounds (the "
+      f"host's 1024^2 matmul probe read {lo:.0f}-{hi:.0f} GFLOP/s across the rounds).", "",
+      "| plan | predicted s/step | measured s/step (spread) |", "|---|---|---|"]
+  for r in rows:
+    if r["error"]:
+      lines.append(f"| {r['plan']} | – | failed: {r['error'][:80]} |")
+    else:
+      lines.append(f"| {r['plan']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} "
+                   f"({r['spread']:.0%}) |")
+  fits = ", ".join(f"{k} {v:.4g}" for k, v in summary["calibration"].items())
+  lines += ["", f"Fitted constants: {fits}."]
+  path = results.write_page(name, "The planner's error", "\n".join(lines),
+                            results.machine_limits())
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -521,7 +521,7 @@ def test_a_stuck_peer_stops_the_job_naming_it(tmp_path):
   # so only the progress deadline can end the job; both processes stop by themselves.
   workdir = tmp_path / "run"
   job = launch_faulty(tmp_path, "logs", [*fault_args(workdir),
-                                         "--config.runtime.progress_timeout_s=90"],
+                                         "--config.runtime.progress_timeout_s=15"],
                       fault="hang@reward:2:1", grace_s=120)
   assert job.killed == [] and all(c != 0 for c in job.returncodes), job.report()
   text = job.log_text(0) + job.log_text(1)
