@@ -140,8 +140,9 @@ def _ctrl_c_when_armed(prompts, completions):
 
 @pytest.mark.slow
 def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
-  # The restored checkpoint is the newest on disk: an interrupt before the first resumed
-  # step has nothing to save (it used to re-save that step: CheckpointExistsError).
+  # The restored checkpoint is the newest on disk; a Ctrl-C inside the first resumed
+  # step finishes that step and saves it as a new one (never the restored step again,
+  # which would be a CheckpointExistsError).
   config = tiny()
   config.reward.fn = "test_ctrl_c_when_armed"
   config.ppo.critic_init = "sft"  # a rule reward trains no reward model
@@ -151,7 +152,7 @@ def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   with pytest.raises(KeyboardInterrupt):
     train(config, workdir, resume=True, progress=False)
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
-                if s.isdigit()) == [1]
+                if s.isdigit()) == [1, 2]
   resumed = train(config, workdir, resume=True, progress=False)
   assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
 

@@ -349,7 +349,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
       exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
                                 critic_version=system.version)
       t2 = time.perf_counter()
-      trn_m = system.train(exp, step)
+      trn_m = system.train(exp, step, observed_kl=0.0)
       t3 = time.perf_counter()
       if step:
         for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
