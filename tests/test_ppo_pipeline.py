@@ -141,7 +141,7 @@ def _ctrl_c_when_armed(prompts, completions):
 @pytest.mark.slow
 def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   # The restored checkpoint is the newest on disk: an interrupt before the first resumed
-  # step has nothing to save (it used to re-save that step: CheckpointExistsError).
+  # step has nothing to save (re-saving that step would raise CheckpointExistsError).
   config = tiny()
   config.reward.fn = "test_ctrl_c_when_armed"
   config.ppo.critic_init = "sft"  # a rule reward trains no reward model
