@@ -12,21 +12,23 @@ strings of every Python file of the project):
 * every quoted `python -m pipe_rlhf_jax.<module> ...` and `python experiments/<script>.py
   ...` names an entry point that exists, and every `--flag` it passes is one that entry
   point defines: its `--helpfull` (absl) or `--help` (argparse) output, run once per
-  entry point; `--config.<field>` overrides name a field of configs/quickstart.py's
-  `get_config()`, which every shipped config starts from.
+  entry point (the argparse ones in one interpreter, so that jax is imported once);
+  `--config.<field>` overrides name a field of configs/quickstart.py's `get_config()`,
+  which every shipped config starts from.
 """
 
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import functools
 import io
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import tokenize
 
 import pytest
@@ -308,36 +310,90 @@ def _declared_argparse_flags(source: str) -> set[str]:
   return flags
 
 
-@functools.cache
-def flags_of(entry: str) -> frozenset[str] | None:
-  """The long flags `entry` accepts, read from its help output (None: it takes no flags).
+def _is_absl(source: str) -> bool:
+  return "from absl import app" in source
 
-  absl programs list theirs under `--helpfull`; argparse ones under `--help`. A script
-  whose optional dependency is missing here (the peer benchmark runs in its own virtual
-  environment) cannot print its help: the flags its source declares to argparse stand in.
-  """
-  path = entry_point_file(entry)
-  source = path.read_text(encoding="utf-8")
-  absl = "from absl import app" in source
-  if not absl and "argparse" not in source:
-    return None  # never run it: without a parser, `--help` would run the program
-  command = ([sys.executable, "-m", entry] if not entry.startswith("experiments/")
-             else [sys.executable, str(ROOT / entry)])
+
+# Runs `--help` of several argparse entry points in one interpreter, so that jax, which
+# most of them import first, is imported once: argv[1] is a JSON list of (entry, script
+# path or ""), argv[2] where the help texts go (JSON).
+_HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys
+todo, where, out = json.loads(sys.argv[1]), sys.argv[2], {}
+for entry, path in todo:
+  buf = io.StringIO()
+  sys.argv = [path or entry, "--help"]
+  try:
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+      if path:
+        runpy.run_path(path, run_name="__main__")
+      else:
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+    out[entry] = [False, buf.getvalue(), "it printed no help and did not exit"]
+  except SystemExit as e:
+    out[entry] = [e.code in (0, None), buf.getvalue(), f"exit status {e.code}"]
+  except BaseException as e:
+    out[entry] = [False, buf.getvalue(), f"{type(e).__name__}: {e}"]
+with open(where, "w", encoding="utf-8") as f:
+  json.dump(out, f)
+"""
+
+_FLAGS: dict[str, frozenset[str] | None] = {}
+
+
+def _argparse_flags(entry: str, source: str, ok: bool, text: str, error: str
+                    ) -> frozenset[str]:
+  if ok:
+    return frozenset(re.findall(r"(?<![\w-])--([A-Za-z][\w-]*)", text))
+  if "ModuleNotFoundError" in error:
+    # The script's optional dependency is not installed here (the peer benchmark runs in
+    # its own virtual environment): the flags its source declares to argparse stand in.
+    return frozenset(_declared_argparse_flags(source))
+  raise AssertionError(f"{entry} --help failed ({error}):\n{text[-2000:]}")
+
+
+def prefetch_flags(entries) -> None:
+  """Reads the help of every entry point in `entries` not read yet: absl programs one
+  process each (`--helpfull`; they import nothing heavy first), argparse ones together."""
+  absl, argparse_entries = [], []
+  for entry in sorted(set(entries) - set(_FLAGS)):
+    path = entry_point_file(entry)
+    source = path.read_text(encoding="utf-8")
+    if _is_absl(source):
+      absl.append(entry)
+    elif "argparse" in source:
+      argparse_entries.append(entry)
+    else:
+      _FLAGS[entry] = None  # never run it: without a parser, `--help` runs the program
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  result = subprocess.run([*command, "--helpfull" if absl else "--help"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=180)
-  text = result.stdout + result.stderr
-  # absl prints --helpfull and exits 1; argparse exits 0.
-  if (result.returncode not in (0, 1) or (absl and "--[no]helpfull" not in text)
-      or (not absl and result.returncode != 0)):
-    if "ModuleNotFoundError" in result.stderr and not absl:
-      return frozenset(_declared_argparse_flags(source))
-    raise AssertionError(f"{entry} --help failed:\n{result.stderr[-2000:]}")
-  if absl:
-    names = re.findall(r"^\s+--(?:\[no\])?([\w.-]+)", text, re.M)
-  else:
-    names = re.findall(r"(?<![\w-])--([A-Za-z][\w-]*)", text)
-  return frozenset(names)
+  for entry in absl:
+    result = subprocess.run([sys.executable, "-m", entry, "--helpfull"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=180)
+    text = result.stdout + result.stderr
+    # absl prints --helpfull and exits 1.
+    if "--[no]helpfull" not in text:
+      raise AssertionError(f"{entry} --helpfull failed:\n{text[-2000:]}")
+    _FLAGS[entry] = frozenset(re.findall(r"^\s+--(?:\[no\])?([\w.-]+)", text, re.M))
+  if not argparse_entries:
+    return
+  todo = [(e, str(ROOT / e) if e.startswith("experiments/") else "") for e in argparse_entries]
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "help.json"
+    result = subprocess.run([sys.executable, "-c", _HELP_RUNNER, json.dumps(todo), str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not out.is_file():
+      raise AssertionError(f"reading the entry points' help failed:\n{result.stderr[-2000:]}")
+    texts = json.loads(out.read_text(encoding="utf-8"))
+  for entry, (ok, text, error) in texts.items():
+    source = entry_point_file(entry).read_text(encoding="utf-8")
+    _FLAGS[entry] = _argparse_flags(entry, source, ok, text, error)
+
+
+def flags_of(entry: str) -> frozenset[str] | None:
+  """The long flags `entry` accepts, read from its help output (None: it takes no flags)."""
+  if entry not in _FLAGS:
+    prefetch_flags([entry])
+  return _FLAGS[entry]
 
 
 @functools.cache
@@ -357,8 +413,7 @@ def command_problems(paths: list[pathlib.Path]) -> list[str]:
   known = {entry for _, _, entry, _ in commands if entry_point_file(entry)}
   if LAUNCH in known:
     known.add(MAIN)
-  with concurrent.futures.ThreadPoolExecutor(4) as pool:  # each help once, side by side
-    list(pool.map(flags_of, sorted(known)))
+  prefetch_flags(known)  # each entry point's help once
   problems = []
   for rel, line, entry, args in commands:
     where = f"{rel}:{line}: `python {'-m ' if '/' not in entry else ''}{entry}`"
