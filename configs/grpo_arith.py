@@ -19,7 +19,7 @@ held-out problems before and after RL.
 GRPO settings: 4 samples per prompt and 64 prompts per step. The operands are single
 digits, so the policy mostly memorises 236 training facts and RL sharpens each fact it
 samples: how many distinct prompts a step covers matters more than the group size (8
-samples of 16 prompts learned far less in the same number of steps in development runs),
+samples of 16 prompts learned far less in the same number of steps),
 and actor learning rates of 2e-3 made exact match fall; without the KL term (kl_coef=0)
 two seeds learned no faster and their greedy held-out answers got worse. The plan (pipe
 mode, 4 + 2 + 2 devices, staleness 1) and the model are the quickstart's.
@@ -65,10 +65,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.kl_in = "loss"  # GRPO style: k3 KL to the SFT policy as a loss term
   config.ppo.kl_estimator = "k3"
   config.ppo.kl_coef = 0.05
-  # No per-update early stop: the arith table (README) was measured without one, and the
-  # drift it guards against came from a learned reward model, which this task has not.
+  # No per-update early stop: the arith learning curves (docs/results/learning_curves.md)
+  # were measured without one, and the drift it guards against came from a learned reward
+  # model, which this task has not.
   config.ppo.target_kl = 0.0
-  # No SFT term (the quickstart's 0.3): the arith table (README) was measured without it.
+  # No SFT term (the quickstart's 0.3): the arith learning curves were measured without it.
   config.ppo.ptx_coef = 0.0
   config.ppo.critic_init = "sft"  # used only by critic estimators (gae): no reward model
   if variant == "tiny":

@@ -3,9 +3,9 @@
 A 4-layer byte-level model learns to reverse short strings of letters. SFT imitates
 noisy demonstrations (so it is mediocre), a Bradley-Terry reward model learns from
 preference pairs which answers are closer to correct, and PPO against that reward model
-makes the policy better than its demonstrations. Runs in 5-15 minutes by host on 2 CPU
-cores with 8 virtual devices (most of it the reward model: 800 steps, so that it has
-fewer blind spots for PPO to find; see the README's learning curves).
+makes the policy better than its demonstrations. Runs in about 5-15 minutes on 2 CPU
+cores with 8 virtual devices, depending on the CPU (most of it the reward model: 800
+steps, so that it has fewer blind spots for PPO to find; see docs/design_notes.md).
 
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py --config.ppo.kl_coef=1.0
@@ -113,12 +113,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.batch_size = 64  # rollouts per PPO step
   config.ppo.minibatch_size = 32
   config.ppo.epochs = 2
-  # With 5e-4 / kl_coef 0.2 single runs drifted to KL 5-6 and reward hacking (issue 11);
-  # at 0.3 and 1.0 (raw scores) the true accuracy rose but greedy answers got worse: PPO
-  # found the reward model's blind spots. kl_coef 2.0 on raw scores held them but
-  # restrained PPO most against the narrowest reward model; 0.5 on standardised scores
-  # (about 2.0 on the seeds' mean raw scale) was measured over seeds and modes (README,
-  # "Learning curves").
+  # With 5e-4 / kl_coef 0.2 single runs drifted to KL 5-6 and reward hacking; at 0.3 and
+  # 1.0 (raw scores) the true accuracy rose but greedy answers got worse: PPO found the
+  # reward model's blind spots. kl_coef 2.0 on raw scores held them but restrained PPO
+  # most against the narrowest reward model; 0.5 on standardised scores (about 2.0 on
+  # the seeds' mean raw scale) was measured over seeds and modes (docs/design_notes.md).
   config.ppo.actor_lr = 3e-4
   config.ppo.critic_lr = 1e-3
   config.ppo.lr_schedule = "constant"  # or "cosine"
@@ -142,19 +141,20 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # Whose KL the rewards penalise: "behaviour" (the sampling policy) or "proximal" (the
   # trainer's, taken again as each update starts; differs only for stale rollouts). With
   # "behaviour" the decoupled objective at staleness 4 drifted to KL 0.55-0.73 and worse
-  # greedy answers in seeds 0-2; "proximal" held it at 0.23-0.43 (README).
+  # greedy answers in seeds 0-2; "proximal" held it at 0.23-0.43 (docs/design_notes.md).
   config.ppo.kl_policy = "proximal"
   # > 0: stop an update's remaining minibatch steps once the policy has moved this far
   # (approximate KL to the update's starting actor, x 1.5); 0 = off. One gradient step
   # of seed 2's sequential run moved the policy by KL ~0.7 and the run ended at KL 1.9;
-  # stopping there kept it at 0.23 (README).
+  # stopping there kept it at 0.23 (docs/design_notes.md).
   config.ppo.target_kl = 0.02
   # > 0: PPO-ptx, + ptx_coef x the SFT loss on ptx_batch_size demonstrations (0: the
   # minibatch size, rounded up to a multiple of the train stage's batch shards) of the
   # SFT data in every actor gradient step; 0 = off. Without it,
-  # seed 9's greedy answers got worse beyond noise on two hosts (its reward model prefers
+  # seed 9's greedy answers got worse beyond noise on two CPUs (its reward model prefers
   # a right answer to a neighbour copy 55-59% of the time); at 0.3 no measured seed's
-  # did, at about the same sampled gain. Higher weights cost sampled accuracy (README).
+  # did, at about the same sampled gain. Higher weights cost sampled accuracy
+  # (docs/design_notes.md).
   config.ppo.ptx_coef = 0.3
   config.ppo.ptx_batch_size = 0
   config.ppo.whiten_advantages = True

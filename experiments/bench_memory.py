@@ -8,7 +8,7 @@ is executed): for a small model at vocabulary sizes 32k and 128k and sequence le
   decode   one cached decode step over a cache of `length` slots,
 under two settings:
   before   dense attention, no remat, the head on every position and a full f32
-           log-softmax over `[batch, length, vocab]` (the code before issue #9);
+           log-softmax over `[batch, length, vocab]` (the naive computation);
   after    blockwise attention, full per-layer remat, the head on the completion
            positions only and the log-softmax in chunks of 256 positions
            (`stages.common.completion_logprobs` with `logits_chunk_size`).

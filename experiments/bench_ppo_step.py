@@ -53,8 +53,9 @@ from pipe_rlhf_jax.system import (  # noqa: E402
   run,
 )
 
-# (layers, embed, heads, kv_heads, mlp, vocab; batch, prompt, gen): the first two are the
-# sizes of issue #9's comparison with a peer library, the third a larger one.
+# (layers, embed, heads, kv_heads, mlp, vocab; batch, prompt, gen): the first two are also
+# the sizes of the comparison with a peer library (bench_peer_tunix.py), the third a
+# larger one.
 SIZES = {
     1: (2, 64, 4, 2, 128, 256, 8, 16, 16),
     2: (4, 256, 8, 4, 512, 512, 16, 32, 32),

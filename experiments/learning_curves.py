@@ -395,10 +395,10 @@ def paired(runs: list[dict], cell: str, baseline: str) -> list[float]:
 
 
 def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
-  """The issue's goals, each stated with its numbers and whether it holds.
+  """The experiment's goals, each stated with its numbers and whether it holds.
 
   "Within one standard deviation" compares the cells' means against the larger of their
-  standard deviations over seeds (the issue's criterion); the paired differences (same
+  standard deviations over seeds (the experiment's criterion); the paired differences (same
   seed, same warm start) are given beside it, since they remove the seed-to-seed spread.
   """
   rows = {r["cell"]: r for r in table}

@@ -10,7 +10,7 @@ running `--window` steps of every plan in a fresh random order. A repeat's stead
 per step is the mean gap between consecutive step completions (the end of each batch's
 last span); the spread over repeats is reported.
 
-Why rounds: this host's speed drifts by +-15% over minutes (a 1024^2 matmul measured
+Why rounds: a CPU host's speed drifts by +-15% over minutes (a 1024^2 matmul measured
 170-230 GFLOP/s within one minute, with nothing else running), and the same plan measured
 0.22-0.36 s/step in runs minutes apart. Measured one plan after another, in mode order,
 that drift lands on whole modes and reads as model error; in interleaved rounds every plan

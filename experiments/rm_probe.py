@@ -1,8 +1,9 @@
 """Reward-model blind spots on the reverse task, and whether PPO exploits them.
 
 A reward model can have a good held-out pairwise accuracy and still rank a wrong answer
-above the right one for one kind of mistake; PPO then finds that mistake (issue 11: the
-quickstart's greedy answers got worse while its reward rose). This probe measures, on
+above the right one for one kind of mistake; PPO then finds that mistake (the
+quickstart's greedy answers got worse while its reward rose, before its reward model
+saw hard pairs: docs/design_notes.md). This probe measures, on
 the held-out prompts of a warm start:
 
 * P(score(right answer) > score(near-miss)) for five near-misses: one random letter

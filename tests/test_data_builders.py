@@ -120,8 +120,8 @@ def test_make_task_datasets(tmp_path, no_tensorflow):
 
 
 def test_building_leaves_nothing_in_the_system_temp_dir(tmp_path, monkeypatch):
-  # TFDS's first build of a dataset used to leave a `tmp*tfds` folder in the temp dir
-  # (its lookup of metadata published on the TFDS bucket); dozens per test run.
+  # TFDS's first build of a dataset can leave a `tmp*tfds` folder in the temp dir (its
+  # lookup of metadata published on the TFDS bucket), dozens per test run; ours must not.
   import tempfile
   temp = tmp_path / "system_temp"
   temp.mkdir()

@@ -144,7 +144,7 @@ def interrupt_and_resume(monkeypatch, tmp_path, point, signums, mode="sequential
 def test_sigint_inside_the_update_saves_that_step_and_resumes_to_the_uninterrupted_run(
     monkeypatch, tmp_path, reference):
   # The update has been dispatched (the trainer's buffers donated) but not fetched: a
-  # checkpoint written here used to hold an update one ahead of its step.
+  # checkpoint written here must not hold an update one ahead of its step.
   stop, left, rows = interrupt_and_resume(monkeypatch, tmp_path, "update", (signal.SIGINT,))
   assert isinstance(stop, Interrupted) and stop.signum == signal.SIGINT
   assert stop.step == 1 and left == [1] and stop.exit_status == 130

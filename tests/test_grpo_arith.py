@@ -66,7 +66,7 @@ def test_rule_reward_job_trains_no_reward_model_and_scores_held_out(short_run):
 
 @pytest.mark.slow
 def test_short_grpo_run_raises_exact_match(short_run):
-  # Development run of this config: exact match of the sampled answers 0.17 over the
+  # A run of this config: exact match of the sampled answers 0.17 over the
   # first 6 steps, 0.30 over the last 6 (sequential mode is deterministic for a seed).
   config, _, result = short_run
   assert config.ppo.advantage_estimator == "grpo"

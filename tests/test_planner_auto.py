@@ -88,9 +88,8 @@ def _rejected_before_building(config, tmp_path, match):
 
 
 def test_hand_written_plan_that_splits_the_batch_unevenly_fails_first(tmp_path):
-  # Training on fsdp=4 cannot split a batch of 10 rollouts: the runtime's own check (which
-  # used to fire only when the PPO system was built, after SFT and the reward model) now
-  # fires in set_up, with the planner's wording around it.
+  # Training on fsdp=4 cannot split a batch of 10 rollouts: the runtime's own check fires
+  # in set_up, before SFT and the reward model, with the planner's wording around it.
   config = tiny()
   config.ppo.update(batch_size=10, minibatch_size=5)
   config.stages.generate.num_microbatches = 2

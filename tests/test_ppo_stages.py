@@ -93,9 +93,10 @@ def train_stage(layout, models, ppo):
 
 @pytest.mark.slow
 def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, models):
-  # Regression (issue #8): with top-k / top-p, a token outside the REFERENCE's nucleus
-  # got log-prob -1e30, so the KL was ~1e30 and whitening wiped out every other
-  # advantage. All log-probs are now under the tempered, untruncated policy.
+  # With top-k / top-p, log-probs under each model's truncated distribution would give a
+  # token outside the REFERENCE's nucleus a log-prob of -1e30, so a KL of ~1e30 that
+  # whitening spreads over every other advantage. All log-probs are under the tempered,
+  # untruncated policy.
   ppo = ppo_section(top_k=5, top_p=0.9, temperature=0.8)
   actor_gd, ref = models["actor"]
   actor = moved(ref, seed=1)  # the policy has moved away from the reference

@@ -50,7 +50,7 @@ def _host_ram_bytes() -> float:
 def detect_hardware(devices, name: str = "") -> hardware.Hardware:
   """The profile of `devices` (or the profile `name`, from `runtime.hardware`).
 
-  On the CPU backend the `cpu` profile is sized to this host: its RAM, shared by every
+  On the CPU backend the `cpu` profile is sized to the local host: its RAM, shared by every
   virtual device the process has (`jax.device_count()`), not only the run's.
   """
   import jax

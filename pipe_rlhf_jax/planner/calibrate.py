@@ -218,7 +218,7 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
                           "bytes": flops.decode_step_bytes(cfg, b, slots),
                           "flops": flops.forward_flops(cfg, b, 1, context=slots)})
     # The same steps with the batch split over all devices (params replicated): what
-    # each extra device's program adds to a decode step / pipeline tick on this host.
+    # each extra device's program adds to a decode step / pipeline tick on a shared host.
     if k > 1 and b % k == 0 and (b, slots) == split_point:
       batch_split = NamedSharding(mesh, P("d"))
       cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
