@@ -26,6 +26,7 @@ Usage:
   python experiments/fault_matrix.py            # the whole matrix (about 40 min on 2 cores)
   python experiments/fault_matrix.py --quick    # one case of each fault kind
   python experiments/fault_matrix.py --only sequential:sigterm@train
+  python experiments/fault_matrix.py --only arith:pipe:sigkill@save
 
 Writes experiments/out/fault_matrix/cases.jsonl and docs/results/fault_matrix.md (with
 `--only`, the page goes to experiments/out/fault_matrix/ instead).
@@ -247,7 +248,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="one case of each fault kind")
-  parser.add_argument("--only", default="", help="MODE:FAULT, e.g. sequential:sigterm@train")
+  parser.add_argument("--only", default="",
+                      help="[JOB:]MODE:FAULT, e.g. sequential:sigterm@train or "
+                           "arith:pipe:sigkill@save")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "fault_matrix"))
@@ -258,8 +261,10 @@ def main() -> None:
   os.makedirs(base, exist_ok=True)
   todo = cases(args.quick, random.Random(args.seed))
   if args.only:
-    mode, _, fault = args.only.partition(":")
-    todo = [c for c in todo if c[1] == mode and c[2].startswith(fault)][:1]
+    parts = args.only.split(":", 2)
+    job, mode, fault = parts if parts[0] in ("quickstart", "arith") else ("", *parts[:2])
+    todo = [c for c in todo if (not job or c[0] == job) and c[1] == mode
+            and c[2].startswith(fault)][:1]
     if not todo:
       raise SystemExit(f"--only {args.only!r} matches no case of the matrix")
   # One warm start per job (the same in every mode: warm_start.mesh), one reference run

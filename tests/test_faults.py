@@ -365,3 +365,17 @@ def test_the_bad_step_guard_continues_across_a_checkpoint():
   with pytest.raises(FloatingPointError, match="3 consecutive steps"):
     resumed.check(2, {"bad_updates": 1.0})
 
+
+
+@pytest.mark.slow
+def test_the_fault_matrix_experiment_writes_its_row(tmp_path):
+  # One case of experiments/fault_matrix.py (the critic-free job: no warm start to
+  # train), into a scratch directory: the published page's machinery stays working.
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "fault_matrix.py"),
+                        "--only", "arith:sequential:sigterm@train", "--out-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  row = json.loads(open(tmp_path / "cases.jsonl").read().splitlines()[0])
+  assert row["clean"] and row["equal"] and row["lost"] == 0 and row["status"] == 143
+  page = open(tmp_path / "fault_matrix.md").read()
+  assert "| command |" in page and "matmul peak" in page and "sigterm in train" in page
