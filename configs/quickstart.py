@@ -244,9 +244,12 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
                     target_kl=0.0)
   # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.
   # (In per_stage mode every stage spans all 8 devices, where a 2-layer, 1-kv-head model
-  # has no pipe x tensor layout: give generation e.g. mesh=dict(data=-1) there.)
+  # has no pipe x tensor layout: give generation e.g. --config.stages.generate.mesh.data=-1
+  # --config.stages.generate.mesh.pipe=1 there.)
   config.runtime.placement.update(generate=2, infer=2, train=4)
-  config.stages.generate.mesh = dict(pipe=2, tensor=1)
+  # Every axis given, so a command line can change any of them
+  # (--config.stages.generate.mesh.data=-1).
+  config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2

@@ -76,9 +76,7 @@ def job_args(job: str, mode: str, workdir: str, warm: str | None) -> list[str]:
     args.append("--config.runtime.max_staleness=0")
   if mode == "per_stage":
     # A 2-layer model with one kv head has no pipe x tensor layout over all 8 devices.
-    args.append("--config.stages.generate.mesh.pipe=1")
-    args.append("--config.stages.generate.mesh.tensor=1")
-    args.append("--config.stages.generate.mesh.data=-1")
+    args += ["--config.stages.generate.mesh.pipe=1", "--config.stages.generate.mesh.data=-1"]
   if warm:
     args.append(f"--config.warm_start.checkpoint={warm}")
   return args
