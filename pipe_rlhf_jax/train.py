@@ -103,6 +103,10 @@ from pipe_rlhf_jax.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
 
+# How long a stalled process, about to end, may spend writing its final checkpoint (a
+# tiny state takes a second; a 0.5B-parameter f32 state about ten on a local disk).
+STALL_SAVE_TIMEOUT_S = 120
+
 
 def default_workdir(config) -> str:
   return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -760,9 +764,26 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
     return signals.raise_in_main(error)
 
   def on_exit(error: Stalled) -> None:
+    # The main thread is blocked in a native call (a hung reward server, say) and the
+    # process is about to end: a whole trainer state that only this process holds is
+    # saved from here, within a bound, so that the finished steps are not lost.
+    if saves_on_stall():
+      saver = threading.Thread(target=save_last, args=(system.version - 1,),
+                               name="stall-save", daemon=True)
+      saver.start()
+      saver.join(timeout=STALL_SAVE_TIMEOUT_S)
+      if saver.is_alive():
+        log.error("The final checkpoint did not finish within %d s; the newest one on "
+                  "disk is kept.", STALL_SAVE_TIMEOUT_S)
     watch = FaultWatch.current()
     if watch is not None:
       watch.report_failure(error)
+
+  def saves_on_stall() -> bool:
+    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
+    only this process holds."""
+    alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
+    return alone and not stalled_in_update[0]
 
   stalled_in_update = [False]
   watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
@@ -783,8 +804,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       watchdog.stop()
       # A whole trainer state (not stuck inside an update) that only this process
       # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
-      alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
-      if alone and not stalled_in_update[0]:
+      if saves_on_stall():
         save_last(system.version - 1)
       raise
     finally:
