@@ -72,7 +72,9 @@ def job_args(job: str, mode: str, workdir: str, warm: str | None) -> list[str]:
   args += [f"--config.runtime.mode={process_mode}", f"--config.ppo.steps={STEPS}",
            f"--config.checkpoint.every={EVERY}", "--config.log.tensorboard=False",
            "--config.runtime.shutdown_timeout_s=10", f"--workdir={workdir}"]
-  if mode == "pipe":
+  if mode in ("pipe", "pipe_2proc"):
+    # On policy: pipe mode then computes what sequential computes, whatever the timing
+    # of its stages, so a resumed run can be compared with an uninterrupted one.
     args.append("--config.runtime.max_staleness=0")
   if mode == "per_stage":
     # A 2-layer model with one kv head has no pipe x tensor layout over all 8 devices.
