@@ -1,0 +1,272 @@
+"""Benchmark: PPO steps at published model shapes, against the machine's limits and the planner.
+
+Owns one measurement: for each shape of `models/shapes.py` (`--shapes`), a random-weight
+Hugging Face directory is written (`models.random_checkpoint`), loaded through
+`models.hf.from_pretrained`, and `PPOSystem` runs `--steps` PPO steps (`sequential`, one
+device, f32, blockwise attention, full remat in the update, chunked log-probs; no early
+EOS, so the work is fixed). The first step compiles and is left out.
+
+Per stage (generate, infer, train) it reports seconds, FLOPs (`models/flops.py`) and the
+achieved FLOP/s against the f32 matmul peak measured in the same process; for decoding the
+bytes per token step (weights + KV cache) against the measured memory bandwidth. The
+step's bound is the sum over stages of max(FLOPs / peak, bytes / bandwidth). Memory: XLA's
+`memory_analysis()` of the actor's completion log-probs (forward: infer; value_and_grad:
+train) and of one cached decode step, the process peak RSS, and the planner's memory model
+(`planner.memory.plan_memory`). The planner's predicted step time
+(`planner.search.price`, analytic cpu profile) is set beside the measured one.
+
+Usage:
+  python experiments/bench_real_shapes.py --shapes smollm2-135m --steps 2
+  python experiments/bench_real_shapes.py --shapes smollm2-135m --layers 4 --steps 1 --page
+
+Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and, with
+--page, docs/results/real_shapes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import results  # noqa: E402
+from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
+from pipe_rlhf_jax.models import KVCache, flops, hf  # noqa: E402
+from pipe_rlhf_jax.models.random_checkpoint import write_random_checkpoint  # noqa: E402
+from pipe_rlhf_jax.planner import cost, hardware, memory, search, space  # noqa: E402
+from pipe_rlhf_jax.stages import common  # noqa: E402
+from pipe_rlhf_jax.system import (  # noqa: E402
+  MeshSpec,
+  Models,
+  PPOConfig,
+  PPOSystem,
+  RuntimeConfig,
+  StagePlan,
+  run,
+)
+
+STAGES = ("generate", "infer", "train")
+OUT_DIR = os.path.join(_ROOT, "experiments", "out", "real_shapes")
+MIB = 2**20
+
+
+def stage_plans(logits_chunk: int) -> dict[str, StagePlan]:
+  """The memory-lean execution of real shapes: blockwise attention everywhere, full remat
+  in the update, the head and log-softmax in chunks of completion positions."""
+  return {"generate": StagePlan(attention="blockwise"),
+          "infer": StagePlan(attention="blockwise", logits_chunk=logits_chunk),
+          "train": StagePlan(attention="blockwise", remat="full", logits_chunk=logits_chunk)}
+
+
+def xla_peaks(cfg, batch: int, prompt: int, gen: int, plans) -> dict[str, float]:
+  """Peak MiB (arguments + outputs + temporaries - aliased) of the actor's stage functions,
+  compiled on abstract parameters (nothing runs)."""
+  def peak(compiled):
+    m = compiled.memory_analysis()
+    if m is None:
+      return math.nan
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - getattr(m, "alias_size_in_bytes", 0)) / MIB
+  length = prompt + gen
+  out = {}
+  for stage in ("infer", "train"):
+    c = cfg.replace(**plans[stage].execution())
+    graphdef, params = nnx.split(nnx.eval_shape(lambda c=c: __import__(
+        "pipe_rlhf_jax.models", fromlist=["init_model"]).init_model(c)))
+    ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+    pmask = jax.ShapeDtypeStruct((batch, prompt), jnp.bool_)
+    tgt = jax.ShapeDtypeStruct((batch, gen), jnp.int32)
+    tmask = jax.ShapeDtypeStruct((batch, gen), jnp.bool_)
+    fn = lambda p, a, b, t, m, g=graphdef: common.completion_logprobs(g, p, a, b, t, m)
+    if stage == "train":
+      fwd = fn
+      fn = jax.value_and_grad(lambda *a: -jnp.mean(fwd(*a)))
+    out[stage] = peak(jax.jit(fn).lower(params, ids, pmask, tgt, tmask).compile())
+  c = cfg.replace(**plans["generate"].execution())
+  from pipe_rlhf_jax.models import init_model
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(c)))
+  cache = jax.eval_shape(lambda: KVCache.zeros(c, batch, length))
+
+  def decode(params, cache, token, key_mask):
+    positions = jnp.full((batch, 1), length - 1, jnp.int32)
+    return nnx.merge(graphdef, params).forward_cached(token, positions, key_mask, cache,
+                                                      length - 1)
+  out["generate"] = peak(jax.jit(decode).lower(
+      params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+      jax.ShapeDtypeStruct((batch, length), jnp.bool_)).compile())
+  return out
+
+
+def planner_prediction(cfg, runtime, batch, prompt, gen) -> dict[str, float]:
+  work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
+                        prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
+  machine = cost.Machine(hardware.get("cpu"), cost.Efficiency(
+      source="analytic cpu profile, assumed efficiencies"))
+  cand = search.price(runtime, work, machine)
+  pred = {"planner_step_s": cand.step_time}
+  if cand.cost is not None:
+    pred.update({f"planner_{s}_s": cand.cost.stage(s) for s in STAGES})
+  pred["planner_memory_mib"] = max(memory.plan_memory(runtime, work).values()) / MIB
+  return pred
+
+
+def bench_shape(shape: str, args, limits) -> dict:
+  overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+  batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
+  with tempfile.TemporaryDirectory() as tmp:
+    write_random_checkpoint(shape, tmp, seed=0, dtype="float32", overrides=overrides,
+                            overwrite=True)
+    policy = hf.from_pretrained(tmp, dtype="float32")
+  cfg = policy.config
+  vocab = cfg.vocab_size
+  plans = stage_plans(args.logits_chunk)
+  runtime = RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1), **plans)
+  system = PPOSystem(
+      Models.from_policy(policy),
+      ppo=PPOConfig(steps=args.steps + 1, batch_size=batch, minibatch_size=batch, epochs=1,
+                    actor_lr=1e-6, critic_lr=1e-6),
+      sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
+      runtime=runtime,
+      reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
+      decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=jax.devices()[:1])
+  rng = np.random.default_rng(0)
+
+  def prompts():
+    index = 0
+    while True:
+      yield {"prompt_tokens": rng.integers(3, min(vocab, 30000), (batch, prompt)
+                                           ).astype(np.int32),
+             "prompt_mask": np.ones((batch, prompt), bool),
+             "index": np.arange(index, index + batch)}
+      index += batch
+
+  t0 = time.perf_counter()
+  metrics = run(system, prompts(), args.steps + 1).metrics
+  wall = time.perf_counter() - t0
+  steady = metrics[1:]
+  mean = lambda key: float(np.mean([m[key] for m in steady]))
+  length = prompt + gen
+  critic = cfg.replace(head="value")
+  work = {
+      "generate": (flops.forward_flops(cfg, batch, prompt, head_positions=1)
+                   + sum(flops.forward_flops(cfg, batch, 1, context=prompt + t)
+                         for t in range(gen - 1))),
+      "infer": (flops.forward_flops(cfg, batch, length, head_positions=gen)
+                + flops.forward_flops(critic, batch, length, head_positions=gen)),
+      "train": (flops.train_flops(cfg, batch, length, remat="full", head_positions=gen)
+                + flops.train_flops(critic, batch, length, remat="full", head_positions=gen)),
+  }
+  decode_bytes = sum(flops.decode_step_bytes(cfg, batch, prompt + t) for t in range(gen))
+  peak, bw = limits["matmul_gflops"] * 1e9, limits["mem_gbps"] * 1e9
+  times = {s: mean(f"time/{s}_s") for s in STAGES}
+  step_s = mean("time/step_s")
+  bound = {s: work[s] / peak for s in STAGES}
+  bound["generate"] = max(bound["generate"], decode_bytes / bw)
+  row = {"shape": shape, "layers": cfg.num_layers, "params": cfg.num_params(),
+         "batch": batch, "prompt_len": prompt, "new_tokens": gen, "steps": args.steps,
+         "wall_s": wall, "step_s": step_s, "bound_s": sum(bound.values()),
+         "decode_bytes_per_token_step": decode_bytes / gen,
+         "decode_gbps": decode_bytes / times["generate"] / 1e9,
+         "decode_bandwidth_fraction": decode_bytes / times["generate"] / bw}
+  row["measured_over_bound"] = step_s / row["bound_s"]
+  for s in STAGES:
+    row[f"{s}_s"] = times[s]
+    row[f"{s}_flops"] = work[s]
+    row[f"{s}_gflops"] = work[s] / times[s] / 1e9
+    row[f"{s}_peak_fraction"] = work[s] / times[s] / peak
+    row[f"{s}_bound_s"] = bound[s]
+  row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
+  row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  row.update(planner_prediction(cfg, runtime, batch, prompt, gen))
+  row["planner_step_error"] = abs(row["planner_step_s"] - step_s) / step_s
+  # The planner's peak is of all stages' state together (params, Adam, cache); what the
+  # process held at its peak is the measured counterpart.
+  row["memory_model_error"] = abs(row["planner_memory_mib"] - row["peak_rss_mib"]) / (
+      row["peak_rss_mib"])
+  return row
+
+
+GOALS = (
+    ("step within 2x of bound", "measured_over_bound", lambda v: v <= 2.0, "{:.2f}x"),
+    ("decode >= 50% of bandwidth bound", "decode_bandwidth_fraction", lambda v: v >= 0.5,
+     "{:.0%}"),
+    ("update >= 50% of matmul peak", "train_peak_fraction", lambda v: v >= 0.5, "{:.0%}"),
+    ("planner step-time error <= 20%", "planner_step_error", lambda v: v <= 0.2, "{:.0%}"),
+    ("memory model within 25% (of peak RSS)", "memory_model_error", lambda v: v <= 0.25,
+     "{:.0%}"),
+)
+
+
+def page_body(rows) -> str:
+  lines = [__doc__.split("\nUsage:")[0].split("\n", 1)[1].strip(), ""]
+  for r in rows:
+    lines += [f"## {r['shape']} ({r['layers']} layers, {r['params'] / 1e6:.0f}M params; "
+              f"batch {r['batch']}, prompt {r['prompt_len']}, new tokens {r['new_tokens']}, "
+              f"{r['steps']} timed steps)", "",
+              "| stage | s | planner s | GFLOP | GFLOP/s (% of peak) | bound s | "
+              "XLA peak MiB |", "|---|---|---|---|---|---|---|"]
+    for s in STAGES:
+      lines.append(f"| {s} | {r[f'{s}_s']:.3f} | {r.get(f'planner_{s}_s', math.nan):.3f} | "
+                   f"{r[f'{s}_flops'] / 1e9:.1f} | {r[f'{s}_gflops']:.1f} "
+                   f"({r[f'{s}_peak_fraction']:.0%}) | {r[f'{s}_bound_s']:.3f} | "
+                   f"{r[f'xla_{s}_mib']:.0f} |")
+    lines += [f"| step | {r['step_s']:.3f} | {r['planner_step_s']:.3f} | | | "
+              f"{r['bound_s']:.3f} | |", "",
+              f"Decode: {r['decode_bytes_per_token_step'] / MIB:.1f} MiB read per token step, "
+              f"{r['decode_gbps']:.2f} GB/s ({r['decode_bandwidth_fraction']:.0%} of the "
+              f"measured bandwidth). Memory: peak RSS {r['peak_rss_mib']:.0f} MiB, planner "
+              f"{r['planner_memory_mib']:.0f} MiB.", "",
+              "| goal | measured | |", "|---|---|---|"]
+    for name, key, ok, fmt in GOALS:
+      lines.append(f"| {name} | {fmt.format(r[key])} | {'met' if ok(r[key]) else 'not met'} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split(
+      "\nUsage:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shapes", default="smollm2-135m")
+  parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+  parser.add_argument("--steps", type=int, default=2, help="timed steps (after one compile step)")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt-len", type=int, default=64)
+  parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--logits-chunk", type=int, default=32)
+  parser.add_argument("--out-dir", default=OUT_DIR)
+  parser.add_argument("--page", action="store_true", help="write docs/results/real_shapes.md")
+  parser.add_argument("--page-dir", default=results.RESULTS_DIR, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  os.makedirs(args.out_dir, exist_ok=True)
+  limits = results.machine_limits()
+  print(f"matmul peak {limits['matmul_gflops']:.1f} GFLOP/s, memory "
+        f"{limits['mem_gbps']:.1f} GB/s", flush=True)
+  rows = []
+  for shape in args.shapes.split(","):
+    row = bench_shape(shape, args, limits)
+    row["limits"] = limits
+    rows.append(row)
+    with open(os.path.join(args.out_dir, f"{shape}.jsonl"), "a", encoding="utf-8") as f:
+      f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+  if args.page:
+    path = results.write_page("real_shapes", "PPO steps at real model shapes",
+                              page_body(rows), limits, directory=args.page_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
