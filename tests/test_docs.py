@@ -140,6 +140,7 @@ PAGES_WRITTEN_BY_EXPERIMENTS = {
     "docs/results/modes.md": "experiments/bench_modes.py",
     "docs/results/memory.md": "experiments/bench_memory.py",
     "docs/results/peer_tunix.md": "experiments/bench_peer_tunix.py",
+    "docs/results/real_shapes.md": "experiments/bench_real_shapes.py",
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
