@@ -29,9 +29,10 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+
+use_virtual_cpu_devices()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -50,21 +50,12 @@ import shutil
 import sys
 import time
 
-
-def _default_cpu_devices() -> None:
-  """8 virtual CPU devices unless the caller chose a count or a non-CPU platform."""
-  if "jax" in sys.modules:
-    return
-  platforms = os.environ.get("JAX_PLATFORMS", "")
-  if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
-      and platforms in ("", "cpu")):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-
-
-_default_cpu_devices()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+
+use_virtual_cpu_devices()
 
 from absl import logging as absl_logging  # noqa: E402
 import jax  # noqa: E402

@@ -38,10 +38,12 @@ import statistics
 import sys
 import time
 
-if "jax" not in sys.modules:  # 8 virtual CPU devices unless the caller set XLA_FLAGS
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+
+use_virtual_cpu_devices()
 DEFAULT_OUT_DIR = os.path.join(REPO, "experiments", "out", "bench_pipeline_generate")
 
 from flax import nnx  # noqa: E402

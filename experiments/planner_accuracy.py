@@ -40,9 +40,10 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+
+use_virtual_cpu_devices()
 
 import numpy as np  # noqa: E402
 
@@ -107,10 +108,10 @@ def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
 
 def measure_window(system, prompts, window: int) -> tuple[float, dict[str, list[float]]]:
   """Steady seconds per step over `window` steps, and every stage span's duration."""
-  from pipe_rlhf_jax.planner import auto
+  from pipe_rlhf_jax.runtime import tracing
   from pipe_rlhf_jax.system.api import run
   tracer = run(system, prompts, steps=window).tracer
-  done = auto.completion_times(tracer)
+  done = tracing.completion_times(tracer)
   spans: dict[str, list[float]] = {}
   for span in tracer.spans():
     spans.setdefault(span.stage, []).append(span.duration)

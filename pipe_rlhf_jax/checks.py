@@ -4,7 +4,9 @@ Owns `check_int`, the one place that decides what counts as an integer setting (
 Python or numpy int, never a bool, at least `low`) and how a bad one is reported
 ("name=value must be an integer >= low."), and `check_number`, the same for real-valued
 settings (finite: NaN passes every comparison and inf every lower bound), so every
-field and argument fails alike, whether it comes from a config or a typed setting.
+field and argument fails alike, whether it comes from a config or a typed setting; and
+`check_fraction` for the response fraction, which the config, the planner and the plan all
+accept.
 Imports nothing heavy: config validation and data code call it before jax starts.
 """
 
@@ -60,3 +62,11 @@ def check_number(value: Any, name: str, *, allow_zero: bool = False,
       allowed = f"in {'[' if allow_zero else '('}0, {at_most:g}]"
     raise ValueError(f"{name}={value!r} must be {what} {allowed}.{hint}")
   return float(value)
+
+
+def check_fraction(value, field: str) -> float:
+  """`value` as a response fraction (mean response length over the longest) in (0, 1], or
+  ValueError naming `field`."""
+  return check_number(value, field, at_most=1.0,
+                      hint=" It is the mean response length as a fraction of "
+                           "data.completion_len (1 = no early EOS).")

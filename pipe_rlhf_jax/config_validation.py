@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipe_rlhf_jax.checks import check_int, check_number
+from pipe_rlhf_jax.checks import check_fraction, check_int, check_number
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
@@ -151,7 +151,6 @@ def validate_config(config) -> None:
   if "normalize_samples_per_prompt" in config.reward:  # optional: older configs: raw scores
     _positive_int(config, "reward.normalize_samples_per_prompt", allow_zero=True)
   if "response_fraction" in config.runtime:  # optional: older configs price full rows
-    from pipe_rlhf_jax.planner.lengths import check_fraction
     check_fraction(config.runtime.response_fraction, "runtime.response_fraction")
   if "num_devices" in config.runtime:  # optional: older configs use all devices
     _positive_int(config, "runtime.num_devices", allow_zero=True)

@@ -56,8 +56,8 @@ def workload_from_flags(config):
   if _MODEL.value:
     actor = presets.model(_MODEL.value)
   else:
+    from pipe_rlhf_jax.models.roles import build_model_configs
     from pipe_rlhf_jax.models.tokenizer import load_tokenizer
-    from pipe_rlhf_jax.train import build_model_configs
     actor = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
   work = auto.workload(config, actor, _DEVICES.value,
                        _DEVICES_PER_HOST.value or hw.devices_per_host)

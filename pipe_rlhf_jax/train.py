@@ -73,8 +73,8 @@ from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
 from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.models import hf
-from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
@@ -110,29 +110,6 @@ STALL_SAVE_TIMEOUT_S = 120
 
 def default_workdir(config) -> str:
   return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
-  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint."""
-  m = config.model
-  if m.path:
-    with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-      base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)
-    base = base.replace(head="lm")
-  else:
-    # A vocabulary padded to a multiple of 8 splits evenly over tensor axes of 2, 4, 8.
-    base = tiny_config(vocab_size=_round_up(tokenizer.vocab_size, 8), embed_dim=m.embed_dim,
-                       num_layers=m.num_layers, num_heads=m.num_heads,
-                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim,
-                       dtype=m.dtype, param_dtype=m.param_dtype,
-                       eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
-                       pad_token_id=tokenizer.pad_id)
-  return {"actor": base, "critic": base.replace(head="value"),
-          "reward": base.replace(head="score")}
 
 
 def run_tokenizer(config):

@@ -9,11 +9,13 @@ import jax
 import pytest
 
 from configs import quickstart
+from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.planner import auto, hardware, search
+from pipe_rlhf_jax.runtime import tracing
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
-from pipe_rlhf_jax.train import build_model_configs, train
+from pipe_rlhf_jax.train import train
 
 
 def tiny(**runtime):
@@ -28,14 +30,14 @@ def test_steady_step_time_skips_the_compiling_steps():
   for k, end in enumerate((10.0, 11.0, 13.0, 16.0, 20.0)):
     tracer.add("train", end - 0.5, end, batch=k)
     tracer.add("sync", end - 1.0, end - 0.7, batch=k)
-  assert auto.completion_times(tracer) == [10.0, 11.0, 13.0, 16.0, 20.0]
-  assert auto.steady_step_time(tracer, warmup=2) == pytest.approx((20 - 13) / 2)
-  assert auto.steady_step_time(tracer, warmup=0) == pytest.approx((20 - 10) / 4)
+  assert tracing.completion_times(tracer) == [10.0, 11.0, 13.0, 16.0, 20.0]
+  assert tracing.steady_step_time(tracer, warmup=2) == pytest.approx((20 - 13) / 2)
+  assert tracing.steady_step_time(tracer, warmup=0) == pytest.approx((20 - 10) / 4)
   tracer.add("sync", 20.0, 21.0, batch=4)  # pipe mode: the sync after the update counts
-  assert auto.steady_step_time(tracer, warmup=10) == pytest.approx(21 - 16)
+  assert tracing.steady_step_time(tracer, warmup=10) == pytest.approx(21 - 16)
   one = Tracer()
   one.add("train", 0.0, 1.0, batch=0)
-  assert auto.steady_step_time(one) is None
+  assert tracing.steady_step_time(one) is None
 
 
 def test_hardware_is_detected_or_named():

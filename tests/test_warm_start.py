@@ -14,9 +14,10 @@ from pipe_rlhf_jax.checkpoint import (
   Checkpointer,  # noqa: E402
   CheckpointError,  # noqa: E402
 )
+from pipe_rlhf_jax.models.roles import build_model_configs  # noqa: E402
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
-from pipe_rlhf_jax.train import build_model_configs, prepare_warm_start, train  # noqa: E402
+from pipe_rlhf_jax.train import prepare_warm_start, train  # noqa: E402
 
 
 def tiny(mode: str, **overrides):

@@ -21,20 +21,20 @@ from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.phases import heldout
-from pipe_rlhf_jax.planner import auto as auto_plan
-from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.runtime.tracing import Tracer, steady_step_time
 
-if TYPE_CHECKING:  # train.py imports this module
+if TYPE_CHECKING:  # annotations only: train.py, above, imports this module and the planner
+  from pipe_rlhf_jax.planner.auto import PlannedRun
   from pipe_rlhf_jax.train import BuiltSystem, RunSetup
 
 
-def planned_vs_measured(planned: auto_plan.PlannedRun | None, tracer: Tracer,
+def planned_vs_measured(planned: PlannedRun | None, tracer: Tracer,
                         writer: metrics_lib.MetricsWriter) -> dict[str, str]:
   """The planner's predicted steady s/step next to the trace's measured one: a metrics
   row (phase "plan") and the summary's line."""
   if planned is None:
     return {}
-  measured = auto_plan.steady_step_time(tracer)
+  measured = steady_step_time(tracer)
   row = {"plan/predicted_step_s": planned.predicted_step_s}
   if measured is not None:
     row["plan/measured_step_s"] = measured

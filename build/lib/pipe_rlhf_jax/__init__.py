@@ -4,6 +4,25 @@ Per-stage meshes for generation, inference and training; delayed inter-batch pip
 generation; asynchronous PPO on disjoint sub-meshes. Start at `pipe_rlhf_jax.train.train`
 (the main job as a function) or `python -m pipe_rlhf_jax.main --config=configs/quickstart.py`.
 Importing the package does no device work.
+
+The package is built in layers (`LAYERS`, lowest first): a module imports its own layer or
+lower ones, never a higher one (tests/test_layers.py reads the imports and holds this).
+The foundation knows nothing of PPO; the algorithms know no devices' placement; the stages
+run one algorithm step on a mesh; the system composes stages into runtime modes; the
+phases are the main job's parts around the RL loop; the planner prices and chooses plans
+for the system; `train` runs an experiment; the entry points parse command lines.
 """
 
 __version__ = "0.1.0"
+
+LAYERS = (
+    ("foundation", ("checks", "host_devices", "metrics", "optim", "checkpoint", "workdir",
+                    "parallel", "models", "runtime", "distributed")),
+    ("algorithms", ("ppo", "generation", "data")),
+    ("stages", ("stages",)),
+    ("system", ("system", "config_validation")),
+    ("phases", ("phases",)),
+    ("planner", ("planner",)),
+    ("train", ("train",)),
+    ("entry points", ("main", "launch", "plan")),
+)

@@ -48,9 +48,10 @@ METADATA_ITEM = "metadata"
 
 # Orbax saves a replicated array replica-parallel by default: every replica slices out its
 # share with an eager op that jax compiles once per (shape, device). For small arrays the
-# compilations cost far more than the parallel write saves: the tiny arith job on 8
-# devices compiled 72 of them in its first save, 2.1 s of a 15.5 s run. Slices of at least
-# this size keep the parallel write (a 7B model's weight matrices are far above it).
+# compilations cost far more than the parallel write saves (a small model's first save
+# compiles one per replicated array and device: dozens for the tiny arith job on 8
+# devices). Slices of at least this size keep the parallel write (a 7B model's weight
+# matrices are far above it).
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
 

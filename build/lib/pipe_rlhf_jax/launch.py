@@ -10,7 +10,7 @@ per process). Process 0's output is shown live and every process's goes to
 `<log_dir>/process_<i>.log`.
 
 For development and tests, not clusters (there one process per host is started by the
-cluster's own tools; see the README). It guarantees that nothing outlives it: when a
+cluster's own tools; see docs/multihost.md). It guarantees that nothing outlives it: when a
 process fails, the others get `grace_s` to stop by themselves (they do, through the
 job's fault handling) and are then SIGKILLed; the same happens to all of them after
 `timeout_s`. A SIGINT (Ctrl-C) or SIGTERM to the launcher is passed on to every process,
@@ -170,7 +170,7 @@ def launch(args: Sequence[str], *, num_processes: int, cpu_devices: int = 0,
 
   def kill(i: int) -> None:
     if procs[i].poll() is None:
-      # The whole session: a process's own children (e.g. data workers) go too.
+      # The whole process group: a process's own children (e.g. data workers) go too.
       os.killpg(procs[i].pid, signal.SIGKILL)
       killed.append(i)
 

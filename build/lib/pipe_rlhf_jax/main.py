@@ -1,4 +1,8 @@
-"""Command-line entry point: parse flags, then `train(config, workdir)`.
+"""The main job: SFT -> reward model -> PPO on an experiment config, in one command.
+
+Parses the flags, then runs `pipe_rlhf_jax.train.train(config, workdir)`, which writes
+metrics, checkpoints, a trace and Gantt chart, samples, the exported policy and a summary
+under the workdir.
 
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py [--workdir=DIR] [--resume]
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py --workdir=DIR --warm_start_only
@@ -24,18 +28,11 @@ and the only platform is the CPU, this entry point asks for 8, so the embedded d
 exercises every mesh on a laptop.
 """
 
-import os
 import sys
 
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
 
-def _default_cpu_devices() -> None:
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
-      os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-
-
-_default_cpu_devices()
+use_virtual_cpu_devices()
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

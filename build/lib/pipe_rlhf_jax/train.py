@@ -73,8 +73,8 @@ from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
 from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.models import hf
-from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
@@ -103,32 +103,13 @@ from pipe_rlhf_jax.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
 
+# How long a stalled process, about to end, may spend writing its final checkpoint (a
+# tiny state takes a second; a 0.5B-parameter f32 state about ten on a local disk).
+STALL_SAVE_TIMEOUT_S = 120
+
 
 def default_workdir(config) -> str:
   return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
-  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint."""
-  m = config.model
-  if m.path:
-    with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-      base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)
-    base = base.replace(head="lm")
-  else:
-    # A vocabulary padded to a multiple of 8 splits evenly over tensor axes of 2, 4, 8.
-    base = tiny_config(vocab_size=_round_up(tokenizer.vocab_size, 8), embed_dim=m.embed_dim,
-                       num_layers=m.num_layers, num_heads=m.num_heads,
-                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim,
-                       dtype=m.dtype, param_dtype=m.param_dtype,
-                       eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
-                       pad_token_id=tokenizer.pad_id)
-  return {"actor": base, "critic": base.replace(head="value"),
-          "reward": base.replace(head="score")}
 
 
 def run_tokenizer(config):
@@ -760,9 +741,26 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
     return signals.raise_in_main(error)
 
   def on_exit(error: Stalled) -> None:
+    # The main thread is blocked in a native call (a hung reward server, say) and the
+    # process is about to end: a whole trainer state that only this process holds is
+    # saved from here, within a bound, so that the finished steps are not lost.
+    if saves_on_stall():
+      saver = threading.Thread(target=save_last, args=(system.version - 1,),
+                               name="stall-save", daemon=True)
+      saver.start()
+      saver.join(timeout=STALL_SAVE_TIMEOUT_S)
+      if saver.is_alive():
+        log.error("The final checkpoint did not finish within %d s; the newest one on "
+                  "disk is kept.", STALL_SAVE_TIMEOUT_S)
     watch = FaultWatch.current()
     if watch is not None:
       watch.report_failure(error)
+
+  def saves_on_stall() -> bool:
+    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
+    only this process holds."""
+    alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
+    return alone and not stalled_in_update[0]
 
   stalled_in_update = [False]
   watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
@@ -783,8 +781,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       watchdog.stop()
       # A whole trainer state (not stuck inside an update) that only this process
       # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
-      alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
-      if alone and not stalled_in_update[0]:
+      if saves_on_stall():
         save_last(system.version - 1)
       raise
     finally:

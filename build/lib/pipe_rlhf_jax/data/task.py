@@ -14,7 +14,8 @@ are built so that every RLHF stage has something to learn:
   is instead "hard": the rejected answer is the chosen one with one more error, a letter
   replaced by a copy of its neighbour ('dcba' -> 'dcca'). That is the error a sampling
   policy makes most and the one a reward model trained on random substitutions alone
-  cannot see (issue 11: PPO found exactly those answers). Chosen is always strictly
+  cannot see (PPO against such a reward model learned to make that error:
+  docs/design_notes.md). Chosen is always strictly
   better under the positional accuracy of data/rewards.py.
 * Held-out eval prompts (and eval pairs built on them) never occur among the training
   prompts.

@@ -172,7 +172,7 @@ def _route_to(address: str) -> str:
   """The local IP address of the interface that reaches `address` (host:port).
 
   A UDP `connect` only asks the kernel for a route; no packet is sent. A coordinator on
-  loopback gives 127.0.0.1, one on the cluster's private network this host's address on
+  loopback gives 127.0.0.1, one on the cluster's private network the local address on
   that network: never a wildcard.
   """
   import socket

@@ -131,10 +131,10 @@ def dense(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:
   Why not `jnp.einsum("ble,ef->blf", ...)`: XLA:CPU lowers the weight gradient of a
   3-D einsum through a loop fusion that transposes the `[batch, length, out]` cotangent
   element by element, and that fusion took longer than the matmuls themselves (the
-  backward pass ran at 8x the forward's time instead of 2x; see the README's performance
-  notes). Flattening the token dimensions first gives plain row-major matmuls in both
-  passes. The reshapes merge a sharded leading dimension with unsharded ones, which keeps
-  every `batch` / `heads` / `mlp` sharding.
+  backward pass ran at 8x the forward's time instead of 2x; see docs/design_notes.md).
+  Flattening the token dimensions first gives plain row-major matmuls in both passes.
+  The reshapes merge a sharded leading dimension with unsharded ones, which keeps every
+  `batch` / `heads` / `mlp` sharding.
 
   Args:
     x: [..., *in] activations.

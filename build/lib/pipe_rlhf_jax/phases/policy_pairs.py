@@ -1,8 +1,8 @@
 """Preference pairs from the SFT policy's own samples, labelled by a rule.
 
 A reward model trained only on a dataset's pairs learns to tell apart the mistakes that
-dataset shows; PPO then finds the mistakes it was never shown (README, "Learning
-curves": the quickstart's reward model preferred a copied neighbour letter to the right
+dataset shows; PPO then finds the mistakes it was never shown (docs/design_notes.md:
+the quickstart's reward model preferred a copied neighbour letter to the right
 answer, and PPO learned to copy). InstructGPT-style pipelines have labellers rank the
 policy's own samples instead. Here a rule stands in for the labeller
 (`reward_model.label_fn`, by default the task's `reward.eval_fn`): the reward model sees

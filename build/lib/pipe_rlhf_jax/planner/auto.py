@@ -14,7 +14,7 @@ Owns what `train.set_up` asks of the planner before anything is built or compile
     (the runtime's own, on abstract meshes, and the memory model) run on it, and a plan
     they reject fails here with their reason, before data are built or SFT compiles;
   * the predicted steady seconds per step of the plan that runs, and the measured one
-    from the run's trace (`steady_step_time`), for the summary and metrics.
+    from the run's trace (`runtime.tracing.steady_step_time`), for the summary and metrics.
 
 Config fields (section `runtime`, all optional): `plan` ("manual" | "auto"), `hardware`
 (a `planner.hardware` profile name; "" detects it), `calibration` (a JSON file written
@@ -29,8 +29,9 @@ import dataclasses
 import os
 from typing import Any
 
+from pipe_rlhf_jax import checks
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.planner import cost, hardware, lengths, search, space
+from pipe_rlhf_jax.planner import cost, hardware, search, space
 from pipe_rlhf_jax.stages.train import PPOHyper
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 
@@ -50,7 +51,7 @@ def _host_ram_bytes() -> float:
 def detect_hardware(devices, name: str = "") -> hardware.Hardware:
   """The profile of `devices` (or the profile `name`, from `runtime.hardware`).
 
-  On the CPU backend the `cpu` profile is sized to this host: its RAM, shared by every
+  On the CPU backend the `cpu` profile is sized to the local host: its RAM, shared by every
   virtual device the process has (`jax.device_count()`), not only the run's.
   """
   import jax
@@ -85,7 +86,7 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
       proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
-      response_fraction=lengths.check_fraction(config.runtime.get("response_fraction", 1.0),
+      response_fraction=checks.check_fraction(config.runtime.get("response_fraction", 1.0),
                                                "runtime.response_fraction"))
 
 
@@ -242,22 +243,3 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
     raise AssertionError(f"the overrides of {top.plan} read back as {read_back}")
   return chosen, _planned(dataclasses.replace(top, plan=read_back), True, m,
                           stats["seconds"])
-
-
-def completion_times(tracer) -> list[float]:
-  """When each traced batch finished: the end of its last train / sync span (seconds)."""
-  ends: dict[int, float] = {}
-  for span in tracer.spans():
-    if span.batch is not None and span.stage in ("train", "sync"):
-      ends[span.batch] = max(ends.get(span.batch, 0.0), span.end)
-  return [ends[k] for k in sorted(ends)]
-
-
-def steady_step_time(tracer, warmup: int = 2) -> float | None:
-  """Measured steady seconds per step: the mean gap between batch completions after the
-  first `warmup` (compilation), fewer when the run is short; None below 2 batches."""
-  done = completion_times(tracer)
-  if len(done) < 2:
-    return None
-  skip = min(warmup, len(done) - 2)
-  return (done[-1] - done[skip]) / (len(done) - 1 - skip)

@@ -58,17 +58,11 @@ The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
 
-
-def _default_cpu_devices() -> None:
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
-      os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
 
 
 def timeit(fn, *args, repeats: int = 5) -> float:
@@ -218,7 +212,7 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
                           "bytes": flops.decode_step_bytes(cfg, b, slots),
                           "flops": flops.forward_flops(cfg, b, 1, context=slots)})
     # The same steps with the batch split over all devices (params replicated): what
-    # each extra device's program adds to a decode step / pipeline tick on this host.
+    # each extra device's program adds to a decode step / pipeline tick on a shared host.
     if k > 1 and b % k == 0 and (b, slots) == split_point:
       batch_split = NamedSharding(mesh, P("d"))
       cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
@@ -349,7 +343,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
       exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
                                 critic_version=system.version)
       t2 = time.perf_counter()
-      trn_m = system.train(exp, step)
+      trn_m = system.train(exp, step, observed_kl=0.0)
       t3 = time.perf_counter()
       if step:
         for stage, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
@@ -568,7 +562,7 @@ def main(argv=None) -> int:
                       help="experiment config whose model is timed")
   parser.add_argument("--quick", action="store_true", help="fewer points (tests)")
   args = parser.parse_args(argv)
-  _default_cpu_devices()
+  use_virtual_cpu_devices()
   import importlib.util
 
   from ml_collections import config_flags  # noqa: F401 (config loading below)
@@ -576,8 +570,8 @@ def main(argv=None) -> int:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
+  from pipe_rlhf_jax.models.roles import build_model_configs
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
-  from pipe_rlhf_jax.train import build_model_configs
   cfg = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
   start = time.perf_counter()
   samples = measure(cfg, quick=args.quick)

@@ -1,7 +1,7 @@
 """Hardware profiles: the peak numbers the cost and memory models extrapolate with.
 
 Every figure is per device (chip / GPU) and cites the public document it comes from; the
-ones marked "(unsure)" are recalled, not checked against the document in this session, and
+ones marked "(unsure)" are recalled, not checked against the document, and
 should be verified before publishing a projection that depends on them. Peaks are dense
 (no structured sparsity). Link bandwidths are one direction, per device.
 
@@ -47,7 +47,7 @@ class Hardware:
       array gathered is a collective of its own (XLA:CPU's compiled programs gather a
       layer's nine weights one by one; XLA on GPU / TPU combines them per layer), and one
       over k devices is k - 1 exchanges, each paying the latency (all-gathers of 256
-      bytes measured 16 / 94 / 203 us at k = 2 / 4 / 8 on this host).
+      bytes measured 16 / 94 / 203 us at k = 2 / 4 / 8 virtual devices of a 2-core CPU).
     source: where the numbers come from.
   """
 

@@ -26,8 +26,6 @@ import json
 
 import numpy as np
 
-from pipe_rlhf_jax.checks import check_number
-
 
 def _mean_fraction(q: float, max_len: int) -> float:
   """Mean of min(Geometric(q), T) over T."""
@@ -97,10 +95,3 @@ def fraction_from_metrics(path: str, max_len: int) -> float:
     raise ValueError(f"{path} has no PPO rows with response_length/mean; give a run's "
                      "metrics.jsonl, or the fraction itself (runtime.response_fraction).")
   return min(1.0, max(1.0 / max_len, float(np.mean(means)) / max_len))
-
-
-def check_fraction(value, field: str) -> float:
-  """`value` as a response fraction in (0, 1], or ValueError naming `field`."""
-  return check_number(value, field, at_most=1.0,
-                      hint=" It is the mean response length as a fraction of "
-                           "data.completion_len (1 = no early EOS).")

@@ -26,11 +26,11 @@ from typing import Any, Iterator
 from flax import nnx
 import jax
 
+from pipe_rlhf_jax import checks
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
-from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan
@@ -81,7 +81,7 @@ class Workload:
   ptx_rows: int = 0
 
   def __post_init__(self):
-    lengths.check_fraction(self.response_fraction, "response_fraction")
+    checks.check_fraction(self.response_fraction, "response_fraction")
 
   @property
   def critic(self) -> TransformerConfig:

@@ -45,8 +45,9 @@ class ProgressDeadline:
   """How long a PPO step, and a one-off wait between processes, may take.
 
   Attributes:
-    timeout_s: `runtime.progress_timeout_s`; > 0 is the deadline of every step and every
-      one-off wait, 0 sizes them automatically.
+    timeout_s: `runtime.progress_timeout_s`; > 0 is the deadline of every step after a
+      run's first (which compiles: at least `FIRST_STEP_FLOOR_S`) and of every one-off
+      wait; 0 sizes them automatically.
     predicted_step_s: the planner's predicted seconds per step (None: not priced).
   """
 
@@ -55,12 +56,18 @@ class ProgressDeadline:
 
   def for_step(self, finished: int, slowest_s: float) -> float:
     """The deadline of the next step after `finished` steps of this run, the slowest of
-    which took `slowest_s` seconds."""
+    which took `slowest_s` seconds.
+
+    A run's first step compiles every program of the step, which takes minutes for a
+    large model and has nothing to do with the steady step time a user sizes
+    `timeout_s` by: it gets at least `FIRST_STEP_FLOOR_S` whatever the setting.
+    """
+    if finished == 0:
+      return max(FIRST_STEP_FLOOR_S, float(self.timeout_s))
     if self.timeout_s:
       return float(self.timeout_s)
     typical = max(self.predicted_step_s or 0.0, slowest_s)
-    floor = FIRST_STEP_FLOOR_S if finished == 0 else STEP_FLOOR_S
-    return max(floor, STEP_FACTOR * typical)
+    return max(STEP_FLOOR_S, STEP_FACTOR * typical)
 
   def one_off(self) -> float:
     """The deadline of a one-off wait (a barrier while one process builds datasets)."""
@@ -68,7 +75,8 @@ class ProgressDeadline:
 
   def describe(self) -> str:
     if self.timeout_s:
-      return f"runtime.progress_timeout_s={self.timeout_s:g}"
+      return (f"runtime.progress_timeout_s={self.timeout_s:g}; a run's first step, which "
+              f"compiles, at least {FIRST_STEP_FLOOR_S:.0f} s")
     return (f"runtime.progress_timeout_s=0: the first step {FIRST_STEP_FLOOR_S:.0f} s, "
             f"then {STEP_FACTOR:g}x the slowest step, at least {STEP_FLOOR_S:.0f} s")
 

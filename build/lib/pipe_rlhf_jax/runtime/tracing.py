@@ -1,9 +1,10 @@
 """Host-side timeline tracing for concurrently running stage workers.
 
 Owns: the `Span` record, the thread-safe `Tracer` that collects spans from any
-thread, and the derived views of a run: Chrome/Perfetto trace JSON, a Gantt
-PNG (one row per stage), per-stage busy fractions and pairwise overlap. Those
-last two are how the asynchronous runtime proves that stages really ran at the
+thread, and the derived views of a run: Chrome/Perfetto trace JSON, a Gantt PNG (one
+row per stage), per-stage busy fractions and pairwise overlap, and the measured steady
+seconds per PPO step (`steady_step_time`, from when each batch's update ended). The busy
+and overlap views are how the asynchronous runtime proves that stages really ran at the
 same time rather than taking turns.
 
 Times are `time.perf_counter()` seconds measured from the tracer's origin, so
@@ -408,3 +409,22 @@ class Tracer:
       os.makedirs(parent, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def completion_times(tracer) -> list[float]:
+  """When each traced batch finished: the end of its last train / sync span (seconds)."""
+  ends: dict[int, float] = {}
+  for span in tracer.spans():
+    if span.batch is not None and span.stage in ("train", "sync"):
+      ends[span.batch] = max(ends.get(span.batch, 0.0), span.end)
+  return [ends[k] for k in sorted(ends)]
+
+
+def steady_step_time(tracer, warmup: int = 2) -> float | None:
+  """Measured steady seconds per step: the mean gap between batch completions after the
+  first `warmup` (compilation), fewer when the run is short; None below 2 batches."""
+  done = completion_times(tracer)
+  if len(done) < 2:
+    return None
+  skip = min(warmup, len(done) - 2)
+  return (done[-1] - done[skip]) / (len(done) - 1 - skip)

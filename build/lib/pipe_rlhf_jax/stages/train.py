@@ -13,7 +13,9 @@ its own actor (the proximal policy) and re-derives advantages and returns from i
 (`stages.infer.derive_targets`), so stale rollouts are penalised for the KL of the policy
 being trained rather than of the one that sampled them.
 
-The actor loss is the policy surrogate, plus `kl_coef` times the KL to the reference
+The objective itself is `ppo/objective.py` (pure functions; this stage runs the models
+and keeps jit, shardings and donation): the actor loss is the policy surrogate, plus
+`kl_coef` times the KL to the reference
 when `ppo.kl_in == "loss"`, minus `entropy_coef` times the entropy, each aggregated over
 tokens as `ppo.loss_agg` says, plus `ptx_coef` times the SFT loss on demonstrations
 (PPO-ptx: the token-mean negative log-likelihood at temperature 1, as the SFT phase
@@ -33,9 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
-from pipe_rlhf_jax.ppo import losses
-from pipe_rlhf_jax.ppo.advantages import masked_mean
-from pipe_rlhf_jax.ppo.aggregation import aggregate
+from pipe_rlhf_jax.ppo import objective
 from pipe_rlhf_jax.ppo.kl import kl_penalty
 from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
@@ -215,7 +215,6 @@ class TrainStage:
   def _build_update(self, state: ActorCriticState):
     h = self.hyper
     actor_gd, critic_gd = self.actor_graphdef, self.critic_graphdef
-    loss_fn = POLICY_LOSSES.get(h.loss)
     decoupled = h.loss == "decoupled_ppo_clip"
     has_critic = self.has_critic
     layout = self.layout
@@ -223,51 +222,25 @@ class TrainStage:
     def gradient_step(state: ActorCriticState, mb: dict):
       r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
       mask = r.completion_mask
-      agg = lambda per_token: aggregate(per_token, mask, h.loss_agg, h.loss_norm_len)
 
       def actor_loss(actor):
         logprobs, entropy = completion_logprobs(
             actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
             mask, temperature=h.temperature, return_entropy=True)
-        kwargs = {}
-        if decoupled:
-          kwargs = dict(behaviour_logprobs=r.behaviour_logprobs,
-                        behaviour_weight_cap=h.behaviour_weight_cap)
-        pg, aux = loss_fn(logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                          clip_eps=h.clip_eps, loss_agg=h.loss_agg,
-                          loss_norm_len=h.loss_norm_len, **kwargs)
-        total = pg - h.entropy_coef * agg(entropy) if h.entropy_coef else pg
-        # The reported entropy is a token mean whatever ppo.loss_agg, so runs compare.
-        aux = {**aux, "policy_loss": pg, "entropy": masked_mean(entropy, mask)}
-        if h.target_kl:
-          # How far this update has moved the policy so far (the same (r - 1) - log r
-          # as approx_kl, but against the actor the update started from, so stale
-          # rollouts' own distance from it does not count).
-          log_ratio = jnp.where(mask, logprobs - mb["start_logprobs"], 0.0)
-          aux["kl_from_start"] = masked_mean(jnp.expm1(log_ratio) - log_ratio, mask)
+        ptx_nll = None
         if h.ptx_coef:
-          # PPO-ptx: the SFT objective on demonstrations, so that the answers PPO's own
-          # samples never visit keep what SFT taught them while the parameters move.
           d = mb["ptx"]
-          nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
-                               d.completion_tokens, d.completion_mask)
-          total = total + h.ptx_coef * nll
-          aux["ptx_loss"] = nll
-        if h.kl_loss_coef:
-          # GRPO-style KL term: of the *current* policy to the reference, on the sampled
-          # tokens (k3: unbiased and >= 0, with a gradient that pulls towards the
-          # reference); no importance weight, as in GRPO, even for stale rollouts.
-          kl = agg(kl_penalty(logprobs, mb["ref_logprobs"], mask, h.kl_estimator))
-          total = total + h.kl_loss_coef * kl
-          aux["kl_loss"] = kl
-        return total, aux
+          ptx_nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
+                                   d.completion_tokens, d.completion_mask)
+        return objective.actor_objective(
+            logprobs, entropy, mb["old_logprobs"], mb["advantages"], mask, h,
+            behaviour_logprobs=r.behaviour_logprobs, start_logprobs=mb.get("start_logprobs"),
+            ref_logprobs=mb.get("ref_logprobs"), ptx_nll=ptx_nll)
 
       def critic_loss(critic):
         values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
                                    r.completion_tokens, mask)
-        loss, aux = losses.value_loss(values, mb["values"], mb["returns"], mask,
-                                      clip_eps=h.value_clip_eps)
-        return loss, {**aux, "value_loss": loss}
+        return objective.critic_objective(values, mb["values"], mb["returns"], mask, h)
 
       (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
       actor, actor_opt, a_ok = apply_if_finite(self.actor_tx, state.actor, state.actor_opt,
@@ -301,7 +274,7 @@ class TrainStage:
 
       def run(state):
         new, metrics = gradient_step(state, mb)
-        over = metrics["kl_from_start"] > 1.5 * h.target_kl
+        over = objective.early_stop(metrics["kl_from_start"], h.target_kl)
         new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
         return new, metrics, over
 

@@ -62,8 +62,8 @@ class RunResult:
   """What `run` returns.
 
   Attributes:
-    metrics: one dict of floats per PPO step, in step order (keys documented in the
-      README's "Metrics" section).
+    metrics: one dict of floats per PPO step, in step order (keys documented in
+      docs/algorithms.md, "What a PPO step logs").
     tracer: the stage spans (`to_chrome_trace(path)`, `gantt(path)`, `busy_fraction()`).
     data_state: the prompt source's state before the next unconsumed batch (None when
       the source has no `get_state`), to checkpoint with `system.checkpoint_state()`.

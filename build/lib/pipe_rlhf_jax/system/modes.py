@@ -79,7 +79,7 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
       exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
                                 critic_version=system.version)
     with tracer.span("train", batch=step, version=system.version):
-      train_m = system.train(exp, step)
+      train_m = system.train(exp, step, observed_kl=inf_m.get("kl/mean", 0.0))
     metrics = {**gen_m, **inf_m, **train_m, **actor_stats.as_metrics("transfer/actor_sync"),
                "time/step_s": time.perf_counter() - t0}
     if system.has_critic:
@@ -142,7 +142,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
   def train_worker(stop: threading.Event) -> None:
     for step, exp, metrics in experience:
       with tracer.span("train", batch=step, version=system.version):
-        metrics.update(system.train(exp, step))
+        metrics.update(system.train(exp, step, observed_kl=metrics.get("kl/mean", 0.0)))
       with tracer.span("sync", batch=step, version=system.version):
         critic, critic_stats = system.critic_for_inference()
         actor, actor_stats = system.actor_for_generation()

@@ -314,7 +314,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   def train_worker(stop: threading.Event) -> None:
     for step, exp, metrics in experience.items(stop):
       with tracer.span("train", batch=step, version=system.version, process=who):
-        metrics.update(system.train(exp, step))
+        metrics.update(system.train(exp, step, observed_kl=metrics.get("kl/mean", 0.0)))
       metrics.update(rollouts.metrics())
       metrics.update(experience.metrics())
       began = metrics.pop("time/generate_start")

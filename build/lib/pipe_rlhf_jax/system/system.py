@@ -460,8 +460,11 @@ class PPOSystem:
                  **stats.as_metrics("transfer/rollout"), "kl_coef": kl_coef, **versions,
                  "time/infer_s": time.perf_counter() - start}
 
-  def train(self, exp: Experience, step: int) -> dict:
+  def train(self, exp: Experience, step: int, *, observed_kl: float) -> dict:
     """One PPO update, committed together with its version.
+
+    `observed_kl` is the KL of the batch the update trains on (its experience's
+    `kl/mean`), from which an adaptive KL controller sets the new version's coefficient.
 
     The trainer state and `version` change in one place, after the update's metrics are
     on the host: until then `state` is the pre-update state's (donated) buffers and
@@ -474,7 +477,7 @@ class PPOSystem:
     rng = jax.random.fold_in(self.train_key, step)
     state, metrics = self.train_stage.update(self.state, exp, rng, self.ptx_batch(step))
     metrics = {k: float(v) for k, v in fetch(metrics).items()}
-    self._commit(state, metrics.get("kl/mean", 0.0))
+    self._commit(state, observed_kl)
     return {**metrics, **stats.as_metrics("transfer/experience"),
             "time/train_s": time.perf_counter() - start}
 
