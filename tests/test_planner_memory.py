@@ -201,6 +201,10 @@ def test_rejection_names_the_group_and_the_terms():
   # Virtual devices share the host's RAM.
   cpu = hardware.get("cpu")
   assert memory.capacity(cpu) == pytest.approx(cpu.hbm_bytes / 8 * memory.USABLE_FRACTION)
+  # A job on one of them has the whole host; an accelerator keeps its own memory.
+  assert memory.capacity(cpu, 1) == pytest.approx(cpu.hbm_bytes * memory.USABLE_FRACTION)
+  h100 = hardware.get("h100")
+  assert memory.capacity(h100, 1) == memory.capacity(h100)
 
 
 def test_critic_free_update_keeps_one_models_state_and_residuals():

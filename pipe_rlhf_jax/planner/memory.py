@@ -210,9 +210,13 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   raise ValueError(f"stage={stage!r}; choose one of {STAGES}.")
 
 
-def capacity(hw: Hardware) -> float:
-  """Usable bytes per device (a share of the host's RAM on shared hardware)."""
-  total = hw.hbm_bytes / hw.devices_per_host if hw.shared_host else hw.hbm_bytes
+def capacity(hw: Hardware, devices: int | None = None) -> float:
+  """Usable bytes per device: on shared hardware (virtual CPU devices) the host's RAM split
+  over the `devices` a job uses (all of the host's when None), else the device's own."""
+  if hw.shared_host:
+    total = hw.hbm_bytes / min(hw.devices_per_host, devices or hw.devices_per_host)
+  else:
+    total = hw.hbm_bytes
   return total * USABLE_FRACTION
 
 
@@ -238,7 +242,7 @@ def combine(runtime: RuntimeConfig, mems: dict[str, StageMemory]) -> dict[str, f
 def memory_error(runtime: RuntimeConfig, work: Workload, hw: Hardware) -> str | None:
   """Why the plan does not fit in device memory (None: it fits)."""
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
-  limit = capacity(hw)
+  limit = capacity(hw, work.num_devices)
   shapes = stage_mesh_shapes(runtime, work.num_devices)
   for group, need in plan_memory(runtime, work).items():
     if need > limit:

@@ -81,7 +81,7 @@ def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
   parts = {s: _stage(s, plan.stage(s), tuple(shapes[s].items()), work, m) for s in STAGES}
   mems = {s: p[1] for s, p in parts.items()}
   memory = mem_mod.combine(plan, mems)
-  if max(memory.values()) > mem_mod.capacity(m.hw):
+  if max(memory.values()) > mem_mod.capacity(m.hw, work.num_devices):
     return Candidate(plan, math.inf, None, memory,
                      rejected=mem_mod.memory_error(plan, work, m.hw))
   pc = composition.compose(plan, shapes, {s: parts[s][0] for s in STAGES}, work, m)
@@ -148,7 +148,7 @@ def stage_pareto(stage: str, devices: int, work: Workload, m: cost_mod.Machine,
 
   Strategies over the memory limit on their own are dropped here already.
   """
-  limit = mem_mod.capacity(m.hw)
+  limit = mem_mod.capacity(m.hw, work.num_devices)
   items = []
   for plan in space.stage_plans(stage, devices, work, options):
     mesh = plan.mesh.as_dict()
