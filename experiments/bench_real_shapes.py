@@ -26,6 +26,7 @@ Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,12 +64,15 @@ OUT_DIR = os.path.join(_ROOT, "experiments", "out", "real_shapes")
 MIB = 2**20
 
 
-def stage_plans(logits_chunk: int) -> dict[str, StagePlan]:
-  """The memory-lean execution of real shapes: blockwise attention everywhere, full remat
-  in the update, the head and log-softmax in chunks of completion positions."""
-  return {"generate": StagePlan(attention="blockwise"),
-          "infer": StagePlan(attention="blockwise", logits_chunk=logits_chunk),
-          "train": StagePlan(attention="blockwise", remat="full", logits_chunk=logits_chunk)}
+def stage_plans(logits_chunk: int, attention: str = "blockwise", remat: str = "full",
+                scan_unroll: int = 1) -> dict[str, StagePlan]:
+  """The execution of real shapes; by default the memory-lean one: blockwise attention
+  everywhere, full remat in the update, the head and log-softmax in chunks of completion
+  positions."""
+  common_ = dict(attention=attention, scan_unroll=scan_unroll)
+  return {"generate": StagePlan(**common_),
+          "infer": StagePlan(logits_chunk=logits_chunk, **common_),
+          "train": StagePlan(remat=remat, logits_chunk=logits_chunk, **common_)}
 
 
 def xla_peaks(cfg, batch: int, prompt: int, gen: int, plans) -> dict[str, float]:
@@ -110,11 +114,24 @@ def xla_peaks(cfg, batch: int, prompt: int, gen: int, plans) -> dict[str, float]
   return out
 
 
-def planner_prediction(cfg, runtime, batch, prompt, gen) -> dict[str, float]:
+def planner_machine(limits, calibration: str = "") -> cost.Machine:
+  """The cpu profile with a `planner.calibrate` file's efficiencies (fitted on the tiny
+  model, so real shapes are held out), or the default efficiencies; either way the peak
+  and bandwidth are the ones measured in this run unless the file has its own."""
+  if calibration:
+    eff = cost.Efficiency.load(calibration)
+    eff = dataclasses.replace(eff, source=f"calibration {calibration}")
+  else:
+    eff = cost.Efficiency(source="cpu profile, assumed efficiencies")
+  eff = dataclasses.replace(eff, host_peak_flops=eff.host_peak_flops
+                            or limits["matmul_gflops"] * 1e9,
+                            hbm_bw=eff.hbm_bw or limits["mem_gbps"] * 1e9)
+  return cost.Machine(hardware.get("cpu"), eff)
+
+
+def planner_prediction(cfg, runtime, batch, prompt, gen, machine) -> dict[str, float]:
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
                         prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
-  machine = cost.Machine(hardware.get("cpu"), cost.Efficiency(
-      source="analytic cpu profile, assumed efficiencies"))
   cand = search.price(runtime, work, machine)
   pred = {"planner_step_s": cand.step_time}
   if cand.cost is not None:
@@ -132,7 +149,9 @@ def bench_shape(shape: str, args, limits) -> dict:
     policy = hf.from_pretrained(tmp, dtype="float32")
   cfg = policy.config
   vocab = cfg.vocab_size
-  plans = stage_plans(args.logits_chunk)
+  layers = cfg.num_layers
+  plans = stage_plans(args.logits_chunk, args.attention, args.remat,
+                      layers if args.scan_unroll == 0 else args.scan_unroll)
   runtime = RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1), **plans)
   system = PPOSystem(
       Models.from_policy(policy),
@@ -166,8 +185,10 @@ def bench_shape(shape: str, args, limits) -> dict:
                          for t in range(gen - 1))),
       "infer": (flops.forward_flops(cfg, batch, length, head_positions=gen)
                 + flops.forward_flops(critic, batch, length, head_positions=gen)),
-      "train": (flops.train_flops(cfg, batch, length, remat="full", head_positions=gen)
-                + flops.train_flops(critic, batch, length, remat="full", head_positions=gen)),
+      # The model's FLOPs (forward + backward, no recompute), as MFU counts them: a remat
+      # policy's extra forward is time the plan spends, not work the step needs.
+      "train": (flops.train_flops(cfg, batch, length, remat="none", head_positions=gen)
+                + flops.train_flops(critic, batch, length, remat="none", head_positions=gen)),
   }
   decode_bytes = sum(flops.decode_step_bytes(cfg, batch, prompt + t) for t in range(gen))
   peak, bw = limits["matmul_gflops"] * 1e9, limits["mem_gbps"] * 1e9
@@ -190,7 +211,10 @@ def bench_shape(shape: str, args, limits) -> dict:
     row[f"{s}_bound_s"] = bound[s]
   row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
   row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  row.update(planner_prediction(cfg, runtime, batch, prompt, gen))
+  machine = planner_machine(limits, args.calibration)
+  row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
+  row["planner_efficiency"] = machine.eff.source
+  row["plans"] = {s: dataclasses.asdict(p) for s, p in plans.items()}
   row["planner_step_error"] = abs(row["planner_step_s"] - step_s) / step_s
   # The planner's peak is of all stages' state together (params, Adam, cache); what the
   # process held at its peak is the measured counterpart.
@@ -246,6 +270,12 @@ def main(argv=None) -> None:
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--logits-chunk", type=int, default=32)
+  parser.add_argument("--attention", default="blockwise", help="every stage's attention")
+  parser.add_argument("--remat", default="full", help="the update's remat policy")
+  parser.add_argument("--scan-unroll", type=int, default=1,
+                      help="layers per layer-scan iteration (0: all, unrolled)")
+  parser.add_argument("--calibration", default="",
+                      help="a planner.calibrate JSON file for the planner's prediction")
   parser.add_argument("--out-dir", default=OUT_DIR)
   parser.add_argument("--page", action="store_true", help="write docs/results/real_shapes.md")
   parser.add_argument("--page-dir", default=results.RESULTS_DIR, help=argparse.SUPPRESS)
