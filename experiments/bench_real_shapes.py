@@ -114,24 +114,49 @@ def xla_peaks(cfg, batch: int, prompt: int, gen: int, plans) -> dict[str, float]
   return out
 
 
-def planner_machine(limits, calibration: str = "") -> cost.Machine:
-  """The cpu profile with a `planner.calibrate` file's efficiencies (fitted on the tiny
-  model, so real shapes are held out), or the default efficiencies; either way the peak
-  and bandwidth are the ones measured in this run unless the file has its own."""
+def planner_machine(limits, calibration: str = "", hardware_name: str = "cpu"
+                    ) -> cost.Machine:
+  """The `hardware_name` profile with a `planner.calibrate` file's efficiencies (fitted on
+  the tiny model, so real shapes are held out), or the default efficiencies; either way the
+  bandwidth (and on the cpu the peak) is the one measured in this run unless the file has
+  its own."""
   if calibration:
     eff = cost.Efficiency.load(calibration)
     eff = dataclasses.replace(eff, source=f"calibration {calibration}")
   else:
-    eff = cost.Efficiency(source="cpu profile, assumed efficiencies")
+    eff = cost.Efficiency(source=f"{hardware_name} profile, assumed efficiencies")
   eff = dataclasses.replace(eff, host_peak_flops=eff.host_peak_flops
                             or limits["matmul_gflops"] * 1e9,
                             hbm_bw=eff.hbm_bw or limits["mem_gbps"] * 1e9)
-  return cost.Machine(hardware.get("cpu"), eff)
+  return cost.Machine(hardware.get(hardware_name), eff)
 
 
-def planner_prediction(cfg, runtime, batch, prompt, gen, machine) -> dict[str, float]:
+def runtime_for(mode: str, plans: dict[str, StagePlan]) -> RuntimeConfig:
+  """The plan of `mode` with the stage plans `plans`, on the fewest devices it allows.
+
+  `sequential` and `per_stage` run on one device (one mesh, or each stage's own mesh over
+  the same device); `pipe` gives each stage a block of its own, so it needs three.
+  """
+  if mode == "sequential":
+    return RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1), **plans)
+  if mode == "per_stage":
+    return RuntimeConfig(mode="per_stage", **plans)
+  if mode == "pipe":
+    return RuntimeConfig(mode="pipe", placement=(1, 1, 1), **plans)
+  raise ValueError(f"mode={mode!r}; choose sequential, per_stage or pipe.")
+
+
+def devices_needed(runtime: RuntimeConfig) -> int:
+  """Devices `runtime_for`'s plan runs on."""
+  return sum(runtime.placement) if runtime.mode == "pipe" else 1
+
+
+def planner_prediction(cfg, runtime, batch, prompt, gen, machine: cost.Machine
+                       ) -> dict[str, float]:
+  """The planner's step time, per-stage times and peak memory of `runtime` on `machine`."""
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
-                        prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
+                        prompt_len=prompt, gen_len=gen, num_devices=devices_needed(runtime),
+                        reward_model=False)
   cand = search.price(runtime, work, machine)
   pred = {"planner_step_s": cand.step_time}
   if cand.cost is not None:
@@ -140,19 +165,47 @@ def planner_prediction(cfg, runtime, batch, prompt, gen, machine) -> dict[str, f
   return pred
 
 
-def bench_shape(shape: str, args, limits) -> dict:
-  overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+def write_checkpoint(shape: str, directory: str, layers: int = 0, dtype: str = "float32"
+                     ) -> None:
+  """A random-weight Hugging Face directory of `shape` (`layers` > 0 overrides the layer
+  count), tensors stored in `dtype`."""
+  overrides = {"num_hidden_layers": layers} if layers else {}
+  write_random_checkpoint(shape, directory, seed=0, dtype=dtype, overrides=overrides,
+                          overwrite=True)
+
+
+def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str = "float32",
+                hardware_name: str = "cpu", checkpoint: str | None = None) -> dict:
+  """One row: `args.steps` timed PPO steps of `shape` against `limits` and the planner.
+
+  Args:
+    shape: a name of `models.shapes.SHAPES`.
+    args: `layers`, `batch`, `prompt_len`, `new_tokens`, `steps`, `logits_chunk`.
+    limits: `results.machine_limits()` of this process, measured in `dtype`.
+    mode: the runtime mode (`runtime_for`); `pipe` needs three devices.
+    dtype: the models' compute and parameter dtype.
+    hardware_name: the planner's hardware profile for the prediction.
+    checkpoint: a directory `write_checkpoint` wrote for this shape, layers and dtype;
+      None writes one to a temporary directory.
+  """
   batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
-  with tempfile.TemporaryDirectory() as tmp:
-    write_random_checkpoint(shape, tmp, seed=0, dtype="float32", overrides=overrides,
-                            overwrite=True)
-    policy = hf.from_pretrained(tmp, dtype="float32")
+  if checkpoint is None:
+    with tempfile.TemporaryDirectory() as tmp:
+      write_checkpoint(shape, tmp, args.layers, dtype)
+      policy = hf.from_pretrained(tmp, dtype=dtype)
+  else:
+    policy = hf.from_pretrained(checkpoint, dtype=dtype)
   cfg = policy.config
   vocab = cfg.vocab_size
-  layers = cfg.num_layers
-  plans = stage_plans(args.logits_chunk, args.attention, args.remat,
-                      layers if args.scan_unroll == 0 else args.scan_unroll)
-  runtime = RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1), **plans)
+  plans = stage_plans(args.logits_chunk, getattr(args, "attention", "blockwise"),
+                      getattr(args, "remat", "full"),
+                      cfg.num_layers if getattr(args, "scan_unroll", 1) == 0
+                      else getattr(args, "scan_unroll", 1))
+  runtime = runtime_for(mode, plans)
+  devices = jax.devices()[:devices_needed(runtime)]
+  if len(devices) < devices_needed(runtime):
+    raise ValueError(f"mode {mode} needs {devices_needed(runtime)} devices; "
+                     f"{len(jax.devices())} exist.")
   system = PPOSystem(
       Models.from_policy(policy),
       ppo=PPOConfig(steps=args.steps + 1, batch_size=batch, minibatch_size=batch, epochs=1,
@@ -160,7 +213,7 @@ def bench_shape(shape: str, args, limits) -> dict:
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
       runtime=runtime,
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
-      decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=jax.devices()[:1])
+      decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
   rng = np.random.default_rng(0)
 
   def prompts():
@@ -211,7 +264,7 @@ def bench_shape(shape: str, args, limits) -> dict:
     row[f"{s}_bound_s"] = bound[s]
   row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
   row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  machine = planner_machine(limits, args.calibration)
+  machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
   row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
   row["planner_efficiency"] = machine.eff.source
   row["plans"] = {s: dataclasses.asdict(p) for s, p in plans.items()}

@@ -1,11 +1,11 @@
 """Results pages: what an experiment measured, with where and how, written by the script.
 
-Owns `machine_limits` (the f32 matmul peak and the memory bandwidth of this machine,
-measured in the calling process, so a page's rates are read against the machine that
-produced them), `provenance` (the block every results page starts with: the exact
-command, the git commit, the date, the versions, the CPU model and cores, the devices
-and those two limits) and `write_page` (a page under docs/results/, replaced whole by a
-newer run; the git log keeps the older ones).
+Owns `machine_limits` (the matmul peak, f32 unless asked for another dtype, and the
+memory bandwidth of this machine, measured in the calling process, so a page's rates are
+read against the machine that produced them), `provenance` (the block every results page
+starts with: the exact command, the git commit, the date, the versions, the CPU model and
+cores, the devices and those two limits) and `write_page` (a page under docs/results/,
+replaced whole by a newer run; the git log keeps the older ones).
 
 Usage, from an experiment script:
 
@@ -40,20 +40,33 @@ def _best_of(fn, repeats: int = 5) -> float:
   return min(times)
 
 
-def machine_limits(n: int = 2048, stream_mib: int = 256) -> dict[str, float]:
-  """This process's f32 matmul peak (GFLOP/s) and memory bandwidth (GB/s), on its first
-  device: a jitted n x n matmul and a jitted sum over `stream_mib` MiB, best of 5."""
+def machine_limits(n: int = 2048, stream_mib: int = 256, dtype: str = "float32"
+                   ) -> dict[str, Any]:
+  """This process's matmul peak (GFLOP/s) and memory bandwidth (GB/s), on its first
+  device: a jitted n x n matmul in `dtype` and a jitted f32 sum over `stream_mib` MiB,
+  best of 5.
+
+  A dtype other than float32 is named under "matmul_dtype" (the provenance block says
+  which peak it is); float32 rows carry the two numbers alone.
+  """
   import jax
   import jax.numpy as jnp
   device = jax.devices()[0]
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+  a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), device)
   matmul = jax.jit(lambda a: a @ a)
   t = _best_of(lambda: matmul(a).block_until_ready())
   elems = stream_mib * 2**20 // 4
   big = jax.device_put(jnp.ones((elems,), jnp.float32), device)
   total = jax.jit(jnp.sum)
   tb = _best_of(lambda: total(big).block_until_ready())
-  return {"matmul_gflops": 2 * n**3 / t / 1e9, "mem_gbps": 4 * elems / tb / 1e9}
+  limits: dict[str, Any] = {"matmul_gflops": 2 * n**3 / t / 1e9,
+                            "mem_gbps": 4 * elems / tb / 1e9}
+  if jnp.dtype(dtype) != jnp.float32:
+    limits["matmul_dtype"] = jnp.dtype(dtype).name
+  return limits
+
+
+SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def cpu_model() -> str:
@@ -98,7 +111,7 @@ def command_line() -> str:
   return "python " + " ".join(shlex.quote(a) for a in [script, *sys.argv[1:]])
 
 
-def provenance(limits: dict[str, float] | None, command: str | None = None,
+def provenance(limits: dict[str, Any] | None, command: str | None = None,
                extra: dict[str, Any] | None = None) -> str:
   """The provenance block of a results page (markdown)."""
   import flax
@@ -115,7 +128,9 @@ def provenance(limits: dict[str, float] | None, command: str | None = None,
       ("devices", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"),
   ]
   if limits:
-    rows.append(("measured in this run", f"f32 matmul peak {limits['matmul_gflops']:.0f} "
+    dtype = limits.get("matmul_dtype", "float32")
+    rows.append(("measured in this run", f"{SHORT_DTYPES.get(dtype, dtype)} matmul peak "
+                                         f"{limits['matmul_gflops']:.0f} "
                                          f"GFLOP/s, memory bandwidth "
                                          f"{limits['mem_gbps']:.1f} GB/s (one device)"))
   for key, value in (extra or {}).items():
@@ -123,7 +138,7 @@ def provenance(limits: dict[str, float] | None, command: str | None = None,
   return "\n".join(["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
 
 
-def write_page(name: str, title: str, body: str, limits: dict[str, float] | None,
+def write_page(name: str, title: str, body: str, limits: dict[str, Any] | None,
                command: str | None = None, extra: dict[str, Any] | None = None,
                directory: str = RESULTS_DIR) -> str:
   """Writes docs/results/<name>.md: the title, the provenance block, then `body`.
