@@ -61,6 +61,9 @@ git-ignored):
   python3 -m venv .venv-tunix
   .venv-tunix/bin/pip install google-tunix==0.1.7 chex
   .venv-tunix/bin/python experiments/bench_peer_tunix.py --sizes 1,2 --steps 8
+  # SmolLM2-135M's shape, beside `bench_real_shapes.py --shapes smollm2-135m`:
+  .venv-tunix/bin/python experiments/bench_peer_tunix.py --dims 30,576,9,3,1536,49152,8,64,64 \
+      --tied --steps 3 --warmup 1
 
 Writes peer_step.json and peer_step.md to --out-dir (default
 experiments/out/bench_peer_tunix/). Timings on a shared machine are noisy: run it alone.
@@ -184,12 +187,12 @@ class StageClock:
     return timed
 
 
-def bench_size(size: int, sizes: dict, steps: int, warmup: int) -> dict:
+def bench_size(size, sizes: dict, steps: int, warmup: int, tied: bool = False) -> dict:
   layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = sizes[size]
   config = qwen2.ModelConfig(
       num_layers=layers, vocab_size=vocab, embed_dim=embed, hidden_dim=mlp,
       num_heads=heads, head_dim=embed // heads, num_kv_heads=kv, rope_theta=10_000,
-      norm_eps=1e-5, use_tied_embedding=False, dtype=jnp.float32,
+      norm_eps=1e-5, use_tied_embedding=tied, dtype=jnp.float32,
       param_dtype=jnp.float32)
   # One device for every role: tunix then colocates them and shares the actor's weights
   # with the sampler, as our sequential mode does on one device.
@@ -261,6 +264,10 @@ def bench_size(size: int, sizes: dict, steps: int, warmup: int) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sizes", default="1,2")
+  parser.add_argument("--dims", default="", help="instead of --sizes, one size as "
+                      "layers,embed,heads,kv_heads,mlp,vocab,batch,prompt,gen (e.g. "
+                      "SmolLM2-135M's 30,576,9,3,1536,49152,8,64,64 with --tied)")
+  parser.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
@@ -269,12 +276,17 @@ def main() -> None:
   if args.steps <= args.warmup:
     parser.error("--steps must exceed --warmup")
   sizes = read_sizes()
+  if args.dims:
+    dims = tuple(int(x) for x in args.dims.split(","))
+    if len(dims) != 9:
+      parser.error(f"--dims={args.dims!r} needs 9 integers, got {len(dims)}")
+    sizes, args.sizes = {"dims": dims}, "dims"
   os.makedirs(args.out_dir, exist_ok=True)
   versions = {"tunix": importlib.metadata.version("google-tunix"), "jax": jax.__version__,
               "flax": importlib.metadata.version("flax")}
   rows = []
-  for size in [int(s) for s in args.sizes.split(",")]:
-    row = bench_size(size, sizes, args.steps, args.warmup)
+  for size in [s if s == "dims" else int(s) for s in args.sizes.split(",")]:
+    row = bench_size(size, sizes, args.steps, args.warmup, tied=args.tied)
     rows.append(row)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else
                           [round(x, 4) for x in v] if k == "step_times_s" else v)

@@ -239,6 +239,9 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
   steps = params.max_new_tokens
   key_mask = completion_key_mask(prompt_mask, steps)
   num_real = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
+  # Each layer's weights as arrays of their own, copied once per call rather than sliced
+  # out of the stacked arrays at every token (`Layers.per_layer`).
+  layer_params = model.layers.per_layer()
 
   def cond(s: DecodeState):
     return (s.step < steps) & ~jnp.all(s.done)
@@ -248,7 +251,7 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
     fed = s.step - 1
     positions = (num_real + fed)[:, None]  # [B, 1]
     logits, cache = model.forward_cached(s.last_token[:, None], positions, key_mask,
-                                         s.cache, prompt_len + fed)
+                                         s.cache, prompt_len + fed, layer_params)
     tokens, logprobs = next_tokens(logits[:, 0], rng, sample_ids, s.step, params)
     tok_buf, lp_buf, mask_buf, done = record_tokens(
         s.tokens, s.logprobs, s.mask, s.done, s.step, tokens, logprobs, params)

@@ -196,9 +196,24 @@ class Layers(nnx.Module):
   def param_names(self) -> list[str]:
     return [name for name in LAYER_PARAM_AXES if hasattr(self, name)]
 
+  def per_layer(self) -> tuple[dict[str, jax.Array], ...]:
+    """Each local layer's parameters as arrays of their own, `({name: [...]}, ...)`.
+
+    Inside a loop that runs the layers many times (the decode loop), slicing one layer
+    out of the stacked `[layers, ...]` arrays copies its weights at every step; XLA:CPU
+    measured 6.4 GB/s through a layer scan against 10.8 GB/s over arrays of their own
+    (8 layers of SmolLM2-135M's MLP, batch 8). Taken once before the loop, these copies
+    cost one read of the weights per call and the loop reads them in place.
+    """
+    params = {name: getattr(self, name).get_value() for name in self.param_names()}
+    num_local = params["q_proj"].shape[0]
+    return tuple({name: value[i] for name, value in params.items()}
+                 for i in range(num_local))
+
   def __call__(self, h: jax.Array, positions: jax.Array, key_mask: jax.Array,
                cache: KVCache | None = None, slot: jax.Array | int = 0,
                cache_stride: int = 1, cache_offset: jax.Array | int = 0,
+               layer_params: tuple[dict[str, jax.Array], ...] | None = None,
                ) -> tuple[jax.Array, KVCache | None]:
     """Applies every (local) layer in order.
 
@@ -216,6 +231,9 @@ class Layers(nnx.Module):
         `i * cache_stride + cache_offset` (default: row i). The pipelined decoder keeps
         all its micro-batches' caches in one array, [local_layers * M, mb, ...], and
         addresses micro-batch m with stride M and offset m, in place.
+      layer_params: `per_layer()`'s arrays, taken outside the caller's loop: the layers
+        then run one after another (unrolled) on them instead of scanning the stacked
+        weights. The same blocks in the same order: equal results.
 
     Returns:
       The residual stream after the local layers, and the updated cache (or None).
@@ -248,6 +266,10 @@ class Layers(nnx.Module):
 
     cache_k = cache.k if cache is not None else None
     cache_v = cache.v if cache is not None else None
+    if layer_params is not None:
+      for index, p in enumerate(layer_params):
+        (h, cache_k, cache_v), _ = block((h, cache_k, cache_v), (p, index))
+      return h, (KVCache(cache_k, cache_v) if cache is not None else None)
     num_local = params["q_proj"].shape[0]
     (h, cache_k, cache_v), _ = jax.lax.scan(
         block, (h, cache_k, cache_v), (params, jnp.arange(num_local)),
@@ -358,7 +380,8 @@ class Transformer(nnx.Module):
     return h
 
   def forward_cached(self, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,
-                     cache: KVCache, slot: jax.Array | int
+                     cache: KVCache, slot: jax.Array | int,
+                     layer_params: tuple[dict[str, jax.Array], ...] | None = None,
                      ) -> tuple[jax.Array, KVCache]:
     """Forward over `tokens` placed at cache slots [slot, slot + length).
 
@@ -370,11 +393,13 @@ class Transformer(nnx.Module):
       key_mask: bool [batch, slots], True where a slot holds (or will hold) a real token.
       cache: the model's KVCache with `slots` columns.
       slot: first slot written by these tokens.
+      layer_params: `self.layers.per_layer()`, taken once outside a decode loop.
 
     Returns:
       Head outputs for `tokens` and the updated cache.
     """
-    h, cache = self.layers(self.embed(tokens), positions, key_mask, cache, slot)
+    h, cache = self.layers(self.embed(tokens), positions, key_mask, cache, slot,
+                           layer_params=layer_params)
     return self.head(h), cache
 
 
