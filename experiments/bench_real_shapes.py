@@ -306,6 +306,11 @@ def page_body(rows) -> str:
               f"{r['decode_gbps']:.2f} GB/s ({r['decode_bandwidth_fraction']:.0%} of the "
               f"measured bandwidth). Memory: peak RSS {r['peak_rss_mib']:.0f} MiB, planner "
               f"{r['planner_memory_mib']:.0f} MiB.", "",
+              "Plan: " + "; ".join(
+                  f"{s} attention={p['attention']}, remat={p['remat']}, "
+                  f"logits_chunk={p['logits_chunk']}, scan_unroll={p['scan_unroll']}"
+                  for s, p in r.get("plans", {}).items())
+              + f". Planner efficiencies: {r.get('planner_efficiency', 'n/a')}.", "",
               "| goal | measured | |", "|---|---|---|"]
     for name, key, ok, fmt in GOALS:
       lines.append(f"| {name} | {fmt.format(r[key])} | {'met' if ok(r[key]) else 'not met'} |")

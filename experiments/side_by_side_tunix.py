@@ -1,0 +1,140 @@
+"""Side by side with the peer library tunix: seconds per PPO step at one model shape.
+
+Owns one comparison: alternating rounds of the peer's benchmark
+(`bench_peer_tunix.py`, tunix's own `PPOLearner`, in tunix's virtual environment) and this
+project's (`bench_real_shapes.py`, `PPOSystem` in `sequential` mode), at the same model
+shape, batch and token counts, one CPU device, f32, each in a fresh process so neither
+inherits the other's caches. Rounds alternate (peer, ours, peer, ours, ...) so that a
+change in the machine's speed during the comparison reaches both sides alike. Both leave
+out their compilation step and report the mean of the timed steps; the page lists every
+round and the ratio of the means (peer seconds / ours: above 1, this project is faster).
+What each side computes, and where the two differ, is in the two scripts' docstrings.
+
+Usage (the peer's environment first: see bench_peer_tunix.py):
+  python experiments/side_by_side_tunix.py --rounds 2 --page
+
+Writes experiments/out/side_by_side_tunix/rounds.jsonl and, with --page,
+docs/results/peer_tunix.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from experiments import results  # noqa: E402
+from pipe_rlhf_jax.models import shapes  # noqa: E402
+
+OUT_DIR = os.path.join(_ROOT, "experiments", "out", "side_by_side_tunix")
+
+
+def peer_dims(shape: str, batch: int, prompt: int, gen: int) -> tuple[tuple[int, ...], bool]:
+  """`bench_peer_tunix.py --dims` of a published shape, and whether its head is tied."""
+  f = shapes.hf_config(shape)
+  heads = f["num_attention_heads"]
+  if f.get("head_dim", f["hidden_size"] // heads) * heads != f["hidden_size"]:
+    raise ValueError(f"{shape}: the peer's Qwen2 takes head_dim = hidden / heads; "
+                     f"{shape} has head_dim {f['head_dim']}. Choose another shape.")
+  dims = (f["num_hidden_layers"], f["hidden_size"], heads, f["num_key_value_heads"],
+          f["intermediate_size"], f["vocab_size"], batch, prompt, gen)
+  return dims, bool(f.get("tie_word_embeddings", False))
+
+
+def run_peer(args, dims, tied: bool, out_dir: str) -> dict:
+  cmd = [args.peer_python, os.path.join("experiments", "bench_peer_tunix.py"),
+         "--dims", ",".join(map(str, dims)), "--steps", str(args.steps + 1), "--warmup", "1",
+         "--out-dir", out_dir] + (["--tied"] if tied else [])
+  subprocess.run(cmd, cwd=_ROOT, check=True, timeout=args.timeout_s)
+  with open(os.path.join(out_dir, "peer_step.json"), encoding="utf-8") as f:
+    row = json.load(f)["rows"][0]
+  return {"side": "tunix", "s_per_step": row["s_per_step"], "generate_s": row["rollout_s"],
+          "infer_s": row["inference_s"], "train_s": row["update_s"],
+          "other_s": row["other_s"], "command": " ".join(cmd)}
+
+
+def run_ours(args, out_dir: str) -> dict:
+  cmd = [sys.executable, os.path.join("experiments", "bench_real_shapes.py"),
+         "--shapes", args.shape, "--steps", str(args.steps), "--batch", str(args.batch),
+         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+         "--out-dir", out_dir, *args.ours_flags.split()]
+  subprocess.run(cmd, cwd=_ROOT, check=True, timeout=args.timeout_s)
+  with open(os.path.join(out_dir, f"{args.shape}.jsonl"), encoding="utf-8") as f:
+    row = json.loads(f.readlines()[-1])
+  return {"side": "pipe_rlhf_jax", "s_per_step": row["step_s"],
+          "generate_s": row["generate_s"], "infer_s": row["infer_s"],
+          "train_s": row["train_s"],
+          "other_s": row["step_s"] - row["generate_s"] - row["infer_s"] - row["train_s"],
+          "command": " ".join(cmd)}
+
+
+def page_body(args, dims, tied, rounds) -> str:
+  mean = lambda side: sum(r["s_per_step"] for r in rounds if r["side"] == side) / max(
+      1, sum(r["side"] == side for r in rounds))
+  peer, ours = mean("tunix"), mean("pipe_rlhf_jax")
+  lines = [__doc__.split("\nUsage")[0].split("\n", 1)[1].strip(), "",
+           f"Shape {args.shape} ({dims[0]} layers, d{dims[1]}, {dims[2]} / {dims[3]} heads, "
+           f"ffn {dims[4]}, vocab {dims[5]}, {'tied' if tied else 'untied'} head); batch "
+           f"{dims[6]}, {dims[7]} prompt + {dims[8]} new tokens; {args.steps} timed steps a "
+           f"round after one compile step; this project's plan flags: "
+           f"`{args.ours_flags or '(defaults)'}`.", "",
+           "| round | side | s/step | generate | infer | update | other |",
+           "|---|---|---|---|---|---|---|"]
+  for i, r in enumerate(rounds):
+    lines.append(f"| {i // 2 + 1} | {r['side']} | {r['s_per_step']:.2f} | "
+                 f"{r['generate_s']:.2f} | {r['infer_s']:.2f} | {r['train_s']:.2f} | "
+                 f"{r['other_s']:.2f} |")
+  lines += ["", f"Mean s/step: tunix {peer:.2f}, pipe_rlhf_jax {ours:.2f}: "
+                f"**{peer / ours:.2f}x** the peer's speed (goal: 1.5x).", "",
+            "Commands of the last round:", ""]
+  lines += [f"- {r['side']}: `{r['command']}`" for r in rounds[-2:]]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split(
+      "\nUsage")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shape", default="smollm2-135m")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt-len", type=int, default=64)
+  parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--ours-flags", default="--attention auto --remat none --scan-unroll 0",
+                      help="bench_real_shapes.py plan flags for this project's side")
+  parser.add_argument("--peer-python", default=os.path.join(_ROOT, ".venv-tunix", "bin",
+                                                            "python"))
+  parser.add_argument("--timeout-s", type=int, default=1800, help="per benchmark process")
+  parser.add_argument("--out-dir", default=OUT_DIR)
+  parser.add_argument("--page", action="store_true", help="write docs/results/peer_tunix.md")
+  args = parser.parse_args(argv)
+  if not os.path.exists(args.peer_python):
+    parser.error(f"--peer-python={args.peer_python} does not exist; make tunix's "
+                 "environment first (see experiments/bench_peer_tunix.py's docstring).")
+  dims, tied = peer_dims(args.shape, args.batch, args.prompt_len, args.new_tokens)
+  os.makedirs(args.out_dir, exist_ok=True)
+  rounds = []
+  for _ in range(args.rounds):
+    for run in (lambda d: run_peer(args, dims, tied, d), lambda d: run_ours(args, d)):
+      with tempfile.TemporaryDirectory() as tmp:
+        row = run(tmp)
+      rounds.append(row)
+      print(json.dumps(row), flush=True)
+      with open(os.path.join(args.out_dir, "rounds.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+  if args.page:
+    # Measured after the rounds, so the benchmarks ran on an idle machine.
+    limits = results.machine_limits()
+    path = results.write_page("peer_tunix", "Side by side with tunix",
+                              page_body(args, dims, tied, rounds), limits)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
