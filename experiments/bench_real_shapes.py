@@ -18,6 +18,8 @@ train) and of one cached decode step, the process peak RSS, and the planner's me
 Usage:
   python experiments/bench_real_shapes.py --shapes smollm2-135m --steps 2
   python experiments/bench_real_shapes.py --shapes smollm2-135m --layers 4 --steps 1 --page
+  python experiments/bench_real_shapes.py --shapes smollm2-135m,qwen2.5-0.5b,qwen3-0.6b \
+      --memory-only qwen2.5-0.5b,qwen3-0.6b --attention auto --remat none --scan-unroll 0 --page
 
 Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and, with
 --page, docs/results/real_shapes.md.
@@ -165,11 +167,13 @@ def planner_prediction(cfg, runtime, batch, prompt, gen, machine: cost.Machine
   return pred
 
 
-def write_checkpoint(shape: str, directory: str, layers: int = 0, dtype: str = "float32"
-                     ) -> None:
+def write_checkpoint(shape: str, directory: str, layers: int = 0, dtype: str = "float32",
+                     untied: bool = False) -> None:
   """A random-weight Hugging Face directory of `shape` (`layers` > 0 overrides the layer
-  count), tensors stored in `dtype`."""
+  count; `untied` gives it an LM head of its own), tensors stored in `dtype`."""
   overrides = {"num_hidden_layers": layers} if layers else {}
+  if untied:
+    overrides["tie_word_embeddings"] = False
   write_random_checkpoint(shape, directory, seed=0, dtype=dtype, overrides=overrides,
                           overwrite=True)
 
@@ -191,7 +195,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
   if checkpoint is None:
     with tempfile.TemporaryDirectory() as tmp:
-      write_checkpoint(shape, tmp, args.layers, dtype)
+      write_checkpoint(shape, tmp, args.layers, dtype, getattr(args, "untied", False))
       policy = hf.from_pretrained(tmp, dtype=dtype)
   else:
     policy = hf.from_pretrained(checkpoint, dtype=dtype)
@@ -276,6 +280,33 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   return row
 
 
+def memory_row(shape: str, args, limits) -> dict:
+  """What a shape would need, without running it: the planner's peak for the plan, the
+  machine's usable memory, and XLA's peaks of the actor's stage functions, compiled on
+  abstract parameters (`--memory-only`, for shapes that do not fit)."""
+  from pipe_rlhf_jax.models import shapes
+  overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+  cfg = shapes.config(shape, dtype="float32", **overrides)
+  batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
+  plans = stage_plans(args.logits_chunk, args.attention, args.remat,
+                      cfg.num_layers if args.scan_unroll == 0 else args.scan_unroll)
+  runtime = runtime_for("sequential", plans)
+  work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
+                        prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
+  need = max(memory.plan_memory(runtime, work).values())
+  usable = memory.capacity(hardware.get("cpu"), 1)
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  row = {"shape": shape, "layers": cfg.num_layers, "params": cfg.num_params(),
+         "batch": batch, "prompt_len": prompt, "new_tokens": gen, "memory_only": True,
+         "planner_memory_mib": need / MIB, "usable_mib": usable / MIB,
+         "host_ram_mib": host / MIB, "fits": bool(need <= min(usable, host)),
+         "planner_terms": {s: memory.stage_memory(s, runtime.stage(s),
+                                                  dict(data=1, fsdp=1, tensor=1, pipe=1),
+                                                  work).describe() for s in STAGES}}
+  row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
+  return row
+
+
 GOALS = (
     ("step within 2x of bound", "measured_over_bound", lambda v: v <= 2.0, "{:.2f}x"),
     ("decode >= 50% of bandwidth bound", "decode_bandwidth_fraction", lambda v: v >= 0.5,
@@ -290,6 +321,22 @@ GOALS = (
 def page_body(rows) -> str:
   lines = [__doc__.split("\nUsage:")[0].split("\n", 1)[1].strip(), ""]
   for r in rows:
+    if r.get("memory_only"):
+      lines += [f"## {r['shape']} ({r['layers']} layers, {r['params'] / 1e6:.0f}M params; "
+                f"batch {r['batch']}, prompt {r['prompt_len']}, new tokens "
+                f"{r['new_tokens']}): memory only", "",
+                f"Not run: the planner's memory model puts the step's peak at "
+                f"{r['planner_memory_mib'] / 1024:.1f} GiB, against "
+                f"{r['usable_mib'] / 1024:.1f} GiB usable of this machine's "
+                f"{r['host_ram_mib'] / 1024:.1f} GiB of RAM"
+                + (" (it fits)." if r["fits"] else ": it does not fit.")
+                + " Its terms per stage (actor, critic and reference state, Adam moments, "
+                  "activations):", ""]
+      lines += [f"- {s}: {r['planner_terms'][s]}" for s in STAGES]
+      lines += ["", "XLA's peak of the actor's stage functions alone (compiled on abstract "
+                    "parameters): " + ", ".join(f"{s} {r[f'xla_{s}_mib']:.0f} MiB"
+                                                 for s in STAGES) + ".", ""]
+      continue
     lines += [f"## {r['shape']} ({r['layers']} layers, {r['params'] / 1e6:.0f}M params; "
               f"batch {r['batch']}, prompt {r['prompt_len']}, new tokens {r['new_tokens']}, "
               f"{r['steps']} timed steps)", "",
@@ -332,6 +379,10 @@ def main(argv=None) -> None:
   parser.add_argument("--remat", default="full", help="the update's remat policy")
   parser.add_argument("--scan-unroll", type=int, default=1,
                       help="layers per layer-scan iteration (0: all, unrolled)")
+  parser.add_argument("--untied", action="store_true",
+                      help="an LM head of its own, not tied to the embedding")
+  parser.add_argument("--memory-only", default="", help="shapes (of --shapes) to size "
+                      "without running: the planner's memory and XLA's compiled peaks")
   parser.add_argument("--calibration", default="",
                       help="a planner.calibrate JSON file for the planner's prediction")
   parser.add_argument("--out-dir", default=OUT_DIR)
@@ -344,7 +395,8 @@ def main(argv=None) -> None:
         f"{limits['mem_gbps']:.1f} GB/s", flush=True)
   rows = []
   for shape in args.shapes.split(","):
-    row = bench_shape(shape, args, limits)
+    row = (memory_row(shape, args, limits) if shape in args.memory_only.split(",")
+           else bench_shape(shape, args, limits))
     row["limits"] = limits
     rows.append(row)
     with open(os.path.join(args.out_dir, f"{shape}.jsonl"), "a", encoding="utf-8") as f:

@@ -35,8 +35,8 @@ from pipe_rlhf_jax.models import shapes  # noqa: E402
 OUT_DIR = os.path.join(_ROOT, "experiments", "out", "side_by_side_tunix")
 
 
-def peer_dims(shape: str, batch: int, prompt: int, gen: int) -> tuple[tuple[int, ...], bool]:
-  """`bench_peer_tunix.py --dims` of a published shape, and whether its head is tied."""
+def peer_dims(shape: str, batch: int, prompt: int, gen: int) -> tuple[int, ...]:
+  """`bench_peer_tunix.py --dims` of a published shape."""
   f = shapes.hf_config(shape)
   heads = f["num_attention_heads"]
   if f.get("head_dim", f["hidden_size"] // heads) * heads != f["hidden_size"]:
@@ -44,13 +44,13 @@ def peer_dims(shape: str, batch: int, prompt: int, gen: int) -> tuple[tuple[int,
                      f"{shape} has head_dim {f['head_dim']}. Choose another shape.")
   dims = (f["num_hidden_layers"], f["hidden_size"], heads, f["num_key_value_heads"],
           f["intermediate_size"], f["vocab_size"], batch, prompt, gen)
-  return dims, bool(f.get("tie_word_embeddings", False))
+  return dims
 
 
-def run_peer(args, dims, tied: bool, out_dir: str) -> dict:
+def run_peer(args, dims, out_dir: str) -> dict:
   cmd = [args.peer_python, os.path.join("experiments", "bench_peer_tunix.py"),
          "--dims", ",".join(map(str, dims)), "--steps", str(args.steps + 1), "--warmup", "1",
-         "--out-dir", out_dir] + (["--tied"] if tied else [])
+         "--out-dir", out_dir]
   subprocess.run(cmd, cwd=_ROOT, check=True, timeout=args.timeout_s)
   with open(os.path.join(out_dir, "peer_step.json"), encoding="utf-8") as f:
     row = json.load(f)["rows"][0]
@@ -63,7 +63,7 @@ def run_ours(args, out_dir: str) -> dict:
   cmd = [sys.executable, os.path.join("experiments", "bench_real_shapes.py"),
          "--shapes", args.shape, "--steps", str(args.steps), "--batch", str(args.batch),
          "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-         "--out-dir", out_dir, *args.ours_flags.split()]
+         "--untied", "--out-dir", out_dir, *args.ours_flags.split()]
   subprocess.run(cmd, cwd=_ROOT, check=True, timeout=args.timeout_s)
   with open(os.path.join(out_dir, f"{args.shape}.jsonl"), encoding="utf-8") as f:
     row = json.loads(f.readlines()[-1])
@@ -74,13 +74,14 @@ def run_ours(args, out_dir: str) -> dict:
           "command": " ".join(cmd)}
 
 
-def page_body(args, dims, tied, rounds) -> str:
+def page_body(args, dims, rounds) -> str:
   mean = lambda side: sum(r["s_per_step"] for r in rounds if r["side"] == side) / max(
       1, sum(r["side"] == side for r in rounds))
   peer, ours = mean("tunix"), mean("pipe_rlhf_jax")
   lines = [__doc__.split("\nUsage")[0].split("\n", 1)[1].strip(), "",
            f"Shape {args.shape} ({dims[0]} layers, d{dims[1]}, {dims[2]} / {dims[3]} heads, "
-           f"ffn {dims[4]}, vocab {dims[5]}, {'tied' if tied else 'untied'} head); batch "
+           f"ffn {dims[4]}, vocab {dims[5]}; an untied LM head on both sides: tunix's "
+           f"critic builder replaces a model's `lm_head`, which its tied Qwen2 lacks); batch "
            f"{dims[6]}, {dims[7]} prompt + {dims[8]} new tokens; {args.steps} timed steps a "
            f"round after one compile step; this project's plan flags: "
            f"`{args.ours_flags or '(defaults)'}`.", "",
@@ -117,11 +118,11 @@ def main(argv=None) -> None:
   if not os.path.exists(args.peer_python):
     parser.error(f"--peer-python={args.peer_python} does not exist; make tunix's "
                  "environment first (see experiments/bench_peer_tunix.py's docstring).")
-  dims, tied = peer_dims(args.shape, args.batch, args.prompt_len, args.new_tokens)
+  dims = peer_dims(args.shape, args.batch, args.prompt_len, args.new_tokens)
   os.makedirs(args.out_dir, exist_ok=True)
   rounds = []
   for _ in range(args.rounds):
-    for run in (lambda d: run_peer(args, dims, tied, d), lambda d: run_ours(args, d)):
+    for run in (lambda d: run_peer(args, dims, d), lambda d: run_ours(args, d)):
       with tempfile.TemporaryDirectory() as tmp:
         row = run(tmp)
       rounds.append(row)
@@ -132,7 +133,7 @@ def main(argv=None) -> None:
     # Measured after the rounds, so the benchmarks ran on an idle machine.
     limits = results.machine_limits()
     path = results.write_page("peer_tunix", "Side by side with tunix",
-                              page_body(args, dims, tied, rounds), limits)
+                              page_body(args, dims, rounds), limits)
     print(f"wrote {path}")
 
 
