@@ -143,6 +143,7 @@ XLA_CASES = [
     ("infer", PARAMS, 8, 4, FSDP_TENSOR, "none"),
     ("generate", ACTS, 64, 32, MeshSpec(data=1), "none"),
     ("generate", PARAMS, 8, 4, FSDP_TENSOR, "none"),
+    ("generate", PARAMS, 8, 4, MeshSpec(data=1), "none"),  # the decode's weight copies
 ]
 XLA_PEAK = {"train": xla_train_peak, "infer": xla_infer_peak, "generate": xla_generate_peak}
 

@@ -240,8 +240,12 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
   key_mask = completion_key_mask(prompt_mask, steps)
   num_real = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)  # [B]
   # Each layer's weights as arrays of their own, copied once per call rather than sliced
-  # out of the stacked arrays at every token (`Layers.per_layer`).
-  layer_params = model.layers.per_layer()
+  # out of the stacked arrays at every token (`Layers.per_layer`). Not under fsdp: there
+  # the loop gathers one layer's shards at a time, and copies taken outside it would be
+  # gathered all at once (every layer's full weights on every device).
+  active = current_axis_rules()
+  fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
+  layer_params = model.layers.per_layer() if fsdp == 1 else None
 
   def cond(s: DecodeState):
     return (s.step < steps) & ~jnp.all(s.done)

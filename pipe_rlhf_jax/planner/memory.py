@@ -166,13 +166,16 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     logits = b * work.prompt_len * vocab_dev * 4
     # fsdp: the scan gathers one layer's weights at a time (and prefetches the next).
     gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
-    # The plain decoder copies each layer's weights out of the stacked arrays once per
-    # call (`Layers.per_layer`); the pipelined decoder (pipe > 1) reads them in place.
-    per_layer = cfg.num_layers * _layer_params(cfg) / param_ways if p == 1 else 0.0
+    # The plain decoder without fsdp copies each layer's weights out of the stacked arrays
+    # once per call (`Layers.per_layer`); the pipelined decoder (pipe > 1) and fsdp read
+    # them in place. The copies live in the decode program, after the prefill's
+    # activations and logits are gone: only what they add beyond those raises the peak.
+    copies = cfg.num_layers * _layer_params(cfg) / param_ways if p == 1 and not fsdp else 0.0
+    per_layer = max(0.0, copies - prefill - logits)
     return StageMemory((("actor params", param_bytes(cfg) / param_ways),),
                        (("kv cache", kv), ("prefill activations", prefill),
                         ("logits", logits), ("fsdp-gathered weights", gathered),
-                        ("per-layer weight copies", per_layer)))
+                        ("decode's per-layer weight copies", per_layer)))
   impl = _attention_impl(cfg, plan, L)
   per_model = model_activation_bytes(cfg, t, L, impl)
   positions = plan.logits_chunk or work.gen_len
