@@ -11,7 +11,7 @@ from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.stages.common import sequence_scores
-from tests.test_heldout import policy_and_prompts
+from tests.phases.test_heldout import policy_and_prompts
 
 
 def test_reward_score_statistics_are_the_scores_of_the_policy_answers():

@@ -6,7 +6,6 @@ import os
 import threading
 import time
 
-from metric_helpers import assert_metrics_close  # noqa: E402
 import numpy as np
 import pytest
 
@@ -14,6 +13,7 @@ from configs import quickstart  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.runtime.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
+from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 
 # Quantities whose value depends on wall time or on the schedule, not on the mathematics.
 NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")

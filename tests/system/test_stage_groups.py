@@ -4,7 +4,7 @@ and the placement check of `pipe` mode across processes.
 The 8 virtual CPU devices of one process stand for several processes through the
 `owner` argument (a device's process), so the block arithmetic and the placement errors
 are tested without starting any; the transfers themselves are tested across real
-processes in test_multihost.py.
+processes in tests/distributed/test_multihost.py.
 """
 
 import dataclasses

@@ -3,7 +3,6 @@
 import os
 import re
 
-from hf_helpers import write_tiny_llama
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,8 +20,9 @@ from pipe_rlhf_jax.system import (
   prompts_from_texts,
   run,
 )
+from tests.helpers.hf_helpers import write_tiny_llama
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 
 def readme_example() -> str:

@@ -17,7 +17,7 @@ from pipe_rlhf_jax.models import random_checkpoint as rc
 from pipe_rlhf_jax.models.safetensors_io import load_checkpoint_tensors
 from pipe_rlhf_jax.planner import presets
 
-TOL = 1e-4  # as tests/test_hf_parity.py
+TOL = 1e-4  # as tests/models/test_hf_parity.py
 NEW_SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "mistral-7b-v0.3")
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}

@@ -1,7 +1,7 @@
 """experiments/learning_curves.py: cells, statistics over seeds, goal checks, settings.
 
 The end-to-end path (warm start once per seed, cells from its checkpoint) is exercised by
-tests/test_warm_start.py through the same `train` functions; these tests check the
+tests/phases/test_warm_start.py through the same `train` functions; these tests check the
 experiment's own arithmetic against hand-computed values.
 """
 

@@ -9,7 +9,6 @@ unchanged.
 import json
 import pathlib
 
-from hf_helpers import write_chat_tokenizer
 import numpy as np
 import pytest
 
@@ -18,6 +17,7 @@ from pipe_rlhf_jax.data.pipeline import DemoPipeline, PromptPipeline
 from pipe_rlhf_jax.data.records import RecordValidator, jsonl_fields
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
 from pipe_rlhf_jax.ppo.types import decode_answers
+from tests.helpers.hf_helpers import write_chat_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

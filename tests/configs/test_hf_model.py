@@ -2,12 +2,12 @@
 
 import os
 
-from hf_helpers import write_char_tokenizer, write_tiny_llama
 import pytest
 
 from configs import hf_model
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.train import train
+from tests.helpers.hf_helpers import write_char_tokenizer, write_tiny_llama
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Multi-process runs on localhost: several JAX processes joined by jax.distributed.
 
 Each test starts real processes (`pipe_rlhf_jax.launch.launch`, a free coordinator port
-each time, hard timeouts, SIGKILL of anything left) running `tests/multihost_worker.py`,
+each time, hard timeouts, SIGKILL of anything left) running `tests/distributed/multihost_worker.py`,
 and checks what they wrote. Marked `multihost` (deselect with `-m "not multihost"`); the
 longer ones also `slow` (the default run keeps one run equality, pipe mode's staleness
 bound, the failure stop and the transfers). Their hard bounds (600 s) are far above what
@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 
-from metric_helpers import assert_metrics_close
 import pytest
 
 from pipe_rlhf_jax.distributed import DistributedConfig
 from pipe_rlhf_jax.launch import launch
+from tests.helpers.metric_helpers import assert_metrics_close
 
 pytestmark = pytest.mark.multihost
 
@@ -175,7 +175,7 @@ def test_weights_and_rollouts_cross_process_groups_bit_for_bit(tmp_path):
   assert "nothing was moved" in generator["refused"]
 
 
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
 
 

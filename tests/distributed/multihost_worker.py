@@ -1,6 +1,6 @@
 """One process of the multi-process tests (started by `pipe_rlhf_jax.launch.launch`).
 
-  python tests/multihost_worker.py SCENARIO --out=DIR [scenario flags] [job flags]
+  python tests/distributed/multihost_worker.py SCENARIO --out=DIR [scenario flags] [job flags]
 
 Job flags are those the launcher appends (`--coordinator_address`, `--num_processes`,
 `--process_id`, `--cpu_devices`); without them the worker is one plain process.
@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from pipe_rlhf_jax import distributed  # noqa: E402
 from pipe_rlhf_jax.distributed.faults import FaultWatch  # noqa: E402

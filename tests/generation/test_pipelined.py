@@ -57,7 +57,8 @@ CASES = [
     (2, 1, 1, "sampled"), (2, 4, 1, "sampled"),
     (4, 1, 1, "sampled"), (4, 4, 1, "sampled"), (4, 8, 1, "sampled"),
     (2, 4, 1, "greedy"), (4, 4, 2, "greedy"),
-    # Tensor-parallel stages (pipe=1 with tensor is test_generate_parallel's tensor2).
+    # Tensor-parallel stages (pipe=1 with tensor is the tensor2 case of
+    # tests/generation/test_generate_parallel.py).
     (2, 2, 2, "sampled"), (4, 8, 2, "sampled"),
 ]
 

@@ -7,11 +7,11 @@ and lstrip_blocks, `tojson`, `namespace`, a `tools is not none` test and
 `raise_exception`).
 """
 
-from hf_helpers import write_chat_tokenizer
 import pytest
 
 from pipe_rlhf_jax.models.chat_template import ChatTemplateError
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
+from tests.helpers.hf_helpers import write_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """The main job with one fault injected where a test asks: the fault tests' program.
 
-  PIPE_RLHF_JAX_FAULT=sigterm@train:2 python tests/fault_worker.py \\
+  PIPE_RLHF_JAX_FAULT=sigterm@train:2 python tests/distributed/fault_worker.py \\
       --config=configs/quickstart.py:tiny [main job flags]
 
 Runs `pipe_rlhf_jax.main` with one fault at one moment of a PPO step. The fault comes from
@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from pipe_rlhf_jax.data import rewards  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
@@ -73,7 +73,7 @@ def inject(moment: str) -> None:
     while True:
       time.sleep(0.05)
   else:
-    raise ValueError(f"PIPE_RLHF_JAX_FAULT kind {kind!r}; see tests/fault_worker.py")
+    raise ValueError(f"PIPE_RLHF_JAX_FAULT kind {kind!r}; see tests/distributed/fault_worker.py")
 
 
 def _patch() -> None:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 
-from metric_helpers import assert_metrics_close  # noqa: E402
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from configs import quickstart
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
+from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 
 # Metrics that measure wall time or throughput differ run to run by nature.
 TIMING = ("time/", "tokens_per_s", "seconds", "bytes_per_second", "blocked_s", "wait_s")

@@ -1,7 +1,6 @@
 """The system builds only the models its algorithm needs: no critic for a critic-free
 estimator, no reference for kl_coef=0; checkpoints hold nothing of a missing model."""
 
-from hf_helpers import write_tiny_llama
 import jax
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from pipe_rlhf_jax.system import (
   prompts_from_texts,
   run,
 )
+from tests.helpers.hf_helpers import write_tiny_llama
 
 GRPO = dict(advantage_estimator="grpo", group_size=4, whiten_advantages=False)
 TEXTS = [f"rev {w}=" for w in ("ab", "ba", "abc", "cab", "bca", "a", "hg", "gfe")]

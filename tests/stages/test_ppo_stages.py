@@ -1,7 +1,7 @@
 """The PPO stages composed on a tiny model: generate -> infer -> train on one device.
 
 Covers the mathematics the stages add on top of `ppo/` (tested alone in
-test_ppo_math.py): which distribution every log-prob is taken under, the first-step
+tests/ppo/test_math.py): which distribution every log-prob is taken under, the first-step
 ratio, the decoupled importance weight, and KL shaping + GAE + whitening as the
 inference stage composes them, each against a hand / numpy computation.
 """
@@ -259,7 +259,7 @@ def test_standardised_scores_shape_the_rewards_and_stay_raw_in_the_experience(la
 def test_unknown_advantage_estimator_names_the_field():
   import os
   import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
   import quickstart
 
   from pipe_rlhf_jax.config_validation import validate_config

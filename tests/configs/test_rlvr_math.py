@@ -15,11 +15,10 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from hf_helpers import write_tiny_chat_llama  # noqa: E402
-
 from configs import rlvr_math  # noqa: E402
 from pipe_rlhf_jax.data import math_reward  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
+from tests.helpers.hf_helpers import write_tiny_chat_llama  # noqa: E402
 
 
 def _records(name):
