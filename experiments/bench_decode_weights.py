@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
@@ -41,14 +40,8 @@ import numpy as np  # noqa: E402
 from experiments import results  # noqa: E402
 
 
-def best_of(fn, repeats: int = 20) -> float:
-  fn()  # compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
+def _best(fn) -> float:
+  return results.best_of(fn, repeats=20)
 
 
 def mlp_variants(layers: int, embed: int, mlp: int, batch: int
@@ -87,10 +80,10 @@ def mlp_variants(layers: int, embed: int, mlp: int, batch: int
 
   ups, downs = [up[i] for i in range(layers)], [down[i] for i in range(layers)]
   return {
-      "scan xs": best_of(lambda: scan_xs(up, down, x).block_until_ready()),
-      "scan index": best_of(lambda: scan_index(up, down, x).block_until_ready()),
-      "unrolled slices": best_of(lambda: unrolled(up, down, x).block_until_ready()),
-      "separate arrays": best_of(lambda: separate(ups, downs, x).block_until_ready()),
+      "scan xs": _best(lambda: scan_xs(up, down, x).block_until_ready()),
+      "scan index": _best(lambda: scan_index(up, down, x).block_until_ready()),
+      "unrolled slices": _best(lambda: unrolled(up, down, x).block_until_ready()),
+      "separate arrays": _best(lambda: separate(ups, downs, x).block_until_ready()),
   }, (up.nbytes + down.nbytes)
 
 
@@ -131,9 +124,8 @@ def fusion_variants(layers: int, embed: int, mlp: int, heads: int, kv_heads: int
     return h
 
   nbytes = sum(a.nbytes for p in sep for a in p.values())
-  return {"separate q/k/v, gate/up": best_of(lambda: separate(sep, x).block_until_ready()),
-          "fused qkv, gate_up": best_of(lambda: fused_fn(fused, x).block_until_ready())
-          }, nbytes
+  return {"separate q/k/v, gate/up": _best(lambda: separate(sep, x).block_until_ready()),
+          "fused qkv, gate_up": _best(lambda: fused_fn(fused, x).block_until_ready())}, nbytes
 
 
 def main(argv=None) -> None:

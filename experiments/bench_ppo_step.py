@@ -65,16 +65,6 @@ SIZES = {
 }
 
 
-def best_of(fn, repeats: int = 5) -> float:
-  fn()  # compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
-
-
 def gemm_shapes(cfg, tokens: int, head_tokens: int) -> list[tuple[int, int, int]]:
   """The (M, K, N) matmuls of one forward+backward over `tokens` tokens: per layer the
   q/k/v/o and gate/up/down projections (each also as its input- and weight-gradient
@@ -95,7 +85,7 @@ def shape_rate(shapes: list[tuple[int, int, int]]) -> float:
   operands = [(jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32))
               for m, k, n in shapes]
   products = jax.jit(lambda ops: [a @ b for a, b in ops])
-  t = best_of(lambda: jax.block_until_ready(products(operands)))
+  t = results.best_of(lambda: jax.block_until_ready(products(operands)))
   return sum(2 * m * k * n for m, k, n in shapes) / t / 1e9
 
 
