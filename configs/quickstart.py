@@ -239,7 +239,7 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   config.sft.update(steps=4, batch_size=16, warmup_steps=1)
   config.reward_model.update(steps=4, batch_size=16, warmup_steps=1, eval_batches=1)
   # No early stop: its decision is discrete, and tests compare runs of different layouts
-  # at float tolerance (tests/test_ppo_stages.py tests it).
+  # at float tolerance (tests/stages/test_ppo_stages.py tests it).
   config.ppo.update(steps=4, batch_size=16, minibatch_size=8, epochs=1, warmup_steps=1,
                     target_kl=0.0)
   # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.

@@ -34,8 +34,8 @@ demonstrations (`{"messages", "completion"}`) are used only when you turn it on.
 How long it takes depends on the model and the accelerator and has not been measured
 for a real model. The `:tiny` variant (a 2-layer model, 3 PPO steps of 8 prompts x 2
 samples, 2 SFT steps on the demonstrations, completions of 16 tokens) is the CPU smoke
-run; it needs a small model directory too, which tests/test_rlvr_math.py writes
-(`hf_helpers.write_tiny_chat_llama`). From the command line,
+run; it needs a small model directory too, which tests/configs/test_rlvr_math.py writes
+(`tests/helpers/hf_helpers.py`: `write_tiny_chat_llama`). From the command line,
 
   python -m pipe_rlhf_jax.main --config=configs/rlvr_math.py:tiny \
       --config.model.path=/tmp/tiny_chat

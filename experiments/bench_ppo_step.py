@@ -22,7 +22,8 @@ Usage:
   python experiments/bench_ppo_step.py
   python experiments/bench_ppo_step.py --sizes 2 --steps 12 --scan-unroll 1
 
-Writes ppo_step.json and ppo_step.md to --out-dir (default experiments/out/bench_ppo_step/).
+Writes ppo_step.json and ppo_step.md to --out-dir (default experiments/out/bench_ppo_step/)
+and, with --page, docs/results/ppo_step.md.
 Timings on a shared machine are noisy: run it alone.
 """
 
@@ -41,6 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import results  # noqa: E402
 from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
 from pipe_rlhf_jax.models import flops, init_model, tiny_config  # noqa: E402
 from pipe_rlhf_jax.system import (  # noqa: E402
@@ -63,27 +65,6 @@ SIZES = {
 }
 
 
-def best_of(fn, repeats: int = 5) -> float:
-  fn()  # compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
-
-
-def machine_limits() -> dict[str, float]:
-  n = 2048
-  a = jnp.ones((n, n), jnp.float32)
-  matmul = jax.jit(lambda a: a @ a)
-  t = best_of(lambda: matmul(a).block_until_ready())
-  big = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
-  total = jax.jit(jnp.sum)
-  tb = best_of(lambda: total(big).block_until_ready())
-  return {"matmul_gflops": 2 * n**3 / t / 1e9, "mem_gbps": big.nbytes / tb / 1e9}
-
-
 def gemm_shapes(cfg, tokens: int, head_tokens: int) -> list[tuple[int, int, int]]:
   """The (M, K, N) matmuls of one forward+backward over `tokens` tokens: per layer the
   q/k/v/o and gate/up/down projections (each also as its input- and weight-gradient
@@ -104,7 +85,7 @@ def shape_rate(shapes: list[tuple[int, int, int]]) -> float:
   operands = [(jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32))
               for m, k, n in shapes]
   products = jax.jit(lambda ops: [a @ b for a, b in ops])
-  t = best_of(lambda: jax.block_until_ready(products(operands)))
+  t = results.best_of(lambda: jax.block_until_ready(products(operands)))
   return sum(2 * m * k * n for m, k, n in shapes) / t / 1e9
 
 
@@ -176,9 +157,10 @@ def main() -> None:
                       help="layers per iteration of the layer scan (0: all of them)")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "bench_ppo_step"))
+  parser.add_argument("--page", action="store_true", help="write docs/results/ppo_step.md")
   args = parser.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
-  limits = machine_limits()
+  limits = results.machine_limits()
   print(f"f32 matmul peak {limits['matmul_gflops']:.1f} GFLOP/s, memory "
         f"{limits['mem_gbps']:.1f} GB/s", flush=True)
   rows = []
@@ -210,6 +192,13 @@ def main() -> None:
   with open(os.path.join(args.out_dir, "ppo_step.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
+  if args.page:
+    body = [__doc__.split("\nUsage:")[0].split("\n", 1)[1].strip(), "",
+            f"Mean over steps {args.warmup + 1}..{args.steps}; `--scan-unroll "
+            f"{args.scan_unroll}`.", ""] + lines[2:]
+    path = results.write_page("ppo_step", "Seconds per PPO step at toy sizes",
+                              "\n".join(body), limits)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

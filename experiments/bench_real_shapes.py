@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import results  # noqa: E402
+from experiments import bench_ppo_step, results  # noqa: E402
 from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
 from pipe_rlhf_jax.models import KVCache, flops, hf  # noqa: E402
 from pipe_rlhf_jax.models.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -268,6 +268,10 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
     row[f"{s}_bound_s"] = bound[s]
   row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
   row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  # What the update's matmuls reach alone (every projection and the head, forward and
+  # backward, one program): how much of its gap to the peak is the shapes themselves.
+  row["train_shapes_gflops"] = bench_ppo_step.shape_rate(
+      bench_ppo_step.gemm_shapes(cfg, batch * length, batch * gen))
   machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
   row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
   row["planner_efficiency"] = machine.eff.source
@@ -352,7 +356,11 @@ def page_body(rows) -> str:
               f"Decode: {r['decode_bytes_per_token_step'] / MIB:.1f} MiB read per token step, "
               f"{r['decode_gbps']:.2f} GB/s ({r['decode_bandwidth_fraction']:.0%} of the "
               f"measured bandwidth). Memory: peak RSS {r['peak_rss_mib']:.0f} MiB, planner "
-              f"{r['planner_memory_mib']:.0f} MiB.", "",
+              f"{r['planner_memory_mib']:.0f} MiB. The update's GEMM shapes alone run at "
+              f"{r['train_shapes_gflops']:.1f} GFLOP/s "
+              f"({r['train_shapes_gflops'] * 1e9 / (r['limits']['matmul_gflops'] * 1e9):.0%}"
+              f" of the peak); the update reaches "
+              f"{r['train_gflops'] / r['train_shapes_gflops']:.0%} of that.", "",
               "Plan: " + "; ".join(
                   f"{s} attention={p['attention']}, remat={p['remat']}, "
                   f"logits_chunk={p['logits_chunk']}, scan_unroll={p['scan_unroll']}"

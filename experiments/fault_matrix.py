@@ -4,8 +4,8 @@ Owns one measurement: a small job (the tiny quickstart: SFT, reward model, PPO w
 critic; the tiny arith GRPO job for the critic-free path) run under one fault at a time,
 then resumed, in each mode: `sequential`, `per_stage`, `pipe` (on one process, staleness
 0, so that a resume must reproduce the uninterrupted run exactly) and `pipe` across two
-processes (`python -m pipe_rlhf_jax.launch`). The faults (`tests/fault_worker.py`
-injects them at a chosen moment of a chosen step):
+processes (`python -m pipe_rlhf_jax.launch`). The faults
+(`tests/distributed/fault_worker.py` injects them at a chosen moment of a chosen step):
 
 * SIGINT, SIGTERM and SIGKILL at a moment of generate / infer / train (the update
   dispatched, not yet fetched) / a checkpoint write in progress, at a step drawn at
@@ -51,7 +51,7 @@ sys.path.insert(0, _ROOT)
 
 from experiments import results  # noqa: E402
 
-WORKER = os.path.join(_ROOT, "tests", "fault_worker.py")
+WORKER = os.path.join(_ROOT, "tests", "distributed", "fault_worker.py")
 STEPS = 6
 EVERY = 2  # checkpoint interval: a SIGKILL loses what came after the last one
 PROGRESS_TIMEOUT_S = 20
@@ -305,7 +305,7 @@ def main() -> None:
       f"uninterrupted run's metrics; finished steps lost to SIGINT / SIGTERM: {lost}.\n\n"
       "Each job runs PPO for "
       f"{STEPS} steps with a checkpoint every {EVERY}; a fault strikes at a moment of "
-      "one step (`tests/fault_worker.py`: `kind@moment:call[:process]`), the job ends, "
+      "one step (`tests/distributed/fault_worker.py`: `kind@moment:call[:process]`), the job ends, "
       "and `--resume` finishes it. *Stopped cleanly*: the exit status is the documented "
       "one, and after SIGINT / SIGTERM the last finished step is the checkpointed one. "
       "*Steps lost*: finished steps that were not in a checkpoint (a SIGKILL loses the "

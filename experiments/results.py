@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 
 
-def _best_of(fn, repeats: int = 5) -> float:
+def best_of(fn, repeats: int = 5) -> float:
+  """Seconds of the fastest of `repeats` calls of `fn`, after one warm-up (compile) call."""
   fn()  # compile
   times = []
   for _ in range(repeats):
@@ -54,11 +55,11 @@ def machine_limits(n: int = 2048, stream_mib: int = 256, dtype: str = "float32"
   device = jax.devices()[0]
   a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), device)
   matmul = jax.jit(lambda a: a @ a)
-  t = _best_of(lambda: matmul(a).block_until_ready())
+  t = best_of(lambda: matmul(a).block_until_ready())
   elems = stream_mib * 2**20 // 4
   big = jax.device_put(jnp.ones((elems,), jnp.float32), device)
   total = jax.jit(jnp.sum)
-  tb = _best_of(lambda: total(big).block_until_ready())
+  tb = best_of(lambda: total(big).block_until_ready())
   limits: dict[str, Any] = {"matmul_gflops": 2 * n**3 / t / 1e9,
                             "mem_gbps": 4 * elems / tb / 1e9}
   if jnp.dtype(dtype) != jnp.float32:

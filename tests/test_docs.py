@@ -139,7 +139,8 @@ PAGES_WRITTEN_BY_EXPERIMENTS = {
     "docs/results/ppo_step.md": "experiments/bench_ppo_step.py",
     "docs/results/modes.md": "experiments/bench_modes.py",
     "docs/results/memory.md": "experiments/bench_memory.py",
-    "docs/results/peer_tunix.md": "experiments/bench_peer_tunix.py",
+    "docs/results/peer_tunix.md": "experiments/side_by_side_tunix.py",
+    "docs/results/decode_weights.md": "experiments/bench_decode_weights.py",
     "docs/results/real_shapes.md": "experiments/bench_real_shapes.py",
 }
 

@@ -2,8 +2,8 @@
 workdir, interrupted checkpoint writes, a resume whose config changed, bad-step counts.
 
 Each ends in a checkpoint that resumes to the uninterrupted run, or in an error that
-names the cause. (Several processes: tests/test_multihost.py; the whole matrix of faults
-by mode: experiments/fault_matrix.py.)
+names the cause. (Several processes: tests/distributed/test_multihost.py; the whole matrix
+of faults by mode: experiments/fault_matrix.py.)
 """
 
 import json

@@ -201,9 +201,10 @@ class Layers(nnx.Module):
 
     Inside a loop that runs the layers many times (the decode loop), slicing one layer
     out of the stacked `[layers, ...]` arrays copies its weights at every step; XLA:CPU
-    measured 6.4 GB/s through a layer scan against 10.8 GB/s over arrays of their own
-    (8 layers of SmolLM2-135M's MLP, batch 8). Taken once before the loop, these copies
-    cost one read of the weights per call and the loop reads them in place.
+    streams a layer scan's weights at about 0.6x the rate of arrays of their own
+    (`python experiments/bench_decode_weights.py`: 8 layers of SmolLM2-135M's MLP, batch
+    8). Taken once before the loop, these copies cost one read of the weights per call
+    and the loop reads them in place.
     """
     params = {name: getattr(self, name).get_value() for name in self.param_names()}
     num_local = params["q_proj"].shape[0]

@@ -20,7 +20,7 @@ Parameters are split over fsdp x tensor x pipe (data replicates). In `sequential
 lives there at once, plus the largest transient. Shares of the host (cpu profile): all
 virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
 Checked against XLA's `compiled.memory_analysis()` of the real train, infer and generate
-programs (tests/test_planner_memory.py: within 25%, the measured ratios listed there).
+programs (tests/planner/test_memory.py: within 25%, the measured ratios listed there).
 
 Sizes are bytes; every estimate is a sum of named terms so a rejection can say which.
 """

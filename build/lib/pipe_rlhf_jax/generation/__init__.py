@@ -1,7 +1,0 @@
-"""Generation: the sampling distribution, the KV-cache decoder, and the delayed
-inter-batch pipelined decoder with its pure schedule."""
-
-from pipe_rlhf_jax.generation.pipelined import pipelined_generate
-from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingParams, generate
-
-__all__ = ["GenerationOutput", "SamplingParams", "generate", "pipelined_generate"]
