@@ -3,8 +3,9 @@
 Owns one measurement: for each shape of `models/shapes.py` (`--shapes`), a random-weight
 Hugging Face directory is written (`models.random_checkpoint`), loaded through
 `models.hf.from_pretrained`, and `PPOSystem` runs `--steps` PPO steps (`sequential`, one
-device, f32, blockwise attention, full remat in the update, chunked log-probs; no early
-EOS, so the work is fixed). The first step compiles and is left out.
+device, f32; by default the memory-lean plan: blockwise attention, full remat in the
+update, chunked log-probs; no early EOS, so the work is fixed). The first step compiles
+and is left out. Shapes too big for the machine (`--memory-only`) are sized, not run.
 
 Per stage (generate, infer, train) it reports seconds, FLOPs (`models/flops.py`) and the
 achieved FLOP/s against the f32 matmul peak measured in the same process; for decoding the
@@ -285,15 +286,15 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
 
 
 def memory_row(shape: str, args, limits) -> dict:
-  """What a shape would need, without running it: the planner's peak for the plan, the
-  machine's usable memory, and XLA's peaks of the actor's stage functions, compiled on
-  abstract parameters (`--memory-only`, for shapes that do not fit)."""
+  """What a shape would need, without running it: the planner's peak, the machine's usable
+  memory, and XLA's peaks of the actor's stage functions, compiled on abstract parameters
+  (`--memory-only`, for shapes that do not fit). Sized with the memory-lean plan
+  (`stage_plans`' defaults), whatever the flags: the least this step needs."""
   from pipe_rlhf_jax.models import shapes
   overrides = {"num_hidden_layers": args.layers} if args.layers else {}
   cfg = shapes.config(shape, dtype="float32", **overrides)
   batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
-  plans = stage_plans(args.logits_chunk, args.attention, args.remat,
-                      cfg.num_layers if args.scan_unroll == 0 else args.scan_unroll)
+  plans = stage_plans(args.logits_chunk)
   runtime = runtime_for("sequential", plans)
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
                         prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
@@ -328,7 +329,7 @@ def page_body(rows) -> str:
     if r.get("memory_only"):
       lines += [f"## {r['shape']} ({r['layers']} layers, {r['params'] / 1e6:.0f}M params; "
                 f"batch {r['batch']}, prompt {r['prompt_len']}, new tokens "
-                f"{r['new_tokens']}): memory only", "",
+                f"{r['new_tokens']}): memory only, with the memory-lean plan", "",
                 f"Not run: the planner's memory model puts the step's peak at "
                 f"{r['planner_memory_mib'] / 1024:.1f} GiB, against "
                 f"{r['usable_mib'] / 1024:.1f} GiB usable of this machine's "

@@ -107,7 +107,8 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=64)
-  parser.add_argument("--ours-flags", default="--attention auto --remat none --scan-unroll 0",
+  parser.add_argument("--ours-flags", default="--attention auto --remat none --scan-unroll 0 "
+                      "--logits-chunk 0",
                       help="bench_real_shapes.py plan flags for this project's side")
   parser.add_argument("--peer-python", default=os.path.join(_ROOT, ".venv-tunix", "bin",
                                                             "python"))
