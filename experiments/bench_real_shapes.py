@@ -288,8 +288,8 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
 def memory_row(shape: str, args, limits) -> dict:
   """What a shape would need, without running it: the planner's peak, the machine's usable
   memory, and XLA's peaks of the actor's stage functions, compiled on abstract parameters
-  (`--memory-only`, for shapes that do not fit). Sized with the memory-lean plan
-  (`stage_plans`' defaults), whatever the flags: the least this step needs."""
+  (`--memory-only`, for shapes that do not fit). Sized with blockwise attention and full
+  remat (and `--logits-chunk`), whatever the other flags: near the least it needs."""
   from pipe_rlhf_jax.models import shapes
   overrides = {"num_hidden_layers": args.layers} if args.layers else {}
   cfg = shapes.config(shape, dtype="float32", **overrides)
@@ -329,7 +329,7 @@ def page_body(rows) -> str:
     if r.get("memory_only"):
       lines += [f"## {r['shape']} ({r['layers']} layers, {r['params'] / 1e6:.0f}M params; "
                 f"batch {r['batch']}, prompt {r['prompt_len']}, new tokens "
-                f"{r['new_tokens']}): memory only, with the memory-lean plan", "",
+                f"{r['new_tokens']}): memory only, blockwise attention and full remat", "",
                 f"Not run: the planner's memory model puts the step's peak at "
                 f"{r['planner_memory_mib'] / 1024:.1f} GiB, against "
                 f"{r['usable_mib'] / 1024:.1f} GiB usable of this machine's "

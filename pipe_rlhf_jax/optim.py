@@ -41,8 +41,7 @@ def apply_if_finite(tx: optax.GradientTransformation, params, opt_state, grads, 
 
   A `lax.cond`, not a select of the new state against the old: the skipped branch returns
   its inputs (aliased, nothing computed) and the taken one writes the state once, where a
-  select passes over every parameter and moment a second time (about 9% of an actor's
-  update at SmolLM2-135M's widths, batch 8 x 128 tokens, on a CPU).
+  select passes over every parameter and moment a second time.
   """
   finite = jnp.isfinite(loss) & tree_all_finite(grads)
 
