@@ -455,6 +455,9 @@ def ppo_steps(workdir):
   return [r["step"] for r in phase_rows(workdir, "ppo")]
 
 
+# Slow: the default tier's cross-process stop is the exception case above, its signal stop
+# tests/test_faults.py's SIGINT inside the update.
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_finishes(tmp_path):
   # A scheduler's SIGTERM reaches process 1 alone, during step 2: both processes agree
   # to stop after step 2, write its checkpoint together and exit 143; nothing is lost.

@@ -346,6 +346,8 @@ def test_decoupled_update_weights_tokens_by_the_capped_behaviour_ratio(layout, m
   assert 0 < np.mean(weight > cap) < 1
 
 
+# Slow: the stop rule itself is tests/ppo/test_objective.py's, in the default tier.
+@pytest.mark.slow
 def test_target_kl_stops_the_update_and_keeps_the_steps_before(layout, models):
   # 4 epochs of one minibatch; a tiny target stops at the second step (the first starts
   # at KL 0), so the result is the one-step update's; a huge one stops nothing.
@@ -382,7 +384,8 @@ def test_target_kl_stops_the_update_and_keeps_the_steps_before(layout, models):
   assert moved_by(plain) > 1.5 * moved_by(one_step)
 
 
-@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo_clip"])
+@pytest.mark.parametrize("loss", ["ppo_clip", pytest.param("decoupled_ppo_clip",
+                                                             marks=pytest.mark.slow)])
 def test_proximal_kl_policy_rederives_the_targets_at_the_trainers_actor(layout, models,
                                                                        loss):
   # A stale rollout: the inference stage penalised the behaviour policy's KL; with
@@ -525,6 +528,9 @@ def demo_batch(shape, seed=0):
                      for k, v in fields.items()})
 
 
+# Slow: the term's coefficient is tests/ppo/test_objective.py's and a PPO-ptx system's
+# training tests/system/test_critic_free.py's, both in the default tier.
+@pytest.mark.slow
 def test_ptx_term_is_the_sft_loss_and_its_gradient_step(layout, models):
   # PPO-ptx with zero advantages: the surrogate has no gradient, so the actor's update is
   # one optimizer step of ptx_coef x the SFT phase's own loss on the demonstrations given.
