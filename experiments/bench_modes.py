@@ -61,6 +61,7 @@ from absl import logging as absl_logging  # noqa: E402
 import jax  # noqa: E402
 
 from configs import quickstart  # noqa: E402
+from experiments import results  # noqa: E402
 from pipe_rlhf_jax.system.settings import MODES, STAGES, RuntimeConfig  # noqa: E402
 from pipe_rlhf_jax.system.system import build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
@@ -277,7 +278,7 @@ def write_outputs(out_dir: str, rows: list[dict], header: dict) -> tuple[str, st
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+  command = results.command_line() if argv is None else shlex.join(argv)
   print(f"command: {command}", flush=True)
   absl_logging.set_verbosity(absl_logging.WARNING)
   devices = jax.devices()
@@ -344,7 +345,6 @@ def main(argv=None) -> int:
     print(f"{r['label']}: trace {r['trace']}  gantt {r['gantt']}")
   print(f"wrote {csv_path} and {json_path}")
   if args.page and ok:
-    from experiments import results
     body = "\n".join([
         f"PPO steps {args.ppo_steps} (the first {args.warmup_steps_excluded} excluded: "
         f"compilation), {make_config(args, 'sequential', 0).ppo.batch_size} rollouts per "

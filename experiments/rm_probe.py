@@ -77,7 +77,7 @@ class Probe:
 
   def __init__(self, config, workdir: str):
     setup = train_lib.set_up(config, workdir, resume=False)
-    self.config, self.tokenizer = setup.config, setup.tokenizer
+    self.config, self.tokenizer = config, setup.tokenizer
     warm = warm_lib.fit_or_restore(self.config, setup.workdir, setup.warm_source, None,
                                    setup.cfgs, None, setup.warm_layout, False)
     self.rm_eval = warm["rm_eval"]

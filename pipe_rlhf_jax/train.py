@@ -79,6 +79,7 @@ from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
+from pipe_rlhf_jax.phases.run_state import BuiltSystem, ProcessRole, RunSetup
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
@@ -87,7 +88,6 @@ from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system import modes
-from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.steps import DataFeed, np_batch
 from pipe_rlhf_jax.system.system import (
@@ -230,44 +230,9 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
 REWARD_NORM_PROMPTS = 256
 
 
-@dataclasses.dataclass
-class RunSetup:
-  """What `set_up` decided before any data is built or model trained."""
-
-  workdir: str
-  devices: list
-  tokenizer: Any
-  cfgs: dict[str, TransformerConfig]
-  layouts: dict[str, Any]
-  checkpointer: ckpt_lib.Checkpointer
-  fingerprint: str
-  start: int  # first PPO step this run trains (0, or the step after the checkpoint)
-  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
-  warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
-  config: Any = None  # the config the run uses: the input, or the planner's plan applied
-  planned: auto_plan.PlannedRun | None = None  # the plan and its predicted s/step
-  # Multi-process jobs: whether this process writes the run's files (process 0) and
-  # holds the trainer state (every process, except in pipe mode across processes).
-  writes: bool = True
-  trains: bool = True
-  across: bool = False  # pipe mode with its stages in different processes
-  lock: WorkdirLock | None = None  # held by the process that writes (process 0)
-  # How long a step / a one-off wait between processes may make no progress.
-  deadline: ProgressDeadline = ProgressDeadline()
-  # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
-  data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-  def close(self) -> None:
-    """Waits for the checkpoint writes and releases the workdir."""
-    try:
-      self.checkpointer.close()
-    finally:
-      if self.lock is not None:
-        self.lock.release()
-
-
-def select_devices(config) -> list:
-  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them).
+def select_devices(config, mode: str) -> list:
+  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them), for a plan of
+  runtime mode `mode`.
 
   In `pipe` mode across processes, process 0's devices are moved to the end, so that
   `runtime.placement`'s last block, the training stage, is process 0's: the process that
@@ -275,7 +240,7 @@ def select_devices(config) -> list:
   one-process group only from process 0).
   """
   devices = jax.devices()
-  if config.runtime.mode == "pipe" and jax.process_count() > 1:
+  if mode == "pipe" and jax.process_count() > 1:
     devices = ([d for d in devices if d.process_index != 0] +
                [d for d in devices if d.process_index == 0])
   n = config.runtime.get("num_devices", 0)
@@ -289,13 +254,13 @@ def select_devices(config) -> list:
   return devices[:n] if n else devices
 
 
-def plan_of(config, devices) -> dict[str, Any]:
+def plan_of(runtime: RuntimeConfig, devices) -> dict[str, Any]:
   """The fields that decide where and in which order PPO runs (not what it computes):
   the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
 
   Stored in each checkpoint so that a resume under another plan can say what changed.
   """
-  plan = dataclasses.asdict(RuntimeConfig.from_config(config))
+  plan = dataclasses.asdict(runtime)
   # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
   return json.loads(json.dumps({"num_devices": len(devices),
                                 "num_processes": distributed.process_count(), **plan}))
@@ -338,12 +303,12 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
   vocabulary, refuses to overwrite a run unless resuming, asks the planner for the plan
   (`runtime.plan`: "auto" chooses it, "manual" has the hand-written one checked;
-  `RunSetup.config` is the config the run then uses), builds the stage layouts and
+  `RunSetup.runtime` is the typed plan the run then uses), builds the stage layouts and
   checks the models and the SFT term's rows fit them (on abstract parameters), and
   reads where a resume starts, refusing a checkpoint whose mathematics or data differ.
   """
   validate_config(config)
-  devices = select_devices(config)
+  devices = select_devices(config, config.runtime.mode)
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
@@ -366,34 +331,20 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
   # which the planner's checks (runtime checks on abstract meshes, memory model) accept
   # or reject here, before any data or compilation.
-  config, planned = auto_plan.plan_run(config, cfgs["actor"], devices)
+  planned = auto_plan.plan_run(config, cfgs["actor"], devices)
   say(planned.describe())
+  runtime = planned.runtime
   # The planner may choose another mode, and the device order depends on it.
-  devices = select_devices(config)
+  devices = select_devices(config, runtime.mode)
   # ----
-  layouts = build_layouts(RuntimeConfig.from_config(config), devices)
-  me = jax.process_index()
-  across = config.runtime.mode == "pipe" and jax.process_count() > 1
-  writes, trains, group = me == 0, True, None
-  if across:
-    # Each stage on its group of processes (checked here, before anything is built); the
-    # training group holds process 0 (which writes the run's files) and holds,
-    # checkpoints (together) the trainer state; the others only read checkpoints (a
-    # manager over their own process, which writes nothing).
-    trainers = stage_processes(layouts)["train"]
-    if 0 not in trainers:
-      raise ValueError(
-          f"runtime.placement: in pipe mode across processes the training stage must "
-          f"include process 0's devices (the last block of the device order, "
-          f"{jax.local_device_count()} per process); it lies in processes "
-          f"{list(trainers)}. Make runtime.placement.train the last block: a multiple of "
-          f"{jax.local_device_count()} devices, or at most {jax.local_device_count()}.")
-    trains = me in trainers
-    group = list(trainers) if trains else [me]
+  layouts = build_layouts(runtime, devices)
+  role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
+                        jax.local_device_count())
   ppo_dir = os.path.join(workdir, "checkpoints")
   # The group that writes removes what an interrupted write of an earlier run left.
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
-                                       processes=group, cleanup=trains)
+                                       processes=role.checkpoint_group,
+                                       cleanup=role.trains)
   if checkpointer.unfinished:
     say(f"{ppo_dir}: removed {len(checkpointer.unfinished)} unfinished checkpoint "
         f"write(s) of an earlier run ({', '.join(checkpointer.unfinished)})")
@@ -431,14 +382,12 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
           f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
           f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
           "config.json in the workdir), or use a new workdir.")
-    compare_plans(meta.get("plan"), plan_of(config, devices))
+    compare_plans(meta.get("plan"), plan_of(runtime, devices))
     start = int(meta["step"]) + 1
-  runtime = RuntimeConfig.from_config(config)
   deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
   return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, warm_layout, warm_source, config, planned, writes=writes,
-                  trains=trains, across=across, lock=lock, deadline=deadline,
-                  data_files=data_files)
+                  start, warm_layout, warm_source, planned, role=role, lock=lock,
+                  deadline=deadline, data_files=data_files)
 
 
 def _changed_fields(meta: dict[str, Any], config, data_files: dict[str, Any]) -> str:
@@ -479,7 +428,7 @@ def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any
 def sampling_params(setup: RunSetup, system: PPOSystem):
   """The actor to show samples from: in the generation layout, or, in pipe mode across
   processes, where the trainer holds it (generation is another process's)."""
-  return system.state.actor if setup.across else system.actor_for_generation()[0]
+  return system.state.actor if setup.role.across else system.actor_for_generation()[0]
 
 
 def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
@@ -506,7 +455,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
             or phase in ("data", "plan")
             or (phase in warm_lib.PHASES and not warm_restored))
 
-  if not setup.writes:
+  if not setup.role.writes:
     return metrics_lib.SecondaryWriter(setup.workdir)
   dropped = metrics_lib.drop_metrics(setup.workdir, rewritten)
   if dropped:
@@ -515,18 +464,7 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=config.log.tensorboard,
                                    use_wandb=config.log.wandb,
                                    wandb_project=config.log.wandb_project,
-                                   config=config.to_dict())
-
-
-@dataclasses.dataclass
-class BuiltSystem:
-  """The PPO system and what the before/after samples need from its construction."""
-
-  system: PPOSystem
-  sampling: SamplingParams
-  actor_graphdef: nnx.GraphDef
-  # The reward model's score statistics the rewards are standardised by (None: raw).
-  reward_stats: reward_norm.ScoreStatistics | None = None
+                                   config=auto_plan.as_run(config, setup.planned).to_dict())
 
 
 def ppo_sampling(config, tokenizer) -> SamplingParams:
@@ -555,17 +493,18 @@ def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
   return stats
 
 
-def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any],
-                 tokenizer, devices,
+def build_system(config, runtime: RuntimeConfig, cfgs: dict[str, TransformerConfig],
+                 warm: dict[str, Any], tokenizer, devices,
                  reward_stats: reward_norm.ScoreStatistics | None = None,
                  demos=None) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
-  The one place that constructs the system from the config (the critic starts from the
-  reward model's or the SFT policy's backbone, per `ppo.critic_init`). Only the models
-  the algorithm uses are built: no critic for a critic-free estimator, no reference when
-  `ppo.kl_coef == 0`. `demos` (the SFT `DemoPipeline`) gives the pool of PPO's SFT term
-  when `ppo.ptx_coef > 0`: the SFT data, every record once.
+  The one place that constructs the system from the config and the plan `runtime` (the
+  critic starts from the reward model's or the SFT policy's backbone, per
+  `ppo.critic_init`). Only the models the algorithm uses are built: no critic for a
+  critic-free estimator, no reference when `ppo.kl_coef == 0`. `demos` (the SFT
+  `DemoPipeline`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
+  every record once.
   """
   ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
   if reward_stats is not None:
@@ -593,7 +532,7 @@ def build_system(config, cfgs: dict[str, TransformerConfig], warm: dict[str, Any
   # Without demos, PPOSystem's check names what the SFT term lacks.
   ptx_demos = demos.as_arrays() if ppo.ptx_coef and demos is not None else None
   system = PPOSystem(models, ppo=ppo,
-                     sampling=sampling, runtime=RuntimeConfig.from_config(config),
+                     sampling=sampling, runtime=runtime,
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
                      ptx_demos=ptx_demos)
   return BuiltSystem(system, sampling, actor_gd, reward_stats)
@@ -606,7 +545,7 @@ def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
   """
   if not setup.start:
     return
-  if not setup.trains:  # a pipe-mode process without the training stage: no arrays
+  if not setup.role.trains:  # a pipe-mode process without the training stage: no arrays
     meta = setup.checkpointer.read_metadata()
     system.restore({"trainer": None}, meta)
     prompts.set_state(meta["data_state"])
@@ -691,15 +630,15 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress or not setup.writes)
-  plan = plan_of(config, setup.devices)
+                                disable=not progress or not setup.role.writes)
+  plan = plan_of(setup.runtime, setup.devices)
   fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
                                                                setup.data_files))
   fence = WriteFence()
 
   def save(step: int) -> None:
     state = system.checkpoint_state()
-    if setup.across:
+    if setup.role.across:
       # Orbax refuses device arrays held by one process of a multi-process job; host
       # copies are written by process 0 and restored straight onto the devices.
       state = distributed.fetch(state)
@@ -730,7 +669,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
 
   def save_last(step: int | None) -> None:
     """The checkpoint of `step`, the last one finished, unless it is on disk already."""
-    if setup.trains and step is not None and step >= 0 and step != last_saved[0]:
+    if setup.role.trains and step is not None and step >= 0 and step != last_saved[0]:
       log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
       save(step)
       last_saved[0] = step
@@ -759,12 +698,12 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
   def saves_on_stall() -> bool:
     """Whether a stall may save: a whole trainer state (not stuck inside an update) that
     only this process holds."""
-    alone = distributed.process_count() == 1 or (setup.across and len(voters) == 1)
+    alone = distributed.process_count() == 1 or setup.role.trains_alone
     return alone and not stalled_in_update[0]
 
   stalled_in_update = [False]
   watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
-  voters = stage_processes(system.layouts)["train"] if setup.across else None
+  voters = setup.role.trainers
   with signals.deferred() as request:
     boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
                             timeout_s=watchdog.current_deadline)
@@ -772,7 +711,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
     try:
       stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
       if stopped or request.is_set():
-        last = boundary.stop_step if not setup.trains else system.version - 1
+        last = boundary.stop_step if not setup.role.trains else system.version - 1
         save_last(last)
         signum = request.signum or boundary.signum or signal.SIGINT
         raise Interrupted(signum, last_saved[0], agreed=True,
@@ -789,7 +728,7 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
       fence.close()
       bar.close()
       checkpointer.wait()
-      if tracer.spans() and setup.writes:
+      if tracer.spans() and setup.role.writes:
         tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
         tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
                      title=f"PPO stages ({system.mode})")
@@ -819,7 +758,6 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, 
   """`train` under its signal handlers."""
   start_time = time.perf_counter()
   setup = set_up(config, workdir, resume)
-  config = setup.config  # runtime.plan='auto': the planner's plan applied
   writer = open_metrics(config, setup)
   try:
     build_stats, data = build_data(config, setup)
@@ -832,22 +770,23 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, 
                                   setup.cfgs, writer, setup.warm_layout, progress,
                                   setup.tokenizer)
     warm_devices = set(setup.warm_layout.mesh.devices.flat)
-    if setup.across or (distributed.process_count() > 1
+    if setup.role.across or (distributed.process_count() > 1
                         and warm_devices != set(setup.devices)):
       # jax moves arrays across processes only between meshes of the same devices: a
       # stage in one process (pipe mode across processes) or a warm-start mesh on some
       # of the devices hands over host copies instead (SPMD: every process fetches).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
-    built = build_system(config, setup.cfgs, warm, setup.tokenizer, setup.devices,
-                         reward_statistics(config, setup, warm, data), data["demos"])
+    built = build_system(config, setup.runtime, setup.cfgs, warm, setup.tokenizer,
+                         setup.devices, reward_statistics(config, setup, warm, data),
+                         data["demos"])
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     restore_ppo(setup, built.system, data["prompts"])
     # Written only once the config is known to match any checkpoint it resumes.
-    if setup.writes:
+    if setup.role.writes:
       with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2))
+        f.write(auto_plan.as_run(config, setup.planned).to_json_best_effort(indent=2))
 
     eval_batch = np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(config)
@@ -857,7 +796,7 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, 
     def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
       """The held-out answers at `step`: "greedy" (also the samples shown), and
       "sampled" with `log.eval_samples_per_prompt` > 0."""
-      if not setup.trains:  # pipe mode across processes: the trainer's process evaluates
+      if not setup.role.trains:  # pipe mode across processes: the trainer's process evaluates
         return {}
       params = sampling_params(setup, built.system)
       evals = {"greedy": heldout.heldout_eval(built.actor_graphdef, params, eval_batch,
@@ -904,7 +843,6 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
 
 def _prepare_warm_start(config, workdir, progress) -> dict[str, Any]:
   setup = set_up(config, workdir, resume=False)
-  config = setup.config  # runtime.plan='auto': the planner's plan applied
   if warm_lib.warm_start_config(config)[1]:
     raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
                      "empty (it names one to restore).")

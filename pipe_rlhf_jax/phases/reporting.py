@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flax import nnx
 
@@ -21,11 +21,9 @@ from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.phases import heldout
+from pipe_rlhf_jax.phases.run_state import BuiltSystem, RunSetup
 from pipe_rlhf_jax.runtime.tracing import Tracer, steady_step_time
-
-if TYPE_CHECKING:  # annotations only: train.py, above, imports this module and the planner
-  from pipe_rlhf_jax.planner.auto import PlannedRun
-  from pipe_rlhf_jax.train import BuiltSystem, RunSetup
+from pipe_rlhf_jax.system.settings import PlannedRun
 
 
 def planned_vs_measured(planned: PlannedRun | None, tracer: Tracer,
@@ -84,7 +82,7 @@ def export_policy(model, export_dir: str) -> None:
   shutil.rmtree(previous, ignore_errors=True)
 
 
-def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer: Tracer,
+def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, before: dict[str, heldout.HeldoutEval],
            after: dict[str, heldout.HeldoutEval],
            start_time: float) -> dict[str, Any]:
@@ -102,8 +100,8 @@ def report(setup: "RunSetup", built: "BuiltSystem", warm: dict[str, Any], tracer
     comparisons.update(heldout.summary_lines(before[decoding], after[decoding]))
   # Both run programs on every process holding the trainer state (all of them, except in
   # pipe mode across processes); then only the writing process writes.
-  actor = distributed.fetch(system.state.actor) if setup.trains else None
-  if not setup.writes:
+  actor = distributed.fetch(system.state.actor) if setup.role.trains else None
+  if not setup.role.writes:
     return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
             "summary": f"process {distributed.process_index()}: the run's files and "
                        "summary are written by process 0", "ppo_metrics": [],

@@ -6,9 +6,9 @@ Owns what `train.set_up` asks of the planner before anything is built or compile
     calibration file `runtime.calibration` when given, else the profile's analytic
     defaults);
   * `runtime.plan = "auto"`: the best plan of the space for this experiment on these
-    devices (`search.search`), applied to a copy of the config as the overrides
-    `space.to_overrides` writes, so `RuntimeConfig.from_config` reads it back typed;
-    the search keeps `runtime.max_staleness` as the bound the user allows (an
+    devices (`search.search`), returned typed (`PlannedRun.runtime`): the run uses it as
+    it is, and the config is only written with its fields for the record (`as_run`,
+    config.json); the search keeps `runtime.max_staleness` as the bound the user allows (an
     algorithmic choice: how far off-policy a rollout may be), trying 0..bound;
   * `runtime.plan = "manual"` (the default, the hand-written plan): the planner's checks
     (the runtime's own, on abstract meshes, and the memory model) run on it, and a plan
@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 from pipe_rlhf_jax import checks
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
 from pipe_rlhf_jax.stages.train import PPOHyper
-from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.settings import PlannedRun, PPOConfig, RuntimeConfig
 
 PLAN_CHOICES = ("manual", "auto")
 
@@ -99,38 +98,6 @@ def options_of(config) -> space.SpaceOptions:
                             logits_chunk=train.get("logits_chunk", 0))
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedRun:
-  """The plan a run uses and what the planner predicts for it.
-
-  Attributes:
-    runtime: the plan (chosen by the planner, or the hand-written one it accepted).
-    chosen: True when `runtime.plan = "auto"` chose it.
-    predicted_step_s: the simulator's steady seconds per PPO step.
-    bottleneck: the stage that bounds the step.
-    memory_gib: predicted peak GiB per device, per device group.
-    hardware: the profile's name.
-    efficiency: where the efficiencies come from (a calibration file, or the defaults).
-    search_s: seconds the search took (0 for a hand-written plan).
-  """
-
-  runtime: RuntimeConfig
-  chosen: bool
-  predicted_step_s: float
-  bottleneck: str
-  memory_gib: dict[str, float]
-  hardware: str
-  efficiency: str
-  search_s: float = 0.0
-
-  def describe(self) -> str:
-    how = "chosen by the planner" if self.chosen else "hand-written, checked by the planner"
-    mem = ", ".join(f"{k} {v:.2f}" for k, v in self.memory_gib.items())
-    return (f"plan ({how}): {self.runtime}; predicted {self.predicted_step_s:.4g} s/step "
-            f"(bottleneck {self.bottleneck}; GiB/device {mem}) on {self.hardware}, "
-            f"efficiencies: {self.efficiency}")
-
-
 def machine_of(config, devices) -> cost.Machine:
   """The hardware profile and efficiencies that price a run on `devices`."""
   rt = config.runtime
@@ -188,13 +155,13 @@ def runnable_across_processes(plan: RuntimeConfig, processes: int,
   return True
 
 
-def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun]:
-  """(the config to run, the planned run) for `runtime.plan` on `devices`.
+def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
+  """The plan the run uses for `runtime.plan` on `devices`, and its prediction.
 
-  "auto": a copy of `config` with the best plan's overrides applied. "manual": `config`
-  itself, after the planner's checks; raises ValueError with the planner's reason when
-  the hand-written plan cannot run (the runtime's checks on abstract meshes, then the
-  memory model on the detected hardware).
+  "auto": the search's best plan. "manual": the config's own plan, after the planner's
+  checks; raises ValueError with the planner's reason when the hand-written plan cannot
+  run (the runtime's checks on abstract meshes, then the memory model on the detected
+  hardware).
   """
   rt = config.runtime
   choice = rt.get("plan", "manual")
@@ -224,7 +191,7 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
           f"{work.length} tokens on {len(devices)} {m.hw.name} devices: "
           f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
           "or let the planner choose: --config.runtime.plan=auto.")
-    return config, _planned(c, False, m, 0.0)
+    return _planned(c, False, m, 0.0)
   best, rejected, stats = search.search(work, m, options_of(config),
                                         k=1 if processes == 1 else 64)
   best = [c for c in best if runnable_across_processes(c.plan, processes, per_host)][:1]
@@ -233,13 +200,22 @@ def plan_run(config, actor: TransformerConfig, devices) -> tuple[Any, PlannedRun
     raise ValueError(f"runtime.plan='auto': no plan of the space fits {len(devices)} "
                      f"{m.hw.name} devices ({len(rejected)} rejected, e.g. {reasons}); "
                      "reduce ppo.minibatch_size or the model, or add devices.")
-  top = best[0]
-  chosen = space.apply_overrides(config, space.to_overrides(top.plan, config))
-  if top.plan.placement is None and "placement" in chosen.runtime:
-    chosen.runtime.placement = None  # only pipe mode places stages on device blocks
-  read_back = RuntimeConfig.from_config(chosen)
-  if dataclasses.replace(read_back, shutdown_timeout_s=top.plan.shutdown_timeout_s,
-                         progress_timeout_s=top.plan.progress_timeout_s) != top.plan:
-    raise AssertionError(f"the overrides of {top.plan} read back as {read_back}")
-  return chosen, _planned(dataclasses.replace(top, plan=read_back), True, m,
-                          stats["seconds"])
+  # The search prices plans with the default timeouts; the run keeps the config's.
+  rt = config.runtime
+  plan = dataclasses.replace(
+      best[0].plan,
+      shutdown_timeout_s=float(rt.get("shutdown_timeout_s", RuntimeConfig.shutdown_timeout_s)),
+      progress_timeout_s=float(rt.get("progress_timeout_s", RuntimeConfig.progress_timeout_s)))
+  return _planned(dataclasses.replace(best[0], plan=plan), True, m, stats["seconds"])
+
+
+def as_run(config, planned: PlannedRun):
+  """The experiment as it runs: `config`, with the fields of the plan the planner chose
+  written in (a copy; a hand-written plan is the config's own). For config.json and the
+  metrics' record, so that the workdir says which plan ran."""
+  if not planned.chosen:
+    return config
+  run = space.apply_overrides(config, space.to_overrides(planned.runtime, config))
+  if planned.runtime.placement is None and "placement" in run.runtime:
+    run.runtime.placement = None  # only pipe mode places stages on device blocks
+  return run

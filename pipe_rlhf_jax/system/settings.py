@@ -448,3 +448,35 @@ class RuntimeConfig:
                progress_timeout_s=float(rt.get("progress_timeout_s", 0.0)),
                placement=placement, mesh=MeshSpec.from_config(config.mesh, "mesh"),
                **stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+  """The plan a run uses and what the planner predicts for it.
+
+  Attributes:
+    runtime: the plan (chosen by the planner, or the hand-written one it accepted).
+    chosen: True when `runtime.plan = "auto"` chose it.
+    predicted_step_s: the simulator's steady seconds per PPO step.
+    bottleneck: the stage that bounds the step.
+    memory_gib: predicted peak GiB per device, per device group.
+    hardware: the profile's name.
+    efficiency: where the efficiencies come from (a calibration file, or the defaults).
+    search_s: seconds the search took (0 for a hand-written plan).
+  """
+
+  runtime: RuntimeConfig
+  chosen: bool
+  predicted_step_s: float
+  bottleneck: str
+  memory_gib: dict[str, float]
+  hardware: str
+  efficiency: str
+  search_s: float = 0.0
+
+  def describe(self) -> str:
+    how = "chosen by the planner" if self.chosen else "hand-written, checked by the planner"
+    mem = ", ".join(f"{k} {v:.2f}" for k, v in self.memory_gib.items())
+    return (f"plan ({how}): {self.runtime}; predicted {self.predicted_step_s:.4g} s/step "
+            f"(bottleneck {self.bottleneck}; GiB/device {mem}) on {self.hardware}, "
+            f"efficiencies: {self.efficiency}")

@@ -1,0 +1,127 @@
+"""What a run decided before it trains (`RunSetup`), what this process does in the job
+(`ProcessRole`) and the PPO system it built (`BuiltSystem`).
+
+The state `train.py` passes between its phases, in a module of its own below both the
+phases that read it (`phases.reporting`) and `train.py`, which fills it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.distributed.transfer import process_of
+from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.phases import reward_norm
+from pipe_rlhf_jax.runtime.progress import ProgressDeadline
+from pipe_rlhf_jax.system.pipe_processes import stage_processes
+from pipe_rlhf_jax.system.settings import PlannedRun, RuntimeConfig
+from pipe_rlhf_jax.system.system import PPOSystem
+from pipe_rlhf_jax.workdir import WorkdirLock
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessRole:
+  """What this process does in the job: the one place multi-process runs branch on.
+
+  Attributes:
+    process: its index in the job.
+    writes: it writes the run's files (metrics, summary, export): process 0.
+    trains: it holds the trainer state: every process, except in pipe mode across
+      processes, where only the training stage's processes do.
+    across: pipe mode with its stages in different processes (`system/pipe_processes.py`).
+    trainers: the training stage's processes in that case (they checkpoint the trainer
+      state together and vote on stopping); None otherwise (every process).
+  """
+
+  process: int = 0
+  writes: bool = True
+  trains: bool = True
+  across: bool = False
+  trainers: tuple[int, ...] | None = None
+
+  @classmethod
+  def of(cls, runtime: RuntimeConfig, layouts: dict[str, Any], process: int,
+         processes: int, devices_per_process: int,
+         owner: Callable[[Any], int] = process_of) -> "ProcessRole":
+    """The role of process `process` of `processes` under the plan `runtime`, whose stage
+    layouts are `layouts` (`owner(device)`: a device's process); raises ValueError when
+    pipe mode across processes would put the training stage outside process 0 (which
+    writes the run's files)."""
+    if not (runtime.mode == "pipe" and processes > 1):
+      return cls(process=process, writes=process == 0)
+    trainers = tuple(stage_processes(layouts, owner)["train"])
+    if 0 not in trainers:
+      raise ValueError(
+          f"runtime.placement: in pipe mode across processes the training stage must "
+          f"include process 0's devices (the last block of the device order, "
+          f"{devices_per_process} per process); it lies in processes {list(trainers)}. "
+          f"Make runtime.placement.train the last block: a multiple of "
+          f"{devices_per_process} devices, or at most {devices_per_process}.")
+    return cls(process=process, writes=process == 0, trains=process in trainers,
+               across=True, trainers=trainers)
+
+  @property
+  def checkpoint_group(self) -> list[int] | None:
+    """The processes that save and restore the trainer state with this one (None: all):
+    the training group holds it; any other process only reads checkpoints (a manager
+    over its own process, which writes nothing)."""
+    if not self.across:
+      return None
+    return list(self.trainers) if self.trains else [self.process]
+
+  @property
+  def trains_alone(self) -> bool:
+    """Whether the trainer state lives in this one process only."""
+    return self.trainers is not None and len(self.trainers) == 1
+
+
+@dataclasses.dataclass
+class RunSetup:
+  """What `set_up` decided before any data is built or model trained."""
+
+  workdir: str
+  devices: list
+  tokenizer: Any
+  cfgs: dict[str, TransformerConfig]
+  layouts: dict[str, Any]
+  checkpointer: ckpt_lib.Checkpointer
+  fingerprint: str
+  start: int  # first PPO step this run trains (0, or the step after the checkpoint)
+  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
+  warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
+  planned: PlannedRun  # the plan the run uses (typed) and its predicted s/step
+  role: ProcessRole = ProcessRole()  # what this process does in a multi-process job
+  lock: WorkdirLock | None = None  # held by the process that writes (process 0)
+  # How long a step / a one-off wait between processes may make no progress.
+  deadline: ProgressDeadline = ProgressDeadline()
+  # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
+  data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def runtime(self) -> RuntimeConfig:
+    return self.planned.runtime
+
+  def close(self) -> None:
+    """Waits for the checkpoint writes and releases the workdir."""
+    try:
+      self.checkpointer.close()
+    finally:
+      if self.lock is not None:
+        self.lock.release()
+
+
+@dataclasses.dataclass
+class BuiltSystem:
+  """The PPO system and what the before/after samples need from its construction."""
+
+  system: PPOSystem
+  sampling: SamplingParams
+  actor_graphdef: nnx.GraphDef
+  # The reward model's score statistics the rewards are standardised by (None: raw).
+  reward_stats: reward_norm.ScoreStatistics | None = None

@@ -1,0 +1,62 @@
+"""What a process does in a job (`ProcessRole`), decided from the plan and its layouts.
+
+The 8 virtual CPU devices stand for several processes through `owner` (a device's
+process), as in tests/system/test_stage_groups.py.
+"""
+
+import pytest
+
+from pipe_rlhf_jax.phases.run_state import ProcessRole
+from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.system import build_layouts
+
+QUADS = lambda d: d.id // 4  # 2 processes x 4 devices
+
+
+def pipe_runtime(placement):
+  return RuntimeConfig(mode="pipe", placement=placement,
+                       generate=StagePlan(MeshSpec(data=-1)),
+                       infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=-1)))
+
+
+def test_one_process_and_spmd_jobs_train_everywhere_and_process_0_writes():
+  layouts = build_layouts(RuntimeConfig(mode="sequential"))
+  alone = ProcessRole.of(RuntimeConfig(mode="sequential"), layouts, 0, 1, 8)
+  assert alone == ProcessRole()
+  assert alone.checkpoint_group is None and not alone.trains_alone
+  # Sequential mode over 2 processes is one SPMD program: both train, process 0 writes.
+  second = ProcessRole.of(RuntimeConfig(mode="sequential"), layouts, 1, 2, 4, QUADS)
+  assert (second.writes, second.trains, second.across) == (False, True, False)
+  # Pipe mode in one process is not "across": nothing is placed on processes.
+  runtime = pipe_runtime((4, 2, 2))
+  assert not ProcessRole.of(runtime, build_layouts(runtime), 0, 1, 8).across
+
+
+def test_pipe_mode_across_processes_trains_in_the_training_stages_processes():
+  # 2 processes x 4 devices with process 0's devices last (the order `select_devices`
+  # gives pipe mode): training, the last block (devices 4-7), is process 0's.
+  runtime = pipe_runtime((2, 2, 4))
+  layouts = build_layouts(runtime)
+  last_is_0 = lambda d: 1 - d.id // 4
+  trainer = ProcessRole.of(runtime, layouts, 0, 2, 4, last_is_0)
+  other = ProcessRole.of(runtime, layouts, 1, 2, 4, last_is_0)
+  assert (trainer.writes, trainer.trains, trainer.across) == (True, True, True)
+  assert trainer.trainers == (0,) and trainer.trains_alone
+  assert trainer.checkpoint_group == [0]
+  assert (other.writes, other.trains) == (False, False)
+  assert other.checkpoint_group == [1]  # it only reads checkpoints, over its own process
+  # 4 processes x 2 devices: training (devices 4-7) spans processes 1 and 0.
+  span = lambda d: (2, 3, 1, 0)[d.id // 2]
+  role = ProcessRole.of(runtime, layouts, 1, 4, 2, span)
+  assert role.trainers == (0, 1) and role.trains and not role.trains_alone
+  assert role.checkpoint_group == [0, 1]
+
+
+def test_a_training_stage_outside_process_0_is_refused_naming_the_placement():
+  runtime = pipe_runtime((2, 2, 4))
+  with pytest.raises(ValueError, match=(
+      r"runtime.placement: in pipe mode across processes the training stage must "
+      r"include process 0's devices \(the last block of the device order, 4 per "
+      r"process\); it lies in processes \[1\]. Make runtime.placement.train the last "
+      r"block")):
+    ProcessRole.of(runtime, build_layouts(runtime), 0, 2, 4, QUADS)
