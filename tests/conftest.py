@@ -53,3 +53,14 @@ def _sigint_has_pythons_handler(request):
   if left is not signal.default_int_handler:
     warnings.warn(f"{request.node.nodeid} left SIGINT's handler as {left!r}")
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Runs the multi-process tests first, keeping the collected order within each group.
+
+  They are the longest (tens of seconds to minutes each, every one starting several JAX
+  processes); `pytest -n 2` hands out tests in collection order, so started last they
+  leave one worker running the tail while the other idles. Longest first balances the
+  workers (the classic longest-processing-time-first schedule).
+  """
+  items.sort(key=lambda item: item.get_closest_marker("multihost") is None)

@@ -458,7 +458,11 @@ def ppo_steps(workdir):
 # Slow: the default tier's cross-process stop is the exception case above, its signal stop
 # tests/test_faults.py's SIGINT inside the update.
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_finishes(tmp_path):
+def test_a_signal_to_one_process_stops_both_at_one_step_and_resume_equals_the_whole_run(
+    tmp_path):
+  # The uninterrupted two-process run, for the resumed run to equal.
+  whole = tmp_path / "whole"
+  assert launch_faulty(tmp_path, "logs0", fault_args(whole)).ok
   # A scheduler's SIGTERM reaches process 1 alone, during step 2: both processes agree
   # to stop after step 2, write its checkpoint together and exit 143; nothing is lost.
   workdir = tmp_path / "run"
@@ -469,18 +473,13 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_finishes(tmp_p
   job = launch_faulty(tmp_path, "logs2", [*fault_args(workdir), "--resume"])
   assert job.ok, job.report()
   assert ppo_steps(workdir) == [0, 1, 2, 3, 4]
-
-
-@pytest.mark.slow
-def test_sigterm_resume_equals_the_uninterrupted_two_process_run(tmp_path):
-  whole = tmp_path / "whole"
-  assert launch_faulty(tmp_path, "logs0", fault_args(whole)).ok
-  workdir = tmp_path / "run"
-  job = launch_faulty(tmp_path, "logs1", fault_args(workdir), fault="sigint@reward:1:0")
-  assert job.returncodes == [130, 130], job.report()
-  assert launch_faulty(tmp_path, "logs2", [*fault_args(workdir), "--resume"]).ok
   assert_metrics_close(math_metrics(phase_rows(whole, "ppo")),
                        math_metrics(phase_rows(workdir, "ppo")), rtol=1e-6, atol=1e-7)
+  # Ctrl-C on process 0 stops both the same way, with SIGINT's status.
+  job = launch_faulty(tmp_path, "logs3", fault_args(tmp_path / "ctrl_c"),
+                      fault="sigint@reward:1:0")
+  assert job.returncodes == [130, 130], job.report()
+  assert ppo_steps(tmp_path / "ctrl_c") == [0, 1]
 
 
 @pytest.mark.slow
