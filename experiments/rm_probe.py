@@ -37,7 +37,7 @@ import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before j
 import numpy as np  # noqa: E402
 
 from pipe_rlhf_jax import train as train_lib  # noqa: E402
-from pipe_rlhf_jax.data.pipeline import PreferencePipeline, pad_left  # noqa: E402
+from pipe_rlhf_jax.data.loaders import PreferenceLoader, pad_left  # noqa: E402
 from pipe_rlhf_jax.data.rewards import reverse_accuracy, reverse_target  # noqa: E402
 from pipe_rlhf_jax.generation.sampler import generate  # noqa: E402
 from pipe_rlhf_jax.models import hf  # noqa: E402
@@ -94,7 +94,7 @@ class Probe:
     data = self.config.data
     # Padded to whole batches with copies of the first record; their scores are dropped.
     padded = records + records[:1] * (-len(records) % BATCH)
-    batches = PreferencePipeline(padded, self.tokenizer, BATCH, data.prompt_len,
+    batches = PreferenceLoader(padded, self.tokenizer, BATCH, data.prompt_len,
                                  data.completion_len, 0, shuffle=False, num_epochs=1)
     out = [np.asarray(self.score_fn(self.reward_params, batch)) for batch in batches]
     return np.concatenate(out)[:len(records)]

@@ -66,7 +66,7 @@ from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.config_validation import validate_config
-from pipe_rlhf_jax.data import builders, digests, pipeline
+from pipe_rlhf_jax.data import builders, digests, loaders
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
@@ -144,13 +144,13 @@ def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
 
 
 def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
-  """Builds the TFDS datasets and their grain pipelines.
+  """Builds the TFDS datasets and their grain loaders.
 
   Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
   trained; the arith task has no preference pairs at all.
 
   Returns:
-    (counts of records skipped or truncated while building, {role: pipeline}).
+    (counts of records skipped or truncated while building, {role: loader}).
   """
   d = config.data
   import tensorflow_datasets as tfds
@@ -193,17 +193,17 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                  for split, counts in built[kind].stats.items()
                  for key, value in counts.items()}
   data = {
-      "demos": pipeline.DemoPipeline(built["demos"].source("train"), tokenizer,
+      "demos": loaders.DemoLoader(built["demos"].source("train"), tokenizer,
                                      config.sft.batch_size, d.prompt_len, d.completion_len,
                                      seed, validator=validator("demos")),
       # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
-      "prompts": pipeline.PromptPipeline(built["prompts"].source("train"), tokenizer,
+      "prompts": loaders.PromptLoader(built["prompts"].source("train"), tokenizer,
                                          config.ppo.batch_size // config.ppo.group_size,
                                          d.prompt_len, seed,
                                          validator=validator("prompts")),
       # One batch of held-out prompts, in file order: the samples shown and the prompts
       # scored greedily before and after PPO (at most the whole eval split).
-      "prompts_eval": pipeline.PromptPipeline(
+      "prompts_eval": loaders.PromptLoader(
           built["prompts"].source("eval"), tokenizer,
           min(max(config.log.samples, config.log.get("eval_prompts", 0), 1),
               built["prompts"].splits["eval"]),
@@ -212,15 +212,15 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   if use_rm and config.reward.get("normalize_samples_per_prompt", 0):
     # The first training prompts, in file order: the answers the reward model's scale is
     # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
-    data["prompts_norm"] = pipeline.PromptPipeline(
+    data["prompts_norm"] = loaders.PromptLoader(
         built["prompts"].source("train"), tokenizer,
         min(REWARD_NORM_PROMPTS, built["prompts"].splits["train"]), d.prompt_len, seed,
         shuffle=False, validator=validator("prompts"))
   if use_rm:
-    data["prefs"] = pipeline.PreferencePipeline(
+    data["prefs"] = loaders.PreferenceLoader(
         built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
-    data["prefs_eval"] = pipeline.PreferencePipeline(
+    data["prefs_eval"] = loaders.PreferenceLoader(
         built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
   return build_stats, data
@@ -503,7 +503,7 @@ def build_system(config, runtime: RuntimeConfig, cfgs: dict[str, TransformerConf
   critic starts from the reward model's or the SFT policy's backbone, per
   `ppo.critic_init`). Only the models the algorithm uses are built: no critic for a
   critic-free estimator, no reference when `ppo.kl_coef == 0`. `demos` (the SFT
-  `DemoPipeline`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
+  `DemoLoader`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
   every record once.
   """
   ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
@@ -761,10 +761,10 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, 
   writer = open_metrics(config, setup)
   try:
     build_stats, data = build_data(config, setup)
-    # Malformed-record decisions of every input pipeline, counted once up front.
+    # Malformed-record decisions of every data loader, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
-                                       for name, pipe in data.items()
-                                       for key, value in pipe.stats().items()}}, phase="data")
+                                       for name, loader in data.items()
+                                       for key, value in loader.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
     warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
                                   setup.cfgs, writer, setup.warm_layout, progress,

@@ -1,11 +1,11 @@
-"""Data: the embedded tasks (reverse, arith), record validation, TFDS builders, grain pipelines.
+"""Data: the embedded tasks (reverse, arith), record validation, TFDS builders, grain loaders.
 
 Importing this package registers the rule-based rewards ("reverse_accuracy",
 "reverse_exact", "arith_exact_match", "arith_digit_accuracy", and "math_verify", which
 checks completions against each prompt's reference answer) in
 `ppo.registry.REWARD_FUNCTIONS`. The other names are loaded on first use, so
 `python -m pipe_rlhf_jax.data.task` runs without importing its module twice, and
-TFDS/grain load only when a dataset is built or a pipeline constructed.
+TFDS/grain load only when a dataset is built or a loader constructed.
 """
 
 import importlib
@@ -24,9 +24,9 @@ _LAZY = {
     "build_dataset": "builders",
     "load_source": "builders",
     "make_task_datasets": "builders",
-    "DemoPipeline": "pipeline",
-    "PreferencePipeline": "pipeline",
-    "PromptPipeline": "pipeline",
+    "DemoLoader": "loaders",
+    "PreferenceLoader": "loaders",
+    "PromptLoader": "loaders",
     "FIELDS_BY_KIND": "records",
     "RecordValidator": "records",
     "make_task_records": "task",

@@ -1,4 +1,4 @@
-"""Tokenizers: the text <-> id contract every data pipeline and sampler relies on.
+"""Tokenizers: the text <-> id contract every data loader and sampler relies on.
 
 Owns one small protocol (`Tokenizer`) and two implementations:
 
@@ -15,7 +15,7 @@ Owns one small protocol (`Tokenizer`) and two implementations:
 path) to one of them.
 
 Special-token handling is uniform: `encode` never inserts specials except an optional
-leading BOS; EOS is appended by whoever builds completions (the data pipeline), so that
+leading BOS; EOS is appended by whoever builds completions (the data loaders), so that
 the layout rules of `ppo/types.py` live in one place. A chat template writes its own
 specials (BOS included) into the text, so `apply_chat_template` adds none.
 """

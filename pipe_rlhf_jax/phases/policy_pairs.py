@@ -33,7 +33,7 @@ class PolicyPairs:
   """An iterator of preference batches whose first rows are the policy's own samples.
 
   Args:
-    batches: the dataset's preference batches (`data.pipeline.PreferencePipeline`).
+    batches: the dataset's preference batches (`data.loaders.PreferenceLoader`).
     graphdef, params: the SFT policy (an LM-head Transformer's parts).
     tokenizer: decodes prompts and samples for the label rule.
     label_fn: a registered rule `(prompts, completions) -> float32 [batch]`.

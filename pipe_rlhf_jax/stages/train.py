@@ -69,7 +69,7 @@ class PtxBatch:
 
   Every leaf is [epochs, minibatches, ptx_rows, ...] in the order the update's gradient
   steps run; prompts left-padded, completions right-padded with their mask through EOS
-  (the `data.pipeline.DemoPipeline` layout).
+  (the `data.loaders.DemoLoader` layout).
   """
 
   prompt_tokens: jax.Array  # int32 [E, M, R, P]

@@ -19,7 +19,7 @@ randomness; optionally "answer_bytes": uint8 [batch, A], each prompt's reference
 equal `PPOConfig.prompts_per_step` (= `batch_size` / `group_size`: each prompt is
 sampled `group_size` times). A source that also has
 `get_state() -> dict` and `set_state(dict)` can be checkpointed and resumed exactly
-(`data.pipeline.PromptPipeline` is one, over TFDS or any list of {"prompt": text}).
+(`data.loaders.PromptLoader` is one, over TFDS or any list of {"prompt": text}).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def prompts_from_texts(texts: Sequence[str], tokenizer, batch_size: int, prompt_
   Each epoch is a fresh shuffle (`seed` + epoch); over-long prompts are truncated to
   `prompt_len` tokens (BOS first when the tokenizer has one).
   """
-  from pipe_rlhf_jax.data.pipeline import PromptPipeline
+  from pipe_rlhf_jax.data.loaders import PromptLoader
   if len(texts) < batch_size:
     raise ValueError(f"{len(texts)} prompts cannot fill one batch of {batch_size}; give "
                      "more prompts or a smaller batch_size.")
-  return PromptPipeline([{"prompt": t} for t in texts], tokenizer, batch_size, prompt_len,
+  return PromptLoader([{"prompt": t} for t in texts], tokenizer, batch_size, prompt_len,
                         seed, shuffle=shuffle, name="prompts_from_texts")
 
 

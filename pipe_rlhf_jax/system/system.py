@@ -329,7 +329,7 @@ class PPOSystem:
     devices: devices to use (default: all).
     ptx_demos: the demonstrations of the SFT term, exactly when `ppo.ptx_coef > 0`:
       {"prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask"} host arrays
-      [pool, ...] in the `DemoPipeline` layout (e.g. `DemoPipeline.as_arrays()`).
+      [pool, ...] in the `DemoLoader` layout (e.g. `DemoLoader.as_arrays()`).
   """
 
   def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax.data.builders import build_dataset
-from pipe_rlhf_jax.data.pipeline import DemoPipeline, PromptPipeline
+from pipe_rlhf_jax.data.loaders import DemoLoader, PromptLoader
 from pipe_rlhf_jax.data.records import RecordValidator, jsonl_fields
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
 from pipe_rlhf_jax.ppo.types import decode_answers
@@ -102,7 +102,7 @@ def test_messages_need_a_tokenizer_with_a_chat_template(tmp_path):
   plain = str(tmp_path / "plain")
   write_chat_tokenizer(plain, CORPUS, ["</s>"], eos="</s>")
   with pytest.raises(ValueError, match=f"HFTokenizer of {plain}.*chat_template"):
-    PromptPipeline([record], HFTokenizer(plain), 1, 64, seed=0)
+    PromptLoader([record], HFTokenizer(plain), 1, 64, seed=0)
 
 
 def test_a_conversation_the_template_refuses_follows_the_policy(tmp_path):
@@ -134,7 +134,7 @@ def test_dataset_and_pipelines_render_conversations_and_carry_answers(tmp_path):
                                  ).read_bytes()
   assert shard(again) == shard(built)
 
-  pipe = PromptPipeline(built.source("train"), tok, 6, 64, seed=0, shuffle=False,
+  pipe = PromptLoader(built.source("train"), tok, 6, 64, seed=0, shuffle=False,
                         num_epochs=1, answer_len=4)
   (batch,) = list(pipe)
   assert batch["answer_bytes"].dtype == np.uint8 and batch["answer_bytes"].shape == (6, 4)
@@ -145,11 +145,11 @@ def test_dataset_and_pipelines_render_conversations_and_carry_answers(tmp_path):
     assert got == expected  # no BOS added (this template has none), generation prompt last
     assert tok.decode(got).endswith("assistant\n")
   # An answer longer than its width is skipped (never cut), or raises under "error".
-  short = PromptPipeline(built.source("train"), tok, 1, 64, seed=0, answer_len=1)
+  short = PromptLoader(built.source("train"), tok, 1, 64, seed=0, answer_len=1)
   assert short.stats()["skipped/overlong_answer"] == 1  # "10"
   with pytest.raises(ValueError, match=r"field 'answer' has 2 UTF-8 bytes, over the budget "
                                        r"of 1.*never truncated"):
-    PromptPipeline(built.source("train"), tok, 1, 64, seed=0, answer_len=1,
+    PromptLoader(built.source("train"), tok, 1, 64, seed=0, answer_len=1,
                    validator=RecordValidator(["prompt"], on_overlong="error"))
 
   # Demonstrations as conversations with their completion (the assistant's turn).
@@ -157,7 +157,7 @@ def test_dataset_and_pipelines_render_conversations_and_carry_answers(tmp_path):
                                         for i, q in enumerate(questions)])
   built_demos = build_dataset("demos", demos, str(tmp_path / "tfds"), name="chat_demos")
   assert built_demos.fields == ("messages", "completion")
-  (demo,) = list(DemoPipeline(built_demos.source("train"), tok, 6, 64, 8, seed=0,
+  (demo,) = list(DemoLoader(built_demos.source("train"), tok, 6, 64, 8, seed=0,
                               shuffle=False, num_epochs=1))
   assert "answer_bytes" not in demo
   assert demo["completion_tokens"][3][demo["completion_mask"][3]].tolist() == (
@@ -168,7 +168,7 @@ def test_dataset_and_pipelines_render_conversations_and_carry_answers(tmp_path):
 
 def test_plain_prompt_records_are_unchanged():
   tok = ByteTokenizer()
-  (batch,) = list(PromptPipeline([{"prompt": "rev ab="}] * 2, tok, 2, 8, seed=0,
+  (batch,) = list(PromptLoader([{"prompt": "rev ab="}] * 2, tok, 2, 8, seed=0,
                                  num_epochs=1))
   assert set(batch) == {"prompt_tokens", "prompt_mask", "index"}
   assert batch["prompt_tokens"][0][batch["prompt_mask"][0]].tolist() == (

@@ -112,9 +112,9 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",
            "bag", "dab", "egg", "hag", "aced"]
   if answers:
-    from pipe_rlhf_jax.data.pipeline import PromptPipeline
+    from pipe_rlhf_jax.data.loaders import PromptLoader
     records = [{"prompt": f"rev {w}=", "answer": f"ans {w}"} for w in words]
-    return system, PromptPipeline(records, tokenizer, 16, 10, seed=0, answer_len=16)
+    return system, PromptLoader(records, tokenizer, 16, 10, seed=0, answer_len=16)
   prompts = prompts_from_texts([f"rev {w}=" for w in words], tokenizer, batch_size=16,
                                prompt_len=10)
   return system, prompts

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import models
-from pipe_rlhf_jax.data.pipeline import PromptPipeline
+from pipe_rlhf_jax.data.loaders import PromptLoader
 from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer
 from pipe_rlhf_jax.ppo.registry import rule_answers, score_rule
@@ -86,7 +86,7 @@ def test_each_row_reaches_the_rule_with_its_own_answer(mode):
   seen = []
   system = _system(runtime, _pairing_rule(seen))
   records = [{"prompt": f"q{i}=", "answer": f"a{i}"} for i in range(24)]
-  prompts = PromptPipeline(records, TOK, 8, 8, seed=0, answer_len=8)
+  prompts = PromptLoader(records, TOK, 8, 8, seed=0, answer_len=8)
   result = run(system, prompts, steps=2)
   assert [m["reward/mean"] for m in result.metrics] == [1.0, 1.0]
   assert [m["rule_reward/mean"] for m in result.metrics] == [1.0, 1.0]
@@ -99,6 +99,6 @@ def test_each_row_reaches_the_rule_with_its_own_answer(mode):
 
 def test_a_rule_that_needs_answers_names_the_missing_field():
   system = _system(RuntimeConfig(mode="sequential"), _pairing_rule([]))
-  prompts = PromptPipeline([{"prompt": f"q{i}="} for i in range(8)], TOK, 8, 8, seed=0)
+  prompts = PromptLoader([{"prompt": f"q{i}="} for i in range(8)], TOK, 8, 8, seed=0)
   with pytest.raises(ValueError, match="'answer' field"):
     run(system, prompts, steps=1)

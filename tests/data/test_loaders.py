@@ -1,4 +1,4 @@
-"""Tests for data/pipeline.py: layout, epochs, determinism, validation, exact resumption."""
+"""Tests for data/loaders.py: layout, epochs, determinism, validation, exact resumption."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax.data.builders import make_task_datasets
-from pipe_rlhf_jax.data.pipeline import DemoPipeline, PreferencePipeline, PromptPipeline
+from pipe_rlhf_jax.data.loaders import DemoLoader, PreferenceLoader, PromptLoader
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.data.task import make_task_records
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer
@@ -22,8 +22,8 @@ def task_data(tmp_path_factory):
                             num_eval=8)
 
 
-def _take(pipeline, n):
-  return [next(pipeline) for _ in range(n)]
+def _take(loader, n):
+  return [next(loader) for _ in range(n)]
 
 
 def _assert_batches_equal(a, b):
@@ -35,7 +35,7 @@ def _assert_batches_equal(a, b):
 
 
 def test_prompt_batch_layout(task_data):
-  p = PromptPipeline.from_tfds("reverse_prompts", task_data["data_dir"], "train", TOK,
+  p = PromptLoader.from_tfds("reverse_prompts", task_data["data_dir"], "train", TOK,
                                batch_size=4, prompt_len=P, seed=1)
   b = next(p)
   assert set(b) == {"prompt_tokens", "prompt_mask", "index"}
@@ -56,7 +56,7 @@ def test_prompt_batch_layout(task_data):
 
 def test_demo_and_preference_layout(task_data):
   recs = make_task_records(50, 40, 30, 0, num_eval=8)
-  d = DemoPipeline.from_tfds("reverse_demos", task_data["data_dir"], "train", TOK, 5, P, T, seed=0)
+  d = DemoLoader.from_tfds("reverse_demos", task_data["data_dir"], "train", TOK, 5, P, T, seed=0)
   b = next(d)
   assert set(b) == {"prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask", "index"}
   assert b["completion_tokens"].shape == (5, T) and b["completion_tokens"].dtype == np.int32
@@ -69,7 +69,7 @@ def test_demo_and_preference_layout(task_data):
     assert TOK.decode(tokens) == want["completion"]
     assert TOK.decode(b["prompt_tokens"][row]) == want["prompt"]
 
-  pp = PreferencePipeline.from_tfds("reverse_prefs", task_data["data_dir"], "eval", TOK, 4, P, T,
+  pp = PreferenceLoader.from_tfds("reverse_prefs", task_data["data_dir"], "eval", TOK, 4, P, T,
                                     seed=0, shuffle=False)
   b = next(pp)
   assert set(b) == {"prompt_tokens", "prompt_mask", "chosen_tokens", "chosen_mask",
@@ -85,7 +85,7 @@ def test_demo_and_preference_layout(task_data):
 def test_epochs_reshuffle_drop_remainder_and_stop():
   letters = "abcdefgh"
   source = [{"prompt": f"rev {letters[i % 8]}{letters[i // 8]}=", "index": i} for i in range(22)]
-  p = PromptPipeline(source, TOK, batch_size=5, prompt_len=P, seed=7, num_epochs=3)
+  p = PromptLoader(source, TOK, batch_size=5, prompt_len=P, seed=7, num_epochs=3)
   assert p.steps_per_epoch == 4 and p.num_records == 22
   batches = list(p)
   assert len(batches) == 12 and p.epoch == 3
@@ -94,18 +94,18 @@ def test_epochs_reshuffle_drop_remainder_and_stop():
     assert len(set(order.tolist())) == 20  # no repeats inside an epoch, 2 dropped
   assert epochs[0].tolist() != epochs[1].tolist() and epochs[1].tolist() != epochs[2].tolist()
   # Deterministic: same seed same stream, another seed another one.
-  again = list(PromptPipeline(source, TOK, 5, P, seed=7, num_epochs=3))
+  again = list(PromptLoader(source, TOK, 5, P, seed=7, num_epochs=3))
   _assert_batches_equal(batches, again)
-  other = next(PromptPipeline(source, TOK, 5, P, seed=8))
+  other = next(PromptLoader(source, TOK, 5, P, seed=8))
   assert other["index"].tolist() != batches[0]["index"].tolist()
 
 
 @pytest.mark.parametrize("kind", ["prompts", "demos", "prefs"])
 def test_resume_is_exact(task_data, kind):
   name, cls, extra = {
-      "prompts": ("reverse_prompts", PromptPipeline, ()),
-      "demos": ("reverse_demos", DemoPipeline, (T,)),
-      "prefs": ("reverse_prefs", PreferencePipeline, (T,)),
+      "prompts": ("reverse_prompts", PromptLoader, ()),
+      "demos": ("reverse_demos", DemoLoader, (T,)),
+      "prefs": ("reverse_prefs", PreferenceLoader, (T,)),
   }[kind]
 
   def make():
@@ -125,11 +125,11 @@ def test_resume_is_exact(task_data, kind):
 
 def test_set_state_rejects_other_settings(task_data):
   args = ("reverse_prompts", task_data["data_dir"], "train", TOK, 8, P)
-  state = PromptPipeline.from_tfds(*args, seed=5).get_state()
+  state = PromptLoader.from_tfds(*args, seed=5).get_state()
   with pytest.raises(ValueError, match="fingerprint"):
-    PromptPipeline.from_tfds(*args, seed=6).set_state(state)
+    PromptLoader.from_tfds(*args, seed=6).set_state(state)
   with pytest.raises(ValueError, match="version"):
-    PromptPipeline.from_tfds(*args, seed=5).set_state({"next_index": 3})
+    PromptLoader.from_tfds(*args, seed=5).set_state({"next_index": 3})
 
 
 def test_malformed_and_overlong_records_are_counted_not_batched():
@@ -142,14 +142,14 @@ def test_malformed_and_overlong_records_are_counted_not_batched():
       {"completion": "ba", "index": 5},                                     # missing prompt
       {"prompt": "rev ba=", "completion": "ab", "index": 6},
   ]
-  skip = DemoPipeline(source, TOK, 2, P, T, seed=0, num_epochs=1,
+  skip = DemoLoader(source, TOK, 2, P, T, seed=0, num_epochs=1,
                       validator=RecordValidator(["prompt", "completion"], on_overlong="skip"))
   assert sorted(np.concatenate([b["index"] for b in skip]).tolist()) == [0, 6]
   assert skip.stats() == {"records/seen": 7, "records/kept": 2, "skipped/empty": 1,
                           "skipped/invalid_utf8": 1, "skipped/missing_field": 1,
                           "skipped/overlong_prompt": 1, "skipped/overlong_completion": 1}
 
-  trunc = DemoPipeline(source, TOK, 4, P, T, seed=0, shuffle=False, num_epochs=1)
+  trunc = DemoLoader(source, TOK, 4, P, T, seed=0, shuffle=False, num_epochs=1)
   (b,) = list(trunc)
   assert b["index"].tolist() == [0, 3, 4, 6]
   assert trunc.stats()["truncated/prompt"] == 1 and trunc.stats()["truncated/completion"] == 1
@@ -161,7 +161,7 @@ def test_malformed_and_overlong_records_are_counted_not_batched():
 
   # Every kept record once, in source order, as the batches lay it out (the pool of PPO's
   # SFT term), without moving the shuffled stream.
-  shuffled = DemoPipeline(source, TOK, 2, P, T, seed=0, num_epochs=1,
+  shuffled = DemoLoader(source, TOK, 2, P, T, seed=0, num_epochs=1,
                           validator=RecordValidator(["prompt", "completion"],
                                                     on_overlong="skip"))
   first = next(shuffled)
@@ -172,18 +172,18 @@ def test_malformed_and_overlong_records_are_counted_not_batched():
     np.testing.assert_array_equal(pool[key][row], first[key][0])
 
   with pytest.raises(ValueError, match=r"demos source\[1\]: field 'prompt' has 22 tokens"):
-    DemoPipeline(source[:1] + source[3:4], TOK, 1, P, T, seed=0,
+    DemoLoader(source[:1] + source[3:4], TOK, 1, P, T, seed=0,
                  validator=RecordValidator(["prompt", "completion"], on_overlong="error"))
 
 
 def test_argument_errors():
   source = [{"prompt": "rev ab="}] * 3
   with pytest.raises(ValueError, match="batch_size"):
-    PromptPipeline(source, TOK, 4, P, seed=0)
+    PromptLoader(source, TOK, 4, P, seed=0)
   with pytest.raises(ValueError, match="exceeds prompt_len"):
-    PromptPipeline(source, TOK, 1, P, seed=0, validator=RecordValidator(["prompt"], P + 1))
+    PromptLoader(source, TOK, 1, P, seed=0, validator=RecordValidator(["prompt"], P + 1))
   with pytest.raises(ValueError, match="lacks"):
-    DemoPipeline(source, TOK, 1, P, T, seed=0, validator=RecordValidator(["prompt"]))
+    DemoLoader(source, TOK, 1, P, T, seed=0, validator=RecordValidator(["prompt"]))
 
 
 def test_tokenizer_without_bos(tmp_path):
@@ -199,7 +199,7 @@ def test_tokenizer_without_bos(tmp_path):
   raw.save(str(tmp_path / "tokenizer.json"))
   tok = HFTokenizer(str(tmp_path), eos_token="</s>")
   source = [{"prompt": "rev a b =", "completion": "b a"}]
-  b = next(DemoPipeline(source, tok, 1, 6, 4, seed=0))
+  b = next(DemoLoader(source, tok, 1, 6, 4, seed=0))
   eos = tok.eos_id
   # No BOS: the prompt is only its 4 tokens; pad falls back to EOS, masks tell them apart.
   assert b["prompt_mask"][0].tolist() == [False, False, True, True, True, True]

@@ -1,6 +1,6 @@
-"""Grain input pipelines: prompts (PPO), demonstrations (SFT), preference pairs (RM).
+"""Grain data loaders: prompts (PPO), demonstrations (SFT), preference pairs (RM).
 
-Each pipeline turns a random-access source of text records (a `tfds.data_source` of a
+Each loader turns a random-access source of text records (a `tfds.data_source` of a
 dataset from data/builders.py, or any sequence of dicts) into an endless or finite
 stream of fixed-shape numpy batches in the layout of `ppo/types.py`: prompts LEFT-padded
 to `prompt_len` with BOS first (when the tokenizer has one), completions RIGHT-padded to
@@ -18,8 +18,8 @@ into the seed: permutation seed + epoch), mapped to padded examples, batched wit
 epoch with `drop_remainder`, and repeated `num_epochs` times (None: forever). Batch k
 is therefore a pure function of (source, settings, k), and the iterator state is just
 k ("next_index" of grain's iterator) plus a fingerprint of the settings: a fresh
-pipeline given `set_state(state)` yields exactly the batches the original would have
-yielded next, and refuses a state from a differently configured pipeline.
+loader given `set_state(state)` yields exactly the batches the original would have
+yielded next, and refuses a state from a differently configured loader.
 
 The one-off scan costs one tokenization pass over the source; it buys exact,
 position-independent skip/truncation counts and early errors (never deep in jitted
@@ -42,9 +42,9 @@ from pipe_rlhf_jax.data.records import ANSWER_FIELD, FIELDS_BY_KIND, PROMPT_FIEL
 _log = logging.getLogger(__name__)
 
 __all__ = [
-    "DemoPipeline",
-    "PreferencePipeline",
-    "PromptPipeline",
+    "DemoLoader",
+    "PreferenceLoader",
+    "PromptLoader",
     "make_task_datasets",
     "pad_left",
     "pad_right",
@@ -80,7 +80,7 @@ def pad_right(ids: Sequence[int], length: int, pad_id: int) -> tuple[np.ndarray,
   return tokens, mask
 
 
-class _Pipeline:
+class _Loader:
   """Shared machinery; subclasses set KIND and how fields become batch arrays."""
 
   KIND = ""
@@ -145,7 +145,7 @@ class _Pipeline:
   def _make_validator(self, validator: RecordValidator | None) -> RecordValidator:
     budget_t = self.completion_len
     # The fields (prompt form, answer) follow the source's first record; a prompt
-    # pipeline carries answers exactly when it has an answer width.
+    # loader carries answers exactly when it has an answer width.
     first = self._source[0] if len(self._source) else None
     answers = self.answer_len is not None
     if validator is None:
@@ -156,7 +156,7 @@ class _Pipeline:
     if missing:
       raise ValueError(
           f"validator.required_fields {validator.required_fields} lacks {sorted(missing)} "
-          f"needed by a {self.KIND} pipeline.")
+          f"needed by a {self.KIND} loader.")
     max_p = validator.max_prompt_tokens or self.prompt_len
     max_t = validator.max_completion_tokens or budget_t
     if max_p > self.prompt_len:
@@ -165,7 +165,7 @@ class _Pipeline:
     if budget_t is not None and max_t > budget_t:
       raise ValueError(
           f"validator.max_completion_tokens={max_t} exceeds completion_len={budget_t}.")
-    # A fresh copy: its stats describe this pipeline's source only.
+    # A fresh copy: its stats describe this loader's source only.
     return validator.with_limits(max_p, max_t, self.answer_len).like(first, answers=answers)
 
   def _where(self, position: int) -> str:
@@ -205,7 +205,7 @@ class _Pipeline:
     # Already counted by the scan; same record and tokenizer give the same ids.
     ids = self.validator.process(record, self.tokenizer, self._where(position), count=False)
     if ids is None:
-      raise RuntimeError(f"{self._where(position)} changed since the pipeline scanned it.")
+      raise RuntimeError(f"{self._where(position)} changed since the loader scanned it.")
     pad = self.tokenizer.pad_id
     out = {}
     for field in self.validator.required_fields:
@@ -230,7 +230,7 @@ class _Pipeline:
 
   @property
   def step(self) -> int:
-    """Number of batches this pipeline has yielded (after any `set_state`)."""
+    """Number of batches this loader has yielded (after any `set_state`)."""
     return int(self._iterator.get_state()["next_index"])
 
   @property
@@ -245,7 +245,7 @@ class _Pipeline:
 
   def as_arrays(self) -> dict[str, np.ndarray]:
     """Every kept record once, in source order, as one batch ([num_records, ...] arrays
-    in the layout the pipeline yields): e.g. the demonstration pool of PPO's SFT term.
+    in the layout the loader yields): e.g. the demonstration pool of PPO's SFT term.
     Independent of the iterator: its position does not move."""
     examples = [self._example(position) for position in self._kept]
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
@@ -260,17 +260,17 @@ class _Pipeline:
     }
 
   def set_state(self, state: Mapping[str, Any]) -> None:
-    """Continues from `state` (from `get_state` of an identically configured pipeline).
+    """Continues from `state` (from `get_state` of an identically configured loader).
 
     Raises:
-      ValueError: the state is malformed or from a pipeline with other settings/data.
+      ValueError: the state is malformed or from a loader with other settings/data.
     """
     if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-      raise ValueError(f"Not a pipeline state of version {_STATE_VERSION}: {state!r}.")
+      raise ValueError(f"Not a loader state of version {_STATE_VERSION}: {state!r}.")
     if state.get("kind") != self.KIND or state.get("fingerprint") != self._fingerprint:
       raise ValueError(
-          f"Pipeline state is for a {state.get('kind')} pipeline with fingerprint "
-          f"{state.get('fingerprint')}, but this is a {self.KIND} pipeline with "
+          f"Loader state is for a {state.get('kind')} loader with fingerprint "
+          f"{state.get('fingerprint')}, but this is a {self.KIND} loader with "
           f"{self._fingerprint}: data, seed, batch size, lengths, epochs or validation "
           "policy differ, so the stream would not continue where it stopped.")
     self._iterator.set_state(dict(state["iterator"]))
@@ -281,12 +281,12 @@ class _Pipeline:
 
   @classmethod
   def from_tfds(cls, name: str, data_dir: str, split: str, *args, **kwargs):
-    """Builds the pipeline on `tfds.data_source(name, data_dir=..., split=...)`."""
+    """Builds the loader on `tfds.data_source(name, data_dir=..., split=...)`."""
     kwargs.setdefault("name", f"{name}[{split}]")
     return cls(load_source(name, data_dir, split), *args, **kwargs)
 
 
-class PromptPipeline(_Pipeline):
+class PromptLoader(_Loader):
   """Prompt batches for PPO generation.
 
   Args:
@@ -322,8 +322,8 @@ class PromptPipeline(_Pipeline):
                      validator, num_epochs, name, num_threads, answer_len)
 
 
-class DemoPipeline(_Pipeline):
-  """SFT demonstration batches; arguments as `PromptPipeline` plus `completion_len`.
+class DemoLoader(_Loader):
+  """SFT demonstration batches; arguments as `PromptLoader` plus `completion_len`.
 
   Args:
     completion_len: T, including EOS. Over-long completions are truncated without EOS
@@ -344,8 +344,8 @@ class DemoPipeline(_Pipeline):
                      validator, num_epochs, name, num_threads)
 
 
-class PreferencePipeline(_Pipeline):
-  """Reward-model preference batches; arguments as `DemoPipeline`.
+class PreferenceLoader(_Loader):
+  """Reward-model preference batches; arguments as `DemoLoader`.
 
   Yields:
     {"prompt_tokens": int32 [B, P], "prompt_mask": bool [B, P],
