@@ -60,7 +60,7 @@ if SCALE != "tiny":
 workdir = os.path.join(REPO, "runs", f"colab-{SCALE}")
 result = train(config, workdir, resume=os.path.isdir(os.path.join(workdir, "checkpoints")),
                progress=False)
-print(result["summary"])
+print(result.summary)
 
 # %% [markdown]
 # ## The reward curve
@@ -70,10 +70,10 @@ print(result["summary"])
 # %%
 import matplotlib.pyplot as plt  # noqa: E402
 
-steps = [r["step"] for r in result["ppo_metrics"]]
+steps = [r["step"] for r in result.ppo_metrics]
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.plot(steps, [r["reward/mean"] for r in result["ppo_metrics"]], label="reward model")
-ax.plot(steps, [r.get("rule_reward/mean", float("nan")) for r in result["ppo_metrics"]],
+ax.plot(steps, [r["reward/mean"] for r in result.ppo_metrics], label="reward model")
+ax.plot(steps, [r.get("rule_reward/mean", float("nan")) for r in result.ppo_metrics],
         label="rule: reverse accuracy")
 ax.set_xlabel("PPO step")
 ax.legend()
@@ -84,8 +84,8 @@ plt.show()
 
 # %%
 print("before PPO:")
-for line in result["samples_before"]:
+for line in result.samples_before:
   print("  ", line)
 print("after PPO:")
-for line in result["samples_after"]:
+for line in result.samples_after:
   print("  ", line)

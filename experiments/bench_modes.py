@@ -154,8 +154,8 @@ def fresh_workdir(path: str) -> str:
 
 def measure(result: dict, config, warmup: int) -> dict:
   """Steady-state numbers of one finished run (see the module docstring)."""
-  tracer = result["tracer"]
-  records = sorted(result["ppo_metrics"], key=lambda r: r["step"])
+  tracer = result.tracer
+  records = sorted(result.ppo_metrics, key=lambda r: r["step"])
   # Throughput: the time between consecutive train-span ends. In the serial modes that is
   # one whole step (sync + generate + infer + train); in pipe mode the stages of different
   # batches overlap, so per-step `time/step_s` is a latency and summing stage times would
@@ -183,7 +183,7 @@ def measure(result: dict, config, warmup: int) -> dict:
 
   sync_keys = ("transfer/actor_sync/bytes", "transfer/critic_sync/bytes")
   sync_total = sum(r.get(k, 0.0) for r in records for k in sync_keys)
-  workdir = result["workdir"]
+  workdir = result.workdir
   return {
       "s_per_step": s_per_step,
       "s_per_step_min": min(intervals),
@@ -202,7 +202,7 @@ def measure(result: dict, config, warmup: int) -> dict:
       "sync_bytes_total": sync_total,
       "sync_bytes_per_step": sync_total / len(records),
       "reward_mean_last": records[-1].get("reward/mean", float("nan")),
-      "wall_s": result["wall_s"],
+      "wall_s": result.wall_s,
       "workdir": workdir,
       "trace": os.path.join(workdir, "trace.json"),
       "gantt": os.path.join(workdir, "gantt.png"),

@@ -233,7 +233,7 @@ def host_description() -> str:
 
 def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> dict:
   """The numbers of one finished run that the table and the plot need."""
-  rows = sorted(result["ppo_metrics"], key=lambda r: r["step"])
+  rows = sorted(result.ppo_metrics, key=lambda r: r["step"])
   steps = len(rows)
   last = max(1, int(round(FINAL_FRACTION * steps)))
   curve = [r["rule_reward/mean"] for r in rows]
@@ -249,20 +249,20 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "kl_end": float(np.mean(kl[-last:])),
       "reward_start": rows[0]["reward/mean"],
       "reward_final": float(np.mean([r["reward/mean"] for r in rows[-last:]])),
-      "greedy_before": result["heldout_before"][fn],
-      "greedy_after": result["heldout_after"][fn],
-      "greedy_prompts": result["heldout_prompts"],
+      "greedy_before": result.heldout_before[fn],
+      "greedy_after": result.heldout_after[fn],
+      "greedy_prompts": result.heldout_prompts,
       # Each held-out prompt's greedy score, in the same order before and after.
-      "greedy_before_per_prompt": result["heldout_per_prompt"]["before"][fn],
-      "greedy_after_per_prompt": result["heldout_per_prompt"]["after"][fn],
+      "greedy_before_per_prompt": result.heldout_per_prompt["before"][fn],
+      "greedy_after_per_prompt": result.heldout_per_prompt["after"][fn],
       # k sampled answers per held-out prompt (log.eval_samples_per_prompt), when on.
-      **sampled_fields(result.get("heldout_sampled"), fn),
+      **sampled_fields(result.heldout_sampled, fn),
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
-      "rm_eval_accuracy": (result["rm_eval"] or {}).get("eval_accuracy"),  # None: a rule
-      "samples_per_s": steady_samples_per_s(result["tracer"], config.ppo.batch_size),
+      "rm_eval_accuracy": (result.rm_eval or {}).get("eval_accuracy"),  # None: a rule
+      "samples_per_s": steady_samples_per_s(result.tracer, config.ppo.batch_size),
       "wall_s": wall_s, "load_average": os.getloadavg()[0], "host": host_description(),
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
-      "samples_after": result["samples_after"], "samples_before": result["samples_before"],
+      "samples_after": result.samples_after, "samples_before": result.samples_before,
   }
 
 

@@ -114,7 +114,7 @@ def main(argv):
     else:
       result = train(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value,
                      progress=sys.stderr.isatty())
-      message = result["summary"]
+      message = result.summary
   except Interrupted as e:
     # A clean stop (SIGINT / SIGTERM) after the final checkpoint: 128 + the signal.
     print(f"[pipe_rlhf_jax] {e}", file=sys.stderr, flush=True)

@@ -79,7 +79,7 @@ from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
-from pipe_rlhf_jax.phases.run_state import BuiltSystem, ProcessRole, RunSetup
+from pipe_rlhf_jax.phases.run_state import BuiltSystem, ProcessRole, RunResult, RunSetup
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
@@ -737,8 +737,9 @@ def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
 
 
 def train(config, workdir: str | None = None, *, resume: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> dict[str, Any]:
-  """Runs the whole RLHF pipeline; returns a summary dict.
+          stop_after: int | None = None, progress: bool = True) -> RunResult:
+  """Runs the whole RLHF pipeline; returns its `RunResult` (the summary, the PPO metrics,
+  the held-out scores before and after, the trace).
 
   Args:
     config: a validated-on-entry ConfigDict (see configs/quickstart.py).
@@ -754,7 +755,7 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
     return _train(config, workdir, resume, stop_after, progress, signals)
 
 
-def _train(config, workdir, resume, stop_after, progress, signals) -> dict[str, Any]:
+def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
   """`train` under its signal handlers."""
   start_time = time.perf_counter()
   setup = set_up(config, workdir, resume)

@@ -41,7 +41,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_every_phase_runs_and_writes_its_outputs(tiny_run):
-  workdir = tiny_run["workdir"]
+  workdir = tiny_run.workdir
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   phases = {r["phase"] for r in records}
   assert {"sft", "reward_model", "reward_model_eval", "ppo"} <= phases
@@ -55,7 +55,7 @@ def test_every_phase_runs_and_writes_its_outputs(tiny_run):
                "export/config.json", "export/model.safetensors"):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert os.listdir(os.path.join(workdir, "checkpoints"))
-  assert "reward/mean" in tiny_run["summary"]
+  assert "reward/mean" in tiny_run.summary
 
 
 def test_a_failed_export_leaves_the_previous_one_whole(tmp_path, monkeypatch):
@@ -101,12 +101,12 @@ def test_first_ppo_ratio_is_one(tiny_run):
   # Behaviour log-probs come from the sampler, the trainer recomputes them: with the
   # same weights the ratio is exactly 1 up to float rounding, so nothing is clipped at
   # the first minibatch of the first step.
-  first = tiny_run["ppo_metrics"][0]
+  first = tiny_run.ppo_metrics[0]
   assert abs(first["ratio_mean"] - 1.0) < 0.05
 
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_run):
-  full = tiny_run["ppo_metrics"]
+  full = tiny_run.ppo_metrics
   part = str(tmp_path / "part")
   train(tiny(), part, stop_after=2, progress=False)
   with pytest.raises(FileExistsError, match="--resume"):
@@ -116,7 +116,7 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_run):
     train(changed, part, resume=True, progress=False)
   config = tiny()
   config.checkpoint.every = 3  # only where/when things are written: allowed to differ
-  resumed = train(config, part, resume=True, progress=False)["ppo_metrics"]
+  resumed = train(config, part, resume=True, progress=False).ppo_metrics
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert comparable(resumed) == comparable(full)
 
@@ -154,7 +154,7 @@ def test_ctrl_c_right_after_resume_stops_cleanly(tmp_path):
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
                 if s.isdigit()) == [1, 2]
   resumed = train(config, workdir, resume=True, progress=False)
-  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
+  assert [r["step"] for r in resumed.ppo_metrics] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
@@ -202,8 +202,8 @@ train(config, {workdir!r}, progress=False)
   resumed = train(tiny(), workdir, resume=True, progress=False)
   # The log, and what is computed from it, hold each step once, equal to a run that was
   # never killed (the same programs on the same devices: equal to the last bit).
-  assert comparable(ppo_rows(workdir)) == comparable(tiny_run["ppo_metrics"])
-  assert comparable(resumed["ppo_metrics"]) == comparable(tiny_run["ppo_metrics"])
+  assert comparable(ppo_rows(workdir)) == comparable(tiny_run.ppo_metrics)
+  assert comparable(resumed.ppo_metrics) == comparable(tiny_run.ppo_metrics)
   assert [r["phase"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
           ].count("data") == 1
 
@@ -222,7 +222,7 @@ def test_resume_on_fewer_devices_in_another_mode(tmp_path, caplog):
   config.mesh.update(data=2, fsdp=2)
   with caplog.at_level(logging.WARNING, logger="pipe_rlhf_jax.train"):
     resumed = train(config, workdir, resume=True, progress=False)
-  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1, 2, 3]
+  assert [r["step"] for r in resumed.ppo_metrics] == [0, 1, 2, 3]
   assert "num_devices: 8 -> 4" in caplog.text and "mode: 'pipe' -> 'sequential'" in caplog.text
   assert "changes what PPO computes" in caplog.text
   from pipe_rlhf_jax.checkpoint import Checkpointer
@@ -244,8 +244,8 @@ def test_resume_on_another_mesh_gives_the_uninterrupted_metrics(tmp_path, tiny_r
   train(tiny(), part, stop_after=2, progress=False)
   config = tiny()
   config.mesh.update(data=2, fsdp=4)
-  resumed = comparable(train(config, part, resume=True, progress=False)["ppo_metrics"])
-  full = comparable(tiny_run["ppo_metrics"])
+  resumed = comparable(train(config, part, resume=True, progress=False).ppo_metrics)
+  full = comparable(tiny_run.ppo_metrics)
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert resumed[:2] == full[:2]  # written by the first run, on the same mesh
   assert_metrics_close(full[2:], resumed[2:], rtol=1e-5, atol=1e-6)
@@ -256,7 +256,7 @@ def test_log_every_writes_every_nth_row_and_the_last(tmp_path):
   config = tiny(steps=3)
   config.log.every = 2
   result = train(config, str(tmp_path), progress=False)
-  assert [r["step"] for r in result["ppo_metrics"]] == [1, 2]
+  assert [r["step"] for r in result.ppo_metrics] == [1, 2]
   assert sorted(int(s) for s in os.listdir(os.path.join(str(tmp_path), "checkpoints"))
                 if s.isdigit()) == [1, 2]  # checkpoints do not depend on log.every
 
@@ -299,7 +299,7 @@ def test_short_ppo_run_improves_a_rule_reward(tmp_path):
   config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.checkpoint.every = 100
   rewards = [r["reward/mean"] for r in
-             train(config, str(tmp_path), progress=False)["ppo_metrics"]]
+             train(config, str(tmp_path), progress=False).ppo_metrics]
   assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
 
 
@@ -336,7 +336,7 @@ def test_resume_refuses_data_edited_in_place(tmp_path):
   with open(paths["prompts"], "wb") as f:  # the same bytes again: the run resumes
     f.write(original)
   resumed = train(config, workdir, resume=True, progress=False)
-  assert [r["step"] for r in resumed["ppo_metrics"]] == [0, 1]
+  assert [r["step"] for r in resumed.ppo_metrics] == [0, 1]
 
 
 @pytest.mark.slow
@@ -349,7 +349,7 @@ def test_user_jsonl_data_with_malformed_lines(tmp_path):
   config.ppo.steps = 2
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)
-  assert len(result["ppo_metrics"]) == 2
+  assert len(result.ppo_metrics) == 2
   data = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))
           if '"data"' in line][0]
   assert data["build/prompts/train/skipped/empty"] == 1

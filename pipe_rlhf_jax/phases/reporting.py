@@ -1,7 +1,7 @@
 """The end of a run: the Hugging Face export, the reward plot, samples and the summary.
 
 `report` turns a finished PPO phase into the run's files (process 0 alone writes them)
-and `train`'s result dict; `planned_vs_measured` and `reward_summary` are its summary
+and `train`'s `RunResult`; `planned_vs_measured` and `reward_summary` are its summary
 lines; `export_policy` writes the export so that it replaces the previous one whole.
 Split from train.py, which owns the phases' order.
 """
@@ -21,7 +21,7 @@ from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.phases import heldout
-from pipe_rlhf_jax.phases.run_state import BuiltSystem, RunSetup
+from pipe_rlhf_jax.phases.run_state import BuiltSystem, RunResult, RunSetup
 from pipe_rlhf_jax.runtime.tracing import Tracer, steady_step_time
 from pipe_rlhf_jax.system.settings import PlannedRun
 
@@ -85,7 +85,7 @@ def export_policy(model, export_dir: str) -> None:
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, before: dict[str, heldout.HeldoutEval],
            after: dict[str, heldout.HeldoutEval],
-           start_time: float) -> dict[str, Any]:
+           start_time: float) -> RunResult:
   """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result.
 
   `before` / `after`: the held-out evaluations before and after PPO by decoding
@@ -102,10 +102,10 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   # pipe mode across processes); then only the writing process writes.
   actor = distributed.fetch(system.state.actor) if setup.role.trains else None
   if not setup.role.writes:
-    return {"workdir": workdir, "wall_s": time.perf_counter() - start_time,
-            "summary": f"process {distributed.process_index()}: the run's files and "
-                       "summary are written by process 0", "ppo_metrics": [],
-            "samples_after": samples_after, "tracer": tracer}
+    return RunResult(workdir=workdir, wall_s=time.perf_counter() - start_time,
+                     summary=f"process {distributed.process_index()}: the run's files "
+                             "and summary are written by process 0",
+                     samples_after=samples_after, tracer=tracer)
   export_dir = os.path.join(workdir, "export")
   export_policy(nnx.merge(built.actor_graphdef, actor), export_dir)
   plot = None
@@ -130,22 +130,20 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
     f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
             + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")
   ppo_records = [r for r in records if r.get("phase") == "ppo"]
-  return {"workdir": workdir, "summary": summary_text, "wall_s": wall,
-          "ppo_metrics": ppo_records, "rm_eval": warm["rm_eval"],
-          "reward_stats": (dataclasses.asdict(built.reward_stats)
-                           if built.reward_stats is not None else None),
-          "samples_before": samples_before, "samples_after": samples_after,
-          "heldout_before": greedy_before.scores, "heldout_after": greedy_after.scores,
-          # rule -> each held-out prompt's score, for `heldout.paired_change`.
-          "heldout_per_prompt": {"before": greedy_before.per_prompt,
-                                 "after": greedy_after.per_prompt},
-          # How many held-out prompts those scores average (0 when none were scored).
-          "heldout_prompts": greedy_after.num_prompts if greedy_after.scores else 0,
-          # The same for k sampled answers per prompt (absent when off).
-          **({"heldout_sampled": {
-              "samples_per_prompt": after["sampled"].samples_per_prompt,
-              "before": before["sampled"].scores, "after": after["sampled"].scores,
-              "per_prompt": {"before": before["sampled"].per_prompt,
-                             "after": after["sampled"].per_prompt}}}
-             if "sampled" in after else {}),
-          "busy_fraction": tracer.busy_fraction(), "tracer": tracer}
+  sampled = None
+  if "sampled" in after:
+    sampled = {"samples_per_prompt": after["sampled"].samples_per_prompt,
+               "before": before["sampled"].scores, "after": after["sampled"].scores,
+               "per_prompt": {"before": before["sampled"].per_prompt,
+                              "after": after["sampled"].per_prompt}}
+  return RunResult(
+      workdir=workdir, summary=summary_text, wall_s=wall, ppo_metrics=ppo_records,
+      rm_eval=warm["rm_eval"],
+      reward_stats=(dataclasses.asdict(built.reward_stats)
+                    if built.reward_stats is not None else None),
+      samples_before=samples_before, samples_after=samples_after,
+      heldout_before=greedy_before.scores, heldout_after=greedy_after.scores,
+      heldout_per_prompt={"before": greedy_before.per_prompt,
+                          "after": greedy_after.per_prompt},
+      heldout_prompts=greedy_after.num_prompts if greedy_after.scores else 0,
+      heldout_sampled=sampled, busy_fraction=tracer.busy_fraction(), tracer=tracer)

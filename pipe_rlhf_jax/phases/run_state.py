@@ -1,5 +1,6 @@
 """What a run decided before it trains (`RunSetup`), what this process does in the job
-(`ProcessRole`) and the PPO system it built (`BuiltSystem`).
+(`ProcessRole`), the PPO system it built (`BuiltSystem`) and what it returns
+(`RunResult`).
 
 The state `train.py` passes between its phases, in a module of its own below both the
 phases that read it (`phases.reporting`) and `train.py`, which fills it in.
@@ -19,6 +20,7 @@ from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
+from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PlannedRun, RuntimeConfig
 from pipe_rlhf_jax.system.system import PPOSystem
@@ -125,3 +127,47 @@ class BuiltSystem:
   actor_graphdef: nnx.GraphDef
   # The reward model's score statistics the rewards are standardised by (None: raw).
   reward_stats: reward_norm.ScoreStatistics | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What `train` returns.
+
+  Attributes:
+    workdir: the run's directory.
+    summary: the run summary (as summary.txt holds it), or, on a process that does not
+      write the run's files, a line saying process 0 writes them.
+    wall_s: seconds from the start of `train` to the report.
+    ppo_metrics: the PPO rows of metrics.jsonl, in step order (empty on a process that
+      does not write).
+    rm_eval: the reward model's held-out evaluation ({"eval_accuracy", ...}); None with
+      a rule reward.
+    reward_stats: the statistics the reward-model scores were standardised by
+      ({"mean", "std", "samples"}); None when raw.
+    samples_before / samples_after: the held-out greedy samples shown before and after.
+    heldout_before / heldout_after: rule -> held-out greedy score before / after PPO.
+    heldout_per_prompt: {"before", "after"}: rule -> each held-out prompt's greedy score
+      (for `heldout.paired_change`).
+    heldout_prompts: how many held-out prompts those scores average (0: none scored).
+    heldout_sampled: the same for `log.eval_samples_per_prompt` sampled answers per
+      prompt ({"samples_per_prompt", "before", "after", "per_prompt"}); None when off.
+    busy_fraction: stage -> the fraction of the run its spans were open.
+    tracer: the PPO phase's trace.
+  """
+
+  workdir: str
+  summary: str
+  wall_s: float
+  ppo_metrics: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  rm_eval: dict[str, Any] | None = None
+  reward_stats: dict[str, float] | None = None
+  samples_before: list[str] = dataclasses.field(default_factory=list)
+  samples_after: list[str] = dataclasses.field(default_factory=list)
+  heldout_before: dict[str, float] = dataclasses.field(default_factory=dict)
+  heldout_after: dict[str, float] = dataclasses.field(default_factory=dict)
+  heldout_per_prompt: dict[str, dict[str, list[float]]] = dataclasses.field(
+      default_factory=dict)
+  heldout_prompts: int = 0
+  heldout_sampled: dict[str, Any] | None = None
+  busy_fraction: dict[str, float] = dataclasses.field(default_factory=dict)
+  tracer: Tracer | None = None

@@ -45,23 +45,23 @@ def test_rule_reward_job_trains_no_reward_model_and_scores_held_out(short_run):
   assert {r["phase"] for r in rows} == {"data", "plan", "sft", "ppo", "heldout"}
   assert not any(k.startswith(("prefs", "build/prefs")) for k in rows[0])  # no pairs
   assert not os.path.exists(workdir / "data" / "arith_prefs")
-  assert result["rm_eval"] is None
+  assert result.rm_eval is None
   # reward/mean is the exact-match rate of the sampled answers: a multiple of 1/batch.
-  for r in result["ppo_metrics"]:
+  for r in result.ppo_metrics:
     hits = r["reward/mean"] * config.ppo.batch_size
     assert hits == pytest.approx(round(hits), abs=1e-4)
   heldout = [r for r in rows if r["phase"] == "heldout"]
   assert [r["step"] for r in heldout] == [0, config.ppo.steps]
-  for scores in (result["heldout_before"], result["heldout_after"]):
+  for scores in (result.heldout_before, result.heldout_after):
     assert set(scores) == {"arith_exact_match", "arith_digit_accuracy"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
   np.testing.assert_allclose(heldout[-1]["heldout/arith_exact_match"],
-                             result["heldout_after"]["arith_exact_match"])
+                             result.heldout_after["arith_exact_match"])
   # The samples are greedy answers to held-out problems of the task.
-  prompt, _ = result["samples_after"][0].split(" -> ")
+  prompt, _ = result.samples_after[0].split(" -> ")
   assert rewards.arith_target(eval(prompt))  # noqa: S307 (the repr of a str)
-  assert "held-out greedy arith_exact_match" in result["summary"]
-  assert "reward model: none (rule reward)" in result["summary"]
+  assert "held-out greedy arith_exact_match" in result.summary
+  assert "reward model: none (rule reward)" in result.summary
 
 
 @pytest.mark.slow
@@ -70,6 +70,6 @@ def test_short_grpo_run_raises_exact_match(short_run):
   # first 6 steps, 0.30 over the last 6 (sequential mode is deterministic for a seed).
   config, _, result = short_run
   assert config.ppo.advantage_estimator == "grpo"
-  accuracy = [r["reward/mean"] for r in result["ppo_metrics"]]
+  accuracy = [r["reward/mean"] for r in result.ppo_metrics]
   assert len(accuracy) == 24
   assert np.mean(accuracy[-6:]) > np.mean(accuracy[:6]) + 0.05, accuracy

@@ -28,8 +28,8 @@ def test_rlhf_on_a_local_hf_llama(tmp_path):
   config = hf_model.get_config("tiny")
   config.model.path = str(model_dir)
   result = train(config, str(tmp_path / "run"), progress=False)
-  assert len(result["ppo_metrics"]) == config.ppo.steps
-  exported = models.from_pretrained(os.path.join(result["workdir"], "export"))
+  assert len(result.ppo_metrics) == config.ppo.steps
+  exported = models.from_pretrained(os.path.join(result.workdir, "export"))
   assert exported.config.num_layers == 2 and exported.config.vocab_size == 16
 
 

@@ -69,7 +69,7 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
     result = train(config, str(tmp_path / "run"), progress=False)
   finally:
     watched.close()
-  ppo = result["ppo_metrics"]
+  ppo = result.ppo_metrics
   assert len(ppo) == config.ppo.steps == 3
   assert config.ppo.advantage_estimator == "grpo" and config.ppo.group_size == 2
   # Held-out greedy answers before and after RL (8 prompts each), then one call per step.
@@ -86,7 +86,7 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
     assert hits == pytest.approx(round(hits), abs=1e-4)
   eval_answers = [r["answer"] for r in _records("math_prompts_eval.jsonl")]
   assert heldout[0][0] == eval_answers  # the held-out split, in file order
-  assert set(result["heldout_before"]) == set(result["heldout_after"]) == {"math_verify"}
+  assert set(result.heldout_before) == set(result.heldout_after) == {"math_verify"}
   rows = [json.loads(line) for line in
           (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   data_row = next(r for r in rows if r["phase"] == "data")
@@ -94,7 +94,7 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
   assert [r["step"] for r in rows if r["phase"] == "heldout"] == [0, config.ppo.steps]
   # The samples show prompts rendered by the chat template (its markers are specials,
   # dropped when decoding), ending in the generation prompt.
-  prompt = eval(result["samples_after"][0].split(" -> ")[0])  # noqa: S307 (a str repr)
+  prompt = eval(result.samples_after[0].split(" -> ")[0])  # noqa: S307 (a str repr)
   assert prompt.startswith("system\nSolve the problem") and prompt.endswith("assistant\n")
 
 

@@ -78,19 +78,19 @@ def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
                                                                      "metrics.jsonl"))]
   assert "sft" not in phases and "reward_model" not in phases  # restored, not trained
   assert not os.path.exists(os.path.join(workdir, "warmstart"))
-  assert result["rm_eval"] == warm_starts["sequential"]["rm_eval"]
-  assert [r["step"] for r in result["ppo_metrics"]] == [0, 1]
-  assert result["heldout_prompts"] == 16
-  for scores in (result["heldout_before"], result["heldout_after"]):
+  assert result.rm_eval == warm_starts["sequential"]["rm_eval"]
+  assert [r["step"] for r in result.ppo_metrics] == [0, 1]
+  assert result.heldout_prompts == 16
+  for scores in (result.heldout_before, result.heldout_after):
     assert list(scores) == ["reverse_accuracy"] and 0 <= scores["reverse_accuracy"] <= 1
-  assert "held-out greedy reverse_accuracy" in result["summary"]
-  assert "(16 prompts; change " in result["summary"]  # and its interval over the prompts
-  assert "held-out sampled (2 per prompt) reverse_accuracy" in result["summary"]
-  stats = result["reward_stats"]
+  assert "held-out greedy reverse_accuracy" in result.summary
+  assert "(16 prompts; change " in result.summary  # and its interval over the prompts
+  assert "held-out sampled (2 per prompt) reverse_accuracy" in result.summary
+  stats = result.reward_stats
   assert stats["std"] > 0 and stats["samples"] % 2 == 0
-  assert f"score mean {stats['mean']:.4g}, std {stats['std']:.4g}" in result["summary"]
+  assert f"score mean {stats['mean']:.4g}, std {stats['std']:.4g}" in result.summary
   for when in ("before", "after"):
-    per_prompt = result["heldout_per_prompt"][when]["reverse_accuracy"]
+    per_prompt = result.heldout_per_prompt[when]["reverse_accuracy"]
     assert len(per_prompt) == 16
     assert np.mean(per_prompt) == pytest.approx(result[f"heldout_{when}"]["reverse_accuracy"],
                                                 abs=1e-6)

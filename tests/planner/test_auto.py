@@ -72,7 +72,7 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   ran = RuntimeConfig.from_config(quickstart.ml_collections.ConfigDict(saved))
   assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness
   # The summary and the metrics carry predicted and measured steady s/step.
-  line = next(x for x in result["summary"].splitlines() if "steady s/step" in x)
+  line = next(x for x in result.summary.splitlines() if "steady s/step" in x)
   assert f"{best.step_time:.4g} predicted (cpu, planner's choice)" in line
   assert "measured" in line and "not measured" not in line
   rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]

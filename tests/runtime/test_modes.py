@@ -47,9 +47,9 @@ def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
   # rewards are among the compared metrics).
   # The pipe run generates with the delayed pipelined decoder (P=2, M=4), the sequential
   # run with the plain sampler: the rollouts must still be the same tokens.
-  seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False)["ppo_metrics"]
+  seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False).ppo_metrics
   pipe = train(tiny("pipe", pipelined=True, max_staleness=0), str(tmp_path / "pipe"),
-               progress=False)["ppo_metrics"]
+               progress=False).ppo_metrics
   assert len(seq) == len(pipe) == 4
   assert_same_math(seq, pipe)
 
@@ -75,7 +75,7 @@ def test_grpo_pipe_with_zero_staleness_matches_sequential(tmp_path):
   seq = train(grpo(tiny("sequential")), str(tmp_path / "seq"), progress=False)
   pipe = train(grpo(tiny("pipe", pipelined=True, max_staleness=0)), str(tmp_path / "pipe"),
                progress=False)
-  seq, pipe = seq["ppo_metrics"], pipe["ppo_metrics"]
+  seq, pipe = seq.ppo_metrics, pipe.ppo_metrics
   assert len(seq) == len(pipe) == 4
   assert_same_math(seq, pipe)
   # Not vacuous: the groups' returns differ, the KL loss acts, and no critic ran.
@@ -92,9 +92,9 @@ def test_ptx_pipe_with_zero_staleness_matches_sequential(tmp_path):
     config.ppo.ptx_coef = 0.5
     return config
 
-  seq = train(ptx(tiny("sequential")), str(tmp_path / "seq"), progress=False)["ppo_metrics"]
+  seq = train(ptx(tiny("sequential")), str(tmp_path / "seq"), progress=False).ppo_metrics
   pipe = train(ptx(tiny("pipe", pipelined=True, max_staleness=0)), str(tmp_path / "pipe"),
-               progress=False)["ppo_metrics"]
+               progress=False).ppo_metrics
   assert len(seq) == len(pipe) == 4
   assert_same_math(seq, pipe)
   assert all(r["ptx_loss"] > 0 for r in seq)  # not vacuous: the term ran
@@ -141,22 +141,22 @@ def test_pipe_with_staleness_overlaps_generation_and_training(tmp_path, monkeypa
   config.ppo.critic_init = "sft"  # a rule reward trains no reward model
   config.ppo.update(algorithm)
   result = train(config, str(tmp_path), progress=False)
-  tracer = result["tracer"]
+  tracer = result.tracer
   # Generation of batch k+1 ran while batch k was in inference or training.
   assert tracer.overlap("generate", "train") + tracer.overlap("generate", "infer") > 0
-  lags = [r["staleness/actor"] for r in result["ppo_metrics"]]
+  lags = [r["staleness/actor"] for r in result.ppo_metrics]
   assert max(lags) <= 1 and min(lags) >= 0
   assert lags[0] == 0 and lags[1] == 1  # a lag of 1 was used, not only allowed
   # Decoupled objective: behaviour importance weights are reported and capped.
-  assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result["ppo_metrics"])
+  assert all(0 < r["iw_mean"] and r["iw_max"] < 1e3 for r in result.ppo_metrics)
   # The proximal policy's KL is reported (and, with kl_policy="proximal", penalised).
   # (k1 of tokens another policy sampled may be negative.)
-  assert all(np.isfinite(r["kl_proximal/mean"]) for r in result["ppo_metrics"])
+  assert all(np.isfinite(r["kl_proximal/mean"]) for r in result.ppo_metrics)
   trace = json.load(open(os.path.join(str(tmp_path), "trace.json")))
   stages = {e["args"].get("batch") for e in trace["traceEvents"] if e.get("ph") == "X"}
   assert set(range(6)) <= stages
   assert os.path.getsize(os.path.join(str(tmp_path), "gantt.png")) > 0
-  busy = result["busy_fraction"]
+  busy = result.busy_fraction
   assert all(0 < busy[s] <= 1 for s in ("generate", "infer", "train"))
 
 
@@ -211,7 +211,7 @@ def test_ctrl_c_writes_a_final_checkpoint_and_resume_loses_nothing(tmp_path):
   assert steps, "no final checkpoint after Ctrl-C"
   _INTERRUPT["at"] = -1
   resumed = train(config, workdir, resume=True, progress=False)
-  trained = [r["step"] for r in resumed["ppo_metrics"]]
+  trained = [r["step"] for r in resumed.ppo_metrics]
   # Every step trained exactly once across the two runs (in-flight rollouts were
   # re-generated, not lost and not trained twice).
   assert sorted(trained) == list(range(6))
@@ -225,8 +225,8 @@ def test_per_stage_strategies_match_sequential_and_count_weight_sync(tmp_path):
   config.stages.generate.mesh = dict(data=-1)
   config.stages.infer.mesh = dict(data=4, fsdp=2)
   config.stages.train.mesh = dict(fsdp=-1)
-  per_stage = train(config, str(tmp_path / "per_stage"), progress=False)["ppo_metrics"]
-  seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False)["ppo_metrics"]
+  per_stage = train(config, str(tmp_path / "per_stage"), progress=False).ppo_metrics
+  seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False).ppo_metrics
   assert_same_math(seq, per_stage)
   assert all(r["transfer/actor_sync/bytes"] > 0 for r in per_stage)
   assert all(r["transfer/actor_sync/bytes"] == 0 for r in seq)
