@@ -328,20 +328,38 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
   tokenizer = run_tokenizer(config)
   cfgs = build_model_configs(config, tokenizer)
   check_vocab(config, tokenizer, cfgs["actor"])
-  # ---- The plan: chosen by the planner (runtime.plan='auto') or the hand-written one,
-  # which the planner's checks (runtime checks on abstract meshes, memory model) accept
-  # or reject here, before any data or compilation.
+  # The plan: chosen by the planner (runtime.plan='auto') or the hand-written one, which
+  # the planner's checks (runtime checks on abstract meshes, memory model) accept or
+  # reject here, before any data or compilation.
   planned = auto_plan.plan_run(config, cfgs["actor"], devices)
   say(planned.describe())
   runtime = planned.runtime
   # The planner may choose another mode, and the device order depends on it.
   devices = select_devices(config, runtime.mode)
-  # ----
   layouts = build_layouts(runtime, devices)
   role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
+  checkpointer = open_checkpoints(config, workdir, role, resume)
+  warm_layout = check_fits_before_compiling(config, cfgs, layouts, devices)
+  warm_source = warm_lib.resolve_source(config, workdir)
+  # What changes the mathematics; the plan (runtime, meshes) is compared separately.
+  # data.task='jsonl' files count by their content: one edited in place is other data.
+  data_files = digests.file_digests(config)
+  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
+  start = resume_start(config, checkpointer, fingerprint, data_files,
+                       plan_of(runtime, devices)) if resume else 0
+  deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
+  return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
+                  start, warm_layout, warm_source, planned, role=role, lock=lock,
+                  deadline=deadline, data_files=data_files)
+
+
+def open_checkpoints(config, workdir: str, role: ProcessRole,
+                     resume: bool) -> ckpt_lib.Checkpointer:
+  """The PPO checkpoints of `workdir`, after removing what an interrupted write of an
+  earlier run left (by the processes that write them); refuses a workdir that holds
+  checkpoints unless resuming."""
   ppo_dir = os.path.join(workdir, "checkpoints")
-  # The group that writes removes what an interrupted write of an earlier run left.
   checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
                                        processes=role.checkpoint_group,
                                        cleanup=role.trains)
@@ -353,41 +371,47 @@ def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
     raise FileExistsError(
         f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
         f"to continue, or choose a new --workdir. Nothing was changed.")
+  return checkpointer
 
-  with_critic = PPOConfig.from_config(config.ppo).needs_critic
+
+def check_fits_before_compiling(config, cfgs: dict[str, TransformerConfig],
+                                layouts: dict[str, Any], devices):
+  """Checks, on abstract parameters, that the models fit the stage layouts and the
+  warm-start mesh, and the SFT term's rows the training stage; returns the warm-start
+  phases' layout."""
+  ppo = PPOConfig.from_config(config.ppo)
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
-              for name in ("actor", "critic") if name == "actor" or with_critic}
-  check_fits(layouts, abstract["actor"], abstract.get("critic"))  # before anything compiles
-  ptx_rows_for(PPOConfig.from_config(config.ppo), layouts["train"])
+              for name in ("actor", "critic") if name == "actor" or ppo.needs_critic}
+  check_fits(layouts, abstract["actor"], abstract.get("critic"))
+  ptx_rows_for(ppo, layouts["train"])
   warm_layout = supervised.warm_start_layout(
       warm_lib.warm_start_config(config)[0], devices,
       {"sft.batch_size": config.sft.batch_size,
        **({"reward_model.batch_size": config.reward_model.batch_size}
           if uses_reward_model(config) else {})})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
-  warm_source = warm_lib.resolve_source(config, workdir)
+  return warm_layout
 
-  # What changes the mathematics; the plan (runtime, meshes) is compared separately.
-  # data.task='jsonl' files count by their content: one edited in place is other data.
-  data_files = digests.file_digests(config)
-  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
-  start = 0
-  if resume and latest is not None:
-    meta = checkpointer.read_metadata(latest)
-    check_same_data(meta, data_files, checkpointer.step_dir(latest))
-    if meta.get("config_fingerprint") != fingerprint:
-      raise ckpt_lib.CheckpointError(
-          f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
-          f"{meta.get('config_fingerprint')!r} but the current run expects "
-          f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
-          f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
-          "config.json in the workdir), or use a new workdir.")
-    compare_plans(meta.get("plan"), plan_of(runtime, devices))
-    start = int(meta["step"]) + 1
-  deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
-  return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, warm_layout, warm_source, planned, role=role, lock=lock,
-                  deadline=deadline, data_files=data_files)
+
+def resume_start(config, checkpointer: ckpt_lib.Checkpointer, fingerprint: str,
+                 data_files: dict[str, Any], plan: dict[str, Any]) -> int:
+  """The first PPO step a resumed run trains: the step after the newest checkpoint (0
+  when there is none). Refuses a checkpoint whose data or mathematics differ, and logs
+  how its plan differs from `plan`."""
+  latest = checkpointer.latest_step()
+  if latest is None:
+    return 0
+  meta = checkpointer.read_metadata(latest)
+  check_same_data(meta, data_files, checkpointer.step_dir(latest))
+  if meta.get("config_fingerprint") != fingerprint:
+    raise ckpt_lib.CheckpointError(
+        f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
+        f"{meta.get('config_fingerprint')!r} but the current run expects "
+        f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
+        f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
+        "config.json in the workdir), or use a new workdir.")
+  compare_plans(meta.get("plan"), plan)
+  return int(meta["step"]) + 1
 
 
 def _changed_fields(meta: dict[str, Any], config, data_files: dict[str, Any]) -> str:
