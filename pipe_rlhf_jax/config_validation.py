@@ -25,6 +25,37 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
 
+# The fields a config may leave out (configs written before the field existed, or a user's
+# own), and the value a run then uses: the one place these defaults are stated. Read them
+# with `optional(config, path)`.
+OPTIONAL_FIELDS = {
+    "data.num_eval": 256,  # held-out problems of the embedded tasks
+    "data.hard_pairs": 0.0,  # no neighbour-copy preference pairs
+    "log.eval_prompts": 0,  # no held-out evaluation
+    "log.eval_samples_per_prompt": 0,  # greedy held-out answers only
+    "reward.normalize_samples_per_prompt": 0,  # raw reward-model scores
+    "reward_model.init": "base",
+    "reward_model.policy_pairs": 0.0,  # no pairs of the SFT policy's samples
+    "reward_model.policy_samples": 4,
+    "reward_model.label_fn": "",  # reward.eval_fn ranks the policy's samples
+    "runtime.plan": "manual",  # the hand-written plan
+    "runtime.hardware": "",  # detected from the devices
+    "runtime.calibration": "",  # the profile's analytic efficiencies
+    "runtime.num_devices": 0,  # every device
+    "runtime.response_fraction": 1.0,  # price full-length responses
+}
+
+
+def optional(config, path: str) -> Any:
+  """The field `path` of `config`, or its `OPTIONAL_FIELDS` default when left out."""
+  if path not in OPTIONAL_FIELDS:
+    raise KeyError(f"{path} is not an optional config field; read it from the config.")
+  node = config
+  *sections, name = path.split(".")
+  for part in sections:
+    node = node[part]
+  return node[name] if name in node else OPTIONAL_FIELDS[path]
+
 
 def _get(config, path: str) -> Any:
   node = config
@@ -74,9 +105,10 @@ def _check_task(config) -> None:
                else "no prefs: reward.fn is a rule")
         raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' needs "
                          f"all of data.jsonl.{{{','.join(roles)}}} ({why}).")
-  if "init" in config.reward_model:
-    _choice(config, "reward_model.init", ("base", "sft"))
-  check_number(config.data.get("hard_pairs", 0.0), "data.hard_pairs", allow_zero=True,
+  init = optional(config, "reward_model.init")
+  if init not in ("base", "sft"):
+    raise ValueError(f"reward_model.init={init!r}; choose one of ['base', 'sft'].")
+  check_number(optional(config, "data.hard_pairs"), "data.hard_pairs", allow_zero=True,
                at_most=1.0, what="a probability",
                hint=" It is the share of reverse-task preference pairs that differ by one "
                     "neighbour-copy error.")
@@ -89,7 +121,7 @@ def _check_task(config) -> None:
                        "max_digits, demo_noise); see configs/grpo_arith.py.")
     from pipe_rlhf_jax.data.arith import ArithSpec
     spec = ArithSpec.from_config(config.data.arith, "data.arith")
-    num_eval = config.data.get("num_eval", 256)
+    num_eval = optional(config, "data.num_eval")
     if num_eval > spec.num_problems() // 2:
       raise ValueError(f"data.num_eval={num_eval} held-out problems is more than half of the "
                        f"{spec.num_problems()} that data.arith allows; lower data.num_eval "
@@ -142,20 +174,14 @@ def validate_config(config) -> None:
   _positive_float(config, "ppo.temperature", allow_zero=True)
   _positive_float(config, "ppo.top_p", at_most=1.0)
   _positive_int(config, "ppo.top_k", allow_zero=True)
-  if "num_eval" in config.data:  # optional: older configs hold out 256
-    _positive_int(config, "data.num_eval")
-  if "eval_prompts" in config.log:  # optional: older configs score nothing held out
-    _positive_int(config, "log.eval_prompts", allow_zero=True)
-  if "eval_samples_per_prompt" in config.log:  # optional: older configs sample none
-    _positive_int(config, "log.eval_samples_per_prompt", allow_zero=True)
-  if "normalize_samples_per_prompt" in config.reward:  # optional: older configs: raw scores
-    _positive_int(config, "reward.normalize_samples_per_prompt", allow_zero=True)
-  if "response_fraction" in config.runtime:  # optional: older configs price full rows
-    check_fraction(config.runtime.response_fraction, "runtime.response_fraction")
-  if "num_devices" in config.runtime:  # optional: older configs use all devices
-    _positive_int(config, "runtime.num_devices", allow_zero=True)
-  if "plan" in config.runtime:  # optional: older configs run their hand-written plan
-    _choice(config, "runtime.plan", ("manual", "auto"))
+  check_int(optional(config, "data.num_eval"), "data.num_eval", low=1)
+  for path in ("log.eval_prompts", "log.eval_samples_per_prompt",
+               "reward.normalize_samples_per_prompt", "runtime.num_devices"):
+    check_int(optional(config, path), path, low=0)
+  check_fraction(optional(config, "runtime.response_fraction"), "runtime.response_fraction")
+  plan = optional(config, "runtime.plan")
+  if plan not in ("manual", "auto"):
+    raise ValueError(f"runtime.plan={plan!r}; choose one of ['auto', 'manual'].")
   shared = (config.get("warm_start") or {}).get("checkpoint", "")
   if shared and not os.path.isdir(shared):
     raise ValueError(f"warm_start.checkpoint={shared!r} is not a directory; give the "
@@ -189,14 +215,13 @@ def validate_config(config) -> None:
 
 def _check_policy_pairs(config, use_rm: bool) -> None:
   """reward_model.policy_pairs / policy_samples / label_fn (phases.policy_pairs)."""
-  rm = config.reward_model
-  share = check_number(rm.get("policy_pairs", 0.0), "reward_model.policy_pairs",
-                       allow_zero=True, at_most=1.0, what="a fraction",
+  share = check_number(optional(config, "reward_model.policy_pairs"),
+                       "reward_model.policy_pairs", allow_zero=True, at_most=1.0, what="a fraction",
                        hint=" It is the share of each reward-model batch made of the SFT "
                             "policy's samples.")
   if not share or not use_rm:
     return
-  k = rm.get("policy_samples", 4)
+  k = optional(config, "reward_model.policy_samples")
   if not (isinstance(k, int) and k >= 2):
     raise ValueError(f"reward_model.policy_samples={k!r}: a pair is the best and the worst "
                      "of at least 2 samples per prompt; set an int >= 2.")
@@ -206,7 +231,7 @@ def _check_policy_pairs(config, use_rm: bool) -> None:
 def policy_pairs_label(config):
   """The registered rule that ranks the policy's samples for `reward_model.policy_pairs`
   (`reward_model.label_fn`, empty: `reward.eval_fn`); errors name the field it came from."""
-  own = config.reward_model.get("label_fn", "")
+  own = optional(config, "reward_model.label_fn")
   label = own or config.reward.eval_fn
   if not label:
     raise ValueError("reward_model.policy_pairs needs a rule to rank the samples: set "

@@ -65,7 +65,7 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
-from pipe_rlhf_jax.config_validation import validate_config
+from pipe_rlhf_jax.config_validation import optional, validate_config
 from pipe_rlhf_jax.data import builders, digests, loaders
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
@@ -160,13 +160,13 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   if d.task == "reverse":
     built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
                                         num_demos=d.num_demos, num_pairs=d.num_pairs,
-                                        num_eval=d.get("num_eval", 256),
-                                        hard_pairs=d.get("hard_pairs", 0.0))
+                                        num_eval=optional(config, "data.num_eval"),
+                                        hard_pairs=optional(config, "data.hard_pairs"))
   elif d.task == "arith":
     built = builders.make_arith_datasets(data_dir, seed=config.seed,
                                          spec=ArithSpec.from_config(d.arith),
                                          num_prompts=d.num_prompts, num_demos=d.num_demos,
-                                         num_eval=d.get("num_eval", 256))
+                                         num_eval=optional(config, "data.num_eval"))
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
@@ -205,11 +205,11 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
       # scored greedily before and after PPO (at most the whole eval split).
       "prompts_eval": loaders.PromptLoader(
           built["prompts"].source("eval"), tokenizer,
-          min(max(config.log.samples, config.log.get("eval_prompts", 0), 1),
+          min(max(config.log.samples, optional(config, "log.eval_prompts"), 1),
               built["prompts"].splits["eval"]),
           d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
   }
-  if use_rm and config.reward.get("normalize_samples_per_prompt", 0):
+  if use_rm and optional(config, "reward.normalize_samples_per_prompt"):
     # The first training prompts, in file order: the answers the reward model's scale is
     # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
     data["prompts_norm"] = loaders.PromptLoader(
@@ -243,7 +243,7 @@ def select_devices(config, mode: str) -> list:
   if mode == "pipe" and jax.process_count() > 1:
     devices = ([d for d in devices if d.process_index != 0] +
                [d for d in devices if d.process_index == 0])
-  n = config.runtime.get("num_devices", 0)
+  n = optional(config, "runtime.num_devices")
   if n and n != len(devices) and jax.process_count() > 1:
     raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
                      f"processes: every process must hold devices of the meshes; use 0 "
@@ -504,7 +504,7 @@ def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
                       data: dict[str, Any]) -> reward_norm.ScoreStatistics | None:
   """The reward model's score statistics under the warm-start policy, when
   `reward.normalize_samples_per_prompt` > 0 and the reward is a model; else None."""
-  k = config.reward.get("normalize_samples_per_prompt", 0)
+  k = optional(config, "reward.normalize_samples_per_prompt")
   if not (k and uses_reward_model(config)):
     return None
   set_activity("measuring the reward model's scale")
@@ -816,7 +816,7 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
     eval_batch = np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(config)
 
-    samples_per_prompt = config.log.get("eval_samples_per_prompt", 0) if rules else 0
+    samples_per_prompt = optional(config, "log.eval_samples_per_prompt") if rules else 0
 
     def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
       """The held-out answers at `step`: "greedy" (also the samples shown), and

@@ -9,7 +9,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import quickstart  # noqa: E402
 
-from pipe_rlhf_jax.config_validation import validate_config  # noqa: E402
+from pipe_rlhf_jax.config_validation import (  # noqa: E402
+  OPTIONAL_FIELDS,
+  optional,
+  validate_config,
+)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -157,3 +161,22 @@ def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
                                        r"shards of the train stage .* multiple of 8"):
     train(config, str(tmp_path), progress=False)
   assert not os.path.exists(tmp_path / "data")  # before any data are built
+
+
+def test_optional_fields_read_their_one_default_when_left_out():
+  config = quickstart.get_config()
+  del config.data["num_eval"]
+  del config.runtime["plan"]
+  assert optional(config, "data.num_eval") == OPTIONAL_FIELDS["data.num_eval"] == 256
+  assert optional(config, "runtime.plan") == "manual"
+  validate_config(config)  # a config without them is still a valid one
+  config.log.eval_prompts = 7
+  assert optional(config, "log.eval_prompts") == 7
+  with pytest.raises(KeyError, match="ppo.batch_size is not an optional config field"):
+    optional(config, "ppo.batch_size")
+  # Every optional field's default passes the checks that field's given value gets.
+  for path in OPTIONAL_FIELDS:
+    section, name = path.split(".")
+    if name in config[section]:
+      del config[section][name]
+  validate_config(config)

@@ -26,7 +26,7 @@ from flax import nnx
 import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
-from pipe_rlhf_jax.config_validation import policy_pairs_label
+from pipe_rlhf_jax.config_validation import optional, policy_pairs_label
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
@@ -196,12 +196,12 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   state, rm_eval = {"actor": actor}, None
   if use_rm:
     rm = config.reward_model
-    if rm.get("init", "base") == "sft":
+    if optional(config, "reward_model.init") == "sft":
       # The reward model reads answers with the SFT policy's features (which already
       # predict the right letter), only its score head starting afresh.
       reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
     pairs = iter(data["prefs"])
-    if rm.get("policy_pairs", 0.0):
+    if optional(config, "reward_model.policy_pairs"):
       pairs = policy_pairs_of(config, pairs, actor_gd, actor, tokenizer)
     state["reward"], _ = supervised.fit(
         supervised.reward_model_loss(reward_gd), reward, layout, pairs,
@@ -231,11 +231,11 @@ def policy_pairs_of(config, batches, actor_gd, actor, tokenizer) -> PolicyPairs:
   """The reward model's batches with `reward_model.policy_pairs` of their rows made of
   the SFT policy's samples, sampled as PPO will sample (`ppo.temperature`, top-k,
   top-p) and ranked by `reward_model.label_fn` (empty: `reward.eval_fn`)."""
-  rm = config.reward_model
   sampling = SamplingParams(max_new_tokens=config.data.completion_len,
                             temperature=config.ppo.temperature, top_k=config.ppo.top_k,
                             top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id)
   return PolicyPairs(batches, actor_gd, actor, tokenizer, policy_pairs_label(config),
-                     share=rm.policy_pairs, samples_per_prompt=rm.get("policy_samples", 4),
+                     share=optional(config, "reward_model.policy_pairs"),
+                     samples_per_prompt=optional(config, "reward_model.policy_samples"),
                      sampling=sampling, seed=config.seed + 2)

@@ -29,6 +29,7 @@ import dataclasses
 import os
 
 from pipe_rlhf_jax import checks
+from pipe_rlhf_jax.config_validation import optional
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
 from pipe_rlhf_jax.stages.train import PPOHyper
@@ -85,7 +86,7 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
       proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
-      response_fraction=checks.check_fraction(config.runtime.get("response_fraction", 1.0),
+      response_fraction=checks.check_fraction(optional(config, "runtime.response_fraction"),
                                                "runtime.response_fraction"))
 
 
@@ -100,9 +101,8 @@ def options_of(config) -> space.SpaceOptions:
 
 def machine_of(config, devices) -> cost.Machine:
   """The hardware profile and efficiencies that price a run on `devices`."""
-  rt = config.runtime
-  hw = detect_hardware(devices, rt.get("hardware", ""))
-  path = rt.get("calibration", "")
+  hw = detect_hardware(devices, optional(config, "runtime.hardware"))
+  path = optional(config, "runtime.calibration")
   if path:
     if not os.path.isfile(path):
       raise ValueError(f"runtime.calibration={path!r} is not a file; write one with "
@@ -164,7 +164,7 @@ def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
   hardware).
   """
   rt = config.runtime
-  choice = rt.get("plan", "manual")
+  choice = optional(config, "runtime.plan")
   if choice not in PLAN_CHOICES:
     raise ValueError(f"runtime.plan={choice!r}; choose one of {list(PLAN_CHOICES)}.")
   if choice == "auto":
