@@ -92,8 +92,8 @@ def test_ppo_starts_from_a_shared_warm_start(tmp_path, warm_starts):
   for when in ("before", "after"):
     per_prompt = result.heldout_per_prompt[when]["reverse_accuracy"]
     assert len(per_prompt) == 16
-    assert np.mean(per_prompt) == pytest.approx(result[f"heldout_{when}"]["reverse_accuracy"],
-                                                abs=1e-6)
+    scores = getattr(result, f"heldout_{when}")
+    assert np.mean(per_prompt) == pytest.approx(scores["reverse_accuracy"], abs=1e-6)
 
 
 def test_shared_warm_start_of_another_seed_is_refused(tmp_path, warm_starts):
