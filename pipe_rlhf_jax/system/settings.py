@@ -444,8 +444,8 @@ class RuntimeConfig:
     stages = {s: StagePlan.from_config(config.stages[s], f"stages.{s}") for s in STAGES}
     return cls(mode=rt["mode"], max_staleness=rt["max_staleness"],
                queue_size=rt["queue_size"],
-               shutdown_timeout_s=float(rt.get("shutdown_timeout_s", 120.0)),
-               progress_timeout_s=float(rt.get("progress_timeout_s", 0.0)),
+               shutdown_timeout_s=float(rt.get("shutdown_timeout_s", cls.shutdown_timeout_s)),
+               progress_timeout_s=float(rt.get("progress_timeout_s", cls.progress_timeout_s)),
                placement=placement, mesh=MeshSpec.from_config(config.mesh, "mesh"),
                **stages)
 
