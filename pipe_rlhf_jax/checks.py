@@ -6,14 +6,16 @@ Python or numpy int, never a bool, at least `low`) and how a bad one is reported
 settings (finite: NaN passes every comparison and inf every lower bound), so every
 field and argument fails alike, whether it comes from a config or a typed setting; and
 `check_fraction` for the response fraction, which the config, the planner and the plan all
-accept.
+accept; and `check_known`, how every section refuses a key it does not know (naming the
+nearest known one: a typo reads as a typo).
 Imports nothing heavy: config validation and data code call it before jax starts.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -70,3 +72,29 @@ def check_fraction(value, field: str) -> float:
   return check_number(value, field, at_most=1.0,
                       hint=" It is the mean response length as a fraction of "
                            "data.completion_len (1 = no early EOS).")
+
+
+def check_known(keys: Iterable[str], known: Iterable[str], field: str,
+                what: str = "fields") -> None:
+  """Raises ValueError when `keys` hold a name outside `known`, naming each unknown one's
+  nearest known name: "ppo has unknown fields ['kl_coeff'] ('kl_coeff': did you mean
+  'kl_coef'?); known: ...".
+
+  Args:
+    keys: the names given (a config section's keys).
+    known: the names the section accepts.
+    field: the section as the user wrote it ("ppo", "stages.generate.mesh").
+    what: what the names are, for the message ("fields", "mesh axes").
+  """
+  known = list(known)
+  unknown = sorted(set(keys) - set(known))
+  if not unknown:
+    return
+  hints = []
+  for name in unknown:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+      hints.append(f"{name!r}: did you mean {close[0]!r}?")
+  hint = f" ({'; '.join(hints)})" if hints else ""
+  raise ValueError(f"{field} has unknown {what} {unknown}{hint}; known: {sorted(known)}.")
+

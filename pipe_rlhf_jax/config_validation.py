@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipe_rlhf_jax.checks import check_fraction, check_int, check_number
+from pipe_rlhf_jax.checks import check_fraction, check_int, check_known, check_number
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
@@ -24,6 +24,31 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
+
+# The keys each section accepts: a key outside them is refused, naming the nearest known
+# one (`checks.check_known`), so a typo in a config file fails here instead of leaving
+# the default silently in force. `ppo`, `mesh` and `stages.*` are checked by their typed
+# settings' constructors (`system.settings`), `data.arith` by `ArithSpec`.
+TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start")
+SECTION_FIELDS = {
+    "model": ("path", "require_path", "tokenizer", "dtype", "param_dtype", "num_layers",
+              "embed_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"),
+    "data": ("task", "dir", "prompt_len", "completion_len", "num_prompts", "num_demos",
+             "num_pairs", "num_eval", "hard_pairs", "on_invalid", "on_overlong", "arith",
+             "jsonl"),
+    "sft": ("steps", "batch_size", "learning_rate", "warmup_steps"),
+    "reward_model": ("steps", "batch_size", "learning_rate", "warmup_steps", "eval_batches",
+                     "init", "policy_pairs", "policy_samples", "label_fn"),
+    "reward": ("fn", "eval_fn", "normalize_samples_per_prompt"),
+    "runtime": ("mode", "max_staleness", "queue_size", "shutdown_timeout_s",
+                "progress_timeout_s", "placement", "num_devices", "plan", "hardware",
+                "calibration", "response_fraction"),
+    "stages": ("generate", "infer", "train"),
+    "checkpoint": ("every", "keep"),
+    "log": ("every", "samples", "tensorboard", "wandb", "wandb_project", "eval_prompts",
+            "eval_samples_per_prompt"),
+    "warm_start": ("mesh", "checkpoint"),
+}
 
 # The fields a config may leave out (configs written before the field existed, or a user's
 # own), and the value a run then uses: the one place these defaults are stated. Read them
@@ -160,6 +185,10 @@ def validate_config(config) -> None:
   from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
   for section in REQUIRED_SECTIONS:
     _get(config, section)
+  check_known(config.keys(), TOP_LEVEL, "the config", "sections")
+  for section, known in SECTION_FIELDS.items():
+    if section in config and config[section] is not None:
+      check_known(config[section].keys(), known, section)
   PPOConfig.from_config(config.ppo, seed=config.get("seed", 0))
   runtime = RuntimeConfig.from_config(config)
   for path in ("sft.steps", "reward_model.steps"):

@@ -180,3 +180,38 @@ def test_optional_fields_read_their_one_default_when_left_out():
     if name in config[section]:
       del config[section][name]
   validate_config(config)
+
+
+@pytest.mark.parametrize("section, typo, nearest", [
+    ("ppo", "kl_coeff", "kl_coef"), ("runtime", "max_stalenes", "max_staleness"),
+    ("data", "prompt_length", "prompt_len"), ("log", "evry", "every"),
+    ("model", "num_kv_head", "num_kv_heads"), ("stages.generate", "num_microbatch",
+                                               "num_microbatches"),
+    ("mesh", "tensr", "tensor"), (None, "rewards", "reward"),
+])
+def test_an_unknown_key_is_refused_with_the_nearest_known_one(section, typo, nearest):
+  # A key a section does not know would otherwise leave the default silently in force.
+  config = quickstart.get_config("tiny")
+  node = config
+  for part in (section.split(".") if section else ()):
+    node = node[part]
+  node[typo] = 1
+  with pytest.raises(ValueError, match=rf"has unknown .*'{typo}': did you mean "
+                                       rf"'{nearest}'\?"):
+    validate_config(config)
+
+
+def test_every_shipped_config_uses_known_keys_only():
+  # (Keys only: hf_model and rlvr_math need a model directory to validate whole.)
+  import grpo_arith
+  import hf_model
+  import rlvr_math
+
+  from pipe_rlhf_jax.checks import check_known
+  from pipe_rlhf_jax.config_validation import SECTION_FIELDS, TOP_LEVEL
+  for config in (quickstart.get_config(), quickstart.get_config("tiny"),
+                 grpo_arith.get_config(), hf_model.get_config(), rlvr_math.get_config()):
+    check_known(config.keys(), TOP_LEVEL, "the config", "sections")
+    for section, known in SECTION_FIELDS.items():
+      if section in config:
+        check_known(config[section].keys(), known, section)

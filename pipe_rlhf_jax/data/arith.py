@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pipe_rlhf_jax.checks import check_int, check_number
+from pipe_rlhf_jax.checks import check_int, check_known, check_number
 from pipe_rlhf_jax.data.task import write_jsonl
 
 # Operator symbol -> the integer function it names.
@@ -85,10 +85,7 @@ class ArithSpec:
   def from_config(cls, section: Mapping[str, Any], field: str = "data.arith") -> "ArithSpec":
     """From a config section (e.g. `config.data.arith`); errors name `field.<key>`."""
     values = dict(section)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-      raise ValueError(f"{field} has unknown fields {unknown}; known: {known}.")
+    check_known(values, [f.name for f in dataclasses.fields(cls)], field)
     try:
       return cls(**values)
     except ValueError as e:  # name the config field the user wrote, not the attribute

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from pipe_rlhf_jax.checks import check_int, check_number
+from pipe_rlhf_jax.checks import check_int, check_known, check_number
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -258,10 +258,8 @@ class PPOConfig:
   def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOConfig":
     """From an experiment config's `ppo` section; unknown keys are an error."""
     values = {k: v for k, v in _plain(ppo).items() if k not in cls._NOT_ALGORITHM}
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"ppo has unknown fields {unknown}; known: {sorted(known)}.")
+    check_known(values, [f.name for f in dataclasses.fields(cls) if f.name != "seed"]
+                + list(cls._NOT_ALGORITHM), "ppo")
     return cls(**values, seed=seed)
 
 
@@ -277,10 +275,7 @@ class MeshSpec:
   @classmethod
   def from_config(cls, mesh: Mapping[str, Any], field: str) -> "MeshSpec":
     values = _plain(mesh)
-    unknown = sorted(set(values) - set(MESH_AXES))
-    if unknown:
-      raise ValueError(f"{field} has unknown mesh axes {unknown}; valid keys are "
-                       f"{list(MESH_AXES)}.")
+    check_known(values, MESH_AXES, field, "mesh axes")
     # Axes a config leaves out are 1, not the class defaults (data=-1).
     return cls(**{axis: values.get(axis, 1) for axis in MESH_AXES})
 
@@ -333,11 +328,8 @@ class StagePlan:
   @classmethod
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
-    known = ("mesh", "rules", "num_microbatches", "attention", "remat", "logits_chunk",
-             "scan_unroll")
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-      raise ValueError(f"{field} has unknown fields {unknown}; known: {', '.join(known)}.")
+    check_known(values, ("mesh", "rules", "num_microbatches", "attention", "remat",
+                         "logits_chunk", "scan_unroll"), field)
     rules = values.get("rules") or {}
     rules = tuple((name, tuple(a) if isinstance(a, list) else a)
                   for name, a in _plain(rules).items())
