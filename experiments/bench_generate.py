@@ -1,15 +1,21 @@
 """Benchmark of the plain KV-cache sampler: prefill and decode tokens/s per batch size.
 
-Owns one measurement: for the embedded tiny model (models.config.tiny_config) on the
-default backend (CPU here, GPU if present), compile time of the jitted prefill and
-decode (reported separately, via AOT lower/compile) and steady-state throughput:
+Owns one measurement: for the embedded tiny model (models.config.tiny_config), or a
+published shape with random weights (`--shape`, `models/shapes.py`), on the default
+backend (CPU here, GPU if present), compile time of the jitted prefill and decode
+(reported separately, via AOT lower/compile) and steady-state throughput:
   prefill tokens/s = batch * prompt_len / prefill seconds
   decode tokens/s  = batch * (new_tokens - 1) / decode seconds
-EOS is disabled so every run decodes exactly `new_tokens` positions.
+EOS is disabled so every run decodes exactly `new_tokens` positions. With
+`--group-sizes 1,4` each batch is also run as batch / n distinct prompts of n samples
+each (a GRPO / RLOO group), which the sampler prefills once per prompt: prefill seconds
+fall by about n while tokens/s counts every row.
 
 Usage:
   python experiments/bench_generate.py --batch-sizes 1,8,32 --prompt-len 32 \
       --new-tokens 32   # writes experiments/out/bench_generate.csv (git-ignored)
+  python experiments/bench_generate.py --shape smollm2-135m --layers 4 --batch-sizes 8 \
+      --group-sizes 1,4 --prompt-len 256 --new-tokens 8
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipe_rlhf_jax.generation import sampler  # noqa: E402
+from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.config import tiny_config  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
@@ -38,6 +45,13 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch-sizes", default="1,8,32",
                       help="comma-separated batch sizes")
+  parser.add_argument("--group-sizes", default="1",
+                      help="comma-separated samples per prompt (each must divide the batch)")
+  parser.add_argument("--shape", default="",
+                      help="a published shape of models/shapes.py (random weights); "
+                           "default: the embedded tiny model")
+  parser.add_argument("--layers", type=int, default=0,
+                      help="with --shape: override its layer count")
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3,
@@ -52,14 +66,16 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def bench_one(graphdef, state, vocab, batch, args):
-  """Compiles and times prefill and decode for one batch size; returns a row dict."""
+def bench_one(graphdef, state, vocab, batch, args, group_size=1):
+  """Compiles and times prefill and decode for one batch size (of batch / group_size
+  prompts, group_size samples each); returns a row dict."""
   params = sampler.SamplingParams(max_new_tokens=args.new_tokens,
                                   temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, eos_id=None)
-  prefill, decode = sampler.make_generate_fns(graphdef, params)
+  prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
   rs = np.random.RandomState(batch)
-  prompt = jnp.asarray(rs.randint(1, vocab, (batch, args.prompt_len)), jnp.int32)
+  prompt = rs.randint(1, vocab, (batch // group_size, args.prompt_len))
+  prompt = jnp.asarray(np.repeat(prompt, group_size, axis=0), jnp.int32)  # [batch, P]
   mask = jnp.ones((batch, args.prompt_len), bool)
   ids = jnp.arange(batch, dtype=jnp.int32)
   rng = jax.random.key(0)
@@ -85,7 +101,8 @@ def bench_one(graphdef, state, vocab, batch, args):
   prefill_t, decode_t = statistics.median(prefill_s), statistics.median(decode_s)
   decode_tokens = batch * max(args.new_tokens - 1, 1)
   return dict(
-      backend=jax.default_backend(), batch=batch, prompt_len=args.prompt_len,
+      backend=jax.default_backend(), batch=batch, group_size=group_size,
+      prompt_len=args.prompt_len,
       new_tokens=args.new_tokens, prefill_compile_s=round(prefill_compile, 3),
       decode_compile_s=round(decode_compile, 3), prefill_s=round(prefill_t, 5),
       decode_s=round(decode_t, 5),
@@ -96,12 +113,18 @@ def bench_one(graphdef, state, vocab, batch, args):
 
 def main(argv=None):
   args = parse_args(argv)
-  model = init_model(tiny_config(), seed=0)
+  if args.shape:
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    cfg = shapes.config(args.shape, dtype="float32", **overrides)
+    name = f"{args.shape} ({cfg.num_layers} layers)"
+  else:
+    cfg, name = tiny_config(), "tiny_config"
+  model = init_model(cfg, seed=0)
   graphdef, state = nnx.split(model)
-  rows = [bench_one(graphdef, state, model.config.vocab_size, int(b), args)
-          for b in args.batch_sizes.split(",")]
+  rows = [bench_one(graphdef, state, model.config.vocab_size, int(b), args, int(n))
+          for b in args.batch_sizes.split(",") for n in args.group_sizes.split(",")]
   columns = list(rows[0])
-  print(f"tiny_config ({model.config.num_params():,} params) on "
+  print(f"{name} ({model.config.num_params():,} params) on "
         f"{jax.default_backend()} x{jax.device_count()}")
   widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
   print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))

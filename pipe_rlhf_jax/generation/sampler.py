@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipe_rlhf_jax.generation.sampling import draw, token_keys
-from pipe_rlhf_jax.models.transformer import KVCache, default_positions
+from pipe_rlhf_jax.models.transformer import CACHE_AXES, KVCache, default_positions
 from pipe_rlhf_jax.parallel.logical import constrain, current_axis_rules
 
 NO_EOS = -1  # internal stand-in for eos_id=None: no sampled token ever equals it
@@ -185,7 +185,7 @@ def completion_key_mask(prompt_mask: jax.Array, max_new_tokens: int) -> jax.Arra
 
 def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                prompt_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-               params: SamplingParams) -> DecodeState:
+               params: SamplingParams, group_size: int = 1) -> DecodeState:
   """Runs the whole prompt at cache slot 0 and draws completion token 0.
 
   Args:
@@ -195,6 +195,10 @@ def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arra
     rng: base key of the batch.
     sample_ids: int [B].
     params: static sampling settings.
+    group_size: n > 1 when rows [g * n, (g + 1) * n) hold the same prompt (a GRPO / RLOO
+      group, `stages.generate.repeat_for_groups`): each prompt is then run once, and
+      its cache and last logits are copied to its n rows, so the prefill costs B / n
+      rows instead of B. Only the draws (per sample id) differ within a group.
 
   Returns:
     The DecodeState after token 0 (step == 1).
@@ -202,12 +206,22 @@ def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arra
   model = nnx.merge(graphdef, state)
   batch, prompt_len = prompt_tokens.shape
   steps = params.max_new_tokens
-  cache = KVCache.zeros(model.config, batch, prompt_len + steps)
-  key_mask = completion_key_mask(prompt_mask, steps)
-  positions = default_positions(prompt_mask)
-  logits, cache = model.forward_cached(prompt_tokens, positions, key_mask, cache, 0)
+  if batch % group_size:
+    raise ValueError(f"prefill of {batch} rows in groups of {group_size}: the rows must "
+                     "hold whole groups.")
+  # [B / n, P]: one row per distinct prompt.
+  tokens_once, mask_once = prompt_tokens[::group_size], prompt_mask[::group_size]
+  cache = KVCache.zeros(model.config, batch // group_size, prompt_len + steps)
+  logits, cache = model.forward_cached(
+      tokens_once, default_positions(mask_once), completion_key_mask(mask_once, steps),
+      cache, 0, last_only=True)
   # Left padding puts every row's last prompt token in the last column.
-  tokens, logprobs = next_tokens(logits[:, -1], rng, sample_ids, 0, params)
+  logits = logits[:, -1]  # [B / n, vocab]
+  if group_size > 1:
+    copy = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
+    cache = KVCache(*(constrain(copy(c, 1), CACHE_AXES) for c in cache))
+    logits = copy(logits, 0)  # [B, vocab]
+  tokens, logprobs = next_tokens(logits, rng, sample_ids, 0, params)
   buffers = (jnp.full((batch, steps), params.pad_id, jnp.int32),
              jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
   buffers = tuple(constrain(b, ("batch", "length")) for b in buffers)
@@ -266,6 +280,7 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
 
 
 def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
+                      group_size: int = 1,
                       prefill_shardings: dict[str, Any] | None = None,
                       decode_shardings: dict[str, Any] | None = None,
                       ) -> tuple[Callable, Callable]:
@@ -274,6 +289,7 @@ def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
   Args:
     graphdef: the model's graph definition (static).
     params: static sampling settings.
+    group_size: rows per distinct prompt, each prompt prefilled once (`prefill_fn`).
     prefill_shardings: optional `jax.jit` kwargs (`in_shardings`, `out_shardings`)
       for `prefill(state, prompt_tokens, prompt_mask, rng, sample_ids)`.
     decode_shardings: likewise for
@@ -286,7 +302,7 @@ def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
   """
   def prefill(state, prompt_tokens, prompt_mask, rng, sample_ids):
     return prefill_fn(graphdef, state, prompt_tokens, prompt_mask, rng, sample_ids,
-                      params)
+                      params, group_size)
 
   def decode(state, decode_state, prompt_mask, rng, sample_ids):
     return decode_fn(graphdef, state, decode_state, prompt_mask, rng, sample_ids,

@@ -383,7 +383,7 @@ class Transformer(nnx.Module):
   def forward_cached(self, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,
                      cache: KVCache, slot: jax.Array | int,
                      layer_params: tuple[dict[str, jax.Array], ...] | None = None,
-                     ) -> tuple[jax.Array, KVCache]:
+                     last_only: bool = False) -> tuple[jax.Array, KVCache]:
     """Forward over `tokens` placed at cache slots [slot, slot + length).
 
     Used by prefill (the whole prompt at slot 0) and by each decode step (one token).
@@ -395,13 +395,15 @@ class Transformer(nnx.Module):
       cache: the model's KVCache with `slots` columns.
       slot: first slot written by these tokens.
       layer_params: `self.layers.per_layer()`, taken once outside a decode loop.
+      last_only: apply the head at the last position only (a prefill needs no other:
+        an LM head over every prompt position is [batch, length, vocab] f32 for nothing).
 
     Returns:
-      Head outputs for `tokens` and the updated cache.
+      Head outputs for `tokens` ([batch, 1, ...] with `last_only`) and the updated cache.
     """
     h, cache = self.layers(self.embed(tokens), positions, key_mask, cache, slot,
                            layer_params=layer_params)
-    return self.head(h), cache
+    return self.head(h[:, -1:] if last_only else h), cache
 
 
 def init_model(config: TransformerConfig, seed: int = 0) -> Transformer:

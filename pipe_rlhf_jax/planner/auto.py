@@ -1,6 +1,6 @@
 """The planner inside the main job: `runtime.plan = "auto"`, and the planner's veto.
 
-Owns what `train.set_up` asks of the planner before anything is built or compiled:
+Owns what `train.experiment_of` asks of the planner before anything is built or compiled:
   * which hardware profile describes the devices the run sees (`detect_hardware`; the
     config field `runtime.hardware` overrides it) and which efficiencies price it (the
     calibration file `runtime.calibration` when given, else the profile's analytic
@@ -86,6 +86,7 @@ def workload(config, actor: TransformerConfig, num_devices: int,
       reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
       proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
+      group_size=ppo.group_size,
       response_fraction=checks.check_fraction(optional(config, "runtime.response_fraction"),
                                                "runtime.response_fraction"))
 

@@ -390,7 +390,10 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   # `shards` copies: (FLOPs, bytes).
   dec = (shards * flops.forward_flops(cfg, rows, 1, context=slots) / p,
          shards * (w_read + kv_read) / p)
-  pre = (shards * flops.forward_flops(cfg, rows, work.prompt_len, context=slots) / p,
+  prefill_rows = work.prefill_rows(rows, p)
+  # The head runs at each row's last prompt position only (it draws the first token).
+  pre = (shards * flops.forward_flops(cfg, prefill_rows, work.prompt_len, context=slots,
+                                      head_positions=1) / p,
          shards * w_read / p)
 
   def tick_compute(prefilling: int, decoding: int) -> float:
@@ -412,7 +415,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
   comm_pre = gather + 2 * layers * m.all_reduce(
-      rows * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
+      prefill_rows * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
   if p > 1:
     comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
   compute = comm = 0.0

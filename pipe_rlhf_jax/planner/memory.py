@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner.hardware import GIB, Hardware
 from pipe_rlhf_jax.planner.space import Workload
@@ -139,7 +140,6 @@ def model_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int,
 
 
 def _layer_params(cfg: TransformerConfig) -> float:
-  from pipe_rlhf_jax.models import flops
   return flops.layer_matmul_params(cfg) * _BYTES[cfg.param_dtype]
 
 
@@ -159,13 +159,18 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     impl = _attention_impl(cfg, plan, slots)
     kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
         * cfg.head_dim * act
-    tokens = b * work.prompt_len
+    tokens = work.prefill_rows(b, p) * work.prompt_len
     prefill = tokens * (forward_activation_bytes(cfg, t, slots, impl)
                         + model_activation_bytes(cfg, t, slots, impl))
-    # The prefill applies the LM head to every prompt position (f32).
-    logits = b * work.prompt_len * vocab_dev * 4
-    # fsdp: the scan gathers one layer's weights at a time (and prefetches the next).
-    gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
+    # The prefill applies the LM head at each row's last prompt position only (f32).
+    logits = b * vocab_dev * 4
+    # fsdp: the scan gathers one layer's weights at a time (and prefetches the next), and
+    # each step's LM head its whole [embed, vocab / tensor] weight. (Without the prefill's
+    # logits, which the head no longer makes for every prompt position, this gathered
+    # head is the decode's peak beyond the layers: 4.2 MB of a 10.1 MB peak at
+    # tests/planner/test_memory.py's fsdp=4 x tensor=2 case.)
+    gathered = (2 * _layer_params(cfg) / t + flops.head_params(cfg) * _BYTES[cfg.param_dtype]
+                / t) if fsdp else 0.0
     # The plain decoder without fsdp copies each layer's weights out of the stacked arrays
     # once per call (`Layers.per_layer`); the pipelined decoder (pipe > 1) and fsdp read
     # them in place. The copies live in the decode program, after the prefill's

@@ -63,6 +63,8 @@ class Workload:
       trainer's policy, or the early stop).
     ptx_rows: demonstrations per actor gradient step of the SFT term (`ppo.ptx_coef`;
       0 = none): one more actor forward and backward over that many rows per step.
+    group_size: completions per prompt (`ppo.group_size`): the plain sampler prefills
+      each of the batch_size / group_size prompts once.
   """
 
   actor: TransformerConfig
@@ -79,6 +81,7 @@ class Workload:
   reference_model: bool = True
   proximal_pass: bool = False
   ptx_rows: int = 0
+  group_size: int = 1
 
   def __post_init__(self):
     checks.check_fraction(self.response_fraction, "response_fraction")
@@ -101,6 +104,11 @@ class Workload:
   @property
   def length(self) -> int:
     return self.prompt_len + self.gen_len
+
+  def prefill_rows(self, rows: float, pipe: int) -> float:
+    """Rows a prefill of `rows` rollouts runs: the plain sampler (pipe 1) runs each
+    prompt once, the pipelined decoder every row."""
+    return rows / self.group_size if pipe == 1 else rows
 
   def with_devices(self, num_devices: int, devices_per_host: int | None = None) -> "Workload":
     return dataclasses.replace(self, num_devices=num_devices, devices_per_host=(

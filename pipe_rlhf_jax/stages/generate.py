@@ -10,7 +10,10 @@ consecutively, before decoding, so the n completions of one prompt are generated
 same call (by the same pipelined schedule) and sit in rows [g * n, (g + 1) * n) of the
 rollout, where the group estimators (`ppo/critic_free.py`) expect them. Sample j of the
 prompt with global id i draws its tokens with key id i * n + j: distinct for every
-completion, and equal to i when n = 1.
+completion, and equal to i when n = 1. The plain sampler prefills each prompt once and
+copies its KV cache to the group's n rows (`sampler.prefill_fn`'s `group_size`): the
+prefill costs the prompts, not the samples. (The pipelined decoder prefills every row:
+its micro-batches need not hold whole groups.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class GenerateStage:
     self.num_microbatches = num_microbatches
     self.pipe = layout.mesh.shape.get("pipe", 1)
     if self.pipe == 1:
-      self._prefill, self._decode = sampler.make_generate_fns(graphdef, params)
+      self._prefill, self._decode = sampler.make_generate_fns(graphdef, params,
+                                                              group_size=group_size)
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:

@@ -193,3 +193,33 @@ def test_public_entry_points():
   assert callable(generation.pipelined_generate)
   assert callable(ppo.gae) and callable(ppo.policy_loss) and callable(ppo.value_loss)
   assert callable(models.from_pretrained) and callable(models.save_pretrained)
+
+
+def _run_blocks(model, prompt, mask, sample_ids, group_size, steps=5):
+  graphdef, state = nnx.split(model)
+  params = sampler.SamplingParams(max_new_tokens=steps, eos_id=None, **SAMPLED)
+  prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
+  rng = jax.random.key(7)
+  first = prefill(state, prompt, mask, rng, sample_ids)
+  cache = jax.tree.map(np.asarray, first.cache)
+  return cache, decode(state, first, mask, rng, sample_ids).output()
+
+
+def test_a_group_is_prefilled_once_and_samples_as_if_each_row_were(model):
+  # 2 prompts x 4 samples (rows of one prompt consecutive, as `repeat_for_groups` lays
+  # them out): prefilled as 2 rows and copied, the cache, the draws and their log-probs
+  # are those of prefilling all 8 rows.
+  prompt, mask = make_prompts([6, 3], 6, seed=4)
+  prompt, mask = np.repeat(prompt, 4, 0), np.repeat(mask, 4, 0)
+  ids = np.arange(8, dtype=np.int32)
+  cache_each, each = _run_blocks(model, prompt, mask, ids, group_size=1)
+  cache_once, once = _run_blocks(model, prompt, mask, ids, group_size=4)
+  for a, b in zip(cache_each, cache_once):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(once.tokens), np.asarray(each.tokens))
+  np.testing.assert_allclose(np.asarray(once.logprobs), np.asarray(each.logprobs),
+                             rtol=1e-5, atol=1e-6)
+  # The samples of a group differ (per-sample keys), the prompt's cache does not.
+  assert len({tuple(r) for r in np.asarray(once.tokens)[:4]}) > 1
+  with pytest.raises(ValueError, match="whole groups"):
+    _run_blocks(model, prompt[:6], mask[:6], ids[:6], group_size=4)

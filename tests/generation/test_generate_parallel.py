@@ -1,5 +1,7 @@
 """The plain sampler under data / fsdp / tensor parallelism equals one device (8 CPUs)."""
 
+from contextlib import nullcontext
+
 from flax import nnx
 import jax
 import numpy as np
@@ -73,3 +75,29 @@ def test_sharded_matches_single_device(setup, name):
     np.testing.assert_array_equal(got.mask, want.mask)
   if shape.data * shape.fsdp > 1:  # activations were constrained onto the batch axes
     assert not greedy.tokens.sharding.is_fully_replicated
+
+
+def test_a_group_prefilled_once_splits_over_more_shards_than_prompts(setup):
+  # 2 prompts x 4 samples on data=4: the once-per-prompt prefill has 2 rows for 4
+  # shards (laid out by the compiler), and the result equals one device's.
+  from pipe_rlhf_jax.generation import sampler
+  model, prompt, mask, _ = setup
+  prompt, mask = np.repeat(prompt[:2], 4, 0), np.repeat(mask[:2], 4, 0)
+  ids = np.arange(8, dtype=np.int32)
+  params = sampler.SamplingParams(max_new_tokens=4, eos_id=None, **SAMPLED)
+  graphdef, state = nnx.split(model)
+
+  def run(state, mesh=None, group_size=4):
+    prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
+    rng = jax.random.key(3)
+    with axis_rules(mesh, DEFAULT_RULES) if mesh is not None else nullcontext():
+      first = prefill(state, prompt, mask, rng, ids)
+      return decode(state, first, mask, rng, ids).output()
+
+  want = run(state, group_size=1)
+  mesh = make_mesh(MeshShape(data=4), jax.devices()[:4])
+  sharded = jax.device_put(state, tree_shardings(mesh, param_axes(model), DEFAULT_RULES))
+  got = run(sharded, mesh)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs),
+                             rtol=1e-5, atol=1e-5)

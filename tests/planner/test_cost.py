@@ -36,7 +36,8 @@ def test_decode_of_a_large_model_is_memory_bound():
   # Each step reads every weight and the whole cache of 128 + 128 slots.
   bytes_step = flops.decode_step_bytes(work.actor, 8, 128 + 128)
   expected_decode = bytes_step / (m.hw.hbm_bw * m.eff.decode_bw)
-  prefill = flops.forward_flops(work.actor, 8, 128, context=256) / (
+  # The prefill applies the head at the last prompt position only.
+  prefill = flops.forward_flops(work.actor, 8, 128, context=256, head_positions=1) / (
       m.hw.peak("bfloat16") * 0.5)
   assert c.compute == pytest.approx(127 * expected_decode + prefill, rel=1e-9)
 
@@ -75,7 +76,8 @@ def test_shared_host_ticks_share_the_host_between_busy_stages():
   c = cost.generate_cost(plan, dict(data=1, fsdp=1, tensor=1, pipe=4), work, m)
   cfg, slots = work.actor, work.prompt_len + work.gen_len
   dec = flops.forward_flops(cfg, 2, 1, context=slots) / 4 / (1e9 * eff.matmul)
-  pre = flops.forward_flops(cfg, 2, work.prompt_len, context=slots) / 4 / (1e9 * eff.matmul)
+  pre = flops.forward_flops(cfg, 2, work.prompt_len, context=slots,
+                            head_positions=1) / 4 / (1e9 * eff.matmul)
   expected = 0.0
   for (a, b), n in cost.tick_counts(4, 4, 4, 1.0, 8):
     expected += n * (a * pre + b * dec) / min(a + b, 2)
