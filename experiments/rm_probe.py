@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before jax)
 import numpy as np  # noqa: E402
 
-from pipe_rlhf_jax import train as train_lib  # noqa: E402
+from pipe_rlhf_jax import job  # noqa: E402
 from pipe_rlhf_jax.data.loaders import PreferenceLoader, pad_left  # noqa: E402
 from pipe_rlhf_jax.data.rewards import reverse_accuracy, reverse_target  # noqa: E402
 from pipe_rlhf_jax.generation.sampler import generate  # noqa: E402
@@ -44,6 +44,7 @@ from pipe_rlhf_jax.models import hf  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 from pipe_rlhf_jax.phases import supervised  # noqa: E402
 from pipe_rlhf_jax.phases import warm_start as warm_lib  # noqa: E402
+from pipe_rlhf_jax.train import experiment_of  # noqa: E402
 
 BATCH = 64
 
@@ -76,7 +77,7 @@ class Probe:
   """The warm start's reward model and policy, and the config's data shapes."""
 
   def __init__(self, config, workdir: str):
-    setup = train_lib.set_up(config, workdir, resume=False)
+    setup = job.set_up(experiment_of(config), workdir, resume=False)
     self.config, self.tokenizer = config, setup.tokenizer
     warm = warm_lib.fit_or_restore(self.config, setup.workdir, setup.warm_source, None,
                                    setup.cfgs, None, setup.warm_layout, False)

@@ -9,8 +9,11 @@ The package is built in layers (`LAYERS`, lowest first): a module imports its ow
 lower ones, never a higher one (tests/test_layers.py reads the imports and holds this).
 The foundation knows nothing of PPO; the algorithms know no devices' placement; the stages
 run one algorithm step on a mesh; the system composes stages into runtime modes; the
-phases are the main job's parts around the RL loop; the planner prices and chooses plans
-for the system; `train` runs an experiment; the entry points parse command lines.
+phases are the main job's parts (the warm start, PPO's loop, the report) and the typed
+experiment they read; `job` runs an experiment whose plan is already chosen; the planner
+prices and chooses plans, above everything that runs one, so nothing that runs an
+experiment plans; `train` (the library's edge) converts a config into an experiment
+once, with the planner, and runs it; the entry points parse command lines.
 """
 
 __version__ = "0.1.0"
@@ -22,6 +25,7 @@ LAYERS = (
     ("stages", ("stages",)),
     ("system", ("system", "config_validation")),
     ("phases", ("phases",)),
+    ("job", ("job",)),
     ("planner", ("planner",)),
     ("train", ("train",)),
     ("entry points", ("main", "launch", "plan")),

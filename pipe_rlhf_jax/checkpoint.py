@@ -79,7 +79,7 @@ def _small_arrays_unsliced() -> None:
 # the same mathematics runs, never the mathematics itself: a run may resume with other
 # values. "runtime", "mesh" and "stages" are the run plan (mode, device count, placement,
 # meshes, queues, staleness bound): a run preempted on one slice continues on another.
-# The staleness bound does change which policy generates a rollout; train.py stores the
+# The staleness bound does change which policy generates a rollout; job.py stores the
 # plan in the checkpoint and warns when a resume changes it. "warm_start" is where the
 # warm start runs (its mesh) or which checkpoint it is read from: what it computes is
 # decided by the seed, model, data, sft and reward_model sections, and a restored warm

@@ -1,4 +1,7 @@
-"""The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
+"""The main job on a typed experiment: `run(experiment, workdir)` runs SFT -> RM -> PPO.
+
+The experiment (`phases.run_state.Experiment`) comes checked and planned from the edge
+(`train.experiment_of`, which `train.train` calls on a ConfigDict): nothing here plans.
 
 With a rule reward (`reward.fn` other than "model", e.g. `arith_exact_match`) the
 reward-model phase is skipped: SFT -> PPO against the rule. With `log.eval_prompts` > 0
@@ -10,12 +13,12 @@ warmstart/ (SFT policy + reward model checkpoint), checkpoints/ (PPO), metrics.j
 tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.txt,
 export/ (the final policy in Hugging Face format) and summary.txt.
 
-`train` runs five phases, each a function here: `set_up` (validate, choose devices,
-build and check the stage layouts on abstract parameters, read where a resume starts:
-all before any data are built), `open_metrics` + `build_data` + the warm start
-(`phases.warm_start`), `build_system` (the one place the PPO system is constructed),
-`restore_ppo` + `run_ppo`, and `phases.reporting.report` (with `phases.heldout`'s greedy
-answers before and after PPO).
+`run` runs five phases: `set_up` (choose the devices, build and check the stage layouts
+on abstract parameters, read where a resume starts: all before any data are built),
+`open_metrics` + `build_data` + the warm start (`phases.warm_start`), `build_system` (the
+one place the PPO system is constructed), `phases.ppo_loop` (`restore_ppo` + `run_ppo`),
+and `phases.reporting.report` (with `phases.heldout`'s greedy answers before and after
+PPO).
 
 Warm start (`phases/warm_start.py`): SFT and the reward model train on a layout of their
 own, the same in every runtime mode; `warm_start.checkpoint` names another run's
@@ -34,7 +37,7 @@ resume, or a warm start, from a checkpoint trained on a file that has changed si
 refused, naming the file.
 
 Multi-process jobs (`jax.distributed` joined by `main.py`, see `distributed/`): every
-process runs `train` with the same config on a shared workdir (process 0's choice,
+process runs the job with the same config on a shared workdir (process 0's choice,
 agreed through the coordination service). Process 0 alone writes files (datasets first,
 then metrics, traces, samples, export); the others wait for the datasets and write
 nothing. `sequential` and `per_stage` meshes span all processes' devices, every process
@@ -49,13 +52,9 @@ builds its own stages from host copies.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -65,31 +64,30 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
-from pipe_rlhf_jax.config_validation import optional, validate_config
+from pipe_rlhf_jax.config_validation import optional
 from pipe_rlhf_jax.data import builders, digests, loaders
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
-from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
-from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
+from pipe_rlhf_jax.distributed.faults import set_activity
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
-from pipe_rlhf_jax.phases import heldout, reporting, reward_norm, supervised
+from pipe_rlhf_jax.phases import heldout, ppo_loop, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
-from pipe_rlhf_jax.phases.run_state import BuiltSystem, ProcessRole, RunResult, RunSetup
+from pipe_rlhf_jax.phases.run_state import (
+  BuiltSystem,
+  Experiment,
+  ProcessRole,
+  RunResult,
+  RunSetup,
+)
 from pipe_rlhf_jax.phases.warm_start import uses_reward_model
-from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
-from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.system import modes
-from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
-from pipe_rlhf_jax.system.steps import DataFeed, np_batch
+from pipe_rlhf_jax.runtime.interrupts import SignalHandler
+from pipe_rlhf_jax.runtime.progress import ProgressDeadline
+from pipe_rlhf_jax.system.steps import np_batch
 from pipe_rlhf_jax.system.system import (
   Models,
   PPOSystem,
@@ -102,10 +100,6 @@ from pipe_rlhf_jax.system.system import (
 from pipe_rlhf_jax.workdir import WorkdirLock
 
 log = logging.getLogger(__name__)
-
-# How long a stalled process, about to end, may spend writing its final checkpoint (a
-# tiny state takes a second; a 0.5B-parameter f32 state about ten on a local disk).
-STALL_SAVE_TIMEOUT_S = 120
 
 
 def default_workdir(config) -> str:
@@ -254,18 +248,6 @@ def select_devices(config, mode: str) -> list:
   return devices[:n] if n else devices
 
 
-def plan_of(runtime: RuntimeConfig, devices) -> dict[str, Any]:
-  """The fields that decide where and in which order PPO runs (not what it computes):
-  the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
-
-  Stored in each checkpoint so that a resume under another plan can say what changed.
-  """
-  plan = dataclasses.asdict(runtime)
-  # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
-  return json.loads(json.dumps({"num_devices": len(devices),
-                                "num_processes": distributed.process_count(), **plan}))
-
-
 def effective_staleness(plan: dict[str, Any]) -> int:
   """How far a rollout may lag the policy: only `pipe` mode generates ahead."""
   return plan["max_staleness"] if plan["mode"] == "pipe" else 0
@@ -297,18 +279,19 @@ def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None
         current["max_staleness"])
 
 
-def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
+def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetup:
   """Checks everything that can be checked cheaply, before data are built.
 
-  Validates the config, chooses the devices, checks the tokenizer's ids fit the model's
-  vocabulary, refuses to overwrite a run unless resuming, asks the planner for the plan
-  (`runtime.plan`: "auto" chooses it, "manual" has the hand-written one checked;
-  `RunSetup.runtime` is the typed plan the run then uses), builds the stage layouts and
-  checks the models and the SFT term's rows fit them (on abstract parameters), and
-  reads where a resume starts, refusing a checkpoint whose mathematics or data differ.
+  Chooses the devices for the experiment's plan, refuses to overwrite a run unless
+  resuming, builds the stage layouts and checks the models and the SFT term's rows fit
+  them (on abstract parameters), and reads where a resume starts, refusing a checkpoint
+  whose mathematics or data differ. (The config was validated and the plan chosen when
+  the experiment was built: `train.experiment_of`.)
   """
-  validate_config(config)
-  devices = select_devices(config, config.runtime.mode)
+  config = experiment.config
+  # The planner may have chosen another mode than the config's, and the device order
+  # depends on it.
+  devices = select_devices(config, experiment.runtime.mode)
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
   os.makedirs(workdir, exist_ok=True)
@@ -316,41 +299,32 @@ def set_up(config, workdir: str | None, resume: bool) -> RunSetup:
   # however this process ends).
   lock = WorkdirLock(workdir) if distributed.is_primary() else None
   try:
-    return _set_up(config, workdir, resume, devices, lock)
+    return _set_up(experiment, workdir, resume, devices, lock)
   except BaseException:
     if lock is not None:
       lock.release()
     raise
 
 
-def _set_up(config, workdir: str, resume: bool, devices, lock) -> RunSetup:
+def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -> RunSetup:
   """`set_up` once the workdir is agreed and locked."""
+  config, runtime = experiment.config, experiment.runtime
   tokenizer = run_tokenizer(config)
-  cfgs = build_model_configs(config, tokenizer)
-  check_vocab(config, tokenizer, cfgs["actor"])
-  # The plan: chosen by the planner (runtime.plan='auto') or the hand-written one, which
-  # the planner's checks (runtime checks on abstract meshes, memory model) accept or
-  # reject here, before any data or compilation.
-  planned = auto_plan.plan_run(config, cfgs["actor"], devices)
-  say(planned.describe())
-  runtime = planned.runtime
-  # The planner may choose another mode, and the device order depends on it.
-  devices = select_devices(config, runtime.mode)
   layouts = build_layouts(runtime, devices)
   role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
   checkpointer = open_checkpoints(config, workdir, role, resume)
-  warm_layout = check_fits_before_compiling(config, cfgs, layouts, devices)
+  warm_layout = check_fits_before_compiling(experiment, layouts, devices)
   warm_source = warm_lib.resolve_source(config, workdir)
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   # data.task='jsonl' files count by their content: one edited in place is other data.
   data_files = digests.file_digests(config)
   fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
   start = resume_start(config, checkpointer, fingerprint, data_files,
-                       plan_of(runtime, devices)) if resume else 0
-  deadline = ProgressDeadline(runtime.progress_timeout_s, planned.predicted_step_s)
-  return RunSetup(workdir, devices, tokenizer, cfgs, layouts, checkpointer, fingerprint,
-                  start, warm_layout, warm_source, planned, role=role, lock=lock,
+                       ppo_loop.plan_of(runtime, devices)) if resume else 0
+  deadline = ProgressDeadline(runtime.progress_timeout_s, experiment.plan.predicted_step_s)
+  return RunSetup(experiment, workdir, devices, tokenizer, layouts, checkpointer,
+                  fingerprint, start, warm_layout, warm_source, role=role, lock=lock,
                   deadline=deadline, data_files=data_files)
 
 
@@ -374,12 +348,11 @@ def open_checkpoints(config, workdir: str, role: ProcessRole,
   return checkpointer
 
 
-def check_fits_before_compiling(config, cfgs: dict[str, TransformerConfig],
-                                layouts: dict[str, Any], devices):
+def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any], devices):
   """Checks, on abstract parameters, that the models fit the stage layouts and the
   warm-start mesh, and the SFT term's rows the training stage; returns the warm-start
   phases' layout."""
-  ppo = PPOConfig.from_config(config.ppo)
+  config, ppo, cfgs = experiment.config, experiment.ppo, experiment.models
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or ppo.needs_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))
@@ -455,7 +428,7 @@ def sampling_params(setup: RunSetup, system: PPOSystem):
   return system.state.actor if setup.role.across else system.actor_for_generation()[0]
 
 
-def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
+def open_metrics(setup: RunSetup) -> metrics_lib.MetricsWriter:
   """The metrics writer, after removing the rows this run is about to write again.
 
   A run that resumes at PPO step S (after a crash, or Ctrl-C) re-trains steps >= S, so
@@ -485,10 +458,11 @@ def open_metrics(config, setup: RunSetup) -> metrics_lib.MetricsWriter:
   if dropped:
     say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
         f"(PPO steps >= {setup.start})")
-  return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=config.log.tensorboard,
-                                   use_wandb=config.log.wandb,
-                                   wandb_project=config.log.wandb_project,
-                                   config=auto_plan.as_run(config, setup.planned).to_dict())
+  log_settings = setup.experiment.config.log
+  return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=log_settings.tensorboard,
+                                   use_wandb=log_settings.wandb,
+                                   wandb_project=log_settings.wandb_project,
+                                   config=setup.experiment.record.to_dict())
 
 
 def ppo_sampling(config, tokenizer) -> SamplingParams:
@@ -517,20 +491,20 @@ def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
   return stats
 
 
-def build_system(config, runtime: RuntimeConfig, cfgs: dict[str, TransformerConfig],
-                 warm: dict[str, Any], tokenizer, devices,
+def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, devices,
                  reward_stats: reward_norm.ScoreStatistics | None = None,
                  demos=None) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
-  The one place that constructs the system from the config and the plan `runtime` (the
+  The one place that constructs the system from the experiment and its plan (the
   critic starts from the reward model's or the SFT policy's backbone, per
   `ppo.critic_init`). Only the models the algorithm uses are built: no critic for a
   critic-free estimator, no reference when `ppo.kl_coef == 0`. `demos` (the SFT
   `DemoLoader`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
   every record once.
   """
-  ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
+  config, runtime, cfgs, ppo = (experiment.config, experiment.runtime, experiment.models,
+                                experiment.ppo)
   if reward_stats is not None:
     ppo = dataclasses.replace(ppo, reward_shift=reward_stats.mean,
                               reward_scale=reward_stats.std)
@@ -562,211 +536,13 @@ def build_system(config, runtime: RuntimeConfig, cfgs: dict[str, TransformerConf
   return BuiltSystem(system, sampling, actor_gd, reward_stats)
 
 
-def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
-  """Loads the newest PPO checkpoint into `system` and the prompt iterator (on resume).
-
-  The arrays are read straight into the current layouts, whatever mesh wrote them.
-  """
-  if not setup.start:
-    return
-  if not setup.role.trains:  # a pipe-mode process without the training stage: no arrays
-    meta = setup.checkpointer.read_metadata()
-    system.restore({"trainer": None}, meta)
-    prompts.set_state(meta["data_state"])
-    return
-  state, meta = setup.checkpointer.restore(
-      target=system.abstract_checkpoint_state(),
-      expect_metadata={"config_fingerprint": setup.fingerprint})
-  system.restore(state, meta)
-  prompts.set_state(meta["data_state"])
-  say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
-
-
-def describe_stall(tracer: Tracer) -> str:
-  """What held a step up: the stage working longest on its item, or that all wait."""
-  me = distributed.process_index()
-  where = f" (process {me})" if distributed.process_count() > 1 else ""
-  spans = tracer.open_spans()
-  if spans:
-    stage, batch, seconds, _ = spans[0]
-    text = f"the {stage} stage{where} has been working on batch {batch} for {seconds:.0f} s"
-    others = [f"{s} on batch {b} for {t:.0f} s" for s, b, t, _ in spans[1:]]
-    if others:
-      text += f" (also running: {', '.join(others)})"
-  else:
-    text = (f"no stage{where} is working: each waits for another (a batch or weights "
-            "that never came, from this process or a peer)")
-  if distributed.process_count() > 1:
-    peers = [f"process {p}: {activity_of(p)}" for p in range(distributed.process_count())
-             if p != me]
-    text += "; the others' last activity: " + "; ".join(peers)
-  return text
-
-
-class WriteFence:
-  """Keeps a worker the run has given up on from writing while the run closes its files.
-
-  Every write of a step (metrics row, checkpoint) runs inside `open()`; `close()` waits
-  (bounded) for the one in progress, and afterwards `open()` refuses with a clean
-  shutdown, so a worker that outlived the shutdown timeout cannot write into a metrics
-  file or checkpoint directory that the main thread is closing.
-  """
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._closed = False
-
-  @contextlib.contextmanager
-  def open(self):
-    with self._lock:
-      if self._closed:
-        raise PipelineShutdown("the run has ended: this worker's step is not recorded")
-      yield
-
-  def close(self, timeout_s: float = 30.0) -> None:
-    got = self._lock.acquire(timeout=timeout_s)
-    self._closed = True
-    if got:
-      self._lock.release()
-    else:
-      log.warning("A worker kept writing past the end of the run for %.0f s; closing "
-                  "the run's files anyway.", timeout_s)
-
-
-def run_ppo(config, setup: RunSetup, system: PPOSystem, prompts,
-            writer: metrics_lib.MetricsWriter, end: int, progress: bool,
-            signals: SignalHandler) -> Tracer:
-  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, stops.
-
-  A metrics row is written every `log.every` steps and at the last step of the schedule;
-  the progress bar and the checkpoints (every `checkpoint.every` steps, at `end`, and on
-  a stop) do not depend on it.
-
-  Stops: a SIGINT or SIGTERM (`signals`) during the loop ends it at the next step
-  boundary, agreed by every process that checkpoints; the checkpoint of that step is
-  written and `Interrupted` raised. A step that makes no progress within the deadline
-  (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
-  step is saved first when the trainer state is whole (the stuck stage is not the
-  update) and only this process holds it.
-  """
-  start, checkpointer = setup.start, setup.checkpointer
-  feed = DataFeed(prompts)
-  tracer = Tracer()
-  bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
-                                keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress or not setup.role.writes)
-  plan = plan_of(setup.runtime, setup.devices)
-  fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
-                                                               setup.data_files))
-  fence = WriteFence()
-
-  def save(step: int) -> None:
-    state = system.checkpoint_state()
-    if setup.role.across:
-      # Orbax refuses device arrays held by one process of a multi-process job; host
-      # copies are written by process 0 and restored straight onto the devices.
-      state = distributed.fetch(state)
-    checkpointer.save(step, state, metadata={
-        **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
-        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1),
-        "data_files": setup.data_files})
-
-  # The newest step on disk: a resumed run starts with its checkpoint already written.
-  last_saved = [start - 1]
-
-  def on_step(step: int, metrics: dict) -> None:
-    with fence.open():
-      metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
-                                               if k.startswith("skipped")))
-      if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
-        writer.write(step, metrics, phase="ppo")
-      bar.update(metrics)
-      set_activity(f"PPO step {step + 1}")
-      if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
-        kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
-        say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
-            f"{metrics['time/step_s']:.2f}s/step")
-      if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
-        save(step)
-        last_saved[0] = step
-      watchdog.beat(step)
-
-  def save_last(step: int | None) -> None:
-    """The checkpoint of `step`, the last one finished, unless it is on disk already."""
-    if setup.role.trains and step is not None and step >= 0 and step != last_saved[0]:
-      log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
-      save(step)
-      last_saved[0] = step
-    checkpointer.wait()
-
-  def on_stall(error: Stalled) -> bool:
-    stalled_in_update[0] = any(s[0] == "train" for s in tracer.open_spans())
-    return signals.raise_in_main(error)
-
-  def on_exit(error: Stalled) -> None:
-    # The main thread is blocked in a native call (a hung reward server, say) and the
-    # process is about to end: a whole trainer state that only this process holds is
-    # saved from here, within a bound, so that the finished steps are not lost.
-    if saves_on_stall():
-      saver = threading.Thread(target=save_last, args=(system.version - 1,),
-                               name="stall-save", daemon=True)
-      saver.start()
-      saver.join(timeout=STALL_SAVE_TIMEOUT_S)
-      if saver.is_alive():
-        log.error("The final checkpoint did not finish within %d s; the newest one on "
-                  "disk is kept.", STALL_SAVE_TIMEOUT_S)
-    watch = FaultWatch.current()
-    if watch is not None:
-      watch.report_failure(error)
-
-  def saves_on_stall() -> bool:
-    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
-    only this process holds."""
-    alone = distributed.process_count() == 1 or setup.role.trains_alone
-    return alone and not stalled_in_update[0]
-
-  stalled_in_update = [False]
-  watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
-  voters = setup.role.trainers
-  with signals.deferred() as request:
-    boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
-                            timeout_s=watchdog.current_deadline)
-    watchdog.start(start)
-    try:
-      stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
-      if stopped or request.is_set():
-        last = boundary.stop_step if not setup.role.trains else system.version - 1
-        save_last(last)
-        signum = request.signum or boundary.signum or signal.SIGINT
-        raise Interrupted(signum, last_saved[0], agreed=True,
-                          where=f"after PPO step {last}" if last is not None else "")
-    except Stalled:
-      watchdog.stop()
-      # A whole trainer state (not stuck inside an update) that only this process
-      # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
-      if saves_on_stall():
-        save_last(system.version - 1)
-      raise
-    finally:
-      watchdog.stop()
-      fence.close()
-      bar.close()
-      checkpointer.wait()
-      if tracer.spans() and setup.role.writes:
-        tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
-        tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
-                     title=f"PPO stages ({system.mode})")
-      writer.flush()
-  return tracer
-
-
-def train(config, workdir: str | None = None, *, resume: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> RunResult:
+def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = False,
+        stop_after: int | None = None, progress: bool = True) -> RunResult:
   """Runs the whole RLHF pipeline; returns its `RunResult` (the summary, the PPO metrics,
   the held-out scores before and after, the trace).
 
   Args:
-    config: a validated-on-entry ConfigDict (see configs/quickstart.py).
+    experiment: the run's settings with its plan (`train.experiment_of`).
     workdir: output directory (default `runs/<name>-<time>`).
     resume: continue from the newest PPO checkpoint in `workdir`, under any plan (mode,
       devices, meshes); the config's mathematics must match the checkpoint's.
@@ -776,14 +552,15 @@ def train(config, workdir: str | None = None, *, resume: bool = False,
   """
   # SIGINT / SIGTERM: at once outside PPO's loop, at its next step boundary inside.
   with SignalHandler() as signals:
-    return _train(config, workdir, resume, stop_after, progress, signals)
+    return _run(experiment, workdir, resume, stop_after, progress, signals)
 
 
-def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
-  """`train` under its signal handlers."""
+def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals) -> RunResult:
+  """`run` under its signal handlers."""
   start_time = time.perf_counter()
-  setup = set_up(config, workdir, resume)
-  writer = open_metrics(config, setup)
+  config = experiment.config
+  setup = set_up(experiment, workdir, resume)
+  writer = open_metrics(setup)
   try:
     build_stats, data = build_data(config, setup)
     # Malformed-record decisions of every data loader, counted once up front.
@@ -802,16 +579,15 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
       # of the devices hands over host copies instead (SPMD: every process fetches).
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
-    built = build_system(config, setup.runtime, setup.cfgs, warm, setup.tokenizer,
-                         setup.devices, reward_statistics(config, setup, warm, data),
-                         data["demos"])
+    built = build_system(experiment, warm, setup.tokenizer, setup.devices,
+                         reward_statistics(config, setup, warm, data), data["demos"])
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
-    restore_ppo(setup, built.system, data["prompts"])
+    ppo_loop.restore_ppo(setup, built.system, data["prompts"])
     # Written only once the config is known to match any checkpoint it resumes.
     if setup.role.writes:
       with open(os.path.join(setup.workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(auto_plan.as_run(config, setup.planned).to_json_best_effort(indent=2))
+        f.write(experiment.record.to_json_best_effort(indent=2))
 
     eval_batch = np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(config)
@@ -840,7 +616,7 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
     before = evaluate(setup.start)
     end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
     set_activity(f"PPO step {setup.start}")
-    tracer = run_ppo(config, setup, built.system, data["prompts"], writer, end, progress,
+    tracer = ppo_loop.run_ppo(setup, built.system, data["prompts"], writer, end, progress,
                      signals)
     return reporting.report(setup, built, warm, tracer, writer, before, evaluate(end),
                             start_time)
@@ -849,8 +625,8 @@ def _train(config, workdir, resume, stop_after, progress, signals) -> RunResult:
     setup.close()
 
 
-def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = True
-                       ) -> dict[str, Any]:
+def prepare_warm_start(experiment: Experiment, workdir: str | None = None, *,
+                       progress: bool = True) -> dict[str, Any]:
   """Runs only the warm-start phases (SFT, and the reward model unless the reward is a
   rule) into `<workdir>/warmstart`.
 
@@ -863,15 +639,16 @@ def prepare_warm_start(config, workdir: str | None = None, *, progress: bool = T
     reward)}.
   """
   with SignalHandler():  # a signal stops it at once (Interrupted); nothing is half-saved
-    return _prepare_warm_start(config, workdir, progress)
+    return _prepare_warm_start(experiment, workdir, progress)
 
 
-def _prepare_warm_start(config, workdir, progress) -> dict[str, Any]:
-  setup = set_up(config, workdir, resume=False)
+def _prepare_warm_start(experiment: Experiment, workdir, progress) -> dict[str, Any]:
+  config = experiment.config
   if warm_lib.warm_start_config(config)[1]:
     raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
                      "empty (it names one to restore).")
-  writer = open_metrics(config, setup)
+  setup = set_up(experiment, workdir, resume=False)
+  writer = open_metrics(setup)
   try:
     build_stats, data = build_data(config, setup)
     writer.write(0, build_stats, phase="data")

@@ -308,7 +308,7 @@ def test_config_fingerprint():
 
 def test_config_fingerprint_ignores_the_run_plan():
   # A run preempted on one slice resumes on another: devices, meshes and runtime mode do
-  # not change the mathematics (train.py warns where the staleness bound changes).
+  # not change the mathematics (job.py warns where the staleness bound changes).
   base = {"ppo": {"lr": 1e-5}, "runtime": {"mode": "pipe", "num_devices": 0},
           "mesh": {"data": -1}, "stages": {"train": {"mesh": {"fsdp": -1}}}}
   other_plan = {"ppo": {"lr": 1e-5}, "runtime": {"mode": "sequential", "num_devices": 4},

@@ -15,7 +15,7 @@ import pytest
 from configs import quickstart
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
-from pipe_rlhf_jax.train import train  # noqa: E402
+from pipe_rlhf_jax.train import experiment_of, train  # noqa: E402
 from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 
 # Metrics that measure wall time or throughput differ run to run by nature.
@@ -116,9 +116,38 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_run):
     train(changed, part, resume=True, progress=False)
   config = tiny()
   config.checkpoint.every = 3  # only where/when things are written: allowed to differ
-  resumed = train(config, part, resume=True, progress=False).ppo_metrics
+  # Built before and handed over typed: the same run as `train(config)`.
+  resumed = train(experiment_of(config), part, resume=True, progress=False).ppo_metrics
   assert [r["step"] for r in resumed] == [0, 1, 2, 3]
   assert comparable(resumed) == comparable(full)
+
+
+def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(tmp_path):
+  import ml_collections
+
+  from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+  config = tiny()
+  experiment = experiment_of(config)
+  assert experiment.ppo == PPOConfig.from_config(config.ppo, seed=config.seed)
+  assert experiment.runtime == RuntimeConfig.from_config(config)  # the hand-written plan
+  assert not experiment.plan.chosen and experiment.record.to_dict() == config.to_dict()
+  assert experiment.models["actor"].vocab_size >= 1
+  with pytest.raises((AttributeError, ValueError)):
+    experiment.config.ppo.kl_coef = 0.0  # frozen: a run cannot change its settings
+  config.runtime.plan = "auto"
+  auto = experiment_of(config)
+  assert auto.plan.chosen and auto.plan.predicted_step_s > 0
+  # The record is the config with the chosen plan written in, as config.json holds it.
+  assert auto.record.runtime.mode == auto.runtime.mode
+  assert isinstance(auto.config, ml_collections.FrozenConfigDict)
+  assert auto.config.runtime.plan == "auto"
+  # A config the planner rejects fails here, before the workdir exists.
+  config = tiny()
+  config.ppo.update(batch_size=10, minibatch_size=10)
+  workdir = str(tmp_path / "never")
+  with pytest.raises(ValueError, match="batch"):
+    train(config, workdir, progress=False)
+  assert not os.path.exists(workdir)
 
 
 def ppo_rows(workdir):

@@ -3,7 +3,7 @@
 The generated tasks (reverse, arith) are determined by their config. With
 `data.task='jsonl'` the run reads the user's files, which may be edited in place under
 the same path, so every fingerprint that decides whether a checkpoint belongs to a run
-(the PPO resume's, `train.set_up`; the warm start's, `phases.warm_start`) hashes their
+(the PPO resume's, `job.set_up`; the warm start's, `phases.warm_start`) hashes their
 bytes instead of their paths (`with_content`), and each checkpoint records the digest
 of every file it was made from (`file_digests`), so that a refusal can name the file
 that changed (`changed_file`). Imports nothing heavy.

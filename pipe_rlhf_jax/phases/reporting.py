@@ -3,7 +3,7 @@
 `report` turns a finished PPO phase into the run's files (process 0 alone writes them)
 and `train`'s `RunResult`; `planned_vs_measured` and `reward_summary` are its summary
 lines; `export_policy` writes the export so that it replaces the previous one whole.
-Split from train.py, which owns the phases' order.
+Split from job.py, which owns the phases' order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""What a run decided before it trains (`RunSetup`), what this process does in the job
-(`ProcessRole`), the PPO system it built (`BuiltSystem`) and what it returns
-(`RunResult`).
+"""What a run is asked to do (`Experiment`), what it decided before it trains
+(`RunSetup`), what this process does in the job (`ProcessRole`), the PPO system it built
+(`BuiltSystem`) and what it returns (`RunResult`).
 
-The state `train.py` passes between its phases, in a module of its own below both the
-phases that read it (`phases.reporting`) and `train.py`, which fills it in.
+The state `job.py` passes between its phases, in a module of its own below both the
+phases that read it (`phases.reporting`) and `job.py`, which fills it in. `Experiment`
+is built once at the edge (`train.experiment_of`, where the planner runs): below it
+nothing plans.
 """
 
 from __future__ import annotations
@@ -22,9 +24,43 @@ from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.settings import PlannedRun, RuntimeConfig
+from pipe_rlhf_jax.system.settings import PlannedRun, PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import PPOSystem
 from pipe_rlhf_jax.workdir import WorkdirLock
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """One run's settings, checked and converted once, with its plan already chosen.
+
+  Built by `train.experiment_of(config)` (validation, the model configs, the planner);
+  `job.run` and everything below it read only this. A researcher with an experiment
+  at hand passes it to `train.train` as it is; the ConfigDict stays at the edge.
+
+  Attributes:
+    config: the experiment config as given, validated and frozen
+      (`ml_collections.FrozenConfigDict`): the sections the phases read field by field
+      (model, data, sft, reward_model, warm_start, checkpoint, log) and what the resume
+      fingerprint hashes (its mathematics; the plan is compared on its own).
+    ppo: the algorithm, seeded by `config.seed` (`PPOConfig`).
+    plan: the plan the run uses and its prediction (`PlannedRun`): the planner's choice
+      under `runtime.plan='auto'`, the hand-written plan, checked, under 'manual'.
+    record: `config` as it runs, with the chosen plan's fields written in: what
+      config.json and the metrics' record hold, so that the workdir says which plan ran.
+    models: the model configs of the roles (actor, critic, reward) at the tokenizer's
+      vocabulary.
+  """
+
+  config: Any
+  ppo: PPOConfig
+  plan: PlannedRun
+  record: Any
+  models: dict[str, TransformerConfig]
+
+  @property
+  def runtime(self) -> RuntimeConfig:
+    """The typed plan (`plan.runtime`)."""
+    return self.plan.runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +123,16 @@ class ProcessRole:
 class RunSetup:
   """What `set_up` decided before any data is built or model trained."""
 
+  experiment: Experiment
   workdir: str
   devices: list
   tokenizer: Any
-  cfgs: dict[str, TransformerConfig]
   layouts: dict[str, Any]
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
   warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
   warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
-  planned: PlannedRun  # the plan the run uses (typed) and its predicted s/step
   role: ProcessRole = ProcessRole()  # what this process does in a multi-process job
   lock: WorkdirLock | None = None  # held by the process that writes (process 0)
   # How long a step / a one-off wait between processes may make no progress.
@@ -106,8 +141,17 @@ class RunSetup:
   data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
+  def planned(self) -> PlannedRun:
+    """The plan the run uses (typed) and its predicted s/step."""
+    return self.experiment.plan
+
+  @property
   def runtime(self) -> RuntimeConfig:
-    return self.planned.runtime
+    return self.experiment.runtime
+
+  @property
+  def cfgs(self) -> dict[str, TransformerConfig]:
+    return self.experiment.models
 
   def close(self) -> None:
     """Waits for the checkpoint writes and releases the workdir."""

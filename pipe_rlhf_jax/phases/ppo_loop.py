@@ -1,0 +1,254 @@
+"""PPO's loop inside the main job: steps, metrics rows, checkpoints and every way it stops.
+
+Owns `run_ppo` (the steps [start, end) of a run under a signal handler and a progress
+watchdog: a metrics row every `log.every` steps, a checkpoint every `checkpoint.every`,
+the stop at a step boundary every checkpointing process agrees on, the final save of a
+stalled or interrupted run), `restore_ppo` (a resume's newest checkpoint into the
+system), the plan each checkpoint records (`plan_of`) and `WriteFence`, which keeps a
+worker the run gave up on from writing while the run closes its files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.data import digests
+from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
+from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
+from pipe_rlhf_jax.metrics import say
+from pipe_rlhf_jax.phases.run_state import RunSetup
+from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
+from pipe_rlhf_jax.runtime.progress import Watchdog
+from pipe_rlhf_jax.runtime.queues import PipelineShutdown
+from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.system import modes
+from pipe_rlhf_jax.system.settings import RuntimeConfig
+from pipe_rlhf_jax.system.steps import DataFeed
+from pipe_rlhf_jax.system.system import PPOSystem
+
+log = logging.getLogger(__name__)
+
+# How long a stalled process, about to end, may spend writing its final checkpoint (a
+# tiny state takes a second; a 0.5B-parameter f32 state about ten on a local disk).
+STALL_SAVE_TIMEOUT_S = 120
+
+
+def plan_of(runtime: RuntimeConfig, devices) -> dict[str, Any]:
+  """The fields that decide where and in which order PPO runs (not what it computes):
+  the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
+
+  Stored in each checkpoint so that a resume under another plan can say what changed.
+  """
+  plan = dataclasses.asdict(runtime)
+  # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
+  return json.loads(json.dumps({"num_devices": len(devices),
+                                "num_processes": distributed.process_count(), **plan}))
+
+
+def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
+  """Loads the newest PPO checkpoint into `system` and the prompt iterator (on resume).
+
+  The arrays are read straight into the current layouts, whatever mesh wrote them.
+  """
+  if not setup.start:
+    return
+  if not setup.role.trains:  # a pipe-mode process without the training stage: no arrays
+    meta = setup.checkpointer.read_metadata()
+    system.restore({"trainer": None}, meta)
+    prompts.set_state(meta["data_state"])
+    return
+  state, meta = setup.checkpointer.restore(
+      target=system.abstract_checkpoint_state(),
+      expect_metadata={"config_fingerprint": setup.fingerprint})
+  system.restore(state, meta)
+  prompts.set_state(meta["data_state"])
+  say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
+
+
+def describe_stall(tracer: Tracer) -> str:
+  """What held a step up: the stage working longest on its item, or that all wait."""
+  me = distributed.process_index()
+  where = f" (process {me})" if distributed.process_count() > 1 else ""
+  spans = tracer.open_spans()
+  if spans:
+    stage, batch, seconds, _ = spans[0]
+    text = f"the {stage} stage{where} has been working on batch {batch} for {seconds:.0f} s"
+    others = [f"{s} on batch {b} for {t:.0f} s" for s, b, t, _ in spans[1:]]
+    if others:
+      text += f" (also running: {', '.join(others)})"
+  else:
+    text = (f"no stage{where} is working: each waits for another (a batch or weights "
+            "that never came, from this process or a peer)")
+  if distributed.process_count() > 1:
+    peers = [f"process {p}: {activity_of(p)}" for p in range(distributed.process_count())
+             if p != me]
+    text += "; the others' last activity: " + "; ".join(peers)
+  return text
+
+
+class WriteFence:
+  """Keeps a worker the run has given up on from writing while the run closes its files.
+
+  Every write of a step (metrics row, checkpoint) runs inside `open()`; `close()` waits
+  (bounded) for the one in progress, and afterwards `open()` refuses with a clean
+  shutdown, so a worker that outlived the shutdown timeout cannot write into a metrics
+  file or checkpoint directory that the main thread is closing.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._closed = False
+
+  @contextlib.contextmanager
+  def open(self):
+    with self._lock:
+      if self._closed:
+        raise PipelineShutdown("the run has ended: this worker's step is not recorded")
+      yield
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    got = self._lock.acquire(timeout=timeout_s)
+    self._closed = True
+    if got:
+      self._lock.release()
+    else:
+      log.warning("A worker kept writing past the end of the run for %.0f s; closing "
+                  "the run's files anyway.", timeout_s)
+
+
+def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
+            writer: metrics_lib.MetricsWriter, end: int, progress: bool,
+            signals: SignalHandler) -> Tracer:
+  """PPO steps [setup.start, end): metrics rows, progress, checkpoints, stops.
+
+  A metrics row is written every `log.every` steps and at the last step of the schedule;
+  the progress bar and the checkpoints (every `checkpoint.every` steps, at `end`, and on
+  a stop) do not depend on it.
+
+  Stops: a SIGINT or SIGTERM (`signals`) during the loop ends it at the next step
+  boundary, agreed by every process that checkpoints; the checkpoint of that step is
+  written and `Interrupted` raised. A step that makes no progress within the deadline
+  (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
+  step is saved first when the trainer state is whole (the stuck stage is not the
+  update) and only this process holds it.
+  """
+  config = setup.experiment.config
+  start, checkpointer = setup.start, setup.checkpointer
+  feed = DataFeed(prompts)
+  tracer = Tracer()
+  bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
+                                keys=("reward/mean", "rule_reward/mean", "kl/mean"),
+                                disable=not progress or not setup.role.writes)
+  plan = plan_of(setup.runtime, setup.devices)
+  fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
+                                                               setup.data_files))
+  fence = WriteFence()
+
+  def save(step: int) -> None:
+    state = system.checkpoint_state()
+    if setup.role.across:
+      # Orbax refuses device arrays held by one process of a multi-process job; host
+      # copies are written by process 0 and restored straight onto the devices.
+      state = distributed.fetch(state)
+    checkpointer.save(step, state, metadata={
+        **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
+        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1),
+        "data_files": setup.data_files})
+
+  # The newest step on disk: a resumed run starts with its checkpoint already written.
+  last_saved = [start - 1]
+
+  def on_step(step: int, metrics: dict) -> None:
+    with fence.open():
+      metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
+                                               if k.startswith("skipped")))
+      if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
+        writer.write(step, metrics, phase="ppo")
+      bar.update(metrics)
+      set_activity(f"PPO step {step + 1}")
+      if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
+        kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
+        say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
+            f"{metrics['time/step_s']:.2f}s/step")
+      if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+        save(step)
+        last_saved[0] = step
+      watchdog.beat(step)
+
+  def save_last(step: int | None) -> None:
+    """The checkpoint of `step`, the last one finished, unless it is on disk already."""
+    if setup.role.trains and step is not None and step >= 0 and step != last_saved[0]:
+      log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
+      save(step)
+      last_saved[0] = step
+    checkpointer.wait()
+
+  def on_stall(error: Stalled) -> bool:
+    stalled_in_update[0] = any(s[0] == "train" for s in tracer.open_spans())
+    return signals.raise_in_main(error)
+
+  def on_exit(error: Stalled) -> None:
+    # The main thread is blocked in a native call (a hung reward server, say) and the
+    # process is about to end: a whole trainer state that only this process holds is
+    # saved from here, within a bound, so that the finished steps are not lost.
+    if saves_on_stall():
+      saver = threading.Thread(target=save_last, args=(system.version - 1,),
+                               name="stall-save", daemon=True)
+      saver.start()
+      saver.join(timeout=STALL_SAVE_TIMEOUT_S)
+      if saver.is_alive():
+        log.error("The final checkpoint did not finish within %d s; the newest one on "
+                  "disk is kept.", STALL_SAVE_TIMEOUT_S)
+    watch = FaultWatch.current()
+    if watch is not None:
+      watch.report_failure(error)
+
+  def saves_on_stall() -> bool:
+    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
+    only this process holds."""
+    alone = distributed.process_count() == 1 or setup.role.trains_alone
+    return alone and not stalled_in_update[0]
+
+  stalled_in_update = [False]
+  watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
+  voters = setup.role.trainers
+  with signals.deferred() as request:
+    boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
+                            timeout_s=watchdog.current_deadline)
+    watchdog.start(start)
+    try:
+      stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
+      if stopped or request.is_set():
+        last = boundary.stop_step if not setup.role.trains else system.version - 1
+        save_last(last)
+        signum = request.signum or boundary.signum or signal.SIGINT
+        raise Interrupted(signum, last_saved[0], agreed=True,
+                          where=f"after PPO step {last}" if last is not None else "")
+    except Stalled:
+      watchdog.stop()
+      # A whole trainer state (not stuck inside an update) that only this process
+      # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
+      if saves_on_stall():
+        save_last(system.version - 1)
+      raise
+    finally:
+      watchdog.stop()
+      fence.close()
+      bar.close()
+      checkpointer.wait()
+      if tracer.spans() and setup.role.writes:
+        tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
+        tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
+                     title=f"PPO stages ({system.mode})")
+      writer.flush()
+  return tracer

@@ -1,0 +1,88 @@
+"""The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
+
+The library's edge, as `main.py` is the command line's: the ConfigDict is checked and
+converted here once (`experiment_of`: the config's validation, the model configs at the
+tokenizer's vocabulary, then the plan: `runtime.plan='auto'` asks the planner to choose
+one, 'manual' has the hand-written plan checked by it, before anything is built or
+compiled), and the typed `Experiment` runs in `job.run`, where nothing plans.
+
+    from pipe_rlhf_jax.train import experiment_of, train
+    experiment = experiment_of(config)   # validated, frozen, with its plan
+    result = train(experiment, "runs/mine")
+
+`train(config)` does both steps; what a run writes and how it resumes: `job.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from pipe_rlhf_jax import job
+from pipe_rlhf_jax.config_validation import validate_config
+from pipe_rlhf_jax.metrics import say
+from pipe_rlhf_jax.models.roles import build_model_configs
+from pipe_rlhf_jax.phases.run_state import Experiment, RunResult
+from pipe_rlhf_jax.planner import auto as auto_plan
+from pipe_rlhf_jax.system.settings import PPOConfig
+
+
+def experiment_of(config) -> Experiment:
+  """The typed, planned experiment of `config` (a ConfigDict; see configs/quickstart.py).
+
+  Raises ValueError naming the field when the config is invalid, and the planner's
+  reason when no plan (or not the hand-written one) fits the devices; nothing is written.
+  """
+  validate_config(config)
+  frozen = ml_collections.FrozenConfigDict(config)
+  devices = job.select_devices(frozen, frozen.runtime.mode)
+  tokenizer = job.run_tokenizer(frozen)
+  models = build_model_configs(frozen, tokenizer)
+  job.check_vocab(frozen, tokenizer, models["actor"])
+  planned = auto_plan.plan_run(frozen, models["actor"], devices)
+  say(planned.describe())
+  return Experiment(config=frozen, ppo=PPOConfig.from_config(frozen.ppo, seed=frozen.seed),
+                    plan=planned, record=auto_plan.as_run(frozen, planned), models=models)
+
+
+def _experiment(config_or_experiment) -> Experiment:
+  if isinstance(config_or_experiment, Experiment):
+    return config_or_experiment
+  return experiment_of(config_or_experiment)
+
+
+def train(config: Experiment | ml_collections.ConfigDict, workdir: str | None = None, *,
+          resume: bool = False, stop_after: int | None = None,
+          progress: bool = True) -> RunResult:
+  """Runs the whole RLHF pipeline; returns its `RunResult` (the summary, the PPO metrics,
+  the held-out scores before and after, the trace).
+
+  Args:
+    config: an `Experiment` (`experiment_of`), or a ConfigDict it is built from.
+    workdir: output directory (default `runs/<name>-<time>`).
+    resume: continue from the newest PPO checkpoint in `workdir`, under any plan (mode,
+      devices, meshes); the config's mathematics must match the checkpoint's.
+    stop_after: stop after this many PPO steps in total (for resume tests / preemption
+      drills); the schedule still assumes `ppo.steps`.
+    progress: show progress bars.
+  """
+  return job.run(_experiment(config), workdir, resume=resume, stop_after=stop_after,
+                 progress=progress)
+
+
+def prepare_warm_start(config: Experiment | ml_collections.ConfigDict,
+                       workdir: str | None = None, *, progress: bool = True
+                       ) -> dict[str, Any]:
+  """Runs only the warm-start phases (SFT, and the reward model unless the reward is a
+  rule) into `<workdir>/warmstart`.
+
+  Other runs of the same seed, model, data, sft and reward_model config start PPO from
+  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
+  mode. Restores instead of training when that checkpoint already exists.
+
+  Returns:
+    {"workdir", "checkpoint" (the warmstart directory), "rm_eval" (None with a rule
+    reward)}.
+  """
+  return job.prepare_warm_start(_experiment(config), workdir, progress=progress)
