@@ -223,3 +223,15 @@ def test_a_group_is_prefilled_once_and_samples_as_if_each_row_were(model):
   assert len({tuple(r) for r in np.asarray(once.tokens)[:4]}) > 1
   with pytest.raises(ValueError, match="whole groups"):
     _run_blocks(model, prompt[:6], mask[:6], ids[:6], group_size=4)
+
+
+def test_first_argmax_is_argmax_with_ties_and_nans():
+  from pipe_rlhf_jax.generation.sampling import first_argmax
+  rs = np.random.RandomState(0)
+  x = rs.randint(0, 4, (64, 33)).astype(np.float32)  # many ties: the first one wins
+  x[3, 7] = np.nan  # a NaN is the maximum, as for jnp.argmax
+  x[5, [2, 9]] = np.nan
+  x[6] = -np.inf
+  got = np.asarray(jax.jit(first_argmax)(x))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
