@@ -538,18 +538,8 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
 
 def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = False,
         stop_after: int | None = None, progress: bool = True) -> RunResult:
-  """Runs the whole RLHF pipeline; returns its `RunResult` (the summary, the PPO metrics,
-  the held-out scores before and after, the trace).
-
-  Args:
-    experiment: the run's settings with its plan (`train.experiment_of`).
-    workdir: output directory (default `runs/<name>-<time>`).
-    resume: continue from the newest PPO checkpoint in `workdir`, under any plan (mode,
-      devices, meshes); the config's mathematics must match the checkpoint's.
-    stop_after: stop after this many PPO steps in total (for resume tests / preemption
-      drills); the schedule still assumes `ppo.steps`.
-    progress: show progress bars.
-  """
+  """`train.train` on a built experiment (its arguments and result are documented
+  there): the job under its signal handlers."""
   # SIGINT / SIGTERM: at once outside PPO's loop, at its next step boundary inside.
   with SignalHandler() as signals:
     return _run(experiment, workdir, resume, stop_after, progress, signals)
@@ -627,17 +617,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
 
 def prepare_warm_start(experiment: Experiment, workdir: str | None = None, *,
                        progress: bool = True) -> dict[str, Any]:
-  """Runs only the warm-start phases (SFT, and the reward model unless the reward is a
-  rule) into `<workdir>/warmstart`.
-
-  Other runs of the same seed, model, data, sft and reward_model config start PPO from
-  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
-  mode. Restores instead of training when that checkpoint already exists.
-
-  Returns:
-    {"workdir", "checkpoint" (the warmstart directory), "rm_eval" (None with a rule
-    reward)}.
-  """
+  """`train.prepare_warm_start` on a built experiment (documented there)."""
   with SignalHandler():  # a signal stops it at once (Interrupted); nothing is half-saved
     return _prepare_warm_start(experiment, workdir, progress)
 

@@ -165,10 +165,8 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     # The prefill applies the LM head at each row's last prompt position only (f32).
     logits = b * vocab_dev * 4
     # fsdp: the scan gathers one layer's weights at a time (and prefetches the next), and
-    # each step's LM head its whole [embed, vocab / tensor] weight. (Without the prefill's
-    # logits, which the head no longer makes for every prompt position, this gathered
-    # head is the decode's peak beyond the layers: 4.2 MB of a 10.1 MB peak at
-    # tests/planner/test_memory.py's fsdp=4 x tensor=2 case.)
+    # each decode step's LM head its whole [embed, vocab / tensor] weight (4.2 MB of
+    # XLA's 10.1 MB peak in tests/planner/test_memory.py's fsdp=4 x tensor=2 case).
     gathered = (2 * _layer_params(cfg) / t + flops.head_params(cfg) * _BYTES[cfg.param_dtype]
                 / t) if fsdp else 0.0
     # The plain decoder without fsdp copies each layer's weights out of the stacked arrays

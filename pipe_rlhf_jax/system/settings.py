@@ -257,10 +257,11 @@ class PPOConfig:
   @classmethod
   def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOConfig":
     """From an experiment config's `ppo` section; unknown keys are an error."""
-    values = {k: v for k, v in _plain(ppo).items() if k not in cls._NOT_ALGORITHM}
+    values = _plain(ppo)
     check_known(values, [f.name for f in dataclasses.fields(cls) if f.name != "seed"]
                 + list(cls._NOT_ALGORITHM), "ppo")
-    return cls(**values, seed=seed)
+    return cls(**{k: v for k, v in values.items() if k not in cls._NOT_ALGORITHM},
+               seed=seed)
 
 
 @dataclasses.dataclass(frozen=True)
