@@ -42,7 +42,7 @@ HISTORY_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
     r"\bstop-\d+\b",
     r"\b(this|that|the previous|previous|an earlier|a later|the next) stop\b",
     r"\bstop's\b",
-    r"\bthis host\b",
+    r"\bthis\s+host\b",
     r"\bissue #?\d+",
     r"\bthe issue's\b",
     r"\bsession\b",  # a word of its own: not `start_new_session` or `SessionLog`
