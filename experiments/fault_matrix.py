@@ -89,7 +89,11 @@ def run_job(job: str, mode: str, workdir: str, warm: str | None, fault: str = ""
             signal_launcher_at: str | None = None) -> dict:
   """Runs one job (one process, or two through the launcher); returns what it did."""
   env = {**os.environ, "PYTHONPATH": _ROOT, "PIPE_RLHF_JAX_FAULT": fault}
-  env.pop("XLA_FLAGS", None)
+  # The caller's XLA flags pass on, all but its device count: each job sets its own.
+  flags = [f for f in env.pop("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   args = [*job_args(job, mode, workdir, warm), *extra] + (["--resume"] if resume else [])
   if mode == "pipe_2proc":
     logs = os.path.join(workdir + ".logs" + ("_resume" if resume else ""))
@@ -98,7 +102,7 @@ def run_job(job: str, mode: str, workdir: str, warm: str | None, fault: str = ""
            "--stop_grace_s=120", "--grace_s=60",
            f"--command={sys.executable} -u {WORKER}", "--", *args]
   else:
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
     cmd = [sys.executable, "-u", WORKER, *args]
   start = time.time()
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,10 +1,11 @@
-"""Test setup: 8 virtual CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 virtual CPU devices and the tests' compile flags
+(`tests/helpers/xla_env.py`), set before jax is imported anywhere."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.helpers.xla_env import xla_flags
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS assignment)

@@ -6,6 +6,8 @@ from nbclient import NotebookClient
 import nbformat
 import pytest
 
+from tests.helpers.xla_env import xla_flags
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -14,7 +16,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
   path = os.path.join(ROOT, "colabs", "quickstart.ipynb")
   notebook = nbformat.read(path, as_version=4)
   monkeypatch.setenv("NOTEBOOK_SCALE", "tiny")
-  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("XLA_FLAGS", xla_flags(8))
   # No MPLBACKEND: the kernel's own inline backend, as in Colab, so the test sees whether
   # the notebook's figure is displayed (the library must not switch the backend).
   monkeypatch.delenv("MPLBACKEND", raising=False)

@@ -13,6 +13,8 @@ import zipfile
 
 import pytest
 
+from tests.helpers import xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What library start-up chatter looks like (none of it means anything for a run).
 NOISE = ("Unable to initialize backend", "overriding jax.Array", "Downloading and preparing",
@@ -20,11 +22,8 @@ NOISE = ("Unable to initialize backend", "overriding jax.Array", "Downloading an
 
 
 def child_env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the entry point asks for its own 8 devices
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT
-  return env
+  # No device count: the entry point asks for its own 8 devices.
+  return xla_env.child_env(PYTHONPATH=ROOT)
 
 
 def test_the_main_job_starts_quietly_and_ends_with_its_summary(tmp_path):

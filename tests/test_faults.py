@@ -29,6 +29,7 @@ from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.steps import BadStepGuard
 from pipe_rlhf_jax.train import train
 from pipe_rlhf_jax.workdir import WorkdirBusy, WorkdirLock
+from tests.helpers.xla_env import xla_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 # Metrics that measure wall time or throughput differ run to run by nature.
@@ -241,7 +242,7 @@ def test_the_automatic_deadline_grows_with_the_slowest_step():
 
 _HANG = textwrap.dedent("""
     import os, sys, time
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = {xla_flags!r}
     sys.path.insert(0, {root!r})
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -281,8 +282,8 @@ HANGS = {"python": "while True: time.sleep(0.05)",
 
 
 def run_hanging(tmp_path, mode, hang, timeout=10):
-  code = _HANG.format(root=ROOT, mode=mode, hang=HANGS[hang], timeout=timeout,
-                      workdir=str(tmp_path / "run"))
+  code = _HANG.format(root=ROOT, xla_flags=xla_flags(8), mode=mode, hang=HANGS[hang],
+                      timeout=timeout, workdir=str(tmp_path / "run"))
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=600)
 

@@ -17,6 +17,7 @@ from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import experiment_of, train  # noqa: E402
 from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
+from tests.helpers.xla_env import child_env  # noqa: E402
 
 # Metrics that measure wall time or throughput differ run to run by nature.
 TIMING = ("time/", "tokens_per_s", "seconds", "bytes_per_second", "blocked_s", "wait_s")
@@ -221,8 +222,7 @@ config.runtime.mode = "sequential"
 assert config.checkpoint.every == 2
 train(config, {workdir!r}, progress=False)
 """
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = child_env(8)
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=600, env=env, cwd=os.path.join(os.path.dirname(__file__), ".."))
   assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]

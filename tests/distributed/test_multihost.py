@@ -20,20 +20,13 @@ import pytest
 from pipe_rlhf_jax.distributed import DistributedConfig
 from pipe_rlhf_jax.launch import launch
 from tests.helpers.metric_helpers import assert_metrics_close
+from tests.helpers.xla_env import child_env
 
 pytestmark = pytest.mark.multihost
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = (sys.executable, "-u", os.path.join(HERE, "multihost_worker.py"))
 NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")
-
-
-def child_env():
-  """The test's environment without its own forced device count (the worker sets it)."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
 
 
 def run_job(tmp_path, name, args, num_processes, cpu_devices, timeout_s=600, grace_s=30):
@@ -288,8 +281,7 @@ def test_main_job_in_pipe_mode_across_processes(tmp_path):
   subprocess.run(["timeout", "-s", "KILL", "500", *MAIN,
                   *[a.replace(str(workdir), str(one)) for a in args], *MEASURED_ARGS],
                  check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                 env={**child_env(), "PYTHONPATH": ROOT,
-                      "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                 env=child_env(8, PYTHONPATH=ROOT))
   assert standardised_by(workdir) == standardised_by(one) != []
   before = [{k: v for k, v in phase_rows(d, "heldout")[0].items() if k != "time"}
             for d in (workdir, one)]

@@ -3,19 +3,20 @@ page carries the provenance block and the goals table."""
 
 import json
 import math
-import os
 from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.xla_env import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_real_shapes_benchmark_writes_finite_rows_and_its_page(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   out = subprocess.run(
       [sys.executable, str(ROOT / "experiments" / "bench_real_shapes.py"),
        "--shapes", "smollm2-135m", "--layers", "2", "--steps", "1", "--batch", "2",

@@ -3,19 +3,20 @@ every mode that fits one device, and a page that carries the provenance block.""
 
 import json
 import math
-import os
 from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.xla_env import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_device_check_smoke_writes_finite_rows_per_mode_and_its_page(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   out = subprocess.run(
       [sys.executable, str(ROOT / "experiments" / "device_check.py"), "--smoke",
        "--out-dir", str(tmp_path / "out"), "--page", "--page-dir", str(tmp_path / "page")],
