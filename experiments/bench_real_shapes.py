@@ -9,7 +9,10 @@ and is left out. Shapes too big for the machine (`--memory-only`) are sized, not
 
 Per stage (generate, infer, train) it reports seconds, FLOPs (`models/flops.py`) and the
 achieved FLOP/s against the f32 matmul peak measured in the same process; for decoding the
-bytes per token step (weights + KV cache) against the measured memory bandwidth. The
+bytes per token step (weights + KV cache) against the measured memory bandwidth. Beside
+each, what the stage's own matmuls reach run alone in one program: the update's GEMM shapes
+against the matmul peak, the decode step's [batch, K] x [K, N] products against the
+bandwidth (the backend's ceiling at that row count). The
 step's bound is the sum over stages of max(FLOPs / peak, bytes / bandwidth). Memory: XLA's
 `memory_analysis()` of the actor's completion log-probs (forward: infer; value_and_grad:
 train) and of one cached decode step, the process peak RSS, and the planner's memory model
@@ -273,6 +276,10 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   # backward, one program): how much of its gap to the peak is the shapes themselves.
   row["train_shapes_gflops"] = bench_ppo_step.shape_rate(
       bench_ppo_step.gemm_shapes(cfg, batch * length, batch * gen))
+  # Likewise the decode step's matmuls at its row count: how fast the backend streams
+  # their weights when nothing else runs.
+  row["decode_shapes_gbps"] = bench_ppo_step.weight_rate(
+      bench_ppo_step.decode_shapes(cfg, batch))
   machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
   row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
   row["planner_efficiency"] = machine.eff.source
@@ -356,7 +363,12 @@ def page_body(rows) -> str:
               f"{r['bound_s']:.3f} | |", "",
               f"Decode: {r['decode_bytes_per_token_step'] / MIB:.1f} MiB read per token step, "
               f"{r['decode_gbps']:.2f} GB/s ({r['decode_bandwidth_fraction']:.0%} of the "
-              f"measured bandwidth). Memory: peak RSS {r['peak_rss_mib']:.0f} MiB, planner "
+              f"measured bandwidth); its matmuls alone (every layer's projections and the "
+              f"head at {r['batch']} rows, one program) read their weights at "
+              f"{r['decode_shapes_gbps']:.2f} GB/s "
+              f"({r['decode_shapes_gbps'] / r['limits']['mem_gbps']:.0%} of the bandwidth): "
+              f"the decode reaches {r['decode_gbps'] / r['decode_shapes_gbps']:.0%} of that. "
+              f"Memory: peak RSS {r['peak_rss_mib']:.0f} MiB, planner "
               f"{r['planner_memory_mib']:.0f} MiB. The update's GEMM shapes alone run at "
               f"{r['train_shapes_gflops']:.1f} GFLOP/s "
               f"({r['train_shapes_gflops'] * 1e9 / (r['limits']['matmul_gflops'] * 1e9):.0%}"
