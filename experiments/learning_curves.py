@@ -192,7 +192,9 @@ def shared_warm_start(config, store: str, prepare) -> dict:
     prepare: `train.prepare_warm_start`.
   """
   from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
-  directory = os.path.join(store, warm_start_fingerprint(config))
+  from pipe_rlhf_jax.sections import ExperimentSettings
+  directory = os.path.join(store,
+                           warm_start_fingerprint(ExperimentSettings.from_config(config)))
   with locked(os.path.join(directory, ".lock")):
     return prepare(config, os.path.join(directory, "run"), progress=False)
 

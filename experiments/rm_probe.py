@@ -74,25 +74,26 @@ def near_misses(answers: list[str], alphabet: str, rng: np.random.Generator
 
 
 class Probe:
-  """The warm start's reward model and policy, and the config's data shapes."""
+  """The warm start's reward model and policy, and the experiment's data shapes."""
 
   def __init__(self, config, workdir: str):
-    setup = job.set_up(experiment_of(config), workdir, resume=False)
-    self.config, self.tokenizer = config, setup.tokenizer
-    warm = warm_lib.fit_or_restore(self.config, setup.workdir, setup.warm_source, None,
+    experiment = experiment_of(config)
+    setup = job.set_up(experiment, workdir, resume=False)
+    self.settings, self.tokenizer = experiment.settings, setup.tokenizer
+    warm = warm_lib.fit_or_restore(self.settings, setup.workdir, setup.warm_source, None,
                                    setup.cfgs, None, setup.warm_layout, False)
     self.rm_eval = warm["rm_eval"]
     reward_gd = nnx.split(init_model(setup.cfgs["reward"], seed=config.seed + 1))[0]
     self.reward_params = warm["reward"]
     self.score_fn = jax.jit(
         lambda params, batch: supervised.preference_scores(reward_gd, params, batch)[0])
-    actor_gd = nnx.split(warm_lib.init_policy(self.config, setup.cfgs["actor"]))[0]
+    actor_gd = nnx.split(warm_lib.init_policy(self.settings, setup.cfgs["actor"]))[0]
     self.warm_policy = nnx.merge(actor_gd, warm["actor"])
 
   def scores(self, prompts: list[str], completions: list[str]) -> np.ndarray:
     """The reward model's score [N] of each (prompt, completion)."""
     records = [{"prompt": p, "chosen": c, "rejected": c} for p, c in zip(prompts, completions)]
-    data = self.config.data
+    data = self.settings.data
     # Padded to whole batches with copies of the first record; their scores are dropped.
     padded = records + records[:1] * (-len(records) % BATCH)
     batches = PreferenceLoader(padded, self.tokenizer, BATCH, data.prompt_len,
@@ -102,7 +103,7 @@ class Probe:
 
   def greedy(self, model, prompts: list[str]) -> list[str]:
     """Greedy answers (as the held-out evaluation of a run makes them)."""
-    data, tok = self.config.data, self.tokenizer
+    data, tok = self.settings.data, self.tokenizer
     answers = []
     for k in range(0, len(prompts), BATCH):
       rows = [pad_left(tok.encode(p, add_bos=True), data.prompt_len, tok.pad_id)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             [(prompts[i], before[i], after[i]) for i in np.flatnonzero(worse)[:8]],
     }
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, warm_lib.warm_start_fingerprint(probe.config) + ".json")
+  path = os.path.join(args.out, warm_lib.warm_start_fingerprint(probe.settings) + ".json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   print(json.dumps(result, indent=1))

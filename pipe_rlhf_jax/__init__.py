@@ -8,7 +8,8 @@ Importing the package does no device work.
 The package is built in layers (`LAYERS`, lowest first): a module imports its own layer or
 lower ones, never a higher one (tests/test_layers.py reads the imports and holds this).
 The foundation knows nothing of PPO; the algorithms know no devices' placement; the stages
-run one algorithm step on a mesh; the system composes stages into runtime modes; the
+run one algorithm step on a mesh; the system composes stages into runtime modes (and
+the experiment config's sections are typed and checked there, `sections`); the
 phases are the main job's parts (the warm start, PPO's loop, the report) and the typed
 experiment they read; `job` runs an experiment whose plan is already chosen; the planner
 prices and chooses plans, above everything that runs one, so nothing that runs an
@@ -23,7 +24,7 @@ LAYERS = (
                     "parallel", "models", "runtime", "distributed")),
     ("algorithms", ("ppo", "generation", "data")),
     ("stages", ("stages",)),
-    ("system", ("system", "config_validation")),
+    ("system", ("system", "sections")),
     ("phases", ("phases",)),
     ("job", ("job",)),
     ("planner", ("planner",)),

@@ -64,12 +64,9 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
-from pipe_rlhf_jax.config_validation import optional
 from pipe_rlhf_jax.data import builders, digests, loaders
-from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import set_activity
-from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
@@ -83,10 +80,10 @@ from pipe_rlhf_jax.phases.run_state import (
   RunResult,
   RunSetup,
 )
-from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.runtime.interrupts import SignalHandler
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
+from pipe_rlhf_jax.sections import ExperimentSettings, ModelSettings
 from pipe_rlhf_jax.system.steps import np_batch
 from pipe_rlhf_jax.system.system import (
   Models,
@@ -102,21 +99,20 @@ from pipe_rlhf_jax.workdir import WorkdirLock
 log = logging.getLogger(__name__)
 
 
-def default_workdir(config) -> str:
-  return os.path.join("runs", f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+def default_workdir(settings: ExperimentSettings) -> str:
+  return os.path.join("runs", f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def run_tokenizer(config):
+def run_tokenizer(m: ModelSettings):
   """The run's tokenizer: `model.path`'s own when set (saying so when `model.tokenizer`
   names another, which is then ignored), else `model.tokenizer`."""
-  m = config.model
   if m.path and m.tokenizer not in ("", "byte"):
     say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
         f"tokenizer ({os.path.join(m.path, 'tokenizer.json')}) is used")
   return load_tokenizer(m.path or m.tokenizer)
 
 
-def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
+def check_vocab(m: ModelSettings, tokenizer, cfg: TransformerConfig) -> None:
   """Raises when the tokenizer produces ids the model has no embedding row for.
 
   An id at or past `vocab_size` (e.g. a token added to the tokenizer after the model was
@@ -125,7 +121,6 @@ def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
   """
   if tokenizer.vocab_size <= cfg.vocab_size:
     return
-  m = config.model
   source = (f"model.path={m.path!r}: its tokenizer" if m.path
             else f"model.tokenizer={m.tokenizer!r}")
   raise ValueError(
@@ -137,7 +132,8 @@ def check_vocab(config, tokenizer, cfg: TransformerConfig) -> None:
       "model.path at that directory.")
 
 
-def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[str, Any]]:
+def make_data(settings: ExperimentSettings, workdir: str, tokenizer
+              ) -> tuple[dict[str, float], dict[str, Any]]:
   """Builds the TFDS datasets and their grain loaders.
 
   Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
@@ -146,21 +142,19 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   Returns:
     (counts of records skipped or truncated while building, {role: loader}).
   """
-  d = config.data
+  d = settings.data
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
   data_dir = d.dir or os.path.join(workdir, "data")
-  use_rm = uses_reward_model(config)
+  use_rm = settings.reward.uses_model
   if d.task == "reverse":
-    built = builders.make_task_datasets(data_dir, seed=config.seed, num_prompts=d.num_prompts,
+    built = builders.make_task_datasets(data_dir, seed=settings.seed, num_prompts=d.num_prompts,
                                         num_demos=d.num_demos, num_pairs=d.num_pairs,
-                                        num_eval=optional(config, "data.num_eval"),
-                                        hard_pairs=optional(config, "data.hard_pairs"))
+                                        num_eval=d.num_eval, hard_pairs=d.hard_pairs)
   elif d.task == "arith":
-    built = builders.make_arith_datasets(data_dir, seed=config.seed,
-                                         spec=ArithSpec.from_config(d.arith),
-                                         num_prompts=d.num_prompts, num_demos=d.num_demos,
-                                         num_eval=optional(config, "data.num_eval"))
+    built = builders.make_arith_datasets(data_dir, seed=settings.seed,
+                                         spec=d.arith, num_prompts=d.num_prompts,
+                                         num_demos=d.num_demos, num_eval=d.num_eval)
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
@@ -179,7 +173,7 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
   def validator(kind: str):
     return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
 
-  seed = config.seed
+  seed = settings.seed
   kinds = ("prompts", "demos", "prefs") if use_rm else ("prompts", "demos")
   # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
   build_stats = {f"build/{kind}/{split}/{key}": float(value)
@@ -188,22 +182,22 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
                  for key, value in counts.items()}
   data = {
       "demos": loaders.DemoLoader(built["demos"].source("train"), tokenizer,
-                                     config.sft.batch_size, d.prompt_len, d.completion_len,
+                                     settings.sft.batch_size, d.prompt_len, d.completion_len,
                                      seed, validator=validator("demos")),
       # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
       "prompts": loaders.PromptLoader(built["prompts"].source("train"), tokenizer,
-                                         config.ppo.batch_size // config.ppo.group_size,
+                                         settings.ppo.batch_size // settings.ppo.group_size,
                                          d.prompt_len, seed,
                                          validator=validator("prompts")),
       # One batch of held-out prompts, in file order: the samples shown and the prompts
       # scored greedily before and after PPO (at most the whole eval split).
       "prompts_eval": loaders.PromptLoader(
           built["prompts"].source("eval"), tokenizer,
-          min(max(config.log.samples, optional(config, "log.eval_prompts"), 1),
+          min(max(settings.log.samples, settings.log.eval_prompts, 1),
               built["prompts"].splits["eval"]),
           d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
   }
-  if use_rm and optional(config, "reward.normalize_samples_per_prompt"):
+  if use_rm and settings.reward.normalize_samples_per_prompt:
     # The first training prompts, in file order: the answers the reward model's scale is
     # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
     data["prompts_norm"] = loaders.PromptLoader(
@@ -212,10 +206,10 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
         shuffle=False, validator=validator("prompts"))
   if use_rm:
     data["prefs"] = loaders.PreferenceLoader(
-        built["prefs"].source("train"), tokenizer, config.reward_model.batch_size,
+        built["prefs"].source("train"), tokenizer, settings.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
     data["prefs_eval"] = loaders.PreferenceLoader(
-        built["prefs"].source("eval"), tokenizer, config.reward_model.batch_size,
+        built["prefs"].source("eval"), tokenizer, settings.reward_model.batch_size,
         d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
   return build_stats, data
 
@@ -224,7 +218,7 @@ def make_data(config, workdir: str, tokenizer) -> tuple[dict[str, float], dict[s
 REWARD_NORM_PROMPTS = 256
 
 
-def select_devices(config, mode: str) -> list:
+def select_devices(settings: ExperimentSettings, mode: str) -> list:
   """The first `runtime.num_devices` of `jax.devices()` (0 = all of them), for a plan of
   runtime mode `mode`.
 
@@ -237,7 +231,7 @@ def select_devices(config, mode: str) -> list:
   if mode == "pipe" and jax.process_count() > 1:
     devices = ([d for d in devices if d.process_index != 0] +
                [d for d in devices if d.process_index == 0])
-  n = optional(config, "runtime.num_devices")
+  n = settings.choice.num_devices
   if n and n != len(devices) and jax.process_count() > 1:
     raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
                      f"processes: every process must hold devices of the meshes; use 0 "
@@ -288,12 +282,13 @@ def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetu
   whose mathematics or data differ. (The config was validated and the plan chosen when
   the experiment was built: `train.experiment_of`.)
   """
-  config = experiment.config
+  settings = experiment.settings
   # The planner may have chosen another mode than the config's, and the device order
   # depends on it.
-  devices = select_devices(config, experiment.runtime.mode)
+  devices = select_devices(settings, experiment.runtime.mode)
   # Every process must use process 0's workdir (a default one is named by the clock).
-  workdir = distributed.agree("workdir", workdir or config.workdir or default_workdir(config))
+  workdir = distributed.agree("workdir",
+                              workdir or settings.workdir or default_workdir(settings))
   os.makedirs(workdir, exist_ok=True)
   # Before anything is written there, and released by `RunSetup.close` (or the kernel,
   # however this process ends).
@@ -308,19 +303,20 @@ def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetu
 
 def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -> RunSetup:
   """`set_up` once the workdir is agreed and locked."""
-  config, runtime = experiment.config, experiment.runtime
-  tokenizer = run_tokenizer(config)
+  settings, runtime = experiment.settings, experiment.runtime
+  tokenizer = run_tokenizer(settings.model)
   layouts = build_layouts(runtime, devices)
   role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
-  checkpointer = open_checkpoints(config, workdir, role, resume)
+  checkpointer = open_checkpoints(settings, workdir, role, resume)
   warm_layout = check_fits_before_compiling(experiment, layouts, devices)
-  warm_source = warm_lib.resolve_source(config, workdir)
+  warm_source = warm_lib.resolve_source(settings, workdir)
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
   # data.task='jsonl' files count by their content: one edited in place is other data.
-  data_files = digests.file_digests(config)
-  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), data_files))
-  start = resume_start(config, checkpointer, fingerprint, data_files,
+  data_files = digests.file_digests(settings)
+  fingerprint = ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(),
+                                                                 data_files))
+  start = resume_start(settings, checkpointer, fingerprint, data_files,
                        ppo_loop.plan_of(runtime, devices)) if resume else 0
   deadline = ProgressDeadline(runtime.progress_timeout_s, experiment.plan.predicted_step_s)
   return RunSetup(experiment, workdir, devices, tokenizer, layouts, checkpointer,
@@ -328,13 +324,13 @@ def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -
                   deadline=deadline, data_files=data_files)
 
 
-def open_checkpoints(config, workdir: str, role: ProcessRole,
+def open_checkpoints(settings: ExperimentSettings, workdir: str, role: ProcessRole,
                      resume: bool) -> ckpt_lib.Checkpointer:
   """The PPO checkpoints of `workdir`, after removing what an interrupted write of an
   earlier run left (by the processes that write them); refuses a workdir that holds
   checkpoints unless resuming."""
   ppo_dir = os.path.join(workdir, "checkpoints")
-  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=config.checkpoint.keep,
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=settings.checkpoint.keep,
                                        processes=role.checkpoint_group,
                                        cleanup=role.trains)
   if checkpointer.unfinished:
@@ -352,22 +348,22 @@ def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any],
   """Checks, on abstract parameters, that the models fit the stage layouts and the
   warm-start mesh, and the SFT term's rows the training stage; returns the warm-start
   phases' layout."""
-  config, ppo, cfgs = experiment.config, experiment.ppo, experiment.models
+  settings, ppo, cfgs = experiment.settings, experiment.ppo, experiment.models
   abstract = {name: nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c)))
               for name in ("actor", "critic") if name == "actor" or ppo.needs_critic}
   check_fits(layouts, abstract["actor"], abstract.get("critic"))
   ptx_rows_for(ppo, layouts["train"])
   warm_layout = supervised.warm_start_layout(
-      warm_lib.warm_start_config(config)[0], devices,
-      {"sft.batch_size": config.sft.batch_size,
-       **({"reward_model.batch_size": config.reward_model.batch_size}
-          if uses_reward_model(config) else {})})
+      settings.warm_start.mesh, devices,
+      {"sft.batch_size": settings.sft.batch_size,
+       **({"reward_model.batch_size": settings.reward_model.batch_size}
+          if settings.reward.uses_model else {})})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
   return warm_layout
 
 
-def resume_start(config, checkpointer: ckpt_lib.Checkpointer, fingerprint: str,
-                 data_files: dict[str, Any], plan: dict[str, Any]) -> int:
+def resume_start(settings: ExperimentSettings, checkpointer: ckpt_lib.Checkpointer,
+                 fingerprint: str, data_files: dict[str, Any], plan: dict[str, Any]) -> int:
   """The first PPO step a resumed run trains: the step after the newest checkpoint (0
   when there is none). Refuses a checkpoint whose data or mathematics differ, and logs
   how its plan differs from `plan`."""
@@ -381,19 +377,20 @@ def resume_start(config, checkpointer: ckpt_lib.Checkpointer, fingerprint: str,
         f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
         f"{meta.get('config_fingerprint')!r} but the current run expects "
         f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
-        f"{_changed_fields(meta, config, data_files)}. Resume with that run's config (see "
+        f"{_changed_fields(meta, settings, data_files)}. Resume with that run's config (see "
         "config.json in the workdir), or use a new workdir.")
   compare_plans(meta.get("plan"), plan)
   return int(meta["step"]) + 1
 
 
-def _changed_fields(meta: dict[str, Any], config, data_files: dict[str, Any]) -> str:
+def _changed_fields(meta: dict[str, Any], settings: ExperimentSettings,
+                    data_files: dict[str, Any]) -> str:
   """`; changed: field: old -> new, ...` from the fields stored with the checkpoint."""
   saved = meta.get("config")
   if not isinstance(saved, dict):
     return " (the checkpoint predates the record of its fields: compare config.json)"
   changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(
-      digests.with_content(config.to_dict(), data_files)))
+      digests.with_content(settings.to_dict(), data_files)))
   shown = "; ".join(changes[:12]) + ("; ..." if len(changes) > 12 else "")
   return f"; changed: {shown}" if changes else ""
 
@@ -408,7 +405,7 @@ def check_same_data(meta: dict[str, Any], data_files: dict[str, Any], step_dir) 
         "or use a new workdir.")
 
 
-def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
+def build_data(setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
   """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
   set_activity("building datasets")
   # Process 0 may take long (a large JSONL file): the others wait up to the one-off
@@ -416,7 +413,7 @@ def build_data(config, setup: RunSetup) -> tuple[dict[str, float], dict[str, Any
   timeout_s = setup.deadline.one_off()
   if not distributed.is_primary():
     distributed.barrier("datasets_built", timeout_s=timeout_s)
-  result = make_data(config, setup.workdir, setup.tokenizer)
+  result = make_data(setup.experiment.settings, setup.workdir, setup.tokenizer)
   if distributed.is_primary():
     distributed.barrier("datasets_built", timeout_s=timeout_s)
   return result
@@ -458,34 +455,31 @@ def open_metrics(setup: RunSetup) -> metrics_lib.MetricsWriter:
   if dropped:
     say(f"metrics.jsonl: dropped {dropped} rows of steps this run writes again "
         f"(PPO steps >= {setup.start})")
-  log_settings = setup.experiment.config.log
+  log_settings = setup.experiment.settings.log
   return metrics_lib.MetricsWriter(setup.workdir, use_tensorboard=log_settings.tensorboard,
                                    use_wandb=log_settings.wandb,
                                    wandb_project=log_settings.wandb_project,
                                    config=setup.experiment.record.to_dict())
 
 
-def ppo_sampling(config, tokenizer) -> SamplingParams:
+def ppo_sampling(settings: ExperimentSettings, tokenizer):
   """PPO's sampling distribution: completions of `data.completion_len` tokens at
-  `ppo.temperature` / `top_k` / `top_p`."""
-  return SamplingParams(max_new_tokens=config.data.completion_len,
-                        temperature=config.ppo.temperature, top_k=config.ppo.top_k,
-                        top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
-                        pad_id=tokenizer.pad_id)
+  `ppo.temperature` / `top_k` / `top_p` (`SamplingParams`)."""
+  return settings.sampling.sampling_params(settings.data.completion_len, tokenizer)
 
 
-def reward_statistics(config, setup: "RunSetup", warm: dict[str, Any],
+def reward_statistics(settings: ExperimentSettings, setup: "RunSetup", warm: dict[str, Any],
                       data: dict[str, Any]) -> reward_norm.ScoreStatistics | None:
   """The reward model's score statistics under the warm-start policy, when
   `reward.normalize_samples_per_prompt` > 0 and the reward is a model; else None."""
-  k = optional(config, "reward.normalize_samples_per_prompt")
-  if not (k and uses_reward_model(config)):
+  k = settings.reward.normalize_samples_per_prompt
+  if not (k and settings.reward.uses_model):
     return None
   set_activity("measuring the reward model's scale")
   stats = reward_norm.score_statistics(
       graphdef_of(setup.cfgs["actor"]), warm["actor"], graphdef_of(setup.cfgs["reward"]),
       warm["reward"], np_batch(next(iter(data["prompts_norm"]))),
-      ppo_sampling(config, setup.tokenizer), samples_per_prompt=k, seed=config.seed)
+      ppo_sampling(settings, setup.tokenizer), samples_per_prompt=k, seed=settings.seed)
   say(f"reward model under the warm-start policy: score mean {stats.mean:.4g}, std "
       f"{stats.std:.4g} over {stats.samples} answers; PPO's reward is (score - mean) / std")
   return stats
@@ -503,8 +497,8 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   `DemoLoader`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
   every record once.
   """
-  config, runtime, cfgs, ppo = (experiment.config, experiment.runtime, experiment.models,
-                                experiment.ppo)
+  settings, runtime, cfgs, ppo = (experiment.settings, experiment.runtime,
+                                  experiment.models, experiment.ppo)
   if reward_stats is not None:
     ppo = dataclasses.replace(ppo, reward_shift=reward_stats.mean,
                               reward_scale=reward_stats.std)
@@ -513,20 +507,21 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   if ppo.needs_critic:
     critic_gd = graphdef_of(cfgs["critic"])
     # Validation refuses critic_init="reward_model" with a rule reward (no reward model).
-    critic_source = (warm["reward"] if config.ppo.critic_init == "reward_model"
+    critic_source = (warm["reward"] if settings.critic_init == "reward_model"
                      else warm["actor"])
-    critic = with_backbone(cfgs["critic"], critic_source, config.seed + 2)
-  use_rm = uses_reward_model(config)
+    critic = with_backbone(cfgs["critic"], critic_source, settings.seed + 2)
+  use_rm = settings.reward.uses_model
   reward_gd = graphdef_of(cfgs["reward"]) if use_rm else None
   models = Models(actor_graphdef=actor_gd, critic_graphdef=critic_gd, reward_graphdef=reward_gd,
                   actor=warm["actor"],
                   reference=warm["actor"] if ppo.needs_reference else None, critic=critic,
                   reward=warm["reward"] if use_rm else None)
-  sampling = ppo_sampling(config, tokenizer)
+  sampling = ppo_sampling(settings, tokenizer)
   decode = lambda ids: tokenizer.decode(ids)
-  reward_fn = None if use_rm else REWARD_FUNCTIONS.get(config.reward.fn, field="reward.fn")
-  eval_fn = (REWARD_FUNCTIONS.get(config.reward.eval_fn, field="reward.eval_fn")
-             if config.reward.eval_fn else None)
+  reward = settings.reward
+  reward_fn = None if use_rm else REWARD_FUNCTIONS.get(reward.fn, field="reward.fn")
+  eval_fn = (REWARD_FUNCTIONS.get(reward.eval_fn, field="reward.eval_fn")
+             if reward.eval_fn else None)
   # Without demos, PPOSystem's check names what the SFT term lacks.
   ptx_demos = demos.as_arrays() if ppo.ptx_coef and demos is not None else None
   system = PPOSystem(models, ppo=ppo,
@@ -548,17 +543,17 @@ def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = Fa
 def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals) -> RunResult:
   """`run` under its signal handlers."""
   start_time = time.perf_counter()
-  config = experiment.config
+  settings = experiment.settings
   setup = set_up(experiment, workdir, resume)
   writer = open_metrics(setup)
   try:
-    build_stats, data = build_data(config, setup)
+    build_stats, data = build_data(setup)
     # Malformed-record decisions of every data loader, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
                                        for name, loader in data.items()
                                        for key, value in loader.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
-    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+    warm = warm_lib.fit_or_restore(settings, setup.workdir, setup.warm_source, data,
                                   setup.cfgs, writer, setup.warm_layout, progress,
                                   setup.tokenizer)
     warm_devices = set(setup.warm_layout.mesh.devices.flat)
@@ -570,7 +565,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
     built = build_system(experiment, warm, setup.tokenizer, setup.devices,
-                         reward_statistics(config, setup, warm, data), data["demos"])
+                         reward_statistics(settings, setup, warm, data), data["demos"])
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     ppo_loop.restore_ppo(setup, built.system, data["prompts"])
@@ -580,9 +575,9 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
         f.write(experiment.record.to_json_best_effort(indent=2))
 
     eval_batch = np_batch(next(iter(data["prompts_eval"])))
-    rules = heldout.rule_rewards_to_report(config)
+    rules = heldout.rule_rewards_to_report(settings)
 
-    samples_per_prompt = optional(config, "log.eval_samples_per_prompt") if rules else 0
+    samples_per_prompt = settings.log.eval_samples_per_prompt if rules else 0
 
     def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
       """The held-out answers at `step`: "greedy" (also the samples shown), and
@@ -592,7 +587,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
       params = sampling_params(setup, built.system)
       evals = {"greedy": heldout.heldout_eval(built.actor_graphdef, params, eval_batch,
                                               setup.tokenizer, built.sampling, rules,
-                                              config.log.samples)}
+                                              settings.log.samples)}
       if samples_per_prompt:
         evals["sampled"] = heldout.heldout_eval(
             built.actor_graphdef, params, eval_batch, setup.tokenizer, built.sampling, rules,
@@ -604,7 +599,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
       return evals
 
     before = evaluate(setup.start)
-    end = config.ppo.steps if stop_after is None else min(stop_after, config.ppo.steps)
+    end = settings.ppo.steps if stop_after is None else min(stop_after, settings.ppo.steps)
     set_activity(f"PPO step {setup.start}")
     tracer = ppo_loop.run_ppo(setup, built.system, data["prompts"], writer, end, progress,
                      signals)
@@ -623,16 +618,16 @@ def prepare_warm_start(experiment: Experiment, workdir: str | None = None, *,
 
 
 def _prepare_warm_start(experiment: Experiment, workdir, progress) -> dict[str, Any]:
-  config = experiment.config
-  if warm_lib.warm_start_config(config)[1]:
+  settings = experiment.settings
+  if settings.warm_start.checkpoint:
     raise ValueError("prepare_warm_start writes a warm start: leave warm_start.checkpoint "
                      "empty (it names one to restore).")
   setup = set_up(experiment, workdir, resume=False)
   writer = open_metrics(setup)
   try:
-    build_stats, data = build_data(config, setup)
+    build_stats, data = build_data(setup)
     writer.write(0, build_stats, phase="data")
-    warm = warm_lib.fit_or_restore(config, setup.workdir, setup.warm_source, data,
+    warm = warm_lib.fit_or_restore(settings, setup.workdir, setup.warm_source, data,
                                   setup.cfgs, writer, setup.warm_layout, progress,
                                   setup.tokenizer)
   finally:

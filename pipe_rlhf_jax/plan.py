@@ -52,14 +52,17 @@ def workload_from_flags(config):
   import dataclasses
 
   from pipe_rlhf_jax.planner import auto, hardware, lengths, presets
+  from pipe_rlhf_jax.sections import ExperimentSettings
+  settings = ExperimentSettings.from_config(config)
   hw = hardware.get(_HARDWARE.value)
   if _MODEL.value:
     actor = presets.model(_MODEL.value)
   else:
     from pipe_rlhf_jax.models.roles import build_model_configs
     from pipe_rlhf_jax.models.tokenizer import load_tokenizer
-    actor = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
-  work = auto.workload(config, actor, _DEVICES.value,
+    actor = build_model_configs(settings.model,
+                                load_tokenizer(settings.model.tokenizer))["actor"]
+  work = auto.workload(settings, actor, _DEVICES.value,
                        _DEVICES_PER_HOST.value or hw.devices_per_host)
   work = dataclasses.replace(
       work, batch_size=_BATCH.value or work.batch_size,

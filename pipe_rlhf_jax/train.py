@@ -1,10 +1,11 @@
 """The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
 
 The library's edge, as `main.py` is the command line's: the ConfigDict is checked and
-converted here once (`experiment_of`: the config's validation, the model configs at the
-tokenizer's vocabulary, then the plan: `runtime.plan='auto'` asks the planner to choose
-one, 'manual' has the hand-written plan checked by it, before anything is built or
-compiled), and the typed `Experiment` runs in `job.run`, where nothing plans.
+converted here once (`experiment_of`: its typed settings, `sections.ExperimentSettings`,
+the model configs at the tokenizer's vocabulary, then the plan: `runtime.plan='auto'`
+asks the planner to choose one, 'manual' has the hand-written plan checked by it, before
+anything is built or compiled), and the typed `Experiment` runs in `job.run`, where
+nothing plans and nothing reads a ConfigDict.
 
     from pipe_rlhf_jax.train import experiment_of, train
     experiment = experiment_of(config)   # validated, frozen, with its plan
@@ -20,12 +21,11 @@ from typing import Any
 import ml_collections
 
 from pipe_rlhf_jax import job
-from pipe_rlhf_jax.config_validation import validate_config
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.phases.run_state import Experiment, RunResult
 from pipe_rlhf_jax.planner import auto as auto_plan
-from pipe_rlhf_jax.system.settings import PPOConfig
+from pipe_rlhf_jax.sections import ExperimentSettings
 
 
 def experiment_of(config) -> Experiment:
@@ -34,16 +34,16 @@ def experiment_of(config) -> Experiment:
   Raises ValueError naming the field when the config is invalid, and the planner's
   reason when no plan (or not the hand-written one) fits the devices; nothing is written.
   """
-  validate_config(config)
-  frozen = ml_collections.FrozenConfigDict(config)
-  devices = job.select_devices(frozen, frozen.runtime.mode)
-  tokenizer = job.run_tokenizer(frozen)
-  models = build_model_configs(frozen, tokenizer)
-  job.check_vocab(frozen, tokenizer, models["actor"])
-  planned = auto_plan.plan_run(frozen, models["actor"], devices)
+  settings = ExperimentSettings.from_config(config)
+  devices = job.select_devices(settings, settings.runtime.mode)
+  tokenizer = job.run_tokenizer(settings.model)
+  models = build_model_configs(settings.model, tokenizer)
+  job.check_vocab(settings.model, tokenizer, models["actor"])
+  planned = auto_plan.plan_run(settings, models["actor"], devices)
   say(planned.describe())
-  return Experiment(config=frozen, ppo=PPOConfig.from_config(frozen.ppo, seed=frozen.seed),
-                    plan=planned, record=auto_plan.as_run(frozen, planned), models=models)
+  record = auto_plan.as_run(ml_collections.FrozenConfigDict(config), planned)
+  return Experiment(settings=settings, plan=planned,
+                    record=ml_collections.FrozenConfigDict(record), models=models)
 
 
 def _experiment(config_or_experiment) -> Experiment:

@@ -324,17 +324,21 @@ def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
   from configs import quickstart
   from pipe_rlhf_jax.data import digests
   from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
+  from pipe_rlhf_jax.sections import ExperimentSettings
 
   def fingerprints(config):
-    files = digests.file_digests(config)
-    return (ckpt_lib.config_fingerprint(digests.with_content(config.to_dict(), files)),
-            warm_start_fingerprint(config))
+    settings = ExperimentSettings.from_config(config)
+    files = digests.file_digests(settings)
+    return (ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(), files)),
+            warm_start_fingerprint(settings))
 
+  file_digests = lambda config: digests.file_digests(ExperimentSettings.from_config(config))
   generated = quickstart.get_config("tiny")
-  assert digests.file_digests(generated) == {}
+  assert file_digests(generated) == {}
   assert digests.with_content(generated.to_dict(), {}) == generated.to_dict()
   config = quickstart.get_config("tiny")
   config.data.task = "jsonl"
+  config.reward.eval_fn = ""  # the reverse task's rule cannot score the user's prompts
   for role in digests.JSONL_ROLES:
     (tmp_path / f"{role}.jsonl").write_text(f'{{"prompt": "{role}"}}\n')
     config.data.jsonl[role] = str(tmp_path / f"{role}.jsonl")
@@ -343,11 +347,11 @@ def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
   moved.write_bytes((tmp_path / "demos.jsonl").read_bytes())
   config.data.jsonl.demos = str(moved)
   assert fingerprints(config) == first
-  saved = digests.file_digests(config)
+  saved = file_digests(config)
   moved.write_text('{"prompt": "edited"}\n')
   edited = fingerprints(config)
   assert edited[0] != first[0] and edited[1] != first[1]
-  assert digests.changed_file(saved, digests.file_digests(config)).startswith(
+  assert digests.changed_file(saved, file_digests(config)).startswith(
       f"data.jsonl.demos={str(moved)!r} holds other data than it was made from: sha256 ")
   assert digests.changed_file(saved, saved) is None
   assert digests.changed_file(None, saved) is None  # a checkpoint that recorded none

@@ -1,5 +1,7 @@
-"""validate_config: each bad field is named, and validation works in a fresh process."""
+"""ExperimentSettings.from_config: each bad field is named, and validation works in a fresh
+process."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,10 +11,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import quickstart  # noqa: E402
 
-from pipe_rlhf_jax.config_validation import (  # noqa: E402
-  OPTIONAL_FIELDS,
-  optional,
-  validate_config,
+from pipe_rlhf_jax.sections import (  # noqa: E402
+  SECTION_TYPES,
+  TOP_LEVEL,
+  DataSettings,
+  ExperimentSettings,
 )
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -22,11 +25,11 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
   # The reward names are checked against a registry that the rule modules fill on import;
   # a process that imports only the validation must still know the built-in rules.
   code = ("import sys; sys.path.insert(0, 'configs'); import quickstart\n"
-          "from pipe_rlhf_jax.config_validation import validate_config\n"
+          "from pipe_rlhf_jax.sections import ExperimentSettings\n"
           "config = quickstart.get_config('tiny')\n"
           "config.reward.fn = 'reverse_accuracy'\n"
           "config.ppo.critic_init = 'sft'\n"
-          "validate_config(config)\n")
+          "ExperimentSettings.from_config(config)\n")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 0, done.stderr[-2000:]
@@ -45,7 +48,7 @@ def test_integer_fields_name_field_and_value(path, value):
     config_section = config_section[part]
   config_section[name] = value
   with pytest.raises(ValueError, match=rf"{path}={value!r} must be an integer >= "):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 NAN, INF = float("nan"), float("inf")
@@ -67,7 +70,7 @@ def test_float_fields_refuse_nan_and_inf(path, value, allowed):
   section, name = path.rsplit(".", 1)
   config[section][name] = value
   with pytest.raises(ValueError, match=rf"{path}={value!r} must be {allowed}"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_arith_demo_noise_refuses_nan():
@@ -76,13 +79,13 @@ def test_arith_demo_noise_refuses_nan():
   config.data.arith.demo_noise = NAN
   with pytest.raises(ValueError, match=r"data.arith.demo_noise=nan must be a probability "
                                        r"in \[0, 1\]"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_grpo_arith_config_validates_and_fits_its_task():
   from configs import grpo_arith
   for variant in ("", "tiny"):
-    validate_config(grpo_arith.get_config(variant))
+    ExperimentSettings.from_config(grpo_arith.get_config(variant))
   with pytest.raises(ValueError, match="variant 'big'"):
     grpo_arith.get_config("big")
 
@@ -97,7 +100,7 @@ def test_arith_task_refuses_rewards_of_other_tasks(change, message):
   config = grpo_arith.get_config("tiny")
   config.reward.update(change)
   with pytest.raises(ValueError, match=message):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_arith_settings_and_rule_rewards_name_their_field():
@@ -105,49 +108,49 @@ def test_arith_settings_and_rule_rewards_name_their_field():
   config = grpo_arith.get_config("tiny")
   config.data.arith.operators = "/"
   with pytest.raises(ValueError, match=r"data.arith.operators='/'"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   config = grpo_arith.get_config("tiny")
   del config.data["arith"]
   with pytest.raises(ValueError, match="needs a data.arith section"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   config = grpo_arith.get_config("tiny")
   config.data.num_eval = 151  # one-digit operands, three operators: 300 problems
   with pytest.raises(ValueError, match=r"data.num_eval=151 held-out problems is more than "
                                        r"half of the 300"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   # A critic cannot start from a reward model that a rule-reward run never trains; GRPO
   # builds no critic, so there the setting is moot.
   config = grpo_arith.get_config("tiny")
   config.ppo.critic_init = "reward_model"
-  validate_config(config)
+  ExperimentSettings.from_config(config)
   config.ppo.update(advantage_estimator="gae", group_size=1, whiten_advantages=True)
   with pytest.raises(ValueError, match=r"critic_init='reward_model'.*critic_init=sft"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   # The reverse task scored by an arith rule is refused the same way.
   config = quickstart.get_config("tiny")
   config.reward.fn = "arith_exact_match"
   config.ppo.critic_init = "sft"
   with pytest.raises(ValueError, match=r"reward.fn='arith_exact_match' scores the embedded "
                                        r"arith task only, but data.task='reverse'"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_hard_pairs_is_a_probability_of_the_reverse_task():
   config = quickstart.get_config("tiny")
   config.data.hard_pairs = 1.5
   with pytest.raises(ValueError, match=r"data.hard_pairs=1.5 must be a probability"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   from configs import grpo_arith
   config = grpo_arith.get_config("tiny")
   config.data.hard_pairs = 0.5  # a knob of the reverse task: other tasks ignore it
-  validate_config(config)
+  ExperimentSettings.from_config(config)
 
 
 def test_ptx_coef_must_be_a_non_negative_number():
   config = quickstart.get_config("tiny")
   config.ppo.ptx_coef = -0.5
   with pytest.raises(ValueError, match=r"ppo.ptx_coef=-0.5 must be a number >= 0"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
@@ -167,19 +170,24 @@ def test_optional_fields_read_their_one_default_when_left_out():
   config = quickstart.get_config()
   del config.data["num_eval"]
   del config.runtime["plan"]
-  assert optional(config, "data.num_eval") == OPTIONAL_FIELDS["data.num_eval"] == 256
-  assert optional(config, "runtime.plan") == "manual"
-  validate_config(config)  # a config without them is still a valid one
+  settings = ExperimentSettings.from_config(config)  # a config without them is still a valid one
+  assert settings.data.num_eval == DataSettings.num_eval == 256
+  assert settings.choice.plan == "manual"
   config.log.eval_prompts = 7
-  assert optional(config, "log.eval_prompts") == 7
-  with pytest.raises(KeyError, match="ppo.batch_size is not an optional config field"):
-    optional(config, "ppo.batch_size")
+  assert ExperimentSettings.from_config(config).log.eval_prompts == 7
+  required = quickstart.get_config()
+  del required.ppo["batch_size"]
+  with pytest.raises(ValueError, match="Config field ppo.batch_size is missing"):
+    ExperimentSettings.from_config(required)
   # Every optional field's default passes the checks that field's given value gets.
-  for path in OPTIONAL_FIELDS:
-    section, name = path.split(".")
-    if name in config[section]:
-      del config[section][name]
-  validate_config(config)
+  for section, cls in SECTION_TYPES.items():
+    for f in dataclasses.fields(cls):
+      if f.default is not dataclasses.MISSING and f.name in config[section]:
+        del config[section][f.name]
+  for name in ("plan", "hardware", "calibration", "response_fraction", "num_devices"):
+    if name in config.runtime:
+      del config.runtime[name]
+  ExperimentSettings.from_config(config)
 
 
 @pytest.mark.parametrize("section, typo, nearest", [
@@ -198,7 +206,7 @@ def test_an_unknown_key_is_refused_with_the_nearest_known_one(section, typo, nea
   node[typo] = 1
   with pytest.raises(ValueError, match=rf"has unknown .*'{typo}': did you mean "
                                        rf"'{nearest}'\?"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
 
 
 def test_every_shipped_config_uses_known_keys_only():
@@ -208,10 +216,10 @@ def test_every_shipped_config_uses_known_keys_only():
   import rlvr_math
 
   from pipe_rlhf_jax.checks import check_known
-  from pipe_rlhf_jax.config_validation import SECTION_FIELDS, TOP_LEVEL
   for config in (quickstart.get_config(), quickstart.get_config("tiny"),
                  grpo_arith.get_config(), hf_model.get_config(), rlvr_math.get_config()):
     check_known(config.keys(), TOP_LEVEL, "the config", "sections")
-    for section, known in SECTION_FIELDS.items():
+    for section, cls in SECTION_TYPES.items():
       if section in config:
-        check_known(config[section].keys(), known, section)
+        check_known(config[section].keys(), [f.name for f in dataclasses.fields(cls)],
+                    section)

@@ -2,6 +2,7 @@
 plan), bad input, learning."""
 
 import _thread
+import dataclasses
 import json
 import logging
 import os
@@ -133,15 +134,17 @@ def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(
   assert experiment.runtime == RuntimeConfig.from_config(config)  # the hand-written plan
   assert not experiment.plan.chosen and experiment.record.to_dict() == config.to_dict()
   assert experiment.models["actor"].vocab_size >= 1
-  with pytest.raises((AttributeError, ValueError)):
-    experiment.config.ppo.kl_coef = 0.0  # frozen: a run cannot change its settings
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    experiment.settings.ppo.kl_coef = 0.0  # frozen: a run cannot change its settings
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    experiment.settings.data = None
   config.runtime.plan = "auto"
   auto = experiment_of(config)
   assert auto.plan.chosen and auto.plan.predicted_step_s > 0
   # The record is the config with the chosen plan written in, as config.json holds it.
   assert auto.record.runtime.mode == auto.runtime.mode
-  assert isinstance(auto.config, ml_collections.FrozenConfigDict)
-  assert auto.config.runtime.plan == "auto"
+  assert isinstance(auto.record, ml_collections.FrozenConfigDict)
+  assert auto.record.runtime.plan == auto.settings.choice.plan == "auto"
   # A config the planner rejects fails here, before the workdir exists.
   config = tiny()
   config.ppo.update(batch_size=10, minibatch_size=10)

@@ -36,17 +36,22 @@ def file_sha256(path: str) -> str:
   return h.hexdigest()
 
 
-def file_digests(config, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
+def file_digests(settings, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
   """{"data.jsonl.<role>": {"path", "sha256"}} of the files among `roles` the run reads.
+
+  Args:
+    settings: the experiment's settings (`sections.ExperimentSettings`).
+    roles: the data.jsonl roles to digest.
 
   Empty unless `data.task == 'jsonl'`; the preference files count only when a reward
   model is trained (`reward.fn == 'model'`).
   """
-  if config.data.task != "jsonl":
+  if settings.data.task != "jsonl":
     return {}
-  use_rm = config.reward.fn == "model"
-  return {f"data.jsonl.{role}": {"path": os.path.abspath(config.data.jsonl[role]),
-                                 "sha256": file_sha256(config.data.jsonl[role])}
+  use_rm = settings.reward.uses_model
+  files = settings.data.jsonl
+  return {f"data.jsonl.{role}": {"path": os.path.abspath(files[role]),
+                                 "sha256": file_sha256(files[role])}
           for role in roles if use_rm or not role.startswith("prefs")}
 
 

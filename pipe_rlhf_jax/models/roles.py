@@ -1,4 +1,4 @@
-"""The model configs of a run's three roles, from its `model` config section.
+"""The model configs of a run's three roles, from its model settings.
 
 Owns `build_model_configs`: the actor's `TransformerConfig` (the embedded tiny model sized
 to the tokenizer, or a local Hugging Face checkpoint's `config.json`) and the critic's and
@@ -20,9 +20,14 @@ def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
-def build_model_configs(config, tokenizer) -> dict[str, TransformerConfig]:
-  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint."""
-  m = config.model
+def build_model_configs(m, tokenizer) -> dict[str, TransformerConfig]:
+  """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint.
+
+  Args:
+    m: the experiment's model settings (`sections.ModelSettings`, or any object with its
+      fields: path, dtype, param_dtype and the embedded model's sizes).
+    tokenizer: the run's tokenizer (the embedded model's vocabulary and special ids).
+  """
   if m.path:
     with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
       base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)

@@ -20,22 +20,21 @@ import jax
 import numpy as np
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.config_validation import optional
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
-from pipe_rlhf_jax.phases.warm_start import uses_reward_model
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, score_rule
 from pipe_rlhf_jax.ppo.types import decode_answers
 
 
-def rule_rewards_to_report(config) -> dict[str, Any]:
-  """The rules scored on the held-out prompts (name -> function): none when
-  `log.eval_prompts` is 0 (or absent); else `reward.fn` when it is a rule, and
-  `reward.eval_fn` when set."""
-  if not optional(config, "log.eval_prompts"):
+def rule_rewards_to_report(settings) -> dict[str, Any]:
+  """The rules scored on the held-out prompts (name -> function) of the experiment's
+  settings (`sections.ExperimentSettings`): none when `log.eval_prompts` is 0; else
+  `reward.fn` when it is a rule, and `reward.eval_fn` when set."""
+  if not settings.log.eval_prompts:
     return {}
-  names = [] if uses_reward_model(config) else [config.reward.fn]
-  if config.reward.eval_fn and config.reward.eval_fn not in names:
-    names.append(config.reward.eval_fn)
+  reward = settings.reward
+  names = [] if reward.uses_model else [reward.fn]
+  if reward.eval_fn and reward.eval_fn not in names:
+    names.append(reward.eval_fn)
   return {name: REWARD_FUNCTIONS.get(name) for name in names}
 
 

@@ -142,7 +142,7 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
   step is saved first when the trainer state is whole (the stuck stage is not the
   update) and only this process holds it.
   """
-  config = setup.experiment.config
+  settings = setup.experiment.settings
   start, checkpointer = setup.start, setup.checkpointer
   feed = DataFeed(prompts)
   tracer = Tracer()
@@ -150,7 +150,7 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),
                                 disable=not progress or not setup.role.writes)
   plan = plan_of(setup.runtime, setup.devices)
-  fields = ckpt_lib.fingerprinted_fields(digests.with_content(config.to_dict(),
+  fields = ckpt_lib.fingerprinted_fields(digests.with_content(settings.to_dict(),
                                                                setup.data_files))
   fence = WriteFence()
 
@@ -172,7 +172,7 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
     with fence.open():
       metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
                                                if k.startswith("skipped")))
-      if (step + 1) % config.log.every == 0 or step + 1 == config.ppo.steps:
+      if (step + 1) % settings.log.every == 0 or step + 1 == settings.ppo.steps:
         writer.write(step, metrics, phase="ppo")
       bar.update(metrics)
       set_activity(f"PPO step {step + 1}")
@@ -180,7 +180,7 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
         kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
         say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
             f"{metrics['time/step_s']:.2f}s/step")
-      if (step + 1) % config.checkpoint.every == 0 or step + 1 == end:
+      if (step + 1) % settings.checkpoint.every == 0 or step + 1 == end:
         save(step)
         last_saved[0] = step
       watchdog.beat(step)

@@ -23,6 +23,7 @@ from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
 from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.settings import PlannedRun, PPOConfig, RuntimeConfig
 from pipe_rlhf_jax.system.system import PPOSystem
@@ -33,29 +34,33 @@ from pipe_rlhf_jax.workdir import WorkdirLock
 class Experiment:
   """One run's settings, checked and converted once, with its plan already chosen.
 
-  Built by `train.experiment_of(config)` (validation, the model configs, the planner);
-  `job.run` and everything below it read only this. A researcher with an experiment
-  at hand passes it to `train.train` as it is; the ConfigDict stays at the edge.
+  Built by `train.experiment_of(config)` (`sections.ExperimentSettings.from_config`, the
+  model configs, the planner); `job.run` and everything below it read only this, never a
+  ConfigDict. A researcher with an experiment at hand passes it to `train.train` as it
+  is; the ConfigDict stays at the edge.
 
   Attributes:
-    config: the experiment config as given, validated and frozen
-      (`ml_collections.FrozenConfigDict`): the sections the phases read field by field
-      (model, data, sft, reward_model, warm_start, checkpoint, log) and what the resume
-      fingerprint hashes (its mathematics; the plan is compared on its own).
-    ppo: the algorithm, seeded by `config.seed` (`PPOConfig`).
+    settings: every section of the config, typed and checked (`ExperimentSettings`:
+      model, data, sft, reward_model, reward, warm_start, checkpoint, log, ppo, the
+      sampling, the hand-written plan and how it is chosen).
     plan: the plan the run uses and its prediction (`PlannedRun`): the planner's choice
       under `runtime.plan='auto'`, the hand-written plan, checked, under 'manual'.
-    record: `config` as it runs, with the chosen plan's fields written in: what
-      config.json and the metrics' record hold, so that the workdir says which plan ran.
+    record: the config as it runs, with the chosen plan's fields written in (a frozen
+      ConfigDict): what config.json and the metrics' record hold, so that the workdir
+      says which plan ran. Nothing reads settings from it.
     models: the model configs of the roles (actor, critic, reward) at the tokenizer's
       vocabulary.
   """
 
-  config: Any
-  ppo: PPOConfig
+  settings: ExperimentSettings
   plan: PlannedRun
   record: Any
   models: dict[str, TransformerConfig]
+
+  @property
+  def ppo(self) -> PPOConfig:
+    """The algorithm (`settings.ppo`)."""
+    return self.settings.ppo
 
   @property
   def runtime(self) -> RuntimeConfig:

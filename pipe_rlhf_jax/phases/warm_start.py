@@ -1,8 +1,6 @@
 """The warm-start phase: SFT and the reward model before PPO, checkpointed and shared.
 
-Owns what decides a warm start and where it comes from: whether the run trains a reward
-model at all (`uses_reward_model`: not with a rule reward), its settings
-(`warm_start.mesh`, `warm_start.checkpoint`), its fingerprint (the seed and the model,
+Owns what decides a warm start and where it comes from: its fingerprint (the seed and the model,
 data, sft and reward_model sections, with the content of the user's demonstration and
 preference files in place of their paths; never the PPO plan), which checkpoint a run
 restores (its own `<workdir>/warmstart`, else the shared one the config names, refused
@@ -26,45 +24,30 @@ from flax import nnx
 import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
-from pipe_rlhf_jax.config_validation import optional, policy_pairs_label
 from pipe_rlhf_jax.data import digests
-from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.system import with_backbone
 
 # The metrics phases the warm start writes (rewritten when its checkpoint is missing).
 PHASES = ("sft", "reward_model", "reward_model_eval")
 
 
-def uses_reward_model(config) -> bool:
-  """Whether the run trains a reward model (`reward.fn == "model"`) or scores by a rule.
-
-  With a rule there are no preference pipelines, no reward-model phase and no reward
-  model in the PPO system.
-  """
-  return config.reward.fn == "model"
-
-
-def init_policy(config, cfg: TransformerConfig) -> Transformer:
-  if config.model.path:
-    return hf.from_pretrained(config.model.path, dtype=config.model.dtype,
-                              param_dtype=config.model.param_dtype)
-  return init_model(cfg, seed=config.seed)
+def init_policy(settings: ExperimentSettings, cfg: TransformerConfig) -> Transformer:
+  """The policy before SFT: `model.path`'s weights, or the embedded model initialised from
+  the seed."""
+  m = settings.model
+  if m.path:
+    return hf.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
+  return init_model(cfg, seed=settings.seed)
 
 
-def warm_start_config(config) -> tuple[Any, str]:
-  """(`warm_start.mesh`, `warm_start.checkpoint`); configs without the section get data
-  parallelism over all devices and no shared checkpoint."""
-  section = config.get("warm_start") or {}
-  return section.get("mesh", {"data": -1}), section.get("checkpoint", "")
-
-
-def warm_start_fingerprint(config) -> str:
+def warm_start_fingerprint(settings: ExperimentSettings) -> str:
   """Hash of what decides the warm start's result: the seed, and the model, data, SFT and
   reward-model sections (not `data.dir`, a location, nor any part of the PPO plan). With
   `data.task='jsonl'` the demonstration and preference files count by their content,
@@ -73,9 +56,9 @@ def warm_start_fingerprint(config) -> str:
   A rule-reward run trains no reward model, so the reward_model settings do not decide
   its warm start (and a reward-model checkpoint is never mistaken for one).
   """
-  sections = {k: config[k].to_dict() for k in ("model", "data", "sft")}
-  sections["reward_model"] = (config.reward_model.to_dict() if uses_reward_model(config)
-                              else "none: rule reward")
+  sections = {k: settings.section_dict(k) for k in ("model", "data", "sft")}
+  sections["reward_model"] = (settings.section_dict("reward_model")
+                              if settings.reward.uses_model else "none: rule reward")
   if isinstance(sections["reward_model"], dict) and not sections["reward_model"].get(
       "policy_pairs", 0.0):
     # Policy pairs off: their settings decide nothing (and warm starts written before
@@ -83,12 +66,12 @@ def warm_start_fingerprint(config) -> str:
     for key in ("policy_pairs", "policy_samples", "label_fn"):
       sections["reward_model"].pop(key, None)
   return ckpt_lib.config_fingerprint(
-      digests.with_content({"seed": config.seed, **sections},
-                           digests.file_digests(config, digests.WARM_START_ROLES)),
+      digests.with_content({"seed": settings.seed, **sections},
+                           digests.file_digests(settings, digests.WARM_START_ROLES)),
       ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
 
 
-def warm_start_source(config, workdir: str) -> str | None:
+def warm_start_source(settings: ExperimentSettings, workdir: str) -> str | None:
   """The warm-start checkpoint this run restores, or None when it must train one.
 
   Its own `<workdir>/warmstart` when that holds a checkpoint (a resume), else the
@@ -99,7 +82,7 @@ def warm_start_source(config, workdir: str) -> str | None:
     with ckpt_lib.Checkpointer(own, async_save=False) as ckpt:
       if ckpt.latest_step() is not None:
         return own
-  shared = warm_start_config(config)[1]
+  shared = settings.warm_start.checkpoint
   if not shared:
     return None
   with ckpt_lib.Checkpointer(shared, async_save=False) as ckpt:
@@ -111,7 +94,7 @@ def warm_start_source(config, workdir: str) -> str | None:
   return shared
 
 
-def resolve_source(config, workdir: str) -> str | None:
+def resolve_source(settings: ExperimentSettings, workdir: str) -> str | None:
   """`warm_start_source`, decided once per run, before any data are built.
 
   Refuses a warm start trained on a data.jsonl file whose content has changed since
@@ -122,14 +105,14 @@ def resolve_source(config, workdir: str) -> str | None:
   make the same choice, and a later look could see the directory another process has
   just created (and open a checkpoint manager, a collective, the others never open).
   """
-  source = warm_start_source(config, workdir)
+  source = warm_start_source(settings, workdir)
   if source is None:
     return None  # trained here
   own = source == os.path.join(workdir, "warmstart")
   with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
     meta = ckpt.read_metadata()
   changed = digests.changed_file(meta.get("data_files"),
-                                 digests.file_digests(config, digests.WARM_START_ROLES))
+                                 digests.file_digests(settings, digests.WARM_START_ROLES))
   if changed:
     fix = ("use a new workdir" if own else
            "set --config.warm_start.checkpoint='' to train a warm start on it here")
@@ -139,17 +122,17 @@ def resolve_source(config, workdir: str) -> str | None:
   if own:
     return source  # this run's own: its config is checked when it is restored
   saved = meta.get("fingerprint")
-  if saved != warm_start_fingerprint(config):
+  if saved != warm_start_fingerprint(settings):
     raise ckpt_lib.CheckpointError(
         f"warm_start.checkpoint={source!r} was written under another seed, model, data, "
         f"sft or reward_model config than this run's (fingerprint {saved!r}, this run "
-        f"{warm_start_fingerprint(config)!r}); give the warm start of this seed and config, "
+        f"{warm_start_fingerprint(settings)!r}); give the warm start of this seed and config, "
         "or set --config.warm_start.checkpoint='' to train one here.")
   return source
 
 
-def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layout,
-                   progress: bool, tokenizer=None) -> dict[str, Any]:
+def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, data, cfgs,
+                   writer, layout, progress: bool, tokenizer=None) -> dict[str, Any]:
   """SFT and reward-model phases on `layout`, or restores `source` (`resolve_source`).
 
   With a rule reward (`reward.fn` not "model") the reward-model phase is skipped: the
@@ -168,16 +151,16 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
   the SFT policy's own samples, ranked by `reward_model.label_fn` (`phases.policy_pairs`;
   `tokenizer` decodes them for the rule).
   """
-  use_rm = uses_reward_model(config)
-  policy = init_policy(config, cfgs["actor"])
+  use_rm = settings.reward.uses_model
+  policy = init_policy(settings, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
   target = {"actor": actor}
   if use_rm:
-    reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=config.seed + 1))
-    if config.model.path:
-      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+    reward_gd, reward = nnx.split(init_model(cfgs["reward"], seed=settings.seed + 1))
+    if settings.model.path:
+      reward = with_backbone(cfgs["reward"], actor, settings.seed + 1)
     target["reward"] = reward
-  fingerprint = warm_start_fingerprint(config)
+  fingerprint = warm_start_fingerprint(settings)
   if source is not None:
     with ckpt_lib.Checkpointer(source, max_to_keep=1, async_save=False) as ckpt:
       state, meta = ckpt.restore(target=jax.tree.map(
@@ -189,20 +172,20 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
                                async_save=False)
   t0 = time.perf_counter()
   actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
-                            steps=config.sft.steps, learning_rate=config.sft.learning_rate,
-                            warmup_steps=config.sft.warmup_steps, phase="sft", writer=writer,
+                            steps=settings.sft.steps, learning_rate=settings.sft.learning_rate,
+                            warmup_steps=settings.sft.warmup_steps, phase="sft", writer=writer,
                             progress=progress)
   say(f"SFT done in {time.perf_counter() - t0:.1f}s")
   state, rm_eval = {"actor": actor}, None
   if use_rm:
-    rm = config.reward_model
-    if optional(config, "reward_model.init") == "sft":
+    rm = settings.reward_model
+    if rm.init == "sft":
       # The reward model reads answers with the SFT policy's features (which already
       # predict the right letter), only its score head starting afresh.
-      reward = with_backbone(cfgs["reward"], actor, config.seed + 1)
+      reward = with_backbone(cfgs["reward"], actor, settings.seed + 1)
     pairs = iter(data["prefs"])
-    if optional(config, "reward_model.policy_pairs"):
-      pairs = policy_pairs_of(config, pairs, actor_gd, actor, tokenizer)
+    if rm.policy_pairs:
+      pairs = policy_pairs_of(settings, pairs, actor_gd, actor, tokenizer)
     state["reward"], _ = supervised.fit(
         supervised.reward_model_loss(reward_gd), reward, layout, pairs,
         steps=rm.steps, learning_rate=rm.learning_rate, warmup_steps=rm.warmup_steps,
@@ -219,23 +202,21 @@ def fit_or_restore(config, workdir, source: str | None, data, cfgs, writer, layo
     say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
         f"on {rm_eval['eval_pairs']} pairs")
   else:
-    say(f"reward: the rule {config.reward.fn!r}; no reward model is trained")
+    say(f"reward: the rule {settings.reward.fn!r}; no reward model is trained")
   ckpt.save(0, state, metadata={
       "fingerprint": fingerprint, "rm_eval": rm_eval,
-      "data_files": digests.file_digests(config, digests.WARM_START_ROLES)})
+      "data_files": digests.file_digests(settings, digests.WARM_START_ROLES)})
   ckpt.close()
   return {**state, "rm_eval": rm_eval}
 
 
-def policy_pairs_of(config, batches, actor_gd, actor, tokenizer) -> PolicyPairs:
+def policy_pairs_of(settings: ExperimentSettings, batches, actor_gd, actor, tokenizer
+                    ) -> PolicyPairs:
   """The reward model's batches with `reward_model.policy_pairs` of their rows made of
   the SFT policy's samples, sampled as PPO will sample (`ppo.temperature`, top-k,
   top-p) and ranked by `reward_model.label_fn` (empty: `reward.eval_fn`)."""
-  sampling = SamplingParams(max_new_tokens=config.data.completion_len,
-                            temperature=config.ppo.temperature, top_k=config.ppo.top_k,
-                            top_p=config.ppo.top_p, eos_id=tokenizer.eos_id,
-                            pad_id=tokenizer.pad_id)
-  return PolicyPairs(batches, actor_gd, actor, tokenizer, policy_pairs_label(config),
-                     share=optional(config, "reward_model.policy_pairs"),
-                     samples_per_prompt=optional(config, "reward_model.policy_samples"),
-                     sampling=sampling, seed=config.seed + 2)
+  rm = settings.reward_model
+  sampling = settings.sampling.sampling_params(settings.data.completion_len, tokenizer)
+  return PolicyPairs(batches, actor_gd, actor, tokenizer, settings.policy_pairs_label(),
+                     share=rm.policy_pairs, samples_per_prompt=rm.policy_samples,
+                     sampling=sampling, seed=settings.seed + 2)

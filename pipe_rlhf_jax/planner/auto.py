@@ -16,11 +16,9 @@ Owns what `train.experiment_of` asks of the planner before anything is built or 
   * the predicted steady seconds per step of the plan that runs, and the measured one
     from the run's trace (`runtime.tracing.steady_step_time`), for the summary and metrics.
 
-Config fields (section `runtime`, all optional): `plan` ("manual" | "auto"), `hardware`
-(a `planner.hardware` profile name; "" detects it), `calibration` (a JSON file written
-by `python -m pipe_rlhf_jax.planner.calibrate`; "" uses the analytic efficiencies),
-`response_fraction` (mean response length over `data.completion_len`, for pricing
-generation's early EOS stop; 1 = every row runs to the end; `planner.lengths`).
+It reads the experiment's typed settings (`sections.ExperimentSettings`): the plan's
+choice and inputs are `settings.choice` (`sections.PlanChoice`: runtime.plan, hardware,
+calibration, response_fraction), the hand-written plan `settings.runtime`.
 """
 
 from __future__ import annotations
@@ -28,14 +26,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pipe_rlhf_jax import checks
-from pipe_rlhf_jax.config_validation import optional
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.stages.train import PPOHyper
-from pipe_rlhf_jax.system.settings import PlannedRun, PPOConfig, RuntimeConfig
-
-PLAN_CHOICES = ("manual", "auto")
+from pipe_rlhf_jax.system.settings import STAGES, PlannedRun, RuntimeConfig
 
 # device_kind substrings (lower case) -> profile; the first match wins, so the more
 # specific names come first ("tpu v5 lite" is a v5e, a bare "tpu v5" a v5p).
@@ -74,36 +69,33 @@ def detect_hardware(devices, name: str = "") -> hardware.Hardware:
                    "with runtime.hardware naming a profile.")
 
 
-def workload(config, actor: TransformerConfig, num_devices: int,
+def workload(settings: ExperimentSettings, actor: TransformerConfig, num_devices: int,
              devices_per_host: int) -> space.Workload:
-  """What one PPO step of the experiment `config` computes, on `num_devices` devices."""
-  ppo = PPOConfig.from_config(config.ppo)
+  """What one PPO step of the experiment computes, on `num_devices` devices."""
+  ppo = settings.ppo
   return space.Workload(
-      actor=actor, batch_size=config.ppo.batch_size,
-      minibatch_size=config.ppo.minibatch_size, epochs=config.ppo.epochs,
-      prompt_len=config.data.prompt_len, gen_len=config.data.completion_len,
-      num_devices=num_devices, devices_per_host=min(devices_per_host, num_devices),
-      reward_model=config.reward.fn == "model", critic_model=ppo.needs_critic,
+      actor=actor, batch_size=ppo.batch_size, minibatch_size=ppo.minibatch_size,
+      epochs=ppo.epochs, prompt_len=settings.data.prompt_len,
+      gen_len=settings.data.completion_len, num_devices=num_devices,
+      devices_per_host=min(devices_per_host, num_devices),
+      reward_model=settings.reward.uses_model, critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
       proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
-      group_size=ppo.group_size,
-      response_fraction=checks.check_fraction(optional(config, "runtime.response_fraction"),
-                                               "runtime.response_fraction"))
+      group_size=ppo.group_size, response_fraction=settings.choice.response_fraction)
 
 
-def options_of(config) -> space.SpaceOptions:
-  """The search's knobs from the config: staleness 0..runtime.max_staleness, and the
+def options_of(settings: ExperimentSettings) -> space.SpaceOptions:
+  """The search's knobs from the settings: staleness 0..runtime.max_staleness, and the
   execution fields (attention, logits chunk) of the hand-written training stage."""
-  train = config.stages.train
-  return space.SpaceOptions(staleness=tuple(range(config.runtime.max_staleness + 1)),
-                            attention=train.get("attention", "auto"),
-                            logits_chunk=train.get("logits_chunk", 0))
+  train = settings.runtime.train
+  return space.SpaceOptions(staleness=tuple(range(settings.runtime.max_staleness + 1)),
+                            attention=train.attention, logits_chunk=train.logits_chunk)
 
 
-def machine_of(config, devices) -> cost.Machine:
+def machine_of(settings: ExperimentSettings, devices) -> cost.Machine:
   """The hardware profile and efficiencies that price a run on `devices`."""
-  hw = detect_hardware(devices, optional(config, "runtime.hardware"))
-  path = optional(config, "runtime.calibration")
+  hw = detect_hardware(devices, settings.choice.hardware)
+  path = settings.choice.calibration
   if path:
     if not os.path.isfile(path):
       raise ValueError(f"runtime.calibration={path!r} is not a file; write one with "
@@ -156,7 +148,8 @@ def runnable_across_processes(plan: RuntimeConfig, processes: int,
   return True
 
 
-def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
+def plan_run(settings: ExperimentSettings, actor: TransformerConfig, devices
+             ) -> PlannedRun:
   """The plan the run uses for `runtime.plan` on `devices`, and its prediction.
 
   "auto": the search's best plan. "manual": the config's own plan, after the planner's
@@ -164,24 +157,21 @@ def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
   run (the runtime's checks on abstract meshes, then the memory model on the detected
   hardware).
   """
-  rt = config.runtime
-  choice = optional(config, "runtime.plan")
-  if choice not in PLAN_CHOICES:
-    raise ValueError(f"runtime.plan={choice!r}; choose one of {list(PLAN_CHOICES)}.")
+  choice = settings.choice.plan
   if choice == "auto":
-    custom = [s for s in config.stages if config.stages[s].get("rules")]
+    custom = [s for s in STAGES if settings.runtime.stage(s).rules]
     if custom:
       raise ValueError(f"runtime.plan='auto' plans with each stage's default logical "
                        f"rules, but stages.{custom[0]}.rules is set; remove it, or use "
                        "runtime.plan='manual'.")
   import jax  # (the backend exists by now: `devices` came from it)
   processes = jax.process_count()
-  m = machine_of(config, devices)
+  m = machine_of(settings, devices)
   # In a multi-process job a process is a host: placements align to its devices.
   per_host = len(devices) // processes if processes > 1 else m.hw.devices_per_host
-  work = workload(config, actor, len(devices), per_host)
+  work = workload(settings, actor, len(devices), per_host)
   if choice == "manual":
-    runtime = RuntimeConfig.from_config(config)
+    runtime = settings.runtime
     reason = space.plan_error(runtime, work)
     if reason is None:
       c = search.price(runtime, work, m, simulate=True)
@@ -193,7 +183,7 @@ def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
           f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
           "or let the planner choose: --config.runtime.plan=auto.")
     return _planned(c, False, m, 0.0)
-  best, rejected, stats = search.search(work, m, options_of(config),
+  best, rejected, stats = search.search(work, m, options_of(settings),
                                         k=1 if processes == 1 else 64)
   best = [c for c in best if runnable_across_processes(c.plan, processes, per_host)][:1]
   if not best:
@@ -202,11 +192,9 @@ def plan_run(config, actor: TransformerConfig, devices) -> PlannedRun:
                      f"{m.hw.name} devices ({len(rejected)} rejected, e.g. {reasons}); "
                      "reduce ppo.minibatch_size or the model, or add devices.")
   # The search prices plans with the default timeouts; the run keeps the config's.
-  rt = config.runtime
-  plan = dataclasses.replace(
-      best[0].plan,
-      shutdown_timeout_s=float(rt.get("shutdown_timeout_s", RuntimeConfig.shutdown_timeout_s)),
-      progress_timeout_s=float(rt.get("progress_timeout_s", RuntimeConfig.progress_timeout_s)))
+  plan = dataclasses.replace(best[0].plan,
+                             shutdown_timeout_s=settings.runtime.shutdown_timeout_s,
+                             progress_timeout_s=settings.runtime.progress_timeout_s)
   return _planned(dataclasses.replace(best[0], plan=plan), True, m, stats["seconds"])
 
 

@@ -572,7 +572,7 @@ def main(argv=None) -> int:
   config = module.get_config()
   from pipe_rlhf_jax.models.roles import build_model_configs
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
-  cfg = build_model_configs(config, load_tokenizer(config.model.tokenizer))["actor"]
+  cfg = build_model_configs(config.model, load_tokenizer(config.model.tokenizer))["actor"]
   start = time.perf_counter()
   samples = measure(cfg, quick=args.quick)
   fits = fit(samples)

@@ -100,12 +100,12 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
 
 def test_config_errors_name_the_fields():
   from configs import grpo_arith
-  from pipe_rlhf_jax.config_validation import validate_config
+  from pipe_rlhf_jax.sections import ExperimentSettings
   with pytest.raises(ValueError, match="model.path is required"):
-    validate_config(rlvr_math.get_config())
+    ExperimentSettings.from_config(rlvr_math.get_config())
   config = grpo_arith.get_config("tiny")
   config.reward.fn = "math_verify"
   with pytest.raises(ValueError, match=r"reward.fn='math_verify' checks each completion "
                                        r"against its prompt's reference answer, but the "
                                        r"prompts of data.task='arith' carry none"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)

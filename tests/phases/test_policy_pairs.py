@@ -14,6 +14,7 @@ from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
 from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.train import prepare_warm_start, train
 
 TOKENIZER = load_tokenizer("byte")
@@ -125,8 +126,9 @@ def test_warm_start_trains_the_reward_model_on_policy_pairs(tmp_path, monkeypatc
   before = tiny()
   for key in ("policy_pairs", "policy_samples", "label_fn"):
     del before.reward_model[key]
-  assert warm_start_fingerprint(off) == warm_start_fingerprint(before)
-  assert warm_start_fingerprint(config) != warm_start_fingerprint(off)
+  fingerprint = lambda c: warm_start_fingerprint(ExperimentSettings.from_config(c))
+  assert fingerprint(off) == fingerprint(before)
+  assert fingerprint(config) != fingerprint(off)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -32,7 +32,7 @@ def tiny(mode: str, **overrides):
 def read_warm_start(directory):
   """The warm-start checkpoint's {"actor", "reward"} parameters (on one device) and
   metadata."""
-  cfgs = build_model_configs(tiny("sequential"), load_tokenizer("byte"))
+  cfgs = build_model_configs(tiny("sequential").model, load_tokenizer("byte"))
   target = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c))))
             for name in ("actor", "reward")}

@@ -14,6 +14,7 @@ from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.planner import auto, hardware, search
 from pipe_rlhf_jax.runtime import tracing
 from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
 from pipe_rlhf_jax.train import train
 
@@ -64,10 +65,11 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)
   # The plan that ran is the search's first, with staleness at most the config's bound.
-  cfgs = build_model_configs(config, load_tokenizer("byte"))
-  m = auto.machine_of(config, jax.devices())
-  work = auto.workload(config, cfgs["actor"], 8, m.hw.devices_per_host)
-  best = search.search(work, m, auto.options_of(config), k=1)[0][0]
+  settings = ExperimentSettings.from_config(config)
+  cfgs = build_model_configs(settings.model, load_tokenizer("byte"))
+  m = auto.machine_of(settings, jax.devices())
+  work = auto.workload(settings, cfgs["actor"], 8, m.hw.devices_per_host)
+  best = search.search(work, m, auto.options_of(settings), k=1)[0][0]
   saved = json.load(open(os.path.join(workdir, "config.json")))
   ran = RuntimeConfig.from_config(quickstart.ml_collections.ConfigDict(saved))
   assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness

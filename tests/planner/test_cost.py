@@ -252,24 +252,28 @@ def test_the_sft_term_is_priced_as_more_rows_of_the_actors_training():
   assert terms(ptx) > terms(actor_only)
   import configs.quickstart as quickstart
   from pipe_rlhf_jax.planner import auto
+  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config()
+  work = lambda: auto.workload(ExperimentSettings.from_config(config), tiny_config(), 8, 8)
   config.ppo.ptx_coef = 0.0
-  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == 0
+  assert work().ptx_rows == 0
   config.ppo.ptx_coef = 0.5
-  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == config.ppo.minibatch_size
+  assert work().ptx_rows == config.ppo.minibatch_size
   config.ppo.ptx_batch_size = 8
-  assert auto.workload(config, tiny_config(), 8, 8).ptx_rows == 8
+  assert work().ptx_rows == 8
 
 
 def test_the_workload_knows_when_the_update_runs_a_proximal_pass():
   import configs.quickstart as quickstart
   from pipe_rlhf_jax.planner import auto
+  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config()
-  assert auto.workload(config, tiny_config(), 8, 8).proximal_pass  # kl_policy=proximal
+  work = lambda: auto.workload(ExperimentSettings.from_config(config), tiny_config(), 8, 8)
+  assert work().proximal_pass  # kl_policy=proximal
   config.ppo.update(kl_policy="behaviour", target_kl=0.0)
-  assert not auto.workload(config, tiny_config(), 8, 8).proximal_pass
+  assert not work().proximal_pass
   config.ppo.loss = "decoupled_ppo_clip"
-  assert auto.workload(config, tiny_config(), 8, 8).proximal_pass
+  assert work().proximal_pass
 
 
 def test_shared_host_demand_counts_overheads_as_one_device_of_work():

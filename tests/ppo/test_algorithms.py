@@ -230,9 +230,9 @@ def test_settings_say_which_models_the_algorithm_needs():
 
 def test_experiment_config_validation_names_the_new_fields():
   from configs import quickstart
-  from pipe_rlhf_jax.config_validation import validate_config
+  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config("tiny")
   config.ppo.group_size = 3
   with pytest.raises(ValueError, match=r"ppo.batch_size=16 must be a multiple of "
                                        r"ppo.group_size=3"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)

@@ -262,13 +262,13 @@ def test_unknown_advantage_estimator_names_the_field():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
   import quickstart
 
-  from pipe_rlhf_jax.config_validation import validate_config
   import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
+  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config("tiny")
-  validate_config(config)
+  ExperimentSettings.from_config(config)
   config.ppo.advantage_estimator = "vtrace"
   with pytest.raises(ValueError, match=r"ppo.advantage_estimator='vtrace'.*gae"):
-    validate_config(config)
+    ExperimentSettings.from_config(config)
   with pytest.raises(ValueError, match=r"advantage estimator 'vtrace'.*ppo.advantage_est"):
     InferHyper.from_settings(config.ppo, config.ppo.temperature)
 
