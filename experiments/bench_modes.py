@@ -62,7 +62,7 @@ import jax  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments import results  # noqa: E402
-from pipe_rlhf_jax.system.settings import MODES, STAGES, RuntimeConfig  # noqa: E402
+from pipe_rlhf_jax.system.settings import MODES, STAGES, Plan  # noqa: E402
 from pipe_rlhf_jax.system.system import build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
@@ -133,7 +133,7 @@ def make_config(args, mode: str, staleness: int):
 def layout_summary(config) -> tuple[dict, str | None]:
   """{stage: {"devices", "mesh"}} for the config's mode, or the reason it cannot run."""
   try:
-    layouts = build_layouts(RuntimeConfig.from_config(config))
+    layouts = build_layouts(Plan.from_config(config))
   except ValueError as e:
     return {}, str(e)
   return {s: {"devices": int(layouts[s].mesh.devices.size),

@@ -110,9 +110,9 @@ def sync_worker(args) -> None:
 
 def _runtime(mode: str):
   """The plan of the PPO measurement in `mode` (the same meshes in every layout)."""
-  from pipe_rlhf_jax.system import MeshSpec, RuntimeConfig, StagePlan
+  from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan
   pipe = mode == "pipe"
-  return RuntimeConfig(
+  return Plan(
       mode=mode, max_staleness=1 if pipe else 0,
       placement=PIPE_PLACEMENT if pipe else None,
       mesh=MeshSpec(data=-1),

@@ -48,9 +48,9 @@ from pipe_rlhf_jax.models import flops, init_model, tiny_config  # noqa: E402
 from pipe_rlhf_jax.system import (  # noqa: E402
   MeshSpec,
   Models,
+  Plan,
   PPOConfig,
   PPOSystem,
-  RuntimeConfig,
   StagePlan,
   run,
 )
@@ -116,7 +116,7 @@ def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
       ppo=PPOConfig(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
                     actor_lr=1e-5, critic_lr=1e-5),
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
-      runtime=RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1),
+      runtime=Plan(mode="sequential", mesh=MeshSpec(data=1),
                             **{stage: StagePlan(scan_unroll=scan_unroll or layers)
                                for stage in ("generate", "infer", "train")}),
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],

@@ -58,9 +58,9 @@ from pipe_rlhf_jax.stages import common  # noqa: E402
 from pipe_rlhf_jax.system import (  # noqa: E402
   MeshSpec,
   Models,
+  Plan,
   PPOConfig,
   PPOSystem,
-  RuntimeConfig,
   StagePlan,
   run,
 )
@@ -137,22 +137,22 @@ def planner_machine(limits, calibration: str = "", hardware_name: str = "cpu"
   return cost.Machine(hardware.get(hardware_name), eff)
 
 
-def runtime_for(mode: str, plans: dict[str, StagePlan]) -> RuntimeConfig:
+def runtime_for(mode: str, plans: dict[str, StagePlan]) -> Plan:
   """The plan of `mode` with the stage plans `plans`, on the fewest devices it allows.
 
   `sequential` and `per_stage` run on one device (one mesh, or each stage's own mesh over
   the same device); `pipe` gives each stage a block of its own, so it needs three.
   """
   if mode == "sequential":
-    return RuntimeConfig(mode="sequential", mesh=MeshSpec(data=1), **plans)
+    return Plan(mode="sequential", mesh=MeshSpec(data=1), **plans)
   if mode == "per_stage":
-    return RuntimeConfig(mode="per_stage", **plans)
+    return Plan(mode="per_stage", **plans)
   if mode == "pipe":
-    return RuntimeConfig(mode="pipe", placement=(1, 1, 1), **plans)
+    return Plan(mode="pipe", placement=(1, 1, 1), **plans)
   raise ValueError(f"mode={mode!r}; choose sequential, per_stage or pipe.")
 
 
-def devices_needed(runtime: RuntimeConfig) -> int:
+def devices_needed(runtime: Plan) -> int:
   """Devices `runtime_for`'s plan runs on."""
   return sum(runtime.placement) if runtime.mode == "pipe" else 1
 

@@ -4,7 +4,7 @@ Owns `ExperimentSettings.from_config(config)`, the one conversion of an experime
 (an `ml_collections.ConfigDict`, `configs/*.py`) into frozen dataclasses, before anything
 is built or compiled: the model, data, sft, reward_model, reward, warm_start, checkpoint
 and log sections here; the algorithm (`PPOConfig`) and the hand-written plan
-(`RuntimeConfig`, from the runtime, mesh and stages sections) in `system.settings`; how the
+(`Plan`, from the runtime, mesh and stages sections) in `system.settings`; how the
 plan is chosen (`PlanChoice`: runtime.plan, hardware, calibration, ...) here.
 
 - Every default is a dataclass field's default, stated once; a field without one must be
@@ -40,7 +40,7 @@ from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
 from pipe_rlhf_jax.data.arith import ArithSpec
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
-from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.settings import Plan, PPOConfig
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
@@ -422,7 +422,7 @@ class PolicySampling:
 @dataclasses.dataclass(frozen=True)
 class PlanChoice:
   """The runtime section's fields that say how the plan is chosen and on what it runs
-  (the plan itself is `RuntimeConfig`).
+  (the plan itself is `Plan`).
 
   Attributes:
     plan: "manual" (the hand-written plan, checked by the planner) or "auto" (the
@@ -456,7 +456,7 @@ SECTION_TYPES = {"model": ModelSettings, "data": DataSettings, "sft": SFTSetting
                  "reward_model": RewardModelSettings, "reward": RewardSettings,
                  "warm_start": WarmStartSettings, "checkpoint": CheckpointSettings,
                  "log": LogSettings}
-# The runtime section's keys `RuntimeConfig.from_config` reads.
+# The runtime section's keys `Plan.from_config` reads.
 _PLAN_FIELDS = ("mode", "max_staleness", "queue_size", "shutdown_timeout_s",
                 "progress_timeout_s", "placement")
 # Built-in rule rewards that only apply to one embedded task, by name prefix.
@@ -474,7 +474,7 @@ class ExperimentSettings:
     sampling: how PPO samples (`ppo.temperature`, `top_k`, `top_p`).
     critic_init: where the critic's backbone starts, "reward_model" or "sft"
       (`ppo.critic_init`).
-    runtime: the hand-written plan (`RuntimeConfig`: runtime, mesh and stages sections).
+    runtime: the hand-written plan (`Plan`: runtime, mesh and stages sections).
     choice: how the plan is chosen and on how many devices it runs (`PlanChoice`).
   """
 
@@ -492,7 +492,7 @@ class ExperimentSettings:
   ppo: PPOConfig
   sampling: PolicySampling
   critic_init: str
-  runtime: RuntimeConfig
+  runtime: Plan
   choice: PlanChoice
 
   @classmethod
@@ -513,7 +513,7 @@ class ExperimentSettings:
       if f.default is dataclasses.MISSING:
         _get(config, f"ppo.{f.name}")
     ppo = PPOConfig.from_config(config.ppo, seed=seed)
-    runtime = RuntimeConfig.from_config(config)
+    runtime = Plan.from_config(config)
     settings = cls(
         name=config.get("name", "run"), seed=seed, workdir=config.get("workdir", ""),
         model=ModelSettings.from_config(config.model),

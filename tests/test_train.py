@@ -127,11 +127,11 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_run):
 def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(tmp_path):
   import ml_collections
 
-  from pipe_rlhf_jax.system.settings import PPOConfig, RuntimeConfig
+  from pipe_rlhf_jax.system.settings import Plan, PPOConfig
   config = tiny()
   experiment = experiment_of(config)
   assert experiment.ppo == PPOConfig.from_config(config.ppo, seed=config.seed)
-  assert experiment.runtime == RuntimeConfig.from_config(config)  # the hand-written plan
+  assert experiment.runtime == Plan.from_config(config)  # the hand-written plan
   assert not experiment.plan.chosen and experiment.record.to_dict() == config.to_dict()
   assert experiment.models["actor"].vocab_size >= 1
   with pytest.raises(dataclasses.FrozenInstanceError):

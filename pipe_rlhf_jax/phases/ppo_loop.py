@@ -32,7 +32,7 @@ from pipe_rlhf_jax.runtime.progress import Watchdog
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system import modes
-from pipe_rlhf_jax.system.settings import RuntimeConfig
+from pipe_rlhf_jax.system.settings import Plan
 from pipe_rlhf_jax.system.steps import DataFeed
 from pipe_rlhf_jax.system.system import PPOSystem
 
@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 STALL_SAVE_TIMEOUT_S = 120
 
 
-def plan_of(runtime: RuntimeConfig, devices) -> dict[str, Any]:
+def plan_of(runtime: Plan, devices) -> dict[str, Any]:
   """The fields that decide where and in which order PPO runs (not what it computes):
-  the typed plan (`RuntimeConfig`) and the device count, as JSON-able values.
+  the typed plan (`Plan`) and the device count, as JSON-able values.
 
   Stored in each checkpoint so that a resume under another plan can say what changed.
   """

@@ -25,7 +25,7 @@ from pipe_rlhf_jax.runtime.progress import ProgressDeadline
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.settings import PlannedRun, PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.settings import Plan, PlannedRun, PPOConfig
 from pipe_rlhf_jax.system.system import PPOSystem
 from pipe_rlhf_jax.workdir import WorkdirLock
 
@@ -63,7 +63,7 @@ class Experiment:
     return self.settings.ppo
 
   @property
-  def runtime(self) -> RuntimeConfig:
+  def runtime(self) -> Plan:
     """The typed plan (`plan.runtime`)."""
     return self.plan.runtime
 
@@ -89,7 +89,7 @@ class ProcessRole:
   trainers: tuple[int, ...] | None = None
 
   @classmethod
-  def of(cls, runtime: RuntimeConfig, layouts: dict[str, Any], process: int,
+  def of(cls, runtime: Plan, layouts: dict[str, Any], process: int,
          processes: int, devices_per_process: int,
          owner: Callable[[Any], int] = process_of) -> "ProcessRole":
     """The role of process `process` of `processes` under the plan `runtime`, whose stage
@@ -151,7 +151,7 @@ class RunSetup:
     return self.experiment.plan
 
   @property
-  def runtime(self) -> RuntimeConfig:
+  def runtime(self) -> Plan:
     return self.experiment.runtime
 
   @property

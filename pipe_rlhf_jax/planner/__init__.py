@@ -2,7 +2,7 @@
 
 Modules (one concern each):
   space       the hierarchical plan space (schedule -> placement -> per-stage mesh, M,
-              remat) of valid `RuntimeConfig`s, validated by the runtime's own checks on
+              remat) of valid `Plan`s, validated by the runtime's own checks on
               abstract meshes; conversion to / from config overrides.
   hardware    hardware profiles (TPU v4/v5e/v5p/v6e, A100, H100, H200, this cpu) with
               the source of every number.

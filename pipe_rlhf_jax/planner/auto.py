@@ -30,7 +30,7 @@ from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
 from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.stages.train import PPOHyper
-from pipe_rlhf_jax.system.settings import STAGES, PlannedRun, RuntimeConfig
+from pipe_rlhf_jax.system.settings import STAGES, Plan, PlannedRun
 
 # device_kind substrings (lower case) -> profile; the first match wins, so the more
 # specific names come first ("tpu v5 lite" is a v5e, a bare "tpu v5" a v5p).
@@ -117,7 +117,7 @@ def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
                     hardware=m.hw.name, efficiency=m.eff.source, search_s=seconds)
 
 
-def runnable_across_processes(plan: RuntimeConfig, processes: int,
+def runnable_across_processes(plan: Plan, processes: int,
                               devices_per_process: int) -> bool:
   """Whether the runtime can run `plan` in a job of `processes` processes.
 

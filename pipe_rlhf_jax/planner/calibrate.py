@@ -301,7 +301,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.planner import composition
-  from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+  from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
   from pipe_rlhf_jax.system.system import Models, PPOSystem
 
   devices = jax.devices()
@@ -311,10 +311,10 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
       continue
     meshes = {"generate": _mesh(gen), "infer": _mesh(inf), "train": _mesh(trn)}
     if mode == "sequential":
-      runtime = RuntimeConfig(mesh=MeshSpec(**_mesh({"data": k})))
+      runtime = Plan(mesh=MeshSpec(**_mesh({"data": k})))
       meshes = {s: _mesh({"data": k}) for s in meshes}
     else:
-      runtime = RuntimeConfig(
+      runtime = Plan(
           mode=mode, generate=StagePlan(mesh=MeshSpec(**meshes["generate"]),
                                         num_microbatches=micro),
           infer=StagePlan(mesh=MeshSpec(**meshes["infer"])),

@@ -19,7 +19,7 @@ from typing import Any
 from pipe_rlhf_jax.planner.cost import Machine, StageCost, stage_cost
 from pipe_rlhf_jax.planner.memory import param_bytes
 from pipe_rlhf_jax.planner.space import Workload
-from pipe_rlhf_jax.system.settings import STAGES, RuntimeConfig
+from pipe_rlhf_jax.system.settings import STAGES, Plan
 
 
 def weight_replicas(mesh: dict) -> float:
@@ -56,7 +56,7 @@ def batch_arrays(work: Workload) -> dict[str, tuple[int, float]]:
           "train": (rollout[0] + per_token + 1, rollout[1] + b * (per_token * t + 1) * 4)}
 
 
-def batch_moves(runtime: RuntimeConfig, shapes: dict[str, dict], work: Workload,
+def batch_moves(runtime: Plan, shapes: dict[str, dict], work: Workload,
                 m: Machine) -> dict[str, float]:
   """Seconds each stage spends moving its batch in from the previous stage's layout
   (`PPOSystem.infer` / `.train` reshard it first): nothing in `sequential` or where the
@@ -75,7 +75,7 @@ def batch_moves(runtime: RuntimeConfig, shapes: dict[str, dict], work: Workload,
   return out
 
 
-def sync_time(runtime: RuntimeConfig, mesh_sizes: dict[str, dict], work: Workload,
+def sync_time(runtime: Plan, mesh_sizes: dict[str, dict], work: Workload,
               m: Machine) -> float:
   """Seconds to move the new actor train -> generate and critic train -> infer.
 
@@ -124,7 +124,7 @@ class PlanCost:
             "closed_form": self.closed_form}
 
 
-def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
+def closed_form(times: dict[str, float], sync: float, runtime: Plan,
                 demands: dict[str, float] | None = None,
                 exclusive: frozenset = frozenset()) -> float:
   """Steady seconds per step without queueing detail.
@@ -147,7 +147,7 @@ def closed_form(times: dict[str, float], sync: float, runtime: RuntimeConfig,
   return period
 
 
-def exclusive_stages(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine
+def exclusive_stages(runtime: Plan, shapes: dict[str, dict], m: Machine
                      ) -> frozenset:
   """`pipe` stages that cannot overlap one another: on hardware whose multi-device
   programs run one at a time (`Hardware.serial_multi_device`), the stages on more than
@@ -157,7 +157,7 @@ def exclusive_stages(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine
   return frozenset(s for s in STAGES if math.prod(shapes[s].values()) > 1)
 
 
-def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
+def stage_demands(runtime: Plan, shapes: dict[str, dict], m: Machine,
                   dtype: str, costs: dict[str, StageCost] | None = None
                   ) -> dict[str, float] | None:
   """Shared hardware: each stage's share of the host's throughput when alone (None on
@@ -188,7 +188,7 @@ def stage_demands(runtime: RuntimeConfig, shapes: dict[str, dict], m: Machine,
   return out
 
 
-def compose(runtime: RuntimeConfig, shapes: dict[str, dict], costs: dict[str, StageCost],
+def compose(runtime: Plan, shapes: dict[str, dict], costs: dict[str, StageCost],
             work: Workload, m: Machine) -> PlanCost:
   """The plan's cost from its stages' own: each stage with its batch moved in
   (`batch_moves`, as a fixed overhead), the weight sync, the shared host's demands and
@@ -204,7 +204,7 @@ def compose(runtime: RuntimeConfig, shapes: dict[str, dict], costs: dict[str, St
                   demands, exclusive)
 
 
-def plan_cost(runtime: RuntimeConfig, work: Workload, m: Machine) -> PlanCost:
+def plan_cost(runtime: Plan, work: Workload, m: Machine) -> PlanCost:
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(runtime,
                                                            work.num_devices).items()}

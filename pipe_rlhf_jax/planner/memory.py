@@ -33,7 +33,7 @@ from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner.hardware import GIB, Hardware
 from pipe_rlhf_jax.planner.space import Workload
-from pipe_rlhf_jax.system.settings import STAGES, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import STAGES, Plan, StagePlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Headroom XLA needs beyond what is modelled (fragmentation, small temporaries): the
@@ -230,7 +230,7 @@ def capacity(hw: Hardware, devices: int | None = None) -> float:
   return total * USABLE_FRACTION
 
 
-def plan_memory(runtime: RuntimeConfig, work: Workload) -> dict[str, float]:
+def plan_memory(runtime: Plan, work: Workload) -> dict[str, float]:
   """Peak bytes per device of each device group ({stage: bytes} in pipe mode, else
   {"all": bytes}: the three stages' persistent state together plus the largest
   transient)."""
@@ -241,7 +241,7 @@ def plan_memory(runtime: RuntimeConfig, work: Workload) -> dict[str, float]:
   return combine(runtime, mems)
 
 
-def combine(runtime: RuntimeConfig, mems: dict[str, StageMemory]) -> dict[str, float]:
+def combine(runtime: Plan, mems: dict[str, StageMemory]) -> dict[str, float]:
   """Peak bytes per device of each device group from the stages' memories."""
   if runtime.mode == "pipe":
     return {s: m.total for s, m in mems.items()}
@@ -249,7 +249,7 @@ def combine(runtime: RuntimeConfig, mems: dict[str, StageMemory]) -> dict[str, f
           + max(m.transient_bytes for m in mems.values())}
 
 
-def memory_error(runtime: RuntimeConfig, work: Workload, hw: Hardware) -> str | None:
+def memory_error(runtime: Plan, work: Workload, hw: Hardware) -> str | None:
   """Why the plan does not fit in device memory (None: it fits)."""
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   limit = capacity(hw, work.num_devices)

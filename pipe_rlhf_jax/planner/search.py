@@ -29,14 +29,14 @@ from pipe_rlhf_jax.planner import composition, simulator, space
 from pipe_rlhf_jax.planner import cost as cost_mod
 from pipe_rlhf_jax.planner import memory as mem_mod
 from pipe_rlhf_jax.planner.space import SpaceOptions, Workload
-from pipe_rlhf_jax.system.settings import STAGES, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import STAGES, Plan, StagePlan
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """A priced plan: predicted step time, per-stage seconds, memory, or why rejected."""
 
-  plan: RuntimeConfig
+  plan: Plan
   step_time: float  # simulated steady seconds per step (closed form if not simulated)
   cost: composition.PlanCost | None
   memory: dict | None  # peak bytes per device per device group
@@ -53,7 +53,7 @@ class Candidate:
     return max(times, key=times.get)
 
 
-def simulate_plan(plan: RuntimeConfig, pc: composition.PlanCost, m: cost_mod.Machine,
+def simulate_plan(plan: Plan, pc: composition.PlanCost, m: cost_mod.Machine,
                   steps: int = 24) -> simulator.SimResult:
   times = {s: pc.stage(s) for s in STAGES}
   return simulator.simulate(times, pc.sync, plan.mode, max_staleness=plan.max_staleness,
@@ -69,7 +69,7 @@ def _stage(stage: str, plan: StagePlan, mesh: tuple, work: Workload, m: cost_mod
           mem_mod.stage_memory(stage, plan, sizes, work))
 
 
-def price(plan: RuntimeConfig, work: Workload, m: cost_mod.Machine,
+def price(plan: Plan, work: Workload, m: cost_mod.Machine,
           simulate: bool = False) -> Candidate:
   """Memory check, cost and (optionally) simulation of one valid plan.
 
@@ -176,7 +176,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
   counter = itertools.count()
   rejected: list[Candidate] = []
 
-  def offer(plan: RuntimeConfig, bound: float):
+  def offer(plan: Plan, bound: float):
     item = (-bound, next(counter), plan)
     if len(heap) < pool:
       heapq.heappush(heap, item)
@@ -188,7 +188,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
     if sch.mode == "sequential":
       for mesh in space.mesh_shapes(n):
         for remat in options.train_remat:
-          plan = RuntimeConfig(mesh=mesh, train=StagePlan(
+          plan = Plan(mesh=mesh, train=StagePlan(
               mesh=space.MeshSpec(data=1, fsdp=-1), remat=remat,
               attention=options.attention, logits_chunk=options.logits_chunk),
               generate=StagePlan(attention=options.attention,
@@ -209,7 +209,7 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
       if not all(sets):
         continue
       for combo in itertools.product(*sets):
-        plan = RuntimeConfig(placement=counts if sch.mode == "pipe" else None,
+        plan = Plan(placement=counts if sch.mode == "pipe" else None,
                              generate=combo[0][2], infer=combo[1][2], train=combo[2][2],
                              **common)
         shapes = {s: c[2].mesh.as_dict() for s, c in zip(STAGES, combo)}

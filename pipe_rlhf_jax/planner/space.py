@@ -1,4 +1,4 @@
-"""The hierarchical plan space: which `RuntimeConfig`s are valid for a model, a batch and a
+"""The hierarchical plan space: which `Plan`s are valid for a model, a batch and a
 device count, and their conversion to and from config overrides.
 
 Levels (each plain, hashable data):
@@ -9,7 +9,7 @@ Levels (each plain, hashable data):
   3. per stage: `MeshSpec(data, fsdp, tensor, pipe)` on its devices, generation
      micro-batches M (only with pipe > 1: M in {1, P, 2P, 4P} dividing the batch), and the
      training stage's remat policy.
-A plan is the runtime's own `RuntimeConfig`. Validity is decided by the runtime's checks,
+A plan is the runtime's own `Plan`. Validity is decided by the runtime's checks,
 called here on abstract meshes (no devices needed): `system.stage_mesh_shapes`,
 `system.check_fits`, `system.check_batch_fits` and
 `generation.schedule.validate_pipeline_config` — shared, not copied. The memory limit is
@@ -33,7 +33,7 @@ from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, Plan, StagePlan
 
 MODES = ("sequential", "per_stage", "pipe")
 
@@ -167,7 +167,7 @@ class PlanLayout(StageLayout):
                        f"({describe(self.mesh)}): {e}") from None
 
 
-def abstract_layouts(runtime: RuntimeConfig, num_devices: int) -> dict[str, PlanLayout]:
+def abstract_layouts(runtime: Plan, num_devices: int) -> dict[str, PlanLayout]:
   """Each stage's layout under `runtime` on abstract meshes (`system.stage_mesh_shapes`)."""
   layouts = {}
   for s, (shape, rules, _) in system.stage_mesh_shapes(runtime, num_devices).items():
@@ -176,7 +176,7 @@ def abstract_layouts(runtime: RuntimeConfig, num_devices: int) -> dict[str, Plan
   return layouts
 
 
-def check_plan(runtime: RuntimeConfig, work: Workload) -> None:
+def check_plan(runtime: Plan, work: Workload) -> None:
   """Raises ValueError (the runtime's message) when `runtime` cannot run `work`.
 
   The same checks `PPOSystem` applies before compiling, plus the pipelined decoder's
@@ -192,7 +192,7 @@ def check_plan(runtime: RuntimeConfig, work: Workload) -> None:
                                    work.batch_size, field_prefix="stages.generate")
 
 
-def plan_error(runtime: RuntimeConfig, work: Workload) -> str | None:
+def plan_error(runtime: Plan, work: Workload) -> str | None:
   """`check_plan`'s reason, or None when the plan is valid."""
   try:
     check_plan(runtime, work)
@@ -216,14 +216,14 @@ def mesh_shapes(num_devices: int, pipe_allowed: bool = True) -> list[MeshSpec]:
   return out
 
 
-def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> RuntimeConfig:
+def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> Plan:
   """A runtime that gives `stage` the plan and the other stages one trivial device each.
 
   One device splits nothing, so the runtime's checks on it reject only what `stage` does.
   """
   trivial = StagePlan(mesh=MeshSpec(data=1))
   stages = {s: (plan if s == stage else trivial) for s in STAGES}
-  return RuntimeConfig(mode=mode, placement=(1, 1, 1), **stages)
+  return Plan(mode=mode, placement=(1, 1, 1), **stages)
 
 
 def stage_error(stage: str, plan: StagePlan, num_devices: int, work: Workload) -> str | None:
@@ -333,7 +333,7 @@ def schedules(options: SpaceOptions = SpaceOptions()) -> list[Schedule]:
 
 
 def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
-                    ) -> Iterator[RuntimeConfig]:
+                    ) -> Iterator[Plan]:
   """Every valid plan of the space (exhaustive; for small device counts)."""
   n = work.num_devices
   for sch in schedules(options):
@@ -344,7 +344,7 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
           train = StagePlan(mesh=MeshSpec(data=1, fsdp=-1), remat=remat,
                             attention=options.attention, logits_chunk=options.logits_chunk)
           other = StagePlan(attention=options.attention, logits_chunk=options.logits_chunk)
-          rt = RuntimeConfig(mesh=mesh, generate=other, infer=other, train=train, **common)
+          rt = Plan(mesh=mesh, generate=other, infer=other, train=train, **common)
           if plan_error(rt, work) is None:
             yield rt
       continue
@@ -355,7 +355,7 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
     for counts in layouts:
       per_stage = [stage_plans(s, c, work, options) for s, c in zip(STAGES, counts)]
       for g, i, t in itertools.product(*per_stage):
-        yield RuntimeConfig(placement=counts if sch.mode == "pipe" else None,
+        yield Plan(placement=counts if sch.mode == "pipe" else None,
                             generate=g, infer=i, train=t, **common)
 
 
@@ -375,10 +375,10 @@ def _has(config, key: str) -> bool:
   return True
 
 
-def to_overrides(runtime: RuntimeConfig, base=None) -> dict[str, Any]:
+def to_overrides(runtime: Plan, base=None) -> dict[str, Any]:
   """The plan as flat config overrides {"runtime.mode": "pipe", ...}.
 
-  Every field `RuntimeConfig.from_config` reads, so applying them to an experiment config
+  Every field `Plan.from_config` reads, so applying them to an experiment config
   reproduces the plan (`from_overrides`). With `base` (the experiment ConfigDict), a
   per-stage field the base lacks is left out when the plan has its default (what
   `from_config` reads for a missing key), so the flags apply to a locked config. Mesh axes
@@ -403,7 +403,7 @@ def to_overrides(runtime: RuntimeConfig, base=None) -> dict[str, Any]:
   return out
 
 
-def override_flags(runtime: RuntimeConfig, base=None) -> list[str]:
+def override_flags(runtime: Plan, base=None) -> list[str]:
   """The plan as command-line flags: `--config.runtime.mode=pipe` ..."""
   return [f"--config.{k}={v}" for k, v in to_overrides(runtime, base).items()]
 
@@ -422,8 +422,8 @@ def apply_overrides(config, overrides: dict[str, Any]):
   return config
 
 
-def from_overrides(overrides: dict[str, Any], base=None) -> RuntimeConfig:
-  """The plan the overrides describe (`RuntimeConfig.from_config` on a config)."""
+def from_overrides(overrides: dict[str, Any], base=None) -> Plan:
+  """The plan the overrides describe (`Plan.from_config` on a config)."""
   import ml_collections
   if base is None:
     base = ml_collections.ConfigDict({"runtime": {"mode": "sequential",
@@ -432,4 +432,4 @@ def from_overrides(overrides: dict[str, Any], base=None) -> RuntimeConfig:
   config = apply_overrides(base, overrides)
   if config.runtime.mode != "pipe" and "placement" in config.runtime:
     config.runtime.placement = None
-  return RuntimeConfig.from_config(config)
+  return Plan.from_config(config)

@@ -7,8 +7,8 @@ model-free machinery they run on (queues, workers, versioned weights, tracing) l
 """
 
 from pipe_rlhf_jax.system.api import PromptSource, RunResult, prompts_from_texts, run
-from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.system.system import Models, PPOSystem
 
 __all__ = ["MeshSpec", "Models", "PPOConfig", "PPOSystem", "PromptSource", "RunResult",
-           "RuntimeConfig", "StagePlan", "prompts_from_texts", "run"]
+           "Plan", "StagePlan", "prompts_from_texts", "run"]

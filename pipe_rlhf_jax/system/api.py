@@ -6,7 +6,7 @@ reward and prompts needs only:
 
   models = Models.from_policy(hf.from_pretrained(path, dtype=jnp.bfloat16))
   system = PPOSystem(models, ppo=PPOConfig(...), sampling=SamplingParams(...),
-                     runtime=RuntimeConfig(mode="pipe", ...), reward_fn=my_rule,
+                     runtime=Plan(mode="pipe", ...), reward_fn=my_rule,
                      decode=tokenizer.decode)
   result = run(system, prompts_from_texts(texts, tokenizer, ...), steps=100)
   result.metrics   # one dict per PPO step;  result.tracer.gantt("gantt.png")

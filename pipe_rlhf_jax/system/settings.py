@@ -1,8 +1,8 @@
-"""Typed settings of the PPO system: the algorithm (`PPOConfig`) and the plan (`RuntimeConfig`).
+"""Typed settings of the PPO system: the algorithm (`PPOConfig`) and the plan (`Plan`).
 
 The experiment configs are `ml_collections.ConfigDict`s, convenient on a command line; the
 system itself takes these frozen dataclasses, converted once at the edge
-(`PPOConfig.from_config(config.ppo)`, `RuntimeConfig.from_config(config)`). A researcher
+(`PPOConfig.from_config(config.ppo)`, `Plan.from_config(config)`). A researcher
 using the library builds them directly. Sampling settings are
 `generation.sampler.SamplingParams`.
 
@@ -11,7 +11,7 @@ config path it came from, e.g. `ppo.clip_eps`) and what is allowed. Checks that 
 devices (mesh sizes, divisibility of parameters over mesh axes) happen when the stage
 layouts are built (`system.build_layouts`, `system.check_fits`).
 
-`RuntimeConfig` is the plan: which schedule runs the stages, on which devices, with which
+`Plan` is the plan: which schedule runs the stages, on which devices, with which
 mesh per stage. It is hashable and prints as one line, so it can key caches and be
 compared across a resume; it changes when and where things are computed, never what
 (except `max_staleness`, which lets a rollout come from an older policy).
@@ -348,7 +348,7 @@ class StagePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class RuntimeConfig:
+class Plan:
   """The plan: schedule, placement and each stage's strategy.
 
   Attributes:
@@ -424,7 +424,7 @@ class RuntimeConfig:
             f"staleness<={self.max_staleness}, queue={self.queue_size}]")
 
   @classmethod
-  def from_config(cls, config) -> "RuntimeConfig":
+  def from_config(cls, config) -> "Plan":
     """From an experiment config's `runtime`, `mesh` and `stages` sections."""
     rt = _plain(config.runtime)
     placement = rt.get("placement")
@@ -458,7 +458,7 @@ class PlannedRun:
     search_s: seconds the search took (0 for a hand-written plan).
   """
 
-  runtime: RuntimeConfig
+  runtime: Plan
   chosen: bool
   predicted_step_s: float
   bottleneck: str

@@ -43,11 +43,11 @@ from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
-from pipe_rlhf_jax.system.settings import STAGES, PPOConfig, RuntimeConfig
+from pipe_rlhf_jax.system.settings import STAGES, Plan, PPOConfig
 from pipe_rlhf_jax.system.steps import BadStepGuard
 
 
-def stage_mesh_shapes(runtime: RuntimeConfig, num_devices: int
+def stage_mesh_shapes(runtime: Plan, num_devices: int
                       ) -> dict[str, tuple[MeshShape, logical.Rules, list[int]]]:
   """Each stage's mesh shape, rules and device indices under `runtime`; needs no devices.
 
@@ -78,7 +78,7 @@ def stage_mesh_shapes(runtime: RuntimeConfig, num_devices: int
   return shapes
 
 
-def build_layouts(runtime: RuntimeConfig, devices=None) -> dict[str, StageLayout]:
+def build_layouts(runtime: Plan, devices=None) -> dict[str, StageLayout]:
   """Each stage's mesh and rules under the plan `runtime`.
 
   sequential: one mesh (`runtime.mesh`) over all devices, shared by every stage.
@@ -139,7 +139,7 @@ def _shapes(state: nnx.State) -> Any:
 
 
 def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
-                     runtime: RuntimeConfig) -> None:
+                     runtime: Plan) -> None:
   """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
   # Micro-batches split generation only when it is pipelined (pipe > 1).
   pipelined = layouts["generate"].mesh.shape.get("pipe", 1) > 1
@@ -333,7 +333,7 @@ class PPOSystem:
   """
 
   def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,
-               runtime: RuntimeConfig = RuntimeConfig(), reward_fn: Callable | None = None,
+               runtime: Plan = Plan(), reward_fn: Callable | None = None,
                decode: Callable | None = None, eval_fn: Callable | None = None,
                devices=None, ptx_demos: dict[str, np.ndarray] | None = None):
     if (reward_fn is None) == (models.reward is None):

@@ -75,9 +75,9 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   from pipe_rlhf_jax.system import (
     MeshSpec,
     Models,
+    Plan,
     PPOConfig,
     PPOSystem,
-    RuntimeConfig,
     StagePlan,
     prompts_from_texts,
   )
@@ -99,7 +99,7 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   pipe = mode == "pipe"
   gen, inf, trn = meshes or (MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
                              MeshSpec(data=2, fsdp=-1), MeshSpec(data=1, fsdp=-1))
-  runtime = RuntimeConfig(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
+  runtime = Plan(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
                           placement=tuple(placement) if pipe else None,
                           generate=StagePlan(gen, num_microbatches=2),
                           infer=StagePlan(inf), train=StagePlan(trn))

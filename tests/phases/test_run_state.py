@@ -7,25 +7,25 @@ process), as in tests/system/test_stage_groups.py.
 import pytest
 
 from pipe_rlhf_jax.phases.run_state import ProcessRole
-from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.system.system import build_layouts
 
 QUADS = lambda d: d.id // 4  # 2 processes x 4 devices
 
 
 def pipe_runtime(placement):
-  return RuntimeConfig(mode="pipe", placement=placement,
+  return Plan(mode="pipe", placement=placement,
                        generate=StagePlan(MeshSpec(data=-1)),
                        infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=-1)))
 
 
 def test_one_process_and_spmd_jobs_train_everywhere_and_process_0_writes():
-  layouts = build_layouts(RuntimeConfig(mode="sequential"))
-  alone = ProcessRole.of(RuntimeConfig(mode="sequential"), layouts, 0, 1, 8)
+  layouts = build_layouts(Plan(mode="sequential"))
+  alone = ProcessRole.of(Plan(mode="sequential"), layouts, 0, 1, 8)
   assert alone == ProcessRole()
   assert alone.checkpoint_group is None and not alone.trains_alone
   # Sequential mode over 2 processes is one SPMD program: both train, process 0 writes.
-  second = ProcessRole.of(RuntimeConfig(mode="sequential"), layouts, 1, 2, 4, QUADS)
+  second = ProcessRole.of(Plan(mode="sequential"), layouts, 1, 2, 4, QUADS)
   assert (second.writes, second.trains, second.across) == (False, True, False)
   # Pipe mode in one process is not "across": nothing is placed on processes.
   runtime = pipe_runtime((4, 2, 2))

@@ -15,7 +15,7 @@ from pipe_rlhf_jax.planner import auto, hardware, search
 from pipe_rlhf_jax.runtime import tracing
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.sections import ExperimentSettings
-from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.train import train
 
 
@@ -71,7 +71,7 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   work = auto.workload(settings, cfgs["actor"], 8, m.hw.devices_per_host)
   best = search.search(work, m, auto.options_of(settings), k=1)[0][0]
   saved = json.load(open(os.path.join(workdir, "config.json")))
-  ran = RuntimeConfig.from_config(quickstart.ml_collections.ConfigDict(saved))
+  ran = Plan.from_config(quickstart.ml_collections.ConfigDict(saved))
   assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness
   # The summary and the metrics carry predicted and measured steady s/step.
   line = next(x for x in result.summary.splitlines() if "steady s/step" in x)
@@ -113,7 +113,7 @@ def test_hand_written_plan_over_memory_fails_with_the_memory_models_reason(tmp_p
 
 def test_pipe_plans_across_processes_place_stages_on_whole_processes():
   runnable = auto.runnable_across_processes
-  pipe = lambda placement, **stages: RuntimeConfig(mode="pipe", placement=placement,
+  pipe = lambda placement, **stages: Plan(mode="pipe", placement=placement,
                                                    **stages)
   # 2 processes x 4 devices: blocks of at most 4 devices lie in one process each.
   assert runnable(pipe((4, 2, 2)), processes=2, devices_per_process=4)
@@ -129,4 +129,4 @@ def test_pipe_plans_across_processes_place_stages_on_whole_processes():
   assert not runnable(pipe((6, 3, 3), generate=StagePlan(MeshSpec(data=3, tensor=2))),
                       processes=4, devices_per_process=3)
   assert runnable(pipe((2, 1, 5)), processes=1, devices_per_process=8)
-  assert runnable(RuntimeConfig(mode="sequential"), processes=2, devices_per_process=4)
+  assert runnable(Plan(mode="sequential"), processes=2, devices_per_process=4)

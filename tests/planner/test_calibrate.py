@@ -95,7 +95,7 @@ def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
   assert fits["reshard_array_s"] == pytest.approx(2e-4)
   assert fits["reshard_bw"] == pytest.approx(1e9)
   from pipe_rlhf_jax.planner import space
-  from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+  from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
   work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
                         prompt_len=8, gen_len=4, num_devices=8)
   m = cost.Machine(hardware.get("cpu"), cost.Efficiency(reshard_array_s=2e-4,
@@ -103,7 +103,7 @@ def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
   shapes = {"generate": dict(data=1, fsdp=1, tensor=2, pipe=4),
             "infer": dict(data=4, fsdp=1, tensor=1, pipe=2),
             "train": dict(data=4, fsdp=1, tensor=2, pipe=1)}
-  plan = lambda mode: RuntimeConfig(mode=mode, **{s: StagePlan(mesh=MeshSpec(**v))
+  plan = lambda mode: Plan(mode=mode, **{s: StagePlan(mesh=MeshSpec(**v))
                                                   for s, v in shapes.items()})
   assert composition.batch_moves(plan("sequential"), shapes, work, m) == {
       "generate": 0.0, "infer": 0.0, "train": 0.0}

@@ -10,7 +10,7 @@ from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.planner import composition, cost, hardware, lengths, presets, simulator, space
-from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=8)
@@ -184,8 +184,8 @@ def test_a_pipe_axis_outside_generation_repeats_the_work_on_each_pipe_group():
 
 def test_sequential_syncs_nothing_and_pipe_moves_weights():
   m = cost.Machine(hardware.get("h100"))
-  seq = RuntimeConfig(mode="sequential")
-  pipe = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+  seq = Plan(mode="sequential")
+  pipe = Plan(mode="pipe", placement=(4, 2, 2),
                        generate=StagePlan(mesh=MeshSpec(data=4)),
                        infer=StagePlan(mesh=MeshSpec(data=2)),
                        train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
@@ -200,7 +200,7 @@ def test_closed_form_is_a_lower_bound_of_the_simulator():
     sync = rng.uniform(0.0, 0.5)
     s = rng.choice([0, 1, 2])
     q = rng.choice([1, 2])
-    rt = RuntimeConfig(mode="pipe", placement=(1, 1, 1), max_staleness=s, queue_size=q)
+    rt = Plan(mode="pipe", placement=(1, 1, 1), max_staleness=s, queue_size=q)
     bound = composition.closed_form(times, sync, rt)
     sim = simulator.simulate(times, sync, "pipe", max_staleness=s, queue_size=q, steps=40)
     assert sim.step_time >= bound * (1 - 1e-6)
@@ -218,7 +218,7 @@ def test_critic_free_and_reference_free_workloads_price_only_their_models():
   actor_only = cost.train_cost(StagePlan(), MESH1, grpo, m)
   # Actor and critic share the backbone: the critic-free update does about half the work.
   assert actor_only.compute == pytest.approx(full.compute / 2, rel=0.1)
-  pipe = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+  pipe = Plan(mode="pipe", placement=(4, 2, 2),
                        generate=StagePlan(mesh=MeshSpec(data=4)),
                        infer=StagePlan(mesh=MeshSpec(data=2)),
                        train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))
@@ -281,7 +281,7 @@ def test_shared_host_demand_counts_overheads_as_one_device_of_work():
   # uses the whole host; one whose time is all overhead (serial host work) half of it.
   m = cost.Machine(hardware.get("cpu"), cost.Efficiency(host_concurrency=2.0,
                                                         device_peak_flops=1e9))
-  rt = RuntimeConfig(mode="pipe", placement=(4, 2, 2))
+  rt = Plan(mode="pipe", placement=(4, 2, 2))
   shapes = {"generate": dict(data=4, fsdp=1, tensor=1, pipe=1),
             "infer": dict(data=2, fsdp=1, tensor=1, pipe=1),
             "train": dict(data=2, fsdp=1, tensor=1, pipe=1)}
@@ -299,7 +299,7 @@ def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
   # jax's CPU backend runs programs over several devices one at a time
   # (experiments/bench_cpu_concurrency.py): there, pipe stages on more than one device
   # cannot overlap, and the closed form's bound includes their sum.
-  rt = RuntimeConfig(mode="pipe", max_staleness=2, placement=(1, 3, 4),
+  rt = Plan(mode="pipe", max_staleness=2, placement=(1, 3, 4),
                      generate=StagePlan(MeshSpec(data=1)), infer=StagePlan(MeshSpec(data=3)),
                      train=StagePlan(MeshSpec(fsdp=4)))
   shapes = {"generate": {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1},

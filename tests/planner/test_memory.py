@@ -33,12 +33,12 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import MeshSpec, PPOConfig, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
 
 
 def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:
   """Per-device peak bytes of the real PPO update (TrainStage) compiled for `plan`."""
-  rt = RuntimeConfig(mode="per_stage", train=plan)
+  rt = Plan(mode="per_stage", train=plan)
   layout = system.build_layouts(rt, jax.devices()[:work.num_devices])["train"]
   agd, actor = nnx.split(init_model(work.actor))
   cgd, critic = nnx.split(init_model(work.critic))
@@ -81,7 +81,7 @@ def _peak(compiled) -> int:
 
 
 def _layout(stage: str, plan: StagePlan, n: int):
-  rt = RuntimeConfig(mode="per_stage", **{stage: plan})
+  rt = Plan(mode="per_stage", **{stage: plan})
   return system.build_layouts(rt, jax.devices()[:n])[stage]
 
 
@@ -180,7 +180,7 @@ def test_sharding_divides_the_parameter_terms():
 
 
 def test_time_shared_modes_hold_every_stage_state_at_once():
-  rt = RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
+  rt = Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
                      infer=StagePlan(mesh=MeshSpec(data=8)),
                      train=StagePlan(mesh=MeshSpec(data=8)))
   total = memory.plan_memory(rt, WORK)["all"]
@@ -192,7 +192,7 @@ def test_time_shared_modes_hold_every_stage_state_at_once():
 
 def test_rejection_names_the_group_and_the_terms():
   small = dataclasses.replace(hardware.get("h100"), hbm_bytes=1e6)
-  rt = RuntimeConfig(mode="pipe", placement=(4, 2, 2),
+  rt = Plan(mode="pipe", placement=(4, 2, 2),
                      generate=StagePlan(mesh=MeshSpec(data=4)),
                      infer=StagePlan(mesh=MeshSpec(data=2)),
                      train=StagePlan(mesh=MeshSpec(data=1, fsdp=2)))

@@ -12,7 +12,7 @@ from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.planner import space
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, Plan, StagePlan
 
 # 2 layers, 2 heads, 1 kv head: tensor > 1 never fits, pipe only 1 or 2.
 SMALL = space.Workload(actor=tiny_config(embed_dim=32, num_layers=2, num_heads=2,
@@ -23,13 +23,13 @@ OPTIONS = space.SpaceOptions(staleness=(0, 1), train_remat=("none",))
 
 
 def _all_candidates(work, options):
-  """Every RuntimeConfig the space's levels could name, valid or not (brute force)."""
+  """Every Plan the space's levels could name, valid or not (brute force)."""
   n = work.num_devices
   for sch in space.schedules(options):
     common = dict(mode=sch.mode, max_staleness=sch.max_staleness, queue_size=sch.queue_size)
     if sch.mode == "sequential":
       for mesh in space.mesh_shapes(n):
-        yield RuntimeConfig(mesh=mesh, **common)
+        yield Plan(mesh=mesh, **common)
       continue
     counts_list = [(n, n, n)] if sch.mode == "per_stage" else [
         c for c in itertools.product(range(1, n + 1), repeat=3) if sum(c) == n]
@@ -39,12 +39,12 @@ def _all_candidates(work, options):
         plans = []
         for mesh in space.mesh_shapes(c):
           if s == "train" and mesh.pipe > 1:
-            continue  # RuntimeConfig itself refuses it
+            continue  # Plan itself refuses it
           for m in ((1, 2, 4, 8) if s == "generate" else (1,)):
             plans.append(StagePlan(mesh=mesh, num_microbatches=m))
         per_stage.append(plans)
       for g, i, t in itertools.product(*per_stage):
-        yield RuntimeConfig(placement=counts if sch.mode == "pipe" else None, generate=g,
+        yield Plan(placement=counts if sch.mode == "pipe" else None, generate=g,
                             infer=i, train=t, **common)
 
 
@@ -79,19 +79,19 @@ def test_validity_agrees_with_the_runtime_on_real_devices():
   actor = nnx.state(nnx.eval_shape(lambda: init_model(work.actor)))
   critic = nnx.state(nnx.eval_shape(lambda: init_model(work.critic)))
   plans = [
-      RuntimeConfig(mode="pipe", placement=(2, 2, 4),
+      Plan(mode="pipe", placement=(2, 2, 4),
                     generate=StagePlan(mesh=MeshSpec(data=1, pipe=2), num_microbatches=2),
                     infer=StagePlan(mesh=MeshSpec(data=2)),
                     train=StagePlan(mesh=MeshSpec(data=1, fsdp=4))),
-      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
+      Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
                     infer=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
       # invalid: tensor=2 over 1 kv head
-      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, tensor=2)),
+      Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, tensor=2)),
                     infer=StagePlan(mesh=MeshSpec(data=8)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
       # invalid: a pipelined generator may only add tensor to pipe, not data
-      RuntimeConfig(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
+      Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
                     infer=StagePlan(mesh=MeshSpec(data=8)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
   ]
@@ -159,7 +159,7 @@ def test_overrides_round_trip_through_a_locked_experiment_config():
       for part in parts[:-1]:
         node = node[part]
       setattr(node, parts[-1], value)
-    back = RuntimeConfig.from_config(locked)
+    back = Plan.from_config(locked)
     if plan.mode != "pipe":
       back = dataclasses.replace(back, placement=None)  # ignored outside pipe
     assert back == plan

@@ -13,9 +13,9 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import (
   MeshSpec,
   Models,
+  Plan,
   PPOConfig,
   PPOSystem,
-  RuntimeConfig,
   StagePlan,
   prompts_from_texts,
   run,
@@ -58,7 +58,7 @@ def _tiny_system(tmp_path, batch_size=8, reward_fn=lambda p, c: [len(x) for x in
       ppo=PPOConfig(steps=2, batch_size=batch_size, minibatch_size=batch_size,
                     actor_lr=1e-3),
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=RuntimeConfig(**runtime), reward_fn=reward_fn, decode=tok.decode)
+      runtime=Plan(**runtime), reward_fn=reward_fn, decode=tok.decode)
   return system, tok
 
 
@@ -130,17 +130,17 @@ def test_settings_name_the_bad_field():
   with pytest.raises(ValueError, match="ppo.kl_estimator"):
     PPOConfig(steps=1, batch_size=4, minibatch_size=4, kl_estimator="k9")
   with pytest.raises(ValueError, match="runtime.placement"):
-    RuntimeConfig(mode="pipe")
+    Plan(mode="pipe")
   with pytest.raises(ValueError, match="runtime.mode"):
-    RuntimeConfig(mode="async")
+    Plan(mode="async")
   with pytest.raises(ValueError, match="ppo has unknown fields \\['clip'\\]"):
     PPOConfig.from_config({"steps": 1, "batch_size": 4, "minibatch_size": 4, "clip": 0.1})
 
 
 def test_settings_are_hashable_and_print_as_one_line():
-  plan = RuntimeConfig(mode="pipe", placement=(4, 2, 2), max_staleness=1,
+  plan = Plan(mode="pipe", placement=(4, 2, 2), max_staleness=1,
                        generate=StagePlan(MeshSpec(data=1, pipe=4), num_microbatches=8))
-  assert hash(plan) == hash(RuntimeConfig(mode="pipe", placement=(4, 2, 2), max_staleness=1,
+  assert hash(plan) == hash(Plan(mode="pipe", placement=(4, 2, 2), max_staleness=1,
                                           generate=StagePlan(MeshSpec(data=1, pipe=4),
                                                              num_microbatches=8)))
   assert str(plan) == ("pipe[4+2+2 devices; generate: pipe=4, infer: data=-1, "
@@ -152,7 +152,7 @@ def test_experiment_config_converts_to_the_same_settings():
   config = quickstart.get_config()
   ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
   assert ppo.clip_eps == config.ppo.clip_eps and ppo.steps == config.ppo.steps
-  plan = RuntimeConfig.from_config(config)
+  plan = Plan.from_config(config)
   assert plan.placement == (4, 2, 2) and plan.generate.num_microbatches == 8
   assert plan.generate.mesh == MeshSpec(data=1, fsdp=1, tensor=-1, pipe=4)
 
@@ -204,7 +204,7 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
   system = PPOSystem(
       Models.from_policy(models.from_pretrained(path)), ppo=ppo,
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=RuntimeConfig(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
+      runtime=Plan(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
                             generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)),
       reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
   metrics = run(system, prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8),

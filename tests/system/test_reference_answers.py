@@ -19,9 +19,9 @@ from pipe_rlhf_jax.ppo.types import decode_answers, encode_answers
 from pipe_rlhf_jax.system import (
   MeshSpec,
   Models,
+  Plan,
   PPOConfig,
   PPOSystem,
-  RuntimeConfig,
   StagePlan,
   run,
 )
@@ -65,7 +65,7 @@ def _pairing_rule(seen: list):
   return rule
 
 
-def _system(runtime: RuntimeConfig, rule):
+def _system(runtime: Plan, rule):
   cfg = models.tiny_config(vocab_size=TOK.vocab_size, embed_dim=32, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=16, mlp_dim=64, eos_token_id=TOK.eos_id,
                            bos_token_id=TOK.bos_id, pad_token_id=TOK.pad_id)
@@ -80,8 +80,8 @@ def _system(runtime: RuntimeConfig, rule):
 
 @pytest.mark.parametrize("mode", ["sequential", "pipe"])
 def test_each_row_reaches_the_rule_with_its_own_answer(mode):
-  runtime = (RuntimeConfig(mode="sequential") if mode == "sequential" else
-             RuntimeConfig(mode="pipe", max_staleness=1, placement=(2, 2, 4),
+  runtime = (Plan(mode="sequential") if mode == "sequential" else
+             Plan(mode="pipe", max_staleness=1, placement=(2, 2, 4),
                            generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)))
   seen = []
   system = _system(runtime, _pairing_rule(seen))
@@ -98,7 +98,7 @@ def test_each_row_reaches_the_rule_with_its_own_answer(mode):
 
 
 def test_a_rule_that_needs_answers_names_the_missing_field():
-  system = _system(RuntimeConfig(mode="sequential"), _pairing_rule([]))
+  system = _system(Plan(mode="sequential"), _pairing_rule([]))
   prompts = PromptLoader([{"prompt": f"q{i}="} for i in range(8)], TOK, 8, 8, seed=0)
   with pytest.raises(ValueError, match="'answer' field"):
     run(system, prompts, steps=1)

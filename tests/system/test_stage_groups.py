@@ -18,7 +18,7 @@ import pytest
 from pipe_rlhf_jax.distributed import transfer as tr
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.settings import MeshSpec, RuntimeConfig, StagePlan
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.system.system import build_layouts
 
 PAIRS = lambda d: d.id // 2  # 4 processes x 2 devices
@@ -83,7 +83,7 @@ def test_a_process_whose_devices_are_not_a_block_is_refused():
 
 
 def pipe_runtime(placement, generate=MeshSpec(data=-1)):
-  return RuntimeConfig(mode="pipe", placement=placement, generate=StagePlan(generate),
+  return Plan(mode="pipe", placement=placement, generate=StagePlan(generate),
                        infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=-1)))
 
 
