@@ -222,6 +222,16 @@ class DataSettings:
     return cls(**values)
 
 
+def _training_fields(cls, section, path: str) -> dict[str, Any]:
+  """`_fields` of a warm-start phase's section, its steps (>= 0), batch size and learning
+  rate checked."""
+  values = _fields(cls, section, path)
+  check_int(values["steps"], f"{path}.steps", low=0)
+  check_int(values["batch_size"], f"{path}.batch_size")
+  check_number(values["learning_rate"], f"{path}.learning_rate")
+  return values
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTSettings:
   """`sft`: supervised fine-tuning on the demonstrations (0 steps: none)."""
@@ -233,11 +243,7 @@ class SFTSettings:
 
   @classmethod
   def from_config(cls, section, path: str = "sft") -> "SFTSettings":
-    values = _fields(cls, section, path)
-    check_int(values["steps"], f"{path}.steps", low=0)
-    check_int(values["batch_size"], f"{path}.batch_size")
-    check_number(values["learning_rate"], f"{path}.learning_rate")
-    return cls(**values)
+    return cls(**_training_fields(cls, section, path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,10 +271,7 @@ class RewardModelSettings:
 
   @classmethod
   def from_config(cls, section, path: str = "reward_model") -> "RewardModelSettings":
-    values = _fields(cls, section, path)
-    check_int(values["steps"], f"{path}.steps", low=0)
-    check_int(values["batch_size"], f"{path}.batch_size")
-    check_number(values["learning_rate"], f"{path}.learning_rate")
+    values = _training_fields(cls, section, path)
     _choice(values.get("init", cls.init), f"{path}.init", ("base", "sft"))
     check_number(values.get("policy_pairs", cls.policy_pairs), f"{path}.policy_pairs",
                  allow_zero=True, at_most=1.0, what="a fraction",
