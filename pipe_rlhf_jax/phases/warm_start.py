@@ -61,8 +61,8 @@ def warm_start_fingerprint(settings: ExperimentSettings) -> str:
                               if settings.reward.uses_model else "none: rule reward")
   if isinstance(sections["reward_model"], dict) and not sections["reward_model"].get(
       "policy_pairs", 0.0):
-    # Policy pairs off: their settings decide nothing (and warm starts written before
-    # they existed keep their fingerprint).
+    # Policy pairs off: their settings decide nothing, so runs that differ only in them
+    # share a warm start.
     for key in ("policy_pairs", "policy_samples", "label_fn"):
       sections["reward_model"].pop(key, None)
   return ckpt_lib.config_fingerprint(
