@@ -5,6 +5,7 @@ Python or numpy int, never a bool, at least `low`) and how a bad one is reported
 ("name=value must be an integer >= low."), and `check_number`, the same for real-valued
 settings (finite: NaN passes every comparison and inf every lower bound), so every
 field and argument fails alike, whether it comes from a config or a typed setting; and
+`check_choice` for a setting that names one of a few options;
 `check_fraction` for the response fraction, which the config, the planner and the plan all
 accept; and `check_known`, how every section refuses a key it does not know (naming the
 nearest known one: a typo reads as a typo).
@@ -64,6 +65,14 @@ def check_number(value: Any, name: str, *, allow_zero: bool = False,
       allowed = f"in {'[' if allow_zero else '('}0, {at_most:g}]"
     raise ValueError(f"{name}={value!r} must be {what} {allowed}.{hint}")
   return float(value)
+
+
+def check_choice(value: Any, name: str, choices: Iterable[Any]) -> Any:
+  """Returns `value` when it is one of `choices`; raises ValueError naming it and them."""
+  choices = list(choices)
+  if value not in choices:
+    raise ValueError(f"{name}={value!r}; choose one of {sorted(choices)}.")
+  return value
 
 
 def check_fraction(value, field: str) -> float:

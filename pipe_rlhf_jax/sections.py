@@ -31,7 +31,13 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from pipe_rlhf_jax.checks import check_fraction, check_int, check_known, check_number
+from pipe_rlhf_jax.checks import (
+  check_choice,
+  check_fraction,
+  check_int,
+  check_known,
+  check_number,
+)
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
@@ -61,15 +67,13 @@ def _get(config, path: str) -> Any:
   return node
 
 
-def _fields(cls, section: Mapping[str, Any], path: str, extra: tuple[str, ...] = ()
-            ) -> dict[str, Any]:
+def _fields(cls, section: Mapping[str, Any], path: str) -> dict[str, Any]:
   """The values of `cls`'s fields in the config section `section` (named `path`).
 
-  Keys `cls` does not know (nor `extra`, read by the caller) are refused; a field without
-  a default must be there; a field left out takes its default.
+  Keys `cls` does not know are refused; a field without a default must be there; a field
+  left out takes its default.
   """
-  names = [f.name for f in dataclasses.fields(cls)]
-  check_known(section.keys(), names + list(extra), path)
+  check_known(section.keys(), [f.name for f in dataclasses.fields(cls)], path)
   values = {}
   for f in dataclasses.fields(cls):
     if f.name in section:
@@ -77,17 +81,6 @@ def _fields(cls, section: Mapping[str, Any], path: str, extra: tuple[str, ...] =
     elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
       raise _missing(f"{path}.{f.name}")
   return values
-
-
-def _choice(value: Any, path: str, choices) -> Any:
-  if value not in choices:
-    raise ValueError(f"{path}={value!r}; choose one of {sorted(choices)}.")
-  return value
-
-
-def _plain(value: Any) -> Any:
-  """A config value as plain Python (nested ConfigDicts as dicts)."""
-  return value.to_dict() if hasattr(value, "to_dict") else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +115,7 @@ class ModelSettings:
                  "mlp_dim"):
       check_int(values[name], f"{path}.{name}")
     for name in ("dtype", "param_dtype"):
-      _choice(values[name], f"{path}.{name}", ("float32", "bfloat16"))
+      check_choice(values[name], f"{path}.{name}", ("float32", "bfloat16"))
     settings = cls(**values)
     if settings.require_path and not settings.path:
       raise ValueError("model.path is required by this config: pass "
@@ -195,7 +188,7 @@ class DataSettings:
   @classmethod
   def from_config(cls, section, path: str = "data") -> "DataSettings":
     values = _fields(cls, section, path)
-    _choice(values["task"], f"{path}.task", ("reverse", "arith", "jsonl"))
+    check_choice(values["task"], f"{path}.task", ("reverse", "arith", "jsonl"))
     for name in ("prompt_len", "completion_len"):
       check_int(values[name], f"{path}.{name}")
     check_int(values.get("num_eval", cls.num_eval), f"{path}.num_eval", low=1)
@@ -203,8 +196,8 @@ class DataSettings:
                  allow_zero=True, at_most=1.0, what="a probability",
                  hint=" It is the share of reverse-task preference pairs that differ by one "
                       "neighbour-copy error.")
-    _choice(values["on_invalid"], f"{path}.on_invalid", ("skip", "error"))
-    _choice(values["on_overlong"], f"{path}.on_overlong", ("truncate", "skip", "error"))
+    check_choice(values["on_invalid"], f"{path}.on_invalid", ("skip", "error"))
+    check_choice(values["on_overlong"], f"{path}.on_overlong", ("truncate", "skip", "error"))
     values["jsonl"] = JsonlFiles.from_config(values.get("jsonl") or {}, f"{path}.jsonl")
     # Other tasks ignore the arith section (a user switching the arith config to another
     # task must not have to delete it).
@@ -272,7 +265,7 @@ class RewardModelSettings:
   @classmethod
   def from_config(cls, section, path: str = "reward_model") -> "RewardModelSettings":
     values = _training_fields(cls, section, path)
-    _choice(values.get("init", cls.init), f"{path}.init", ("base", "sft"))
+    check_choice(values.get("init", cls.init), f"{path}.init", ("base", "sft"))
     check_number(values.get("policy_pairs", cls.policy_pairs), f"{path}.policy_pairs",
                  allow_zero=True, at_most=1.0, what="a fraction",
                  hint=" It is the share of each reward-model batch made of the SFT "
@@ -300,9 +293,9 @@ class RewardSettings:
     values = _fields(cls, section, path)
     check_int(values.get("normalize_samples_per_prompt", 0),
               f"{path}.normalize_samples_per_prompt", low=0)
-    _choice(values["fn"], f"{path}.fn", ["model"] + REWARD_FUNCTIONS.names())
+    check_choice(values["fn"], f"{path}.fn", ["model"] + REWARD_FUNCTIONS.names())
     if values["eval_fn"]:
-      _choice(values["eval_fn"], f"{path}.eval_fn", REWARD_FUNCTIONS.names())
+      check_choice(values["eval_fn"], f"{path}.eval_fn", REWARD_FUNCTIONS.names())
     return cls(**values)
 
   @property
@@ -333,7 +326,8 @@ class WarmStartSettings:
   def from_config(cls, section, path: str = "warm_start") -> "WarmStartSettings":
     values = _fields(cls, section or {}, path)
     if "mesh" in values:
-      values["mesh"] = dict(_plain(values["mesh"]))
+      mesh = values["mesh"]
+      values["mesh"] = dict(mesh.to_dict() if hasattr(mesh, "to_dict") else mesh)
     settings = cls(**values)
     if settings.checkpoint and not os.path.isdir(settings.checkpoint):
       raise ValueError(f"warm_start.checkpoint={settings.checkpoint!r} is not a directory; "
@@ -450,7 +444,7 @@ class PlanChoice:
     values = {k: section[k] for k in cls.FIELDS if k in section}
     check_int(values.get("num_devices", 0), f"{path}.num_devices", low=0)
     check_fraction(values.get("response_fraction", 1.0), f"{path}.response_fraction")
-    _choice(values.get("plan", cls.plan), f"{path}.plan", ("auto", "manual"))
+    check_choice(values.get("plan", cls.plan), f"{path}.plan", ("auto", "manual"))
     return cls(**values)
 
 
@@ -528,7 +522,7 @@ class ExperimentSettings:
         checkpoint=CheckpointSettings.from_config(config.checkpoint),
         log=LogSettings.from_config(config.log), ppo=ppo,
         sampling=PolicySampling.from_config(config.ppo),
-        critic_init=_choice(_get(config, "ppo.critic_init"), "ppo.critic_init",
+        critic_init=check_choice(_get(config, "ppo.critic_init"), "ppo.critic_init",
                             ("reward_model", "sft")),
         runtime=runtime, choice=PlanChoice.from_config(config.runtime))
     settings._check_task()

@@ -23,7 +23,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from pipe_rlhf_jax.checks import check_int, check_known, check_number
+from pipe_rlhf_jax.checks import check_choice, check_int, check_known, check_number
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 
 MODES = ("sequential", "per_stage", "pipe")
@@ -34,11 +34,6 @@ STAGES = ("generate", "infer", "train")
 def _plain(node: Any) -> Any:
   """A ConfigDict / mapping as a plain dict (leaves untouched)."""
   return node.to_dict() if hasattr(node, "to_dict") else dict(node)
-
-
-def _check_choice(value: Any, field: str, choices) -> None:
-  if value not in choices:
-    raise ValueError(f"{field}={value!r}; choose one of {sorted(choices)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +164,11 @@ class PPOConfig:
       check_number(getattr(self, name), f + name, allow_zero=True)
     for name in ("gamma", "lam"):
       check_number(getattr(self, name), f + name, allow_zero=True, at_most=1.0)
-    _check_choice(self.lr_schedule, f + "lr_schedule", ("constant", "cosine"))
-    _check_choice(self.kl_estimator, f + "kl_estimator", registry.KL_ESTIMATORS.names())
-    _check_choice(self.advantage_estimator, f + "advantage_estimator",
+    check_choice(self.lr_schedule, f + "lr_schedule", ("constant", "cosine"))
+    check_choice(self.kl_estimator, f + "kl_estimator", registry.KL_ESTIMATORS.names())
+    check_choice(self.advantage_estimator, f + "advantage_estimator",
                   registry.ADVANTAGE_ESTIMATORS.names())
-    _check_choice(self.loss, f + "loss", registry.POLICY_LOSSES.names())
+    check_choice(self.loss, f + "loss", registry.POLICY_LOSSES.names())
     if self.batch_size % self.minibatch_size:
       raise ValueError(f"ppo.batch_size={self.batch_size} must be a multiple of "
                        f"ppo.minibatch_size={self.minibatch_size}.")
@@ -188,9 +183,9 @@ class PPOConfig:
     for name in ("grpo_norm_by_std", "whiten_advantages", "adaptive_kl"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{f}{name}={getattr(self, name)!r} must be True or False.")
-    _check_choice(self.kl_in, f + "kl_in", KL_PLACEMENTS)
-    _check_choice(self.kl_policy, f + "kl_policy", ("behaviour", "proximal"))
-    _check_choice(self.loss_agg, f + "loss_agg", registry.LOSS_AGGREGATIONS.names())
+    check_choice(self.kl_in, f + "kl_in", KL_PLACEMENTS)
+    check_choice(self.kl_policy, f + "kl_policy", ("behaviour", "proximal"))
+    check_choice(self.loss_agg, f + "loss_agg", registry.LOSS_AGGREGATIONS.names())
     # Groups are contiguous rows: a batch and every training minibatch hold whole groups
     # (minibatches are drawn group by group, so a group's advantages, which sum to zero
     # under grpo / rloo, enter the same gradient step).
@@ -316,8 +311,8 @@ class StagePlan:
 
   def __post_init__(self):
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
-    _check_choice(self.attention, "attention", ATTENTION_IMPLS)
-    _check_choice(self.remat, "remat", REMAT_POLICIES)
+    check_choice(self.attention, "attention", ATTENTION_IMPLS)
+    check_choice(self.remat, "remat", REMAT_POLICIES)
     check_int(self.logits_chunk, "logits_chunk", low=0)
     check_int(self.scan_unroll, "scan_unroll", low=1)
 
@@ -383,7 +378,7 @@ class Plan:
   train: StagePlan = StagePlan(mesh=MeshSpec(data=1, fsdp=-1))
 
   def __post_init__(self):
-    _check_choice(self.mode, "runtime.mode", MODES)
+    check_choice(self.mode, "runtime.mode", MODES)
     check_int(self.max_staleness, "runtime.max_staleness", low=0)
     check_int(self.queue_size, "runtime.queue_size")
     check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
@@ -401,7 +396,7 @@ class Plan:
                        "whole; fold those devices into fsdp or data.")
 
   def stage(self, name: str) -> StagePlan:
-    _check_choice(name, "stage", STAGES)
+    check_choice(name, "stage", STAGES)
     return getattr(self, name)
 
   @property
