@@ -9,7 +9,8 @@ reward. The first `--warmup` steps (compilation) are left out.
 For each stage it reports the achieved FLOP/s (analytic counts, `models/flops.py`) next to
 the f32 matmul peak measured in the same process (a jitted 2048x2048 matmul, best of 5),
 and for decoding the bytes/s it must read (weights + KV cache per step) next to the
-measured memory bandwidth (a jitted sum over 256 MiB, best of 5). The update is also
+measured memory bandwidth (`results.machine_limits`: the faster of a sum and a
+matrix-vector product over 256 MiB, best of 5). The update is also
 set against the rate of its own GEMM shapes run alone (`gemm_shapes`: every projection
 and head matmul of the forward and backward, one jitted program): small projections
 ([batch x length, d] x [d, f] with d = 64..512) do not reach the 2048^2 peak even alone,
@@ -104,6 +105,42 @@ def weight_rate(shapes: list[tuple[int, int, int]]) -> float:
   how fast the backend streams a decode step's weights at its row count, the ceiling of
   a decode that did nothing else."""
   return sum(4 * k * n for _, k, n in shapes) / shape_seconds(shapes) / 1e9
+
+
+def optimizer_seconds(cfg, repeats: int = 5) -> dict[str, float]:
+  """Seconds of one optimizer step on `cfg`'s parameters, state donated as the update
+  donates it, best of `repeats` after a warm-up: the project's step (`optim`: one
+  global-norm pass for the finiteness test, the clipping and the metric; then AdamW),
+  and AdamW alone on the same arrays (what the step's extra work is measured against)."""
+  from flax import nnx
+  import optax
+
+  from pipe_rlhf_jax.optim import apply_if_finite, make_optimizer
+
+  params = nnx.state(nnx.eval_shape(lambda: init_model(cfg)), nnx.Param)
+  params = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), params)
+  grads = jax.tree.map(lambda x: jnp.full(x.shape, 1e-3, x.dtype), params)
+  tx, adamw = make_optimizer(1e-6, total_steps=10), optax.adamw(1e-6)
+
+  def project(params, opt, grads):
+    return apply_if_finite(tx, params, opt, grads, jnp.float32(1.0))[:2]
+
+  def alone(params, opt, grads):
+    updates, opt = adamw.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  out = {}
+  for name, fn, init in (("optimizer_s", project, tx.init),
+                         ("adamw_s", alone, adamw.init)):
+    step = jax.jit(fn, donate_argnums=(0, 1))
+    state = (jax.tree.map(jnp.copy, params), init(params))
+    times = []
+    for _ in range(repeats + 1):
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(step(*state, grads))
+      times.append(time.perf_counter() - t0)
+    out[name] = min(times[1:])
+  return out
 
 
 def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:

@@ -9,11 +9,13 @@ and is left out. Shapes too big for the machine (`--memory-only`) are sized, not
 
 Per stage (generate, infer, train) it reports seconds, FLOPs (`models/flops.py`) and the
 achieved FLOP/s against the f32 matmul peak measured in the same process; for decoding the
-bytes per token step (weights + KV cache) against the measured memory bandwidth. Beside
-each, what the stage's own matmuls reach run alone in one program: the update's GEMM shapes
-against the matmul peak, the decode step's [batch, K] x [K, N] products against the
-bandwidth (the backend's ceiling at that row count). The
-step's bound is the sum over stages of max(FLOPs / peak, bytes / bandwidth). Memory: XLA's
+bytes per token step (weights + KV cache) against the measured memory bandwidth (the
+faster of a sum and a matrix-vector product over 256 MiB, `results.machine_limits`).
+Beside each, what the stage's own matmuls reach run alone in one program: the update's
+GEMM shapes against the matmul peak, the decode step's [batch, K] x [K, N] products
+against the bandwidth (the backend's ceiling at that row count); and one model's optimizer
+step beside AdamW alone (`bench_ppo_step.optimizer_seconds`). The step's bound is the
+sum over stages of max(FLOPs / peak, bytes / bandwidth). Memory: XLA's
 `memory_analysis()` of the actor's completion log-probs (forward: infer; value_and_grad:
 train) and of one cached decode step, the process peak RSS, and the planner's memory model
 (`planner.memory.plan_memory`). The planner's predicted step time
@@ -280,6 +282,8 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   # their weights when nothing else runs.
   row["decode_shapes_gbps"] = bench_ppo_step.weight_rate(
       bench_ppo_step.decode_shapes(cfg, batch))
+  # One model's optimizer step (norm, finiteness test, clipping, AdamW) beside AdamW alone.
+  row.update(bench_ppo_step.optimizer_seconds(cfg))
   machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
   row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
   row["planner_efficiency"] = machine.eff.source
@@ -373,7 +377,10 @@ def page_body(rows) -> str:
               f"{r['train_shapes_gflops']:.1f} GFLOP/s "
               f"({r['train_shapes_gflops'] * 1e9 / (r['limits']['matmul_gflops'] * 1e9):.0%}"
               f" of the peak); the update reaches "
-              f"{r['train_gflops'] / r['train_shapes_gflops']:.0%} of that.", "",
+              f"{r['train_gflops'] / r['train_shapes_gflops']:.0%} of that. One model's "
+              f"optimizer step (global norm, finiteness test, clipping, AdamW; state "
+              f"donated) takes {r['optimizer_s']:.3f} s, AdamW alone "
+              f"{r['adamw_s']:.3f} s.", "",
               "Plan: " + "; ".join(
                   f"{s} attention={p['attention']}, remat={p['remat']}, "
                   f"logits_chunk={p['logits_chunk']}, scan_unroll={p['scan_unroll']}"

@@ -18,7 +18,6 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from pipe_rlhf_jax.distributed.arrays import fetch
 from pipe_rlhf_jax.metrics import ProgressBar, to_python
@@ -148,8 +147,8 @@ def fit(loss_fn: Callable, params: nnx.State, layout: StageLayout,
   def step(params, opt_state, batch):
     with layout.rules_context():
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-      params, opt_state, ok = apply_if_finite(tx, params, opt_state, grads, loss)
-      return params, opt_state, {**aux, "grad_norm": optax.tree.norm(grads),
+      params, opt_state, ok, norm = apply_if_finite(tx, params, opt_state, grads, loss)
+      return params, opt_state, {**aux, "grad_norm": norm,
                                  "bad_update": 1.0 - ok.astype(jnp.float32)}
 
   step = jax.jit(step, donate_argnums=(0, 1),

@@ -243,17 +243,17 @@ class TrainStage:
         return objective.critic_objective(values, mb["values"], mb["returns"], mask, h)
 
       (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
-      actor, actor_opt, a_ok = apply_if_finite(self.actor_tx, state.actor, state.actor_opt,
-                                               a_grads, a_loss)
-      metrics = {**a_aux, "actor_grad_norm": optax.tree.norm(a_grads)}
+      actor, actor_opt, a_ok, a_norm = apply_if_finite(
+          self.actor_tx, state.actor, state.actor_opt, a_grads, a_loss)
+      metrics = {**a_aux, "actor_grad_norm": a_norm}
       new = state.replace(actor=actor, actor_opt=actor_opt)
       ok = a_ok
       if has_critic:
         (c_loss, c_aux), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(
             state.critic)
-        critic, critic_opt, c_ok = apply_if_finite(self.critic_tx, state.critic,
-                                                   state.critic_opt, c_grads, c_loss)
-        metrics.update(c_aux, critic_grad_norm=optax.tree.norm(c_grads))
+        critic, critic_opt, c_ok, c_norm = apply_if_finite(
+            self.critic_tx, state.critic, state.critic_opt, c_grads, c_loss)
+        metrics.update(c_aux, critic_grad_norm=c_norm)
         new = new.replace(critic=critic, critic_opt=critic_opt)
         ok = a_ok & c_ok
       metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
