@@ -43,9 +43,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
   The factor is optax's `(g / norm) * max_norm` up to rounding. A product with a scalar
   fuses into AdamW's own pass over each gradient, where optax's select between two
   per-element expressions ran as a pass of its own over every gradient: at SmolLM2-135M's
-  shape the whole step (norm, finiteness, clipping, AdamW) took 0.08 s per model this way,
-  AdamW alone 0.10 s, and the step with optax's clipping and a per-leaf finiteness test
-  0.28-0.33 s (donated state, 2-core AMD EPYC; `optimizer_seconds` in
+  shape the whole step (norm, finiteness, clipping, AdamW) takes 0.08-0.12 s per model
+  this way, AdamW alone 0.07-0.10 s; with optax's clipping and a per-leaf finiteness test
+  it took 0.28-0.33 s (donated state, 2-core AMD EPYC; `optimizer_seconds` in
   `experiments/bench_ppo_step.py`, reported by `experiments/bench_real_shapes.py`).
   """
 
