@@ -44,34 +44,25 @@ def best_of(fn, repeats: int = 5) -> float:
 def machine_limits(n: int = 2048, stream_mib: int = 256, dtype: str = "float32"
                    ) -> dict[str, Any]:
   """This process's matmul peak (GFLOP/s) and memory bandwidth (GB/s), on its first
-  device: a jitted n x n matmul in `dtype`, and the faster of two jitted f32 reads of
-  `stream_mib` MiB, best of 5 each.
-
-  The two reads are a sum and a matrix-vector product over the same bytes. Each is a
-  single pass over memory, and backends parallelise them differently: on a 2-core AMD
-  EPYC with AVX-512, XLA:CPU's sum read 29-30 GB/s and the product 35-46 GB/s over
-  256 MiB. Reading a decode's bytes against the slower would overstate how close it
-  comes to the memory.
+  device: a jitted n x n matmul in `dtype`, and the planner calibration's read probe
+  over `stream_mib` MiB (`planner.calibrate.read_bandwidth`: the faster of a sum and a
+  matrix-vector product), best of 5 each.
 
   A dtype other than float32 is named under "matmul_dtype" (the provenance block says
   which peak it is); float32 rows carry the two numbers alone.
   """
   import jax
   import jax.numpy as jnp
+
+  from pipe_rlhf_jax.planner.calibrate import read_bandwidth
   device = jax.devices()[0]
   a = jax.device_put(jnp.ones((n, n), jnp.dtype(dtype)), device)
   matmul = jax.jit(lambda a: a @ a)
   t = best_of(lambda: matmul(a).block_until_ready())
-  width = 4096
-  rows = max(1, stream_mib * 2**20 // 4 // width)
-  big = jax.device_put(jnp.ones((rows, width), jnp.float32), device)  # [rows, width]
-  vector = jax.device_put(jnp.ones((width,), jnp.float32), device)
-  total = jax.jit(jnp.sum)
-  product = jax.jit(lambda m, v: m @ v)
-  read_s = min(best_of(lambda: total(big).block_until_ready()),
-               best_of(lambda: product(big, vector).block_until_ready()))
+  read_bytes, read_s = read_bandwidth(
+      device, stream_mib, lambda fn, *args: best_of(lambda: jax.block_until_ready(fn(*args))))
   limits: dict[str, Any] = {"matmul_gflops": 2 * n**3 / t / 1e9,
-                            "mem_gbps": 4 * rows * width / read_s / 1e9}
+                            "mem_gbps": read_bytes / read_s / 1e9}
   if jnp.dtype(dtype) != jnp.float32:
     limits["matmul_dtype"] = jnp.dtype(dtype).name
   return limits

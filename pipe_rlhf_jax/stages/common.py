@@ -35,6 +35,11 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+class MeshMismatch(ValueError):
+  """A model's parameters do not divide over a stage's mesh (heads over tensor, layers
+  over pipe, ...); the message names the config field and the sizes that would."""
+
+
 @dataclasses.dataclass
 class StageLayout:
   """A stage's mesh and logical rules.
@@ -80,13 +85,14 @@ class StageLayout:
         state, is_leaf=_is_variable)
 
   def check_params(self, state: nnx.State, field: str) -> None:
-    """Raises a readable error when a parameter cannot be split over this mesh."""
+    """Raises `MeshMismatch`, naming `field`, when a parameter cannot be split over this
+    mesh."""
     axes = jax.tree.map(lambda v: v.get_metadata()["axes"], state, is_leaf=_is_variable)
     try:
       logical.check_divisible(state, axes, self.mesh, self.rules)
     except ValueError as e:
-      raise ValueError(f"{field}: the model does not fit this stage's mesh "
-                       f"({describe(self.mesh)}): {e}") from None
+      raise MeshMismatch(f"{field}: the model does not fit this stage's mesh "
+                         f"({describe(self.mesh)}): {e}") from None
 
   def put_params(self, state: nnx.State) -> tuple[nnx.State, TransferStats]:
     """Moves parameters onto this stage's mesh in its layout."""

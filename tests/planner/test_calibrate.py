@@ -266,3 +266,37 @@ def test_all_gathers_are_timed_per_collective_on_2_4_and_all_devices():
   fits = {k: v for k, (v, _) in calibrate.fit({**_synthetic(), "all_gather": samples,
                                                 "hardware": "cpu"}).items()}
   assert fits["link_latency"] >= 0 and fits["link_bw"] >= 0
+
+
+def test_read_bandwidth_takes_the_faster_of_its_two_reads():
+  import jax
+  seconds = iter([2.0, 0.5])  # the sum, then the matrix-vector product
+  calls = []
+
+  def timer(fn, *args):
+    calls.append([a.shape for a in args])
+    return next(seconds)
+  read_bytes, took = calibrate.read_bandwidth(jax.devices()[0], 1, timer)
+  assert read_bytes == 2 ** 20 and took == 0.5
+  assert calls == [[(64, 4096)], [(64, 4096), (4096,)]]
+
+
+def test_a_point_the_model_does_not_divide_over_is_skipped(capsys):
+  from pipe_rlhf_jax.models.config import tiny_config
+  cfg = tiny_config(embed_dim=48, num_layers=2, num_heads=3, num_kv_heads=3, head_dim=16,
+                    mlp_dim=64)
+  point = (2, "per_stage", dict(tensor=2), dict(data=2), dict(data=2), 1, (8, 4, 6, 3))
+  assert calibrate.measure_stages(cfg, (point,), repeats=1) == []
+  assert "calibration point on 2 devices skipped: stages.generate.mesh" in (
+      capsys.readouterr().err)
+
+
+def test_a_stage_with_few_points_fits_fewer_constants():
+  # Three train points for five constants: two are fitted (the scale, then the per-step
+  # cost), the others are left out rather than fitted to one point each.
+  samples = _with_stages(_STAGE_CONSTANTS)
+  train = [s for s in samples["stages"] if s["stage"] == "train"][:3]
+  samples["stages"] = [s for s in samples["stages"] if s["stage"] != "train"] + train
+  fits = calibrate.fit(samples)
+  assert "train_scale" in fits and "train_step_s" in fits
+  assert not {"train_call_s", "train_device_overhead_s", "train_exchange_s"} & set(fits)
