@@ -46,6 +46,11 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler  # noqa: E402
+
+# Before jax starts its backend; the planner's calibration and the main job use it too.
+use_memory_lean_scheduler()
+
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -41,9 +41,13 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+from pipe_rlhf_jax.host_devices import (  # noqa: E402
+  use_memory_lean_scheduler,
+  use_virtual_cpu_devices,
+)
 
 use_virtual_cpu_devices()
+use_memory_lean_scheduler()
 
 import numpy as np  # noqa: E402
 

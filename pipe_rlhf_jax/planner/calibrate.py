@@ -63,7 +63,7 @@ import statistics
 import sys
 import time
 
-from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
+from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler, use_virtual_cpu_devices
 
 
 def timeit(fn, *args, repeats: int = 5) -> float:
@@ -613,6 +613,7 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="fewer points (tests)")
   args = parser.parse_args(argv)
   use_virtual_cpu_devices()
+  use_memory_lean_scheduler()
   cfg = _config_model(args.config)
   start = time.perf_counter()
   samples = measure(cfg, quick=args.quick)

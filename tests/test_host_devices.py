@@ -1,0 +1,67 @@
+"""The CPU-backend flags the entry points set before jax starts (`host_devices`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipe_rlhf_jax import host_devices
+from tests.helpers.xla_env import child_env
+
+SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+@pytest.fixture
+def env(monkeypatch):
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  return monkeypatch
+
+
+def test_flags_are_added_once_beside_the_callers(env):
+  env.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  assert host_devices.use_virtual_cpu_devices(4)
+  assert host_devices.use_memory_lean_scheduler()
+  assert not host_devices.use_memory_lean_scheduler()
+  assert not host_devices.use_virtual_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"].split() == [
+      "--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=4",
+      f"{SCHEDULER}=false"]
+
+
+def test_a_callers_choice_is_kept(env):
+  env.setenv("XLA_FLAGS", f"{SCHEDULER}=true")
+  assert not host_devices.use_memory_lean_scheduler()
+  assert os.environ["XLA_FLAGS"] == f"{SCHEDULER}=true"
+  env.setenv("JAX_PLATFORMS", "tpu")
+  assert not host_devices.use_virtual_cpu_devices()
+
+
+# What the flag is for: a backward pass compiled under it keeps fewer temporaries live.
+_PROBE = """
+import jax, jax.numpy as jnp
+def grads(ws, x):
+  def loss(ws):
+    h = x
+    for w in ws:
+      h = jax.nn.silu(h @ w)
+    return jnp.sum(h)
+  return jax.grad(loss)(ws)
+ws = [jax.ShapeDtypeStruct((512, 512), jnp.float32)] * 8
+x = jax.ShapeDtypeStruct((1024, 512), jnp.float32)
+print(jax.jit(grads).lower(ws, x).compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+def _temp_bytes(extra_flags: str) -> int:
+  env = child_env()
+  env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {extra_flags}".strip()
+  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                       text=True, timeout=120, check=True)
+  return int(out.stdout.split()[-1])
+
+
+def test_the_lean_scheduler_keeps_fewer_temporaries_live():
+  assert _temp_bytes(f"{SCHEDULER}=false") < _temp_bytes("")
