@@ -14,8 +14,9 @@ each left alone when the caller's `XLA_FLAGS` already choose it:
   PPO update's temporary buffer was 5.25 GB with the default order and 3.08 GB with the
   lean one, inference's 870 MB against 102 MB, the prefill's 451 MB against 29 MB, the
   decode step's 432 MB either way (the compiled modules' buffer assignments,
-  `--xla_dump_to`); the update took 13.3-15.4 s per step against 9.5-11.5 s (three runs
-  each of `experiments/bench_real_shapes.py --shapes smollm2-135m --steps 2`, 2 cores).
+  `--xla_dump_to`); the update took 13.3-15.4 s per step (mean 14.5 s) against
+  9.5-11.5 s (mean 10.5 s), three runs each of two steps of
+  `experiments/bench_real_shapes.py --shapes smollm2-135m` on 2 cores of an AMD EPYC.
   XLA reads the flag for the whole process: `jax.jit`'s per-program `compiler_options`
   did not change the buffer assignment.
 
