@@ -86,25 +86,26 @@ def decode_shapes(cfg, batch: int) -> list[tuple[int, int, int]]:
   return [(batch, k, n) for _, k, n in gemm_shapes(cfg, 1, 1)[:7 * cfg.num_layers + 1]]
 
 
-def shape_seconds(shapes: list[tuple[int, int, int]]) -> float:
-  """Seconds of exactly these f32 matmuls, alone in one jitted program (best of 5)."""
-  operands = [(jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32))
-              for m, k, n in shapes]
+def shape_seconds(shapes: list[tuple[int, int, int]], dtype: str = "float32") -> float:
+  """Seconds of exactly these matmuls in `dtype`, alone in one jitted program (best of
+  5)."""
+  operands = [(jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)) for m, k, n in shapes]
   products = jax.jit(lambda ops: [a @ b for a, b in ops])
   return results.best_of(lambda: jax.block_until_ready(products(operands)))
 
 
-def shape_rate(shapes: list[tuple[int, int, int]]) -> float:
+def shape_rate(shapes: list[tuple[int, int, int]], dtype: str = "float32") -> float:
   """GFLOP/s of exactly these matmuls alone (`shape_seconds`): what the update could
   reach if it did nothing but its GEMMs."""
-  return sum(2 * m * k * n for m, k, n in shapes) / shape_seconds(shapes) / 1e9
+  return sum(2 * m * k * n for m, k, n in shapes) / shape_seconds(shapes, dtype) / 1e9
 
 
-def weight_rate(shapes: list[tuple[int, int, int]]) -> float:
-  """GB/s of the weights ([K, N] f32) these matmuls read, run alone (`shape_seconds`):
+def weight_rate(shapes: list[tuple[int, int, int]], dtype: str = "float32") -> float:
+  """GB/s of the weights ([K, N] in `dtype`) these matmuls read, run alone (`shape_seconds`):
   how fast the backend streams a decode step's weights at its row count, the ceiling of
   a decode that did nothing else."""
-  return sum(4 * k * n for _, k, n in shapes) / shape_seconds(shapes) / 1e9
+  size = jnp.dtype(dtype).itemsize
+  return sum(size * k * n for _, k, n in shapes) / shape_seconds(shapes, dtype) / 1e9
 
 
 def optimizer_seconds(cfg, repeats: int = 5) -> dict[str, float]:

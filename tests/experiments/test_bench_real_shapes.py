@@ -33,7 +33,10 @@ def test_real_shapes_benchmark_writes_finite_rows_and_its_page(tmp_path):
       value = row[f"{stage}_{key}"]
       assert isinstance(value, float) and math.isfinite(value) and value > 0, (stage, key)
   for key in ("bound_s", "measured_over_bound", "peak_rss_mib", "planner_step_s",
-              "planner_step_error", "planner_memory_mib", "memory_model_error"):
+              "planner_step_error", "planner_memory_mib", "memory_model_error",
+              "planner_probed_step_s", "planner_probed_step_error"):
     assert math.isfinite(row[key]) and row[key] >= 0, key
+  # Probed efficiencies are fractions of the measured peak and bandwidth.
+  assert all(0 < v <= 1 for v in row["planner_probed_efficiency"].values())
   page = (tmp_path / "page" / "real_shapes.md").read_text()
   assert "matmul peak" in page and "commit" in page and "smollm2-135m" in page
