@@ -68,7 +68,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 import warnings
 
 from flax import nnx
@@ -88,9 +88,9 @@ from pipe_rlhf_jax.models.transformer import Transformer
 logger = logging.getLogger(__name__)
 
 # The file format's reader and writer, re-exported: callers of this module use them.
-__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_pretrained",
-           "hf_eos_token_ids", "hf_tensor_shapes", "read_safetensors", "save_pretrained",
-           "write_safetensors"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "config_from_hf", "config_to_hf", "from_hf_tensors",
+           "from_pretrained", "hf_eos_token_ids", "hf_tensor_shapes", "read_safetensors",
+           "save_pretrained", "write_safetensors"]
 
 # HF class name -> (our architecture, the head the checkpoint carries).
 SUPPORTED_ARCHITECTURES = {
@@ -563,7 +563,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
   """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral checkpoint into a Transformer.
 
   Args:
-    path: directory with config.json and model.safetensors (or a sharded index).
+    path: directory with config.json and model.safetensors (or a sharded index); or a
+      `.gguf` file, or a directory holding one and no config.json (`models/gguf.py`).
     dtype: compute dtype, a name or a dtype object (`jnp.bfloat16`, "bfloat16").
     param_dtype: parameter storage dtype, likewise; default `dtype` (a bf16 checkpoint
       then loads as exact f32 upcasts).
@@ -576,12 +577,42 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
     The model with every parameter set from the checkpoint (axes metadata kept).
   """
   path = Path(path)
+  if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists()
+                                and any(path.glob("*.gguf"))):
+    from pipe_rlhf_jax.models import gguf  # the gguf package is needed for GGUF files only
+    return gguf.from_gguf(path, dtype=dtype, param_dtype=param_dtype, head=head, seed=seed)
   config_file = path / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{config_file} does not exist.")
   hf = json.loads(config_file.read_text())
+  return from_hf_tensors(hf, lambda: load_checkpoint_tensors(path), dtype=dtype,
+                         param_dtype=param_dtype, head=head, seed=seed, source=path)
+
+
+def from_hf_tensors(hf: Mapping[str, Any],
+                    tensors: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]],
+                    *, dtype: Any = "float32", param_dtype: Any = None,
+                    head: str | None = None, seed: int = 0,
+                    source: Any = "checkpoint") -> Transformer:
+  """Builds a Transformer from a Hugging Face config dict and tensors named as in HF.
+
+  The one place where the config policy and the tensor policy meet the weights: every
+  checkpoint format (safetensors, GGUF) ends here.
+
+  Args:
+    hf: the config.json dict.
+    tensors: HF tensor name -> array, or a function returning that mapping (called only
+      once the config passed its checks, so a refused config reads no tensor bytes).
+    dtype / param_dtype / head / seed: as in `from_pretrained`.
+    source: what the tensors came from, for log messages.
+
+  Returns:
+    The model with every parameter set from the tensors (axes metadata kept).
+  """
   config, ckpt_head = _parse_config(hf, head, dtype, param_dtype)
-  tensors = load_checkpoint_tensors(path)
+  if callable(tensors):
+    tensors = tensors()
+  path = source
 
   ignorable: set[str] = set()
   if config.head == "lm" and ckpt_head != "lm":
