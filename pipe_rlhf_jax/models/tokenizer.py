@@ -341,7 +341,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
   Args:
     spec: "byte" for `ByteTokenizer`; otherwise a directory containing tokenizer.json
-      or the path of a tokenizer.json file.
+      or the path of a tokenizer.json file; or a `.gguf` file, or a directory holding one
+      and no tokenizer.json (the tokenizer its metadata describes, `models/gguf.py`).
 
   Returns:
     A `Tokenizer`.
@@ -350,4 +351,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     raise ValueError(f"Tokenizer spec must be 'byte' or a path, got {spec!r}.")
   if os.fspath(spec) == "byte":
     return ByteTokenizer()
-  return HFTokenizer(os.fspath(spec))
+  path = os.fspath(spec)
+  if path.endswith(".gguf") or (os.path.isdir(path) and not os.path.isfile(
+      os.path.join(path, "tokenizer.json")) and any(f.endswith(".gguf") for f in os.listdir(path))):
+    from pipe_rlhf_jax.models import gguf  # the gguf package is needed for GGUF files only
+    return gguf.load_gguf_tokenizer(path)
+  return HFTokenizer(path)
