@@ -241,7 +241,8 @@ def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCach
 
   The model's own `Layers.__call__` (so the numbers are the plain sampler's), with each
   layer addressing the flat cache at row `layer * M + microbatch`: one
-  `dynamic_update_slice` writes there, and that row is read as the keys/values.
+  `dynamic_update_slice` writes there, and that row is read as the keys/values. Each
+  layer takes its kind (sliding window, RoPE base) from its model-wide index.
 
   Args:
     x: [mb, length, embed] residual stream entering the stage.
@@ -253,9 +254,12 @@ def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCach
   Returns:
     The residual stream after the stage's layers [mb, length, embed], the cache.
   """
-  return stage.model.layers(x, positions, stage.key_masks[microbatch], cache, first_slot,
-                            cache_stride=stage.plan.num_microbatches,
-                            cache_offset=microbatch)
+  layers = stage.model.layers
+  # The stage's slice of the layer pattern (local / global layers) starts here.
+  num_local = layers.q_proj.get_value().shape[0]
+  return layers(x, positions, stage.key_masks[microbatch], cache, first_slot,
+                cache_stride=stage.plan.num_microbatches, cache_offset=microbatch,
+                layer_offset=stage.index * num_local)
 
 
 def compute(stage: Stage, state: LoopState, slot: Slot, run: jax.Array, length: int,

@@ -11,6 +11,9 @@
 - `dot_product`: `jax.nn.dot_product_attention`, which lets XLA / cuDNN choose a fused
   kernel where the backend has one for this mask.
 
+A sliding window (a query sees only the last W slots) is part of the key mask the caller
+builds (`models.transformer.Layers`), so every implementation supports it unchanged.
+
 All three agree within float tolerance on every query row that can see at least one
 key. A row that sees none (a left-padding position) is never read downstream; `dense`
 and `dot_product` average all values there, `blockwise` returns zeros.
@@ -37,7 +40,8 @@ def resolve(impl: str, num_keys: int, block_size: int) -> str:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
-              impl: str = "auto", block_size: int = 512) -> jax.Array:
+              impl: str = "auto", block_size: int = 512,
+              scale: float | None = None) -> jax.Array:
   """Softmax attention of grouped queries.
 
   Args:
@@ -46,21 +50,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
     allowed: bool [batch, length, keys]: which keys each query may attend to.
     impl: "auto", "dense", "blockwise" or "dot_product".
     block_size: keys per block of `blockwise`.
+    scale: the factor on q.k scores; default `head_dim ** -0.5`.
 
   Returns:
     [batch, length, kv_heads, groups, head_dim] in q's dtype.
   """
   impl = resolve(impl, k.shape[1], block_size)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
   if impl == "dense":
-    return _dense(q, k, v, allowed)
+    return _dense(q, k, v, allowed, scale)
   if impl == "blockwise":
-    return _blockwise(q, k, v, allowed, block_size)
+    return _blockwise(q, k, v, allowed, block_size, scale)
   if impl == "dot_product":
-    return _dot_product(q, k, v, allowed)
+    return _dot_product(q, k, v, allowed, scale)
   raise ValueError(f"attention impl={impl!r}; choose auto, dense, blockwise or dot_product.")
 
 
-def _dense(q, k, v, allowed):
+def _dense(q, k, v, allowed, scale):
   dt = q.dtype
   batch, length, kv_heads, groups, head_dim = q.shape
   keys = k.shape[1]
@@ -68,7 +75,7 @@ def _dense(q, k, v, allowed):
   # (batch, kv_heads) with a group's queries stacked along the rows: XLA:CPU then runs
   # them without re-laying out the scores between the two. The scale is folded into q
   # (length x head_dim values rather than length x keys scores).
-  q = (q * (1.0 / math.sqrt(head_dim))).astype(dt)
+  q = (q * scale).astype(dt)
   q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
   k = k.astype(dt).transpose(0, 2, 3, 1)  # [batch, kv_heads, head_dim, keys]
   v = v.astype(dt).transpose(0, 2, 1, 3)  # [batch, kv_heads, keys, head_dim]
@@ -82,7 +89,7 @@ def _dense(q, k, v, allowed):
   return out.reshape(batch, kv_heads, groups, length, head_dim).transpose(0, 3, 1, 2, 4)
 
 
-def _blockwise(q, k, v, allowed, block_size):
+def _blockwise(q, k, v, allowed, block_size, scale):
   dt = q.dtype
   batch, length, kv_heads, groups, head_dim = q.shape
   keys = k.shape[1]
@@ -96,7 +103,6 @@ def _blockwise(q, k, v, allowed, block_size):
   k_blocks = k.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
   v_blocks = v.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
   m_blocks = allowed.reshape(batch, length, num_blocks, block_size).transpose(2, 0, 1, 3)
-  scale = 1.0 / math.sqrt(head_dim)
 
   def step(carry, xs):
     # running max, denominator [batch, kv_heads, groups, length]; numerator [..., head_dim]
@@ -124,9 +130,9 @@ def _blockwise(q, k, v, allowed, block_size):
   return jnp.einsum("bkgld->blkgd", out).astype(dt)
 
 
-def _dot_product(q, k, v, allowed):
+def _dot_product(q, k, v, allowed, scale):
   batch, length, kv_heads, groups, head_dim = q.shape
   out = jax.nn.dot_product_attention(
       q.reshape(batch, length, kv_heads * groups, head_dim), k.astype(q.dtype),
-      v.astype(q.dtype), mask=allowed[:, None])
+      v.astype(q.dtype), mask=allowed[:, None], scale=scale)
   return out.reshape(batch, length, kv_heads, groups, head_dim)

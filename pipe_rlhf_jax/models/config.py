@@ -1,5 +1,5 @@
-"""Transformer hyper-parameters: one frozen dataclass for the LLaMA 2/3, Qwen2/3 and
-Mistral family.
+"""Transformer hyper-parameters: one frozen dataclass for the LLaMA 2/3, Qwen2/3,
+Mistral and Gemma 3 family.
 
 This module owns the description of a model's shape and numerics, its validation, and the
 embedded default sizes. Conversion from and to Hugging Face `config.json` lives in
@@ -14,7 +14,10 @@ from typing import Any, Mapping
 from flax.core import FrozenDict
 import jax.numpy as jnp
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# Attention kind of one layer (Hugging Face's `layer_types` names): "sliding_attention"
+# layers see the last `sliding_window` slots only and use the local RoPE base.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 HEADS = ("lm", "value", "score")
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -57,7 +60,7 @@ class TransformerConfig:
     num_heads: query heads.
     num_kv_heads: key/value heads (grouped-query attention when < num_heads).
     head_dim: width of one attention head.
-    mlp_dim: hidden width of the SwiGLU MLP.
+    mlp_dim: hidden width of the gated MLP (SwiGLU; GELU-tanh gated for Gemma 3).
     norm_eps: RMSNorm epsilon.
     rope_theta: RoPE base frequency.
     rope_scaling: None, or a dict with "rope_type" in ROPE_TYPES and its parameters
@@ -69,7 +72,20 @@ class TransformerConfig:
     qk_norm: RMSNorm over head_dim on each query and key head, after the projection
       (and its bias) and before RoPE, with one weight per layer shared by the heads
       (Qwen3).
-    architecture: one of ARCHITECTURES; decides the Hugging Face export class.
+    architecture: one of ARCHITECTURES; decides the Hugging Face export class. "gemma3"
+      also selects Gemma's block: RMSNorm weights applied as `1 + w` (normalised and
+      scaled in f32), a norm after attention and after the MLP besides the two before,
+      a GELU-tanh gated MLP, and embeddings scaled by sqrt(embed_dim) (rounded to the
+      compute dtype, as transformers does).
+    sliding_window: keys a "sliding_attention" layer sees, counted in cache slots: a
+      query at slot q sees slot k iff k <= q and q - k < sliding_window. None: no window
+      (every layer attends to the whole causal context).
+    layer_types: one of LAYER_TYPES per layer, or None: every layer "sliding_attention"
+      when `sliding_window` is set (Mistral), else "full_attention".
+    rope_local_theta: RoPE base of the "sliding_attention" layers (Gemma 3's
+      `rope_local_base_freq`, unscaled); None: they share the global RoPE.
+    query_pre_attn_scalar: attention scores are scaled by `query_pre_attn_scalar ** -0.5`
+      (Gemma 3); None: `head_dim ** -0.5`.
     head: "lm" (logits over the vocabulary), "value" (critic: one scalar per token) or
       "score" (reward model: one scalar per token, read at the last valid token).
     dtype: compute dtype name ("float32" / "bfloat16").
@@ -109,6 +125,10 @@ class TransformerConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   max_position_embeddings: int = 2048
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  rope_local_theta: float | None = None
+  query_pre_attn_scalar: float | None = None
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
@@ -122,6 +142,8 @@ class TransformerConfig:
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
       # Hashable, so the config (part of every graphdef) can key jit caches.
       object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+    if self.layer_types is not None and not isinstance(self.layer_types, tuple):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     self.validate()
 
   def validate(self) -> None:
@@ -170,6 +192,46 @@ class TransformerConfig:
                        "(1: a loop over the layers; num_layers: unrolled).")
     if self.norm_eps <= 0:
       raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
+    if self.sliding_window is not None and (
+        isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+        or self.sliding_window < 1):
+      raise ValueError(f"model.sliding_window={self.sliding_window!r} must be None or an "
+                       "integer >= 1.")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for "
+                         f"num_layers={self.num_layers}.")
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f"model.layer_types contains {bad}; choose from {LAYER_TYPES}.")
+    for name in ("rope_local_theta", "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"model.{name}={value!r} must be None or > 0.")
+
+  @property
+  def is_gemma(self) -> bool:
+    """Gemma's block: `1 + w` norms, four norms per layer, GELU-tanh, scaled embeddings."""
+    return self.architecture == "gemma3"
+
+  @property
+  def local_layers(self) -> tuple[bool, ...]:
+    """Per layer: True where it is a "sliding_attention" layer."""
+    if self.layer_types is None:
+      return (self.sliding_window is not None,) * self.num_layers
+    return tuple(kind == "sliding_attention" for kind in self.layer_types)
+
+  @property
+  def has_local_layers(self) -> bool:
+    """Some layer attends differently from a global one (a window or its own RoPE)."""
+    return any(self.local_layers) and (self.sliding_window is not None
+                                       or self.rope_local_theta is not None)
+
+  @property
+  def attention_scale(self) -> float:
+    """The factor on q.k scores."""
+    scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+    return float(scalar) ** -0.5
 
   @property
   def compute_dtype(self):
@@ -190,6 +252,7 @@ class TransformerConfig:
     per_layer += d * (h + 2 * k) if self.qkv_bias else 0
     per_layer += e if self.out_bias else 0
     per_layer += 2 * d if self.qk_norm else 0
+    per_layer += 2 * e if self.is_gemma else 0
     total = self.vocab_size * e + self.num_layers * per_layer + e
     if self.head == "lm" and not self.tie_embeddings:
       total += e * self.vocab_size
@@ -202,7 +265,7 @@ class TransformerConfig:
     collective over sharded parameters moves one by one (the planner prices each one's
     latency)."""
     per_layer = (9 + (3 if self.qkv_bias else 0) + (1 if self.out_bias else 0)
-                 + (2 if self.qk_norm else 0))
+                 + (2 if self.qk_norm else 0) + (2 if self.is_gemma else 0))
     head = 0 if self.head == "lm" and self.tie_embeddings else 1
     return per_layer, 2 + head  # embedding and final norm, and the head
 

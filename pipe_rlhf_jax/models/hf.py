@@ -1,41 +1,55 @@
 """Hugging Face interop: `config.json` + safetensors <-> `Transformer`, without torch.
 
-This module owns the translation between Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral
-checkpoints and our stacked-layer `Transformer`: the config mapping (`config_from_hf`,
-`config_to_hf`), the tensor layout mapping, and `from_pretrained` / `save_pretrained`.
+This module owns the translation between Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral /
+Gemma 3 (text) checkpoints and our stacked-layer `Transformer`: the config mapping
+(`config_from_hf`, `config_to_hf`), the tensor layout mapping, and `from_pretrained` /
+`save_pretrained`.
 
 Supported architectures: {Llama, Qwen2, Qwen3, Mistral}ForCausalLM (head "lm") and
 {Llama, Qwen2, Qwen3, Mistral}ForSequenceClassification with `num_labels == 1` (head
 "score"; a `"pipe_rlhf_head": "value"` field written by `save_pretrained` restores a
-critic's "value" head). What each family adds to the LLaMA block:
+critic's "value" head), and Gemma3ForCausalLM / Gemma3TextForSequenceClassification
+(model_type "gemma3_text"; the multimodal Gemma3ForConditionalGeneration is not a text
+checkpoint and is refused). What each family adds to the LLaMA block:
 - Qwen2: biases on q/k/v (never on o), whatever `attention_bias` says.
 - Qwen3: per-head RMSNorm on q and k (`q_norm` / `k_norm`, size head_dim, eps
   `rms_norm_eps`) after the projection and before RoPE; `head_dim` independent of
   hidden / heads; `attention_bias` puts biases on q/k/v/o as in LLaMA.
 - Mistral: no attention biases at all; `head_dim` independent of hidden / heads (null
   or absent: hidden / heads).
+- Gemma 3: RMSNorm weights applied as `1 + w`, four norms per layer (input, post
+  attention, pre and post feed-forward), q/k RMSNorm, a GELU-tanh gated MLP
+  (`hidden_activation` must be "gelu_pytorch_tanh"), embeddings scaled by sqrt(hidden),
+  scores scaled by `query_pre_attn_scalar ** -0.5`, `head_dim` independent of the width,
+  and interleaved local / global layers (`layer_types`, else transformers' pattern of
+  `sliding_window_pattern` (default 6): every sixth layer global), local layers with
+  their own RoPE base (`rope_local_base_freq`, or 5.x `rope_parameters` nested per layer
+  type) and global ones with `rope_theta` and `rope_scaling`. `attn_logit_softcapping`,
+  `final_logit_softcapping` and `use_bidirectional_attention` must be null / false.
 
 Config policy (one rule: a checkpoint never loads with silently different math):
 - MAPPED fields become `TransformerConfig` fields (sizes, eps, RoPE, biases, tying, ids).
 - MATH_CHANGING fields are accepted only at their neutral value (`MATH_CHANGING`, e.g.
   `mlp_bias=False`, `hidden_act="silu"`, `partial_rotary_factor=1.0`,
   `quantization_config=None`); any other value raises ValueError naming the field.
-- Qwen2 / Qwen3 sliding-window attention: accepted when no layer uses it or when the
-  window is at least `max_position_embeddings` (then no in-context query can see past it,
-  so the math is that of full attention); otherwise ValueError naming
-  `use_sliding_window`.
-- Mistral sliding-window attention: transformers' Mistral reads `sliding_window` alone
-  (it has no `use_sliding_window` switch, and applies the window to every layer), so null
-  or a window >= `max_position_embeddings` loads and anything smaller raises ValueError
-  naming `sliding_window` (Mistral-7B-v0.1's 4096 < 32768 is refused; v0.3's null
-  loads). `attention_bias=True` is refused: transformers' Mistral ignores it, so such a
-  config and its checkpoint disagree about which tensors exist.
+- Sliding-window attention loads as it is (`TransformerConfig.sliding_window` and
+  `layer_types`; a query at slot q sees key slot k iff k <= q and q - k < window).
+  Qwen2 / Qwen3: the window applies only with `use_sliding_window=True`, to the layers
+  `layer_types` marks "sliding_attention", or without `layer_types` to the layers
+  i >= `max_window_layers` (transformers' rule). Mistral: transformers reads
+  `sliding_window` alone (no switch) and applies it to every layer (Mistral-7B-v0.1's
+  4096 of 32768 positions; v0.3's null is full attention). A `layer_types` entry other
+  than full / sliding attention is refused. `attention_bias=True` on Mistral is refused:
+  transformers' Mistral ignores it, so such a config and its checkpoint disagree about
+  which tensors exist.
 - Qwen3's q/k norm is not optional in transformers: `use_qk_norm`, if present, must be
-  true (or null) there; on the other families it must be false.
+  true (or null) there (and on Gemma 3); on the other families it must be false.
 - Fields a config.json omits take transformers' per-class defaults where those matter
   (Qwen3: head_dim 128, 32 kv heads, 32768 positions; Mistral: 8 kv heads, 131072
-  positions, a 4096-key sliding window, bos 1 / eos 2), so an abbreviated config means
-  what it means to transformers.
+  positions, a 4096-key sliding window, bos 1 / eos 2; Gemma 3: head_dim 256, 4 kv
+  heads, 131072 positions, a 4096-key window, RoPE bases 1e6 / 1e4,
+  query_pre_attn_scalar 256, tied, pad 0 / eos 1 / bos 2), so an abbreviated config
+  means what it means to transformers.
 - RoPE: transformers 4.x `rope_scaling` + top-level `rope_theta` and 5.x
   `rope_parameters` {rope_type, rope_theta, ...} both load; types "default", "linear",
   "llama3" are supported, anything else (yarn, dynamic, longrope, ...) raises ValueError
@@ -102,9 +116,19 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForSequenceClassification": ("qwen3", "score"),
     "MistralForCausalLM": ("mistral", "lm"),
     "MistralForSequenceClassification": ("mistral", "score"),
+    "Gemma3ForCausalLM": ("gemma3", "lm"),
+    "Gemma3TextForSequenceClassification": ("gemma3", "score"),
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
-_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                "gemma3_text": "gemma3"}
+# Our architecture -> (config.json model_type, causal LM class, sequence-classification class).
+_EXPORT_CLASSES = {
+    "llama": ("llama", "LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "mistral": ("mistral", "MistralForCausalLM", "MistralForSequenceClassification"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextForSequenceClassification"),
+}
 
 # transformers' class defaults for math-relevant fields a config.json may omit, where
 # they differ from what the parsing below assumes (num_kv_heads = heads, head_dim =
@@ -114,6 +138,11 @@ _ABSENT_DEFAULTS = {
               "max_window_layers": 28, "sliding_window": 4096},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072,
                 "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "gemma3": {"head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+               "sliding_window": 4096, "rope_theta": 1_000_000.0,
+               "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
+               "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+               "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
 }
 
 # Fields turned into TransformerConfig fields (or validated together with them).
@@ -124,7 +153,8 @@ MAPPED = frozenset({
     "attention_bias", "max_position_embeddings", "bos_token_id", "eos_token_id",
     "pad_token_id", "num_labels", "id2label", "label2id", "use_sliding_window",
     "sliding_window", "max_window_layers", "layer_types", "torch_dtype", "dtype",
-    "pipe_rlhf_head",
+    "pipe_rlhf_head", "query_pre_attn_scalar", "rope_local_base_freq",
+    "sliding_window_pattern", "hidden_activation",
 })
 
 # Fields that change the computation, with the values under which they do not.
@@ -140,9 +170,11 @@ MATH_CHANGING = {
     "residual_multiplier": (1.0, None),
     "use_qk_norm": (False, None),
     "use_mrope": (False, None),
+    "use_bidirectional_attention": (False, None),
 }
 # Per-architecture exceptions to MATH_CHANGING's neutral values.
-_NEUTRAL_BY_ARCHITECTURE = {"qwen3": {"use_qk_norm": (True, None)}}
+_NEUTRAL_BY_ARCHITECTURE = {"qwen3": {"use_qk_norm": (True, None)},
+                            "gemma3": {"use_qk_norm": (True, None)}}
 
 # Dropout probabilities: ignored (no dropout here); > 0 warns.
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
@@ -164,6 +196,9 @@ NEUTRAL = frozenset({
     "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens",
+    # transformers 5.x writes Gemma 3's pattern here for the record; `layer_types` beside
+    # it is what counts (and without it, transformers reads `sliding_window_pattern`).
+    "_sliding_window_pattern",
 })
 
 # Keys a rope dict may carry per supported type (besides rope_type/type/rope_theta).
@@ -254,40 +289,72 @@ def _rope_from_hf(hf: Mapping[str, Any], max_positions: int,
   return float(theta), FrozenDict(out)
 
 
-def _check_sliding_window(hf: Mapping[str, Any], num_layers: int, max_positions: int):
-  """Raises unless sliding-window attention is absent or wider than the context."""
-  layer_types = hf.get("layer_types")
-  if layer_types is not None:
-    bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if bad:
-      raise ValueError(f"layer_types contains {bad}; only 'full_attention' (and "
-                       f"'sliding_attention' with a window >= max_position_embeddings) "
-                       f"are supported.")
-  if not hf.get("use_sliding_window"):
-    return
-  window = hf.get("sliding_window")
-  if layer_types is not None:
-    sliding = any(t == "sliding_attention" for t in layer_types)
+def _gemma_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, Any, float]:
+  """(global rope_theta, global rope_scaling, local RoPE base) of a Gemma 3 config.
+
+  4.x: `rope_theta` + `rope_scaling` (global layers) and `rope_local_base_freq`; 5.x:
+  `rope_parameters` nested per layer type. Local layers must use default RoPE.
+  """
+  params = hf.get("rope_parameters") or None
+  if params is not None and set(params) & {"full_attention", "sliding_attention"}:
+    full = dict(params.get("full_attention") or {})
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    sliding = dict(params.get("sliding_attention") or {})
+    local_theta = sliding.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    glob = {"rope_parameters": full}
   else:
-    sliding = hf.get("max_window_layers", num_layers) < num_layers
-  if window is None or not sliding or window >= max_positions:
-    return
-  raise ValueError(
-      f"use_sliding_window=True with sliding_window={window} < max_position_embeddings="
-      f"{max_positions} changes attention for long sequences and is not supported; use a "
-      f"checkpoint with use_sliding_window=False (or a window >= the context length).")
+    glob = {key: hf[key] for key in ("rope_parameters", "rope_scaling", "rope_theta")
+            if key in hf}
+    sliding = {}
+    local_theta = hf.get("rope_local_base_freq", 10_000.0)
+  kind = sliding.get("rope_type", sliding.get("type", "default"))
+  extra = sorted(set(sliding) - {"rope_type", "type", "rope_theta"})
+  if kind != "default" or extra:
+    raise ValueError(f"rope_parameters.sliding_attention={sliding}: only default RoPE "
+                     f"(a base, no scaling) is supported on Gemma 3's local layers.")
+  theta, scaling = _rope_from_hf(glob, max_positions, None)
+  return theta, scaling, float(local_theta)
 
 
-def _check_mistral_window(hf: Mapping[str, Any], max_positions: int):
-  """Raises unless Mistral's window (on every layer, no switch) covers the context."""
-  window = hf.get("sliding_window")
-  if window is None or window >= max_positions:
-    return
-  raise ValueError(
-      f"sliding_window={window} < max_position_embeddings={max_positions}: Mistral then "
-      f"lets each query see only the last {window} keys, which changes attention for "
-      f"longer sequences and is not supported; supported: sliding_window null or >= "
-      f"max_position_embeddings.")
+S_ATTN = "sliding_attention"
+
+
+def _window_from_hf(hf: Mapping[str, Any], architecture: str,
+                    num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+  """(sliding_window, layer_types) as transformers reads them for `architecture`."""
+  layer_types = hf.get("layer_types")
+  if architecture == "mistral":
+    # Mistral has no switch and no per-layer kinds: the window is every layer's.
+    window = hf.get("sliding_window")
+    return (None if window is None else int(window)), None
+  if architecture == "llama":
+    return None, None
+  if architecture == "gemma3":
+    window = hf.get("sliding_window")
+    if layer_types is None:
+      pattern = hf.get("sliding_window_pattern", 6)
+      layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(num_layers)]
+  else:  # Qwen2 / Qwen3: the window exists only when switched on
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if layer_types is None:
+      first = hf.get("max_window_layers", num_layers)
+      layer_types = ["sliding_attention" if window is not None and i >= first
+                     else "full_attention" for i in range(num_layers)]
+  layer_types = tuple(layer_types)
+  bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+  if bad:
+    raise ValueError(f"layer_types contains {bad}; supported layer types: "
+                     f"'full_attention', 'sliding_attention'.")
+  if len(layer_types) != num_layers:
+    raise ValueError(f"layer_types has {len(layer_types)} entries for num_hidden_layers="
+                     f"{num_layers}.")
+  if architecture != "gemma3":
+    if window is None or S_ATTN not in layer_types:
+      return None, None  # sliding layers without a window attend like full ones
+    if all(kind == S_ATTN for kind in layer_types):
+      return int(window), None  # the config's spelling of "every layer"
+  return (None if window is None else int(window)), layer_types
 
 
 def _check_fields(hf: Mapping[str, Any], architecture: str) -> None:
@@ -362,11 +429,18 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
     head_dim = hidden // heads
   max_positions = int(hf.get("max_position_embeddings", 2048))
   num_layers = hf["num_hidden_layers"]
-  if architecture == "mistral":
-    _check_mistral_window(hf, max_positions)
+  window, layer_types = _window_from_hf(hf, architecture, num_layers)
+  local_theta = pre_attn_scalar = None
+  if architecture == "gemma3":
+    activation = hf.get("hidden_activation")
+    if activation != "gelu_pytorch_tanh":
+      raise ValueError(f"config.json field hidden_activation={activation!r} changes the "
+                       f"model math and is not supported; supported value(s): "
+                       f"['gelu_pytorch_tanh'].")
+    theta, scaling, local_theta = _gemma_rope(hf, max_positions)
+    pre_attn_scalar = hf["query_pre_attn_scalar"]
   else:
-    _check_sliding_window(hf, num_layers, max_positions)
-  theta, scaling = _rope_from_hf(hf, max_positions, hf.get("layer_types"))
+    theta, scaling = _rope_from_hf(hf, max_positions, hf.get("layer_types"))
   if architecture == "qwen2":
     qkv_bias, out_bias = True, False
   elif architecture == "mistral":
@@ -386,7 +460,9 @@ def _parse_config(hf_config, head, dtype, param_dtype) -> tuple[TransformerConfi
       head_dim=head_dim, mlp_dim=hf["intermediate_size"],
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-      out_bias=out_bias, qk_norm=architecture == "qwen3", architecture=architecture,
+      out_bias=out_bias, qk_norm=architecture in ("qwen3", "gemma3"),
+      architecture=architecture, sliding_window=window, layer_types=layer_types,
+      rope_local_theta=local_theta, query_pre_attn_scalar=pre_attn_scalar,
       head=head or ckpt_head, dtype=dtype,
       param_dtype=dtype if param_dtype is None else param_dtype,
       max_position_embeddings=max_positions,
@@ -406,24 +482,35 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
     dtype: the dtype name written as `torch_dtype`/`dtype`; default `config.param_dtype`.
   """
   c = config
-  prefix = _CLASS_PREFIX[c.architecture]
+  model_type, lm_class, score_class = _EXPORT_CLASSES[c.architecture]
   if c.architecture == "qwen2" and (not c.qkv_bias or c.out_bias):
     raise ValueError(f"architecture='qwen2' needs qkv_bias=True and out_bias=False, got "
                      f"qkv_bias={c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
-  if c.architecture in ("llama", "qwen3") and c.qkv_bias != c.out_bias:
+  if c.architecture in ("llama", "qwen3", "gemma3") and c.qkv_bias != c.out_bias:
     raise ValueError(f"architecture={c.architecture!r} has one attention_bias for q/k/v/o, "
                      f"but qkv_bias={c.qkv_bias} != out_bias={c.out_bias}.")
   if c.architecture == "mistral" and (c.qkv_bias or c.out_bias):
     raise ValueError(f"architecture='mistral' has no attention biases, got qkv_bias="
                      f"{c.qkv_bias}, out_bias={c.out_bias}; use 'llama' instead.")
-  if c.qk_norm != (c.architecture == "qwen3"):
+  if c.qk_norm != (c.architecture in ("qwen3", "gemma3")):
     raise ValueError(f"qk_norm={c.qk_norm} with architecture={c.architecture!r}: in "
-                     f"transformers only (and always) Qwen3 normalises q and k.")
+                     f"transformers only (and always) Qwen3 and Gemma 3 normalise q and k.")
+  if c.architecture != "gemma3":
+    for name in ("rope_local_theta", "query_pre_attn_scalar"):
+      if getattr(c, name) is not None:
+        raise ValueError(f"{name}={getattr(c, name)} with architecture="
+                         f"{c.architecture!r}: only Gemma 3 has it in transformers.")
+  local = c.local_layers
+  if c.sliding_window is not None and c.architecture == "llama":
+    raise ValueError("architecture='llama' has no sliding window in transformers; export "
+                     "it as 'mistral' (every layer) or 'qwen2' / 'qwen3' (per layer).")
+  if c.sliding_window is not None and c.architecture == "mistral" and not all(local):
+    raise ValueError("architecture='mistral' applies its sliding window to every layer; "
+                     f"layer_types={c.layer_types} mixes local and global layers.")
   dtype = c.param_dtype if dtype is None else dtype_name(dtype)
   hf: dict[str, Any] = {
-      "architectures": [prefix + ("ForCausalLM" if c.head == "lm"
-                                  else "ForSequenceClassification")],
-      "model_type": c.architecture,
+      "architectures": [lm_class if c.head == "lm" else score_class],
+      "model_type": model_type,
       "vocab_size": c.vocab_size, "hidden_size": c.embed_dim,
       "intermediate_size": c.mlp_dim, "num_hidden_layers": c.num_layers,
       "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
@@ -439,10 +526,30 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
   if c.architecture == "llama":
     hf.update(attention_bias=c.qkv_bias, mlp_bias=False, pretraining_tp=1)
   elif c.architecture == "mistral":
-    hf.update(sliding_window=None)
-  else:
+    hf.update(sliding_window=c.sliding_window)
+  elif c.architecture == "gemma3":
+    del hf["hidden_act"]
+    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=c.qkv_bias,
+              # transformers' strict config wants an int where the value is one.
+              query_pre_attn_scalar=(int(c.query_pre_attn_scalar)
+                                     if float(c.query_pre_attn_scalar).is_integer()
+                                     else c.query_pre_attn_scalar),
+              rope_local_base_freq=(c.rope_theta if c.rope_local_theta is None
+                                    else c.rope_local_theta),
+              sliding_window=c.sliding_window,
+              layer_types=["sliding_attention" if x else "full_attention" for x in local],
+              attn_logit_softcapping=None, final_logit_softcapping=None,
+              use_bidirectional_attention=False)
+  elif c.sliding_window is None:
     hf.update(use_sliding_window=False, sliding_window=None,
               max_window_layers=c.num_layers)
+  else:
+    # `layer_types` is what transformers reads; `max_window_layers` says the same for
+    # loaders without it whenever the local layers are the last ones.
+    first = local.index(True) if any(local) else c.num_layers
+    hf.update(use_sliding_window=True, sliding_window=c.sliding_window,
+              max_window_layers=first if all(local[first:]) else c.num_layers,
+              layer_types=["sliding_attention" if x else "full_attention" for x in local])
   if c.architecture == "qwen3":
     hf.update(attention_bias=c.qkv_bias)
   if c.head != "lm":
@@ -471,6 +578,9 @@ def _hf_layer_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
     shapes["self_attn.o_proj.bias"] = (e,)
   if c.qk_norm:
     shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+  if c.is_gemma:
+    shapes.update({"pre_feedforward_layernorm.weight": (e,),
+                   "post_feedforward_layernorm.weight": (e,)})
   return shapes
 
 
@@ -497,6 +607,12 @@ def _layer_mapping(c: TransformerConfig):
   if c.qk_norm:
     mapping.update(q_norm=("self_attn.q_norm.weight", lambda w: w),
                    k_norm=("self_attn.k_norm.weight", lambda w: w))
+  if c.is_gemma:
+    # Gemma's post_attention_layernorm normalises the attention output (LLaMA's is the
+    # norm before the MLP, which Gemma calls pre_feedforward_layernorm).
+    mapping.update(mlp_norm=("pre_feedforward_layernorm.weight", lambda w: w),
+                   post_attn_norm=("post_attention_layernorm.weight", lambda w: w),
+                   post_mlp_norm=("post_feedforward_layernorm.weight", lambda w: w))
   return mapping
 
 
@@ -560,7 +676,7 @@ def _validate_tensors(tensors: Mapping[str, np.ndarray],
 def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
                     param_dtype: Any = None, head: str | None = None,
                     seed: int = 0) -> Transformer:
-  """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral checkpoint into a Transformer.
+  """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoint.
 
   Args:
     path: directory with config.json and model.safetensors (or a sharded index); or a

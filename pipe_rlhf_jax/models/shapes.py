@@ -19,6 +19,12 @@ The fields are the published values, verified against each repository's config.j
 - mistral-7b-v0.3 (mistralai/Mistral-7B-v0.3): Mistral, 32 layers, hidden 4096, 32 / 8
   heads, mlp 14336, vocab 32768, untied, rope_theta 1e6, eps 1e-5, 32768 positions, no
   sliding window.
+- gemma3-270m (google/gemma-3-270m): Gemma 3 text, 18 layers, hidden 640, 4 / 1 heads,
+  head_dim 256, mlp 2048, vocab 262144, tied, q/k norm, query_pre_attn_scalar 256,
+  layers 5 local (sliding window 512, RoPE base 1e4) to 1 global (RoPE base 1e6, no
+  scaling), eps 1e-6, 32768 positions, pad 0 / eos 1 / bos 2. The published config
+  lists `layer_types` one by one; here the same pattern is transformers' rule
+  (`sliding_window_pattern` 6), so a variant with fewer layers keeps it.
 - llama2-7b / 13b / 70b (meta-llama/Llama-2-*-hf) and llama2-34b (Code Llama 34B's shape,
   codellama/CodeLlama-34b-hf: 34B was not released as LLaMA-2): vocab 32000, eps 1e-5.
 
@@ -122,6 +128,20 @@ SHAPES: dict[str, Shape] = {
                     sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
                     eos_token_id=2),
         special_tokens=_SENTENCEPIECE_SPECIALS, bos_token="<s>", eos_token="</s>"),
+    "gemma3-270m": Shape(
+        source="google/gemma-3-270m",
+        fields=dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                    hidden_activation="gelu_pytorch_tanh", vocab_size=262144,
+                    hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+                    rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+                    rms_norm_eps=1e-6, max_position_embeddings=32768,
+                    tie_word_embeddings=True, attention_bias=False,
+                    attn_logit_softcapping=None, final_logit_softcapping=None,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        special_tokens={"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3},
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"),
     "llama2-7b": Shape(
         source="meta-llama/Llama-2-7b-hf",
         fields=dict(_LLAMA2, hidden_size=4096, intermediate_size=11008,

@@ -1,10 +1,11 @@
-"""The decoder-only transformer (LLaMA 2/3, Qwen2/3, Mistral) with stacked layers and
-logical axes.
+"""The decoder-only transformer (LLaMA 2/3, Qwen2/3, Mistral, Gemma 3) with stacked layers
+and logical axes.
 
 This module owns the model math: embeddings, RMSNorm, RoPE (with llama3 / linear
-frequency scaling), grouped-query attention with an optional KV cache and optional
-per-head q/k RMSNorm (Qwen3), the SwiGLU MLP, and the three heads on one backbone (LM
-logits, critic value, reward score).
+frequency scaling), grouped-query attention with an optional KV cache, optional
+per-head q/k RMSNorm (Qwen3, Gemma 3) and sliding-window (local) layers, the gated MLP
+(SwiGLU; GELU-tanh for Gemma 3), Gemma's `1 + w` norms around attention and MLP, and the
+three heads on one backbone (LM logits, critic value, reward score).
 
 Design points a reader should know:
 - All transformer blocks live in ONE `Layers` module whose parameters carry a leading
@@ -18,6 +19,12 @@ Design points a reader should know:
   running count of real tokens, and padded keys are never attended to.
 - The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout), so all
   rows of a batch write the same slot at each step and no per-row scatter is needed.
+- Local ("sliding_attention") and global layers share the stacked parameters; which
+  kind a layer is comes from the config (a static pattern), looked up inside the layer
+  scan from the layer's global index (`layer_offset` + local index, so a pipeline stage
+  holding a slice of the layers gets its own slice of the pattern). Sliding windows are
+  measured in cache slots, as transformers measures them in cache positions (left
+  padding included). The cache keeps every slot for local layers too.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ LAYER_PARAM_AXES = {
     "k_norm": ("layers", "head_dim"),
     "o_bias": ("layers", "embed"),
     "mlp_norm": ("layers", "embed"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
     "gate_proj": ("layers", "embed", "mlp"),
     "up_proj": ("layers", "embed", "mlp"),
     "down_proj": ("layers", "mlp", "embed"),
@@ -78,11 +87,17 @@ def default_positions(mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_inv_freq(config: TransformerConfig) -> jax.Array:
-  """Inverse RoPE frequencies [head_dim // 2], with the configured scaling applied."""
+def rope_inv_freq(config: TransformerConfig, local: bool = False) -> jax.Array:
+  """Inverse RoPE frequencies [head_dim // 2], with the configured scaling applied.
+
+  `local`: the frequencies of the "sliding_attention" layers (`rope_local_theta`,
+  unscaled, when the config sets it).
+  """
   dim = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-  scaling = config.rope_scaling
+  local = local and config.rope_local_theta is not None
+  theta = config.rope_local_theta if local else config.rope_theta
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  scaling = None if local else config.rope_scaling
   if not scaling:
     return inv_freq
   kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -104,10 +119,10 @@ def rope_inv_freq(config: TransformerConfig) -> jax.Array:
   return jnp.where(medium, smoothed, scaled)
 
 
-def rope_tables(config: TransformerConfig, positions: jax.Array):
+def rope_tables(config: TransformerConfig, positions: jax.Array, local: bool = False):
   """cos/sin tables [batch, length, head_dim // 2] for integer positions [batch, length]
   (one entry per rotated pair: the half-split convention uses each angle twice)."""
-  angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config)
+  angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(config, local)
   return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -154,11 +169,28 @@ def dense(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:
   return y.reshape(*lead, *out_shape)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in f32, scaled in the input dtype (matches HF LLaMA / Qwen2)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, gemma: bool = False) -> jax.Array:
+  """RMSNorm computed in f32, scaled in the input dtype (matches HF LLaMA / Qwen2).
+
+  `gemma`: Gemma's variant, the weight applied as `1 + w` and in f32 before the cast back
+  (a zero weight is the identity scale).
+  """
   xf = x.astype(jnp.float32)
   normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if gemma:
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
   return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def window_allowed(allowed: jax.Array, query_slots: jax.Array, window: int) -> jax.Array:
+  """`allowed` [batch, length, keys] narrowed to the last `window` slots of each query.
+
+  A query at slot q keeps key slot k iff q - k < window (with the causal k <= q already
+  in `allowed`): transformers' sliding-window rule, in slots.
+  """
+  keys = allowed.shape[-1]
+  near = query_slots[:, None] - jnp.arange(keys)[None, :] < window  # [length, keys]
+  return allowed & near[None]
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -189,8 +221,12 @@ class Layers(nnx.Module):
       shapes.update(o_bias=(n, e))
     if c.qk_norm:
       shapes.update(q_norm=(n, d), k_norm=(n, d))
+    if c.is_gemma:
+      shapes.update(post_attn_norm=(n, e), post_mlp_norm=(n, e))
+    # Gemma norms scale by 1 + w: zero is their identity.
+    norm_init = "zeros" if c.is_gemma else "ones"
     for name, shape in shapes.items():
-      init = "ones" if name.endswith("norm") else "zeros" if "bias" in name else "normal"
+      init = norm_init if name.endswith("norm") else "zeros" if "bias" in name else "normal"
       setattr(self, name, _param(rngs, shape, LAYER_PARAM_AXES[name], dt, init))
 
   def param_names(self) -> list[str]:
@@ -215,6 +251,7 @@ class Layers(nnx.Module):
                cache: KVCache | None = None, slot: jax.Array | int = 0,
                cache_stride: int = 1, cache_offset: jax.Array | int = 0,
                layer_params: tuple[dict[str, jax.Array], ...] | None = None,
+               layer_offset: jax.Array | int = 0,
                ) -> tuple[jax.Array, KVCache | None]:
     """Applies every (local) layer in order.
 
@@ -235,13 +272,16 @@ class Layers(nnx.Module):
       layer_params: `per_layer()`'s arrays, taken outside the caller's loop: the layers
         then run one after another (unrolled) on them instead of scanning the stacked
         weights. The same blocks in the same order: equal results.
+      layer_offset: the model-wide index of the first local layer (a pipeline stage's
+        `stage * local_layers`): local layer i is of kind `config.layer_types[offset + i]`
+        (its window and RoPE base).
 
     Returns:
       The residual stream after the local layers, and the updated cache (or None).
     """
     c = self.config
     params = {name: getattr(self, name).get_value() for name in self.param_names()}
-    cos, sin = rope_tables(c, positions)
+    num_local = len(layer_params) if layer_params is not None else params["q_proj"].shape[0]
     length = h.shape[1]
     keys = key_mask.shape[1]
     # [length, keys]: causal in slot order; with left padding, slot order is time order.
@@ -249,11 +289,32 @@ class Layers(nnx.Module):
     causal = jnp.arange(keys)[None, :] <= query_slots[:, None]
     # [batch, length, keys]
     allowed = causal[None] & key_mask[:, None, :].astype(bool)
+    # What a layer attends with: (mask, cos, sin), one set per layer kind.
+    full = (allowed, *rope_tables(c, positions))
+    kinds = c.local_layers
+    if c.has_local_layers:
+      local = (allowed if c.sliding_window is None
+               else window_allowed(allowed, query_slots, c.sliding_window),
+               *rope_tables(c, positions, local=True))
+    if not c.has_local_layers or all(kinds):
+      # One kind for every layer: no per-layer choice to make.
+      shared = local if c.has_local_layers else full
+      flags = jnp.zeros((num_local,), bool)
+    else:
+      shared = None
+      # bool [local_layers]: this call's slice of the model's static pattern.
+      flags = jnp.asarray(kinds)[layer_offset + jnp.arange(num_local)]
 
     def block(carry, xs):
       h, cache_k, cache_v = carry
-      p, index = xs
-      h, cache_k, cache_v = self._block(p, h, cos, sin, allowed, cache_k, cache_v,
+      p, index, is_local = xs
+      if shared is not None:
+        mask, cos, sin = shared
+      else:
+        # Selected per layer in the scan (the pattern is data, the loop body one
+        # program): selects over the mask and tables, tiny next to attention itself.
+        mask, cos, sin = (jnp.where(is_local, a, b) for a, b in zip(local, full))
+      h, cache_k, cache_v = self._block(p, h, cos, sin, mask, cache_k, cache_v,
                                         index * cache_stride + cache_offset, slot)
       return (h, cache_k, cache_v), None
 
@@ -269,11 +330,10 @@ class Layers(nnx.Module):
     cache_v = cache.v if cache is not None else None
     if layer_params is not None:
       for index, p in enumerate(layer_params):
-        (h, cache_k, cache_v), _ = block((h, cache_k, cache_v), (p, index))
+        (h, cache_k, cache_v), _ = block((h, cache_k, cache_v), (p, index, flags[index]))
       return h, (KVCache(cache_k, cache_v) if cache is not None else None)
-    num_local = params["q_proj"].shape[0]
     (h, cache_k, cache_v), _ = jax.lax.scan(
-        block, (h, cache_k, cache_v), (params, jnp.arange(num_local)),
+        block, (h, cache_k, cache_v), (params, jnp.arange(num_local), flags),
         unroll=min(c.scan_unroll, num_local))
     return h, (KVCache(cache_k, cache_v) if cache is not None else None)
 
@@ -285,7 +345,8 @@ class Layers(nnx.Module):
     batch, length, _ = h.shape
     groups = c.num_heads // c.num_kv_heads
 
-    x = rms_norm(h, w["attn_norm"], c.norm_eps)
+    gemma = c.is_gemma
+    x = rms_norm(h, w["attn_norm"], c.norm_eps, gemma)
     q = dense(x, w["q_proj"])  # [batch, length, heads, head_dim]
     k = dense(x, w["k_proj"])  # [batch, length, kv_heads, head_dim]
     v = dense(x, w["v_proj"])
@@ -294,8 +355,8 @@ class Layers(nnx.Module):
     if c.qk_norm:
       # Over head_dim, one weight shared by all heads, before RoPE: the cache then holds
       # normalised, rotated keys, exactly what every later query attends to.
-      q = rms_norm(q, w["q_norm"], c.norm_eps)
-      k = rms_norm(k, w["k_norm"], c.norm_eps)
+      q = rms_norm(q, w["q_norm"], c.norm_eps, gemma)
+      k = rms_norm(k, w["k_norm"], c.norm_eps, gemma)
     q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -310,19 +371,28 @@ class Layers(nnx.Module):
 
     q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
     # [batch, length, kv_heads, groups, head_dim]
+    scale = None if c.query_pre_attn_scalar is None else c.attention_scale
     attn = attention_lib.attention(q, keys.astype(dt), values.astype(dt), allowed,
-                                   impl=c.attention, block_size=c.attention_block_size)
+                                   impl=c.attention, block_size=c.attention_block_size,
+                                   scale=scale)
     attn = attn.reshape(batch, length, c.num_heads, c.head_dim)
     out = dense(attn, w["o_proj"], num_in=2)
     if c.out_bias:
       out = out + w["o_bias"]
+    if gemma:  # Gemma normalises each branch's output before adding it back
+      out = rms_norm(out, w["post_attn_norm"], c.norm_eps, True)
     h = constrain(h + out, ("batch", "length", "embed"))
 
-    x = rms_norm(h, w["mlp_norm"], c.norm_eps)
+    x = rms_norm(h, w["mlp_norm"], c.norm_eps, gemma)
     gate = dense(x, w["gate_proj"])
     up = dense(x, w["up_proj"])
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    h = h + dense(hidden, w["down_proj"])
+    # GELU with the tanh approximation: transformers' gelu_pytorch_tanh.
+    act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+    hidden = constrain(act * up, ("batch", "length", "mlp"))
+    out = dense(hidden, w["down_proj"])
+    if gemma:
+      out = rms_norm(out, w["post_mlp_norm"], c.norm_eps, True)
+    h = h + out
     return constrain(h, ("batch", "length", "embed")), cache_k, cache_v
 
 
@@ -340,7 +410,8 @@ class Transformer(nnx.Module):
     e, vocab = config.embed_dim, config.vocab_size
     self.embedding = _param(rngs, (vocab, e), ("vocab", "embed"), dt)
     self.layers = Layers(config, rngs=rngs)
-    self.final_norm = _param(rngs, (e,), ("embed",), dt, "ones")
+    self.final_norm = _param(rngs, (e,), ("embed",), dt,
+                             "zeros" if config.is_gemma else "ones")
     if config.head == "lm":
       self.lm_head = (None if config.tie_embeddings
                       else _param(rngs, (e, vocab), ("embed", "vocab"), dt))
@@ -350,13 +421,18 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """[batch, length] int -> [batch, length, embed] in the compute dtype."""
-    h = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(self.config.compute_dtype)
+    dt = self.config.compute_dtype
+    h = jnp.take(self.embedding.get_value(), tokens, axis=0).astype(dt)
+    if self.config.is_gemma:
+      # sqrt(embed) rounded to the compute dtype first, as transformers does (in bf16
+      # sqrt(640) = 25.30 becomes 25.25).
+      h = h * jnp.asarray(math.sqrt(self.config.embed_dim), jnp.float32).astype(dt)
     return constrain(h, ("batch", "length", "embed"))
 
   def head(self, h: jax.Array) -> jax.Array:
     """Final norm and head: [batch, length, embed] -> logits [.., vocab] or scalars."""
     c = self.config
-    x = rms_norm(h, self.final_norm.get_value(), c.norm_eps)
+    x = rms_norm(h, self.final_norm.get_value(), c.norm_eps, c.is_gemma)
     dt = c.compute_dtype
     if c.head == "lm":
       kernel = (self.embedding.get_value().T if c.tie_embeddings else self.lm_head.get_value())

@@ -112,11 +112,17 @@ def test_sliding_window():
   qwen = _config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                  max_position_embeddings=4096, use_sliding_window=True,
                  sliding_window=1024, max_window_layers=1)
-  with pytest.raises(ValueError, match="use_sliding_window"):
-    hf.config_from_hf(qwen)
-  # No layer slides, or the window covers the whole context: full attention, accepted.
-  assert hf.config_from_hf({**qwen, "max_window_layers": 2}).qkv_bias
-  assert hf.config_from_hf({**qwen, "sliding_window": 4096}).qkv_bias
+  # transformers' rule: layers i >= max_window_layers slide.
+  config = hf.config_from_hf(qwen)
+  assert config.sliding_window == 1024 and config.local_layers == (False, True)
+  # No layer slides, or the switch is off: full attention.
+  for off in ({"max_window_layers": 2}, {"use_sliding_window": False}):
+    assert hf.config_from_hf({**qwen, **off}).sliding_window is None
+  # `layer_types`, when present, is what counts.
+  assert hf.config_from_hf({**qwen, "layer_types": ["sliding_attention", "full_attention"]}
+                           ).local_layers == (True, False)
+  with pytest.raises(ValueError, match="chunked_attention"):
+    hf.config_from_hf({**qwen, "layer_types": ["chunked_attention"] * 2})
 
 
 MISTRAL = _config(architectures=["MistralForCausalLM"], model_type="mistral",
@@ -124,20 +130,17 @@ MISTRAL = _config(architectures=["MistralForCausalLM"], model_type="mistral",
 
 
 def test_mistral_sliding_window():
-  # Mistral-7B-v0.1's window: every layer sees only the last 4096 keys. Refused, even
-  # with a Qwen-style switch saying no: transformers' Mistral does not read it.
+  # Mistral-7B-v0.1's window: every layer sees only the last 4096 keys, even with a
+  # Qwen-style switch saying no: transformers' Mistral does not read it.
   for extra in ({}, {"use_sliding_window": False}):
-    with pytest.raises(ValueError, match=r"sliding_window=4096 < max_position_embeddings"
-                                         r"=32768"):
-      hf.config_from_hf({**MISTRAL, "sliding_window": 4096, **extra})
-  # Absent means transformers' default window (4096) and context (131072): refused too.
-  with pytest.raises(ValueError, match=r"sliding_window=4096 < max_position_embeddings"
-                                       r"=131072"):
-    hf.config_from_hf({k: v for k, v in MISTRAL.items()
-                       if k != "max_position_embeddings"})
-  for window in (None, 32768, 65536):  # no window, or one covering the whole context
-    config = hf.config_from_hf({**MISTRAL, "sliding_window": window})
-    assert config.architecture == "mistral" and not config.qkv_bias
+    config = hf.config_from_hf({**MISTRAL, "sliding_window": 4096, **extra})
+    assert config.sliding_window == 4096 and all(config.local_layers)
+  # Absent means transformers' default window (4096) and context (131072).
+  config = hf.config_from_hf({k: v for k, v in MISTRAL.items()
+                              if k != "max_position_embeddings"})
+  assert (config.sliding_window, config.max_position_embeddings) == (4096, 131072)
+  config = hf.config_from_hf({**MISTRAL, "sliding_window": None})
+  assert config.sliding_window is None and not any(config.local_layers)
 
 
 def test_mistral_attention_bias_is_refused():
@@ -168,10 +171,11 @@ def test_qwen3_policy():
   assert hf.config_from_hf({k: v for k, v in QWEN3.items() if k != "head_dim"}).head_dim == 128
   assert hf.config_from_hf({**QWEN3, "attention_bias": True}).out_bias
   # Sliding windows follow the Qwen2 rule.
-  with pytest.raises(ValueError, match="use_sliding_window"):
-    hf.config_from_hf({**QWEN3, "use_sliding_window": True, "sliding_window": 1024,
-                       "max_window_layers": 1, "max_position_embeddings": 4096})
-  assert hf.config_from_hf({**QWEN3, "use_sliding_window": False, "sliding_window": 1024})
+  config = hf.config_from_hf({**QWEN3, "use_sliding_window": True, "sliding_window": 1024,
+                              "max_window_layers": 1, "max_position_embeddings": 4096})
+  assert config.sliding_window == 1024 and config.local_layers == (False, True)
+  assert hf.config_from_hf({**QWEN3, "use_sliding_window": False,
+                            "sliding_window": 1024}).sliding_window is None
   # Qwen3 always normalises q and k; a config saying otherwise is refused.
   assert hf.config_from_hf({**QWEN3, "use_qk_norm": True}).qk_norm
   with pytest.raises(ValueError, match="use_qk_norm=False"):
