@@ -41,6 +41,7 @@ SHAPES = {
     "llama": dict(hidden=256, heads=4, kv=2, head_dim=64, mlp=256, tied=False, pre="smollm"),
     "qwen2": dict(hidden=256, heads=4, kv=2, head_dim=64, mlp=512, tied=True, pre="qwen2"),
     "qwen3": dict(hidden=256, heads=2, kv=1, head_dim=128, mlp=256, tied=True, pre="qwen2"),
+    "gemma3": dict(hidden=256, heads=2, kv=1, head_dim=128, mlp=256, tied=True, pre="default"),
 }
 TEXTS = ["hello there, the thin thing", "  two  spaces\nand lines\t\ttabs 12345",
          "<|im_start|>user\nhi<|im_end|> <think> Ünïcödé 🙂"]
@@ -120,9 +121,12 @@ def write_gguf(path, arch="llama", qtype="F32", *, seed=0, layers=2, skip=(), ex
     if arch == "qwen2":
       for name, rows in (("attn_q", h * d), ("attn_k", k * d), ("attn_v", k * d)):
         tensors[p + name + ".bias"] = 0.1 * rng.normal(size=rows)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
       tensors[p + "attn_q_norm.weight"] = 1 + 0.1 * rng.normal(size=d)
       tensors[p + "attn_k_norm.weight"] = 1 + 0.1 * rng.normal(size=d)
+    if arch == "gemma3":  # stored as llama.cpp stores them: Gemma's 1 + w
+      tensors[p + "post_attention_norm.weight"] = 1 + 0.1 * rng.normal(size=e)
+      tensors[p + "post_ffw_norm.weight"] = 1 + 0.1 * rng.normal(size=e)
   tensors = {n: t.astype(np.float32) for n, t in tensors.items()}
   tensors.update(extra_tensors or {})
 
@@ -138,9 +142,11 @@ def write_gguf(path, arch="llama", qtype="F32", *, seed=0, layers=2, skip=(), ex
   if arch == "llama":
     w.add_uint32(f"{arch}.rope.dimension_count", d)
     w.add_uint32(f"{arch}.vocab_size", v)
-  if arch == "qwen3":
+  if arch in ("qwen3", "gemma3"):
     w.add_uint32(f"{arch}.attention.key_length", d)
     w.add_uint32(f"{arch}.attention.value_length", d)
+  if arch == "gemma3":  # a window shorter than the test prompts: local layers differ
+    w.add_uint32(f"{arch}.attention.sliding_window", 4)
   for key, value in (extra_kv or {}).items():
     w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
   w.add_tokenizer_model("gpt2")
@@ -217,7 +223,8 @@ def test_llama_every_type_matches_transformers(tmp_path, qtype):
 
 @pytest.mark.parametrize("arch,qtype", [("qwen2", "F32"), ("qwen2", "Q4_K"), ("qwen2", "Q8_0"),
                                         ("qwen3", "F16"), ("qwen3", "Q6_K"),
-                                        ("qwen3", "Q4_1")])
+                                        ("qwen3", "Q4_1"), ("gemma3", "F32"),
+                                        ("gemma3", "Q5_K"), ("gemma3", "Q5_0")])
 def test_qwen_matches_transformers(tmp_path, arch, qtype):
   path = tmp_path / "m.gguf"
   write_gguf(path, arch, qtype)
@@ -226,7 +233,8 @@ def test_qwen_matches_transformers(tmp_path, arch, qtype):
   _logits_close(ours, _reference(path), _tokens(ours.config.vocab_size))
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen3", "Q8_0")])
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen3", "Q8_0"),
+                                        ("gemma3", "Q6_K")])
 def test_greedy_tokens_match_transformers(tmp_path, arch, qtype):
   path = tmp_path / "m.gguf"
   write_gguf(path, arch, qtype)
@@ -255,12 +263,13 @@ def test_directory_with_one_gguf_and_bfloat16(tmp_path):
 
 def test_gguf_names_agree_with_llama_cpp_table():
   """Our GGUF <-> HF table is the gguf package's own (its TensorNameMap)."""
-  for arch_name in ("llama", "qwen2", "qwen3"):
+  for arch_name in ("llama", "qwen2", "qwen3", "gemma3"):
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     table = gguf.get_tensor_name_map(arch, 2)
+    layer = gguf_import._LAYER_TENSORS_BY_ARCH.get(arch_name, gguf_import._LAYER_TENSORS)
     for gguf_name, hf_name in [*gguf_import._GLOBAL_TENSORS.items(),
                                *((f"blk.1.{k}", f"model.layers.1.{v}")
-                                 for k, v in gguf_import._LAYER_TENSORS.items())]:
+                                 for k, v in layer.items())]:
       base, suffix = hf_name.rsplit(".", 1)
       mapped = table.get_name(base)
       if mapped is not None:
@@ -454,16 +463,22 @@ def _packaged_or_skip(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct"])
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_packaged_model_matches_transformers(name):
   path = _packaged_or_skip(name)
   tok = models.load_tokenizer(str(path))
   ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-  messages = [{"role": "user", "content": "What is the capital of France?"}]
-  ids = tok.apply_chat_template(messages)
-  expected = ref_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-  expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
-  assert ids == expected
+  if tok.chat_template is not None:  # the Gemma file carries none
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages)
+    expected = ref_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+    assert ids == expected
+  else:
+    ids = ref_tok("The capital of France is").input_ids  # with BOS, as the file asks
+    assert ids == [tok.bos_id] + tok.encode("The capital of France is")
+  for text in TEXTS:
+    assert tok.encode(text) == ref_tok(text, add_special_tokens=False).input_ids, text
   ours = models.from_pretrained(path)
   ref = _reference(path)
   tokens = np.asarray([ids])
