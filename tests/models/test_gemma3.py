@@ -262,3 +262,18 @@ def test_published_270m_shape():
   assert config.max_position_embeddings == 32768 and config.tie_embeddings
   # About 268M parameters (170M of them in the embedding), as published.
   assert 260e6 < config.num_params() < 275e6
+
+
+def test_embedding_normaliser_is_rounded_to_the_compute_dtype():
+  # transformers multiplies by sqrt(hidden) cast to the weights' dtype: in bf16
+  # sqrt(640) = 25.298 becomes 25.25.
+  config = hf.config_from_hf(_gemma_json(hidden_size=640, num_hidden_layers=1),
+                             dtype="bfloat16")
+  model = _random_gemma(config)
+  tokens = jnp.asarray([[3, 4, 5]])
+  table = model.embedding.get_value()[tokens].astype(jnp.bfloat16)
+  got = model.embed(tokens)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(table * jnp.bfloat16(25.25), np.float32))
+  assert float(jnp.asarray(640 ** 0.5, jnp.bfloat16)) == 25.25
