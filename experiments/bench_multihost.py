@@ -127,7 +127,7 @@ def ppo_worker(args) -> None:
   from pipe_rlhf_jax import distributed
   from pipe_rlhf_jax.generation import SamplingParams
   from pipe_rlhf_jax.models.config import tiny_config
-  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.models.load import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, prompts_from_texts, run
   del jax

@@ -184,7 +184,7 @@ def main() -> None:
   os.makedirs(args.out_dir, exist_ok=True)
 
   from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, tiny_config
-  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+  from pipe_rlhf_jax.models.load import load_tokenizer
   from pipe_rlhf_jax.planner import calibrate, cost, hardware, search, space
 
   tokenizer = load_tokenizer("byte")

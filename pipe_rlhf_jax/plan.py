@@ -58,8 +58,8 @@ def workload_from_flags(config):
   if _MODEL.value:
     actor = presets.model(_MODEL.value)
   else:
+    from pipe_rlhf_jax.models.load import load_tokenizer
     from pipe_rlhf_jax.models.roles import build_model_configs
-    from pipe_rlhf_jax.models.tokenizer import load_tokenizer
     actor = build_model_configs(settings.model,
                                 load_tokenizer(settings.model.tokenizer))["actor"]
   work = auto.workload(settings, actor, _DEVICES.value,

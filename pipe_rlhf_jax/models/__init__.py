@@ -1,9 +1,10 @@
-"""Models: the LLaMA / Qwen2 / Qwen3 / Mistral transformer family, its config, published
-shapes, tokenizers and HF interop."""
+"""Models: the LLaMA / Qwen2 / Qwen3 / Mistral / Gemma 3 transformer family, its config,
+published shapes, tokenizers, and Hugging Face and GGUF interop."""
 
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
-from pipe_rlhf_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
-from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from pipe_rlhf_jax.models.hf import config_from_hf, config_to_hf, save_pretrained
+from pipe_rlhf_jax.models.load import from_pretrained, load_tokenizer
+from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
 from pipe_rlhf_jax.models.transformer import (
                                               KVCache,
                                               Transformer,

@@ -370,7 +370,7 @@ def _naming(path: Path):
 
 def from_gguf(path: str | os.PathLike, *, dtype: Any = "float32", param_dtype: Any = None,
               head: str | None = None, seed: int = 0):
-  """Loads a GGUF checkpoint as a `Transformer` (`hf.from_pretrained` calls this).
+  """Loads a GGUF checkpoint as a `Transformer` (`models.from_pretrained` calls this).
 
   Args:
     path: a `.gguf` file, or a directory holding exactly one.
@@ -600,7 +600,7 @@ def write_tokenizer_files(path: str | os.PathLike | GGUFCheckpoint,
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
-  """The `HFTokenizer` of a GGUF file (`tokenizer.load_tokenizer` calls this).
+  """The `HFTokenizer` of a GGUF file (`models.load_tokenizer` calls this).
 
   The files `write_tokenizer_files` writes go through `HFTokenizer` itself, so the ids,
   the specials and the chat template behave as from a Hugging Face directory; the

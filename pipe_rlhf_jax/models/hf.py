@@ -91,6 +91,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipe_rlhf_jax.models.checkpoint_files import is_gguf
 from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
 from pipe_rlhf_jax.models.safetensors_io import (
   load_checkpoint_tensors,
@@ -679,8 +680,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
   """Loads a Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoint.
 
   Args:
-    path: directory with config.json and model.safetensors (or a sharded index); or a
-      `.gguf` file, or a directory holding one and no config.json (`models/gguf.py`).
+    path: directory with config.json and model.safetensors (or a sharded index); a GGUF
+      file loads through `models.load.from_pretrained`.
     dtype: compute dtype, a name or a dtype object (`jnp.bfloat16`, "bfloat16").
     param_dtype: parameter storage dtype, likewise; default `dtype` (a bf16 checkpoint
       then loads as exact f32 upcasts).
@@ -693,10 +694,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any = "float32",
     The model with every parameter set from the checkpoint (axes metadata kept).
   """
   path = Path(path)
-  if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists()
-                                and any(path.glob("*.gguf"))):
-    from pipe_rlhf_jax.models import gguf  # the gguf package is needed for GGUF files only
-    return gguf.from_gguf(path, dtype=dtype, param_dtype=param_dtype, head=head, seed=seed)
+  if is_gguf(path):
+    raise ValueError(f"{path} is a GGUF checkpoint; load it with "
+                     "pipe_rlhf_jax.models.from_pretrained (models/load.py), which reads "
+                     "both formats.")
   config_file = path / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{config_file} does not exist.")

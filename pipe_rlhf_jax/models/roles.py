@@ -1,18 +1,16 @@
 """The model configs of a run's three roles, from its model settings.
 
 Owns `build_model_configs`: the actor's `TransformerConfig` (the embedded tiny model sized
-to the tokenizer, or a local Hugging Face checkpoint's `config.json`) and the critic's and
-reward model's, which share its body and differ in the head. The main job, the planner's
+to the tokenizer, or a local checkpoint's config: its `config.json` or a GGUF file's
+metadata) and the critic's and reward model's, which share its body and differ in the
+head. The main job, the planner's
 calibration and `plan` all size their models here, so a plan is priced for the model the
 run builds.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
-from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models import hf, load
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 
 
@@ -29,8 +27,8 @@ def build_model_configs(m, tokenizer) -> dict[str, TransformerConfig]:
     tokenizer: the run's tokenizer (the embedded model's vocabulary and special ids).
   """
   if m.path:
-    with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-      base = hf.config_from_hf(json.load(f), dtype=m.dtype, param_dtype=m.param_dtype)
+    base = hf.config_from_hf(load.read_hf_config(m.path), dtype=m.dtype,
+                             param_dtype=m.param_dtype)
     base = base.replace(head="lm")
   else:
     # A vocabulary padded to a multiple of 8 splits evenly over tensor axes of 2, 4, 8.

@@ -28,6 +28,7 @@ import os
 from typing import Protocol, Sequence, runtime_checkable
 
 from pipe_rlhf_jax.models import chat_template
+from pipe_rlhf_jax.models.checkpoint_files import is_gguf
 
 _log = logging.getLogger(__name__)
 
@@ -352,8 +353,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
   if os.fspath(spec) == "byte":
     return ByteTokenizer()
   path = os.fspath(spec)
-  if path.endswith(".gguf") or (os.path.isdir(path) and not os.path.isfile(
-      os.path.join(path, "tokenizer.json")) and any(f.endswith(".gguf") for f in os.listdir(path))):
-    from pipe_rlhf_jax.models import gguf  # the gguf package is needed for GGUF files only
-    return gguf.load_gguf_tokenizer(path)
+  if is_gguf(path, hf_file="tokenizer.json"):
+    raise ValueError(f"{path} is a GGUF checkpoint; load its tokenizer with "
+                     "pipe_rlhf_jax.models.load_tokenizer (models/load.py), which reads "
+                     "both formats.")
   return HFTokenizer(path)

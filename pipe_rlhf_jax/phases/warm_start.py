@@ -26,7 +26,7 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models import load
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
@@ -43,7 +43,7 @@ def init_policy(settings: ExperimentSettings, cfg: TransformerConfig) -> Transfo
   the seed."""
   m = settings.model
   if m.path:
-    return hf.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
+    return load.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
   return init_model(cfg, seed=settings.seed)
 
 
@@ -171,7 +171,8 @@ def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, da
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "warmstart"), max_to_keep=1,
                                async_save=False)
   t0 = time.perf_counter()
-  actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout, iter(data["demos"]),
+  actor, _ = supervised.fit(supervised.sft_loss(actor_gd), actor, layout,
+                            iter(data["demos"] or ()),  # None when sft.steps=0
                             steps=settings.sft.steps, learning_rate=settings.sft.learning_rate,
                             warmup_steps=settings.sft.warmup_steps, phase="sft", writer=writer,
                             progress=progress)

@@ -591,8 +591,8 @@ def _config_model(path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
+  from pipe_rlhf_jax.models.load import load_tokenizer
   from pipe_rlhf_jax.models.roles import build_model_configs
-  from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   return build_model_configs(config.model, load_tokenizer(config.model.tokenizer))["actor"]
 
 
