@@ -69,7 +69,7 @@ from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import set_activity
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.models.tokenizer import load_tokenizer
+from pipe_rlhf_jax.models.load import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import heldout, ppo_loop, reporting, reward_norm, supervised
 from pipe_rlhf_jax.phases import warm_start as warm_lib
@@ -108,7 +108,7 @@ def run_tokenizer(m: ModelSettings):
   names another, which is then ignored), else `model.tokenizer`."""
   if m.path and m.tokenizer not in ("", "byte"):
     say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
-        f"tokenizer ({os.path.join(m.path, 'tokenizer.json')}) is used")
+        f"tokenizer (from {m.path}) is used")
   return load_tokenizer(m.path or m.tokenizer)
 
 
@@ -155,16 +155,21 @@ def make_data(settings: ExperimentSettings, workdir: str, tokenizer
     built = builders.make_arith_datasets(data_dir, seed=settings.seed,
                                          spec=d.arith, num_prompts=d.num_prompts,
                                          num_demos=d.num_demos, num_eval=d.num_eval)
+  elif d.task == "word_problems":
+    built = builders.make_word_problem_datasets(
+        data_dir, seed=settings.seed, spec=d.word_problems, num_prompts=d.num_prompts,
+        num_demos=d.num_demos, num_eval=d.num_eval)
   else:  # "jsonl": the user's own files, one TFDS dataset per kind
     files = d.jsonl
     built = {
         "prompts": builders.build_dataset(
             "prompts", {"train": files.prompts, "eval": files.prompts_eval}, data_dir,
             name="user_prompts", on_invalid=d.on_invalid, overwrite=True),
-        "demos": builders.build_dataset("demos", {"train": files.demos}, data_dir,
-                                        name="user_demos", on_invalid=d.on_invalid,
-                                        overwrite=True),
     }
+    if settings.uses_demos:
+      built["demos"] = builders.build_dataset("demos", {"train": files.demos}, data_dir,
+                                              name="user_demos", on_invalid=d.on_invalid,
+                                              overwrite=True)
     if use_rm:
       built["prefs"] = builders.build_dataset(
           "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
@@ -174,16 +179,20 @@ def make_data(settings: ExperimentSettings, workdir: str, tokenizer
     return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
 
   seed = settings.seed
-  kinds = ("prompts", "demos", "prefs") if use_rm else ("prompts", "demos")
+  # Demonstrations are read only by SFT and PPO-ptx: a run with neither needs none, and
+  # is not refused for having too few to fill an SFT batch.
+  kinds = (("prompts",) + (("demos",) if settings.uses_demos else ())
+           + (("prefs",) if use_rm else ()))
   # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
   build_stats = {f"build/{kind}/{split}/{key}": float(value)
                  for kind in kinds
                  for split, counts in built[kind].stats.items()
                  for key, value in counts.items()}
   data = {
-      "demos": loaders.DemoLoader(built["demos"].source("train"), tokenizer,
-                                     settings.sft.batch_size, d.prompt_len, d.completion_len,
-                                     seed, validator=validator("demos")),
+      "demos": (loaders.DemoLoader(built["demos"].source("train"), tokenizer,
+                                   settings.sft.batch_size, d.prompt_len, d.completion_len,
+                                   seed, validator=validator("demos"))
+                if settings.uses_demos else None),
       # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
       "prompts": loaders.PromptLoader(built["prompts"].source("train"), tokenizer,
                                          settings.ppo.batch_size // settings.ppo.group_size,
@@ -550,7 +559,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
     build_stats, data = build_data(setup)
     # Malformed-record decisions of every data loader, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
-                                       for name, loader in data.items()
+                                       for name, loader in data.items() if loader is not None
                                        for key, value in loader.stats().items()}}, phase="data")
     set_activity("warm start (SFT, reward model)")
     warm = warm_lib.fit_or_restore(settings, setup.workdir, setup.warm_source, data,

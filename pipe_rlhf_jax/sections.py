@@ -44,7 +44,9 @@ from pipe_rlhf_jax.checks import (
 # module runs the ppo package, which registers the KL estimators and losses.)
 from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
 from pipe_rlhf_jax.data.arith import ArithSpec
+from pipe_rlhf_jax.data.word_problems import WordProblemSpec
 from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 from pipe_rlhf_jax.system.settings import Plan, PPOConfig
 
@@ -120,10 +122,11 @@ class ModelSettings:
     if settings.require_path and not settings.path:
       raise ValueError("model.path is required by this config: pass "
                        "--config.model.path=/path/to/a/local/huggingface/model/dir.")
-    if settings.path and not os.path.isfile(os.path.join(settings.path, "config.json")):
-      raise ValueError(f"model.path={settings.path!r} has no config.json; give a local "
-                       "Hugging Face model directory (config.json, *.safetensors, "
-                       "tokenizer.json).")
+    if settings.path and not is_model_path(settings.path):
+      raise ValueError(f"model.path={settings.path!r} is neither a GGUF file nor a "
+                       "directory with a config.json; give a local Hugging Face model "
+                       "directory (config.json, *.safetensors, tokenizer.json) or a .gguf "
+                       "file.")
     if settings.num_heads % settings.num_kv_heads:
       raise ValueError(f"model.num_heads={settings.num_heads} must be a multiple of "
                        f"model.num_kv_heads={settings.num_kv_heads}.")
@@ -158,7 +161,8 @@ class DataSettings:
   """`data`: which task's records, how long, and what to do with bad ones.
 
   Attributes:
-    task: "reverse" / "arith" (embedded, generated under `dir`) or "jsonl" (`jsonl`).
+    task: "reverse" / "arith" / "word_problems" (embedded, generated under `dir`) or
+      "jsonl" (`jsonl`).
     dir: where the datasets are built (empty: <workdir>/data).
     prompt_len / completion_len: tokens of a prompt (left-padded) and a completion.
     num_prompts / num_demos / num_pairs: records of the embedded tasks.
@@ -168,6 +172,8 @@ class DataSettings:
     on_invalid: "skip" or "error" on a malformed record; on_overlong: "truncate", "skip"
       or "error" on one longer than its budget.
     arith: the arith task's problems (`data.task='arith'` only; None otherwise).
+    word_problems: the chat word problems (`data.task='word_problems'` only; None
+      otherwise).
     jsonl: the user's files (`data.task='jsonl'`).
   """
 
@@ -183,12 +189,13 @@ class DataSettings:
   num_eval: int = 256
   hard_pairs: float = 0.0
   arith: ArithSpec | None = None
+  word_problems: WordProblemSpec | None = None
   jsonl: JsonlFiles = JsonlFiles()
 
   @classmethod
   def from_config(cls, section, path: str = "data") -> "DataSettings":
     values = _fields(cls, section, path)
-    check_choice(values["task"], f"{path}.task", ("reverse", "arith", "jsonl"))
+    check_choice(values["task"], f"{path}.task", ("reverse", "arith", "word_problems", "jsonl"))
     for name in ("prompt_len", "completion_len"):
       check_int(values[name], f"{path}.{name}")
     check_int(values.get("num_eval", cls.num_eval), f"{path}.num_eval", low=1)
@@ -212,6 +219,15 @@ class DataSettings:
             f"data.num_eval={values['num_eval']} held-out problems is more than half of "
             f"the {values['arith'].num_problems()} that data.arith allows; lower "
             "data.num_eval or allow more digits/operators.")
+    words = values.pop("word_problems", None)
+    if values["task"] == "word_problems":
+      values["word_problems"] = WordProblemSpec.from_config(words or {},
+                                                            f"{path}.word_problems")
+      if values.get("num_eval", cls.num_eval) > values["word_problems"].num_problems() // 2:
+        raise ValueError(
+            f"data.num_eval={values['num_eval']} held-out problems is more than half of "
+            f"the {values['word_problems'].num_problems()} that data.word_problems allows; "
+            "lower data.num_eval or raise max_operand.")
     return cls(**values)
 
 
@@ -458,6 +474,8 @@ _PLAN_FIELDS = ("mode", "max_staleness", "queue_size", "shutdown_timeout_s",
                 "progress_timeout_s", "placement")
 # Built-in rule rewards that only apply to one embedded task, by name prefix.
 TASK_RULE_PREFIXES = {"reverse": "reverse_", "arith": "arith_"}
+# Tasks whose prompt records carry a reference answer (for rules that take `answers`).
+TASKS_WITH_ANSWERS = ("word_problems", "jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,6 +550,11 @@ class ExperimentSettings:
                        f"stages.generate.num_microbatches={num_mb}; choose a divisor.")
     return settings
 
+  @property
+  def uses_demos(self) -> bool:
+    """Whether the run reads demonstrations: SFT trains on them, PPO-ptx mixes them in."""
+    return self.sft.steps > 0 or self.ppo.ptx_coef > 0
+
   def _check_task(self) -> None:
     """The data source, and that the rewards and critic fit it.
 
@@ -542,13 +565,15 @@ class ExperimentSettings:
     """
     task, use_rm = self.data.task, self.reward.uses_model
     if task == "jsonl":
-      roles = ("prompts", "prompts_eval", "demos") + (("prefs", "prefs_eval") if use_rm
-                                                      else ())
+      roles = (("prompts", "prompts_eval") + (("demos",) if self.uses_demos else ())
+               + (("prefs", "prefs_eval") if use_rm else ()))
       for role in roles:
         path = self.data.jsonl[role]
         if not path or not os.path.isfile(path):
           why = ("the prefs train the reward model" if use_rm
                  else "no prefs: reward.fn is a rule")
+          why += ("; the demos feed SFT or ppo.ptx_coef" if self.uses_demos
+                  else "; no demos: sft.steps=0 and ppo.ptx_coef=0")
           raise ValueError(f"data.jsonl.{role}={path!r} is not a file; data.task='jsonl' "
                            f"needs all of data.jsonl.{{{','.join(roles)}}} ({why}).")
     self._check_policy_pairs()
@@ -562,7 +587,7 @@ class ExperimentSettings:
               f"{path}={name!r} scores the embedded {other} task only, but "
               f"data.task={task!r}; choose a rule for your data (or set "
               "--config.reward.eval_fn='').")
-      if (task != "jsonl" and name in REWARD_FUNCTIONS
+      if (task not in TASKS_WITH_ANSWERS and name in REWARD_FUNCTIONS
           and rule_answers(REWARD_FUNCTIONS.get(name)) == "required"):
         raise ValueError(
             f"{path}={name!r} checks each completion against its prompt's reference "

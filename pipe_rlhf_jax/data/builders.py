@@ -57,6 +57,7 @@ import numpy as np
 from pipe_rlhf_jax.checks import check_int
 from pipe_rlhf_jax.data import arith as arith_lib
 from pipe_rlhf_jax.data import task as task_lib
+from pipe_rlhf_jax.data import word_problems as word_problems_lib
 from pipe_rlhf_jax.data.digests import update_with_file
 from pipe_rlhf_jax.data.records import FIELDS_BY_KIND, RecordValidator, jsonl_fields
 
@@ -410,4 +411,39 @@ def make_arith_datasets(
       out_dir, num_prompts, num_demos, seed, spec, num_eval=num_eval)
   return _generated_datasets(
       data_dir, prefix, config, arith_lib.ARITH_FILES, write,
+      {"prompts": {"train": "prompts", "eval": "prompts_eval"}, "demos": {"train": "demos"}})
+
+
+def make_word_problem_datasets(
+    data_dir: str,
+    seed: int = 0,
+    *,
+    spec: word_problems_lib.WordProblemSpec = word_problems_lib.WordProblemSpec(),
+    num_prompts: int = 4096,
+    num_demos: int = 256,
+    num_eval: int = 128,
+    prefix: str = "word_problems",
+) -> dict[str, Any]:
+  """Generates the chat word problems (when absent or different) and builds their datasets.
+
+  As `make_arith_datasets`: prompts carry reference answers and are scored by a rule
+  (`math_verify`), so no preference pairs are generated.
+
+  Args:
+    data_dir: TFDS data directory (also holds the JSONL, under `<prefix>_jsonl/`).
+    seed / spec / num_*: see `word_problems.make_word_problem_records`.
+    prefix: dataset names are "<prefix>_prompts", "<prefix>_demos".
+
+  Returns:
+    {"data_dir": str, "jsonl": {role: path},
+     "prompts": BuiltDataset (splits "train", "eval"),
+     "demos": BuiltDataset (split "train")}.
+  """
+  check_int(num_eval, "num_eval", hint=" The eval split needs records.")
+  config = word_problems_lib.word_problem_task_config(num_prompts, num_demos, seed, spec,
+                                                      num_eval)
+  write = lambda out_dir: word_problems_lib.write_word_problem_jsonl(
+      out_dir, num_prompts, num_demos, seed, spec, num_eval=num_eval)
+  return _generated_datasets(
+      data_dir, prefix, config, word_problems_lib.WORD_PROBLEM_FILES, write,
       {"prompts": {"train": "prompts", "eval": "prompts_eval"}, "demos": {"train": "demos"}})

@@ -44,7 +44,8 @@ def file_digests(settings, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
     roles: the data.jsonl roles to digest.
 
   Empty unless `data.task == 'jsonl'`; the preference files count only when a reward
-  model is trained (`reward.fn == 'model'`).
+  model is trained (`reward.fn == 'model'`), the demonstrations only when SFT or PPO-ptx
+  reads them (`settings.uses_demos`).
   """
   if settings.data.task != "jsonl":
     return {}
@@ -52,7 +53,9 @@ def file_digests(settings, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
   files = settings.data.jsonl
   return {f"data.jsonl.{role}": {"path": os.path.abspath(files[role]),
                                  "sha256": file_sha256(files[role])}
-          for role in roles if use_rm or not role.startswith("prefs")}
+          for role in roles
+          if (use_rm or not role.startswith("prefs"))
+          and (settings.uses_demos or role != "demos")}
 
 
 def with_content(config_dict: Mapping[str, Any], digests: Mapping[str, Mapping[str, str]]
