@@ -144,7 +144,7 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
   """
   settings = setup.experiment.settings
   start, checkpointer = setup.start, setup.checkpointer
-  feed = DataFeed(prompts)
+  feed = DataFeed(prompts, vocab_size=system.vocab_size)
   tracer = Tracer()
   bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
                                 keys=("reward/mean", "rule_reward/mean", "kl/mean"),

@@ -102,7 +102,7 @@ def run(system: PPOSystem, prompts: Iterator[dict], steps: int, *,
       on_step(step, metrics)
 
   start = system.version
-  feed = DataFeed(prompts)
+  feed = DataFeed(prompts, vocab_size=system.vocab_size)
   modes.run(system, feed, start, start + steps, record, tracer)
   return RunResult(metrics=records, tracer=tracer,
                    data_state=feed.state_before(start + steps))

@@ -26,6 +26,31 @@ def np_batch(batch: dict) -> dict:
   return {k: np.array(v) for k, v in batch.items()}
 
 
+def check_prompt_ids(batch: dict, vocab_size: int, step: int) -> None:
+  """Raises ValueError naming the first prompt token the policy has no embedding row for.
+
+  A tokenizer often holds more ids than the model embeds (tokens added after the model
+  was saved); `jnp.take` fills an out-of-range row with NaN, and the step would run on
+  without an error, far from the cause.
+
+  Args:
+    batch: a prompt batch ({"prompt_tokens": int [batch, prompt_len], "prompt_mask"}).
+    vocab_size: rows of the policy's embedding.
+    step: the PPO step the batch is for (named in the message).
+  """
+  tokens = np.asarray(batch["prompt_tokens"])
+  mask = np.asarray(batch.get("prompt_mask", np.ones(tokens.shape, bool)), bool)
+  bad = mask & ((tokens < 0) | (tokens >= vocab_size))
+  if bad.any():
+    row, col = (int(i[0]) for i in np.nonzero(bad))
+    raise ValueError(
+        f"PPO step {step}: prompt row {row} (position {col}) holds token id "
+        f"{int(tokens[row, col])}, outside the policy's vocabulary of {vocab_size} ids "
+        f"({int(bad.sum())} such tokens in the batch). The tokenizer has ids the model has "
+        "no embedding for (added tokens?): use the tokenizer the model was saved with, or "
+        "resize the model's embeddings to the tokenizer's size.")
+
+
 class DataFeed:
   """Prompt batches by step index, remembering the source's state before each one.
 
@@ -34,11 +59,13 @@ class DataFeed:
   bool [batch, prompt_len], "index": int [batch] (global sample ids, which key the
   sampling randomness)}; `get_state()` / `set_state()` are optional and make a run
   resumable. The checkpoint of step k stores the state before batch k + 1 even when the
-  generator has already read further ahead.
+  generator has already read further ahead. With `vocab_size`, every batch is checked
+  for token ids the policy cannot embed (`check_prompt_ids`) as it enters.
   """
 
-  def __init__(self, source):
+  def __init__(self, source, vocab_size: int | None = None):
     self.source = source
+    self.vocab_size = vocab_size
     self._resumable = hasattr(source, "get_state")
     self._states: dict[int, dict | None] = {}
     self._lock = threading.Lock()
@@ -50,10 +77,13 @@ class DataFeed:
     with self._lock:
       self._states[step] = self._state()
       try:
-        return np_batch(next(self.source))
+        batch = np_batch(next(self.source))
       except StopIteration:
         raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
                            "endless (or long enough) source.") from None
+    if self.vocab_size is not None:
+      check_prompt_ids(batch, self.vocab_size, step)
+    return batch
 
   def remember(self, step: int, state: dict | None) -> None:
     """Records the source's state before batch `step` as read elsewhere (pipe mode

@@ -362,6 +362,8 @@ class PPOSystem:
     check_batch_fits(self.layouts, ppo.batch_size, runtime)
     ptx_rows = ptx_rows_for(ppo, self.layouts["train"])
     self.has_critic = models.critic is not None
+    # Rows of the policy's embedding: prompts with ids past it are refused as they enter.
+    self.vocab_size = nnx.merge(models.actor_graphdef, models.actor).config.vocab_size
     # Each stage computes the same models its own way (attention kernel, remat).
     def for_stage(stage, graphdef, params):
       return with_execution(graphdef, params, **runtime.stage(stage).execution())

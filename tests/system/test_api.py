@@ -109,6 +109,21 @@ def test_wrong_batch_size_and_non_iterator_prompts_are_refused(tmp_path):
     run(system, prompts_from_texts(["rev ab="] * 8, tok, 2, 8), steps=1)
 
 
+def test_prompt_ids_past_the_policys_vocabulary_are_refused_naming_row_id_and_size(tmp_path):
+  # A tokenizer with added tokens yields ids the model has no embedding row for; the
+  # lookup would fill NaN and the step run on without an error.
+  system, tok = _tiny_system(tmp_path)
+  vocab = system.vocab_size
+  batch = next(prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8,
+                                  shuffle=False))
+  batch["prompt_tokens"][3, -1] = vocab + 39
+  with pytest.raises(ValueError, match=rf"prompt row 3 \(position 7\) holds token id "
+                                       rf"{vocab + 39}, outside the policy's vocabulary of "
+                                       rf"{vocab} ids"):
+    run(system, iter([batch]), steps=1)
+  assert system.version == 0  # nothing ran
+
+
 def test_a_batch_that_does_not_split_over_the_mesh_is_refused_up_front(tmp_path):
   with pytest.raises(ValueError, match=r"ppo.batch_size=4 does not split over the 8 batch "
                                        r"shards of the generate stage.*give mesh fewer"):
