@@ -140,6 +140,26 @@ class PPOHyper:
                         if kl_policy == "proximal" else None))
 
 
+LOGPROB_GAP_KEYS = ("logprob_gap/max", "logprob_gap/mean")
+
+
+def logprob_gap(logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Array
+                ) -> dict[str, jax.Array]:
+  """The largest and the mean |recomputed - behaviour| log-prob over the real tokens.
+
+  Args:
+    logprobs: f32 [batch, completion_len], the trainer's log-probs of the sampled tokens.
+    behaviour_logprobs: f32 [batch, completion_len], those the sampler recorded.
+    mask: bool [batch, completion_len], the completion's real tokens.
+
+  Returns:
+    {"logprob_gap/max", "logprob_gap/mean"} scalars (no gradient flows through them).
+  """
+  gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logprobs) - behaviour_logprobs), 0.0)
+  count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+  return {"logprob_gap/max": jnp.max(gap), "logprob_gap/mean": jnp.sum(gap) / count}
+
+
 class TrainStage:
   """Builds and runs the jitted PPO update on the training mesh.
 
@@ -232,10 +252,11 @@ class TrainStage:
           d = mb["ptx"]
           ptx_nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
                                    d.completion_tokens, d.completion_mask)
-        return objective.actor_objective(
+        loss, aux = objective.actor_objective(
             logprobs, entropy, mb["old_logprobs"], mb["advantages"], mask, h,
             behaviour_logprobs=r.behaviour_logprobs, start_logprobs=mb.get("start_logprobs"),
             ref_logprobs=mb.get("ref_logprobs"), ptx_nll=ptx_nll)
+        return loss, {**aux, **logprob_gap(logprobs, r.behaviour_logprobs, mask)}
 
       def critic_loss(critic):
         values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
@@ -346,6 +367,12 @@ class TrainStage:
 
         (state, stopped), metrics = jax.lax.scan(
             epoch, (state, jnp.zeros((), bool)), (jax.random.split(rng, h.epochs), ptx))
+        # The first gradient step's forward ran at the update's starting weights: its
+        # gap to the behaviour log-probs is the sampler-trainer mismatch (plus the
+        # policy's drift when the batch is stale), measured on one minibatch for free.
+        gap = {k: metrics.pop(k)[0, 0] for k in LOGPROB_GAP_KEYS}
+        if h.proximal_pass:  # the whole batch at the same weights, already computed
+          gap = logprob_gap(prox_logprobs, r.behaviour_logprobs, r.completion_mask)
         # Means over the gradient steps that ran (all of them without target_kl).
         ran = metrics.pop("ran")
         metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
@@ -355,6 +382,7 @@ class TrainStage:
           metrics["early_stop"] = stopped.astype(jnp.float32)
           metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
         metrics.update(extra)
+        metrics.update(gap)
         return state.replace(step=state.step + 1), metrics
 
     shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)
