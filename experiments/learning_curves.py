@@ -128,21 +128,32 @@ def apply_overrides(config, overrides: dict) -> None:
     node[leaf] = value
 
 
-def load_config(spec: str):
-  """`path/to/config.py[:variant]` -> its `get_config(variant)`."""
-  path, _, variant = spec.partition(":")
+def config_module(spec: str):
+  """The config module of `path/to/config.py[:variant]`."""
+  path = spec.partition(":")[0]
   module_spec = importlib.util.spec_from_file_location("lc_config", path)
   if module_spec is None or not os.path.isfile(path):
     raise ValueError(f"--config {spec!r}: no config module at {path!r}.")
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return module
+
+
+def load_config(spec: str):
+  """`path/to/config.py[:variant]` -> its `get_config(variant)`."""
+  return config_module(spec).get_config(spec.partition(":")[2])
 
 
 def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
   """The config of one run: the experiment's settings, the seed, the cell's schedule and
-  (with a cell) the warm-start run `warm_dir` to start from."""
-  config = load_config(args.config)
+  (with a cell) the warm-start run `warm_dir` to start from.
+
+  A config whose sequential plan shares fewer devices than its pipe mode needs (e.g. one
+  device for every stage, against one per stage) says how it runs in pipe mode with a
+  module-level `use_pipe_mode(config, max_staleness)`, applied to pipe cells.
+  """
+  module = config_module(args.config)
+  config = module.get_config(args.config.partition(":")[2])
   config.seed = seed
   apply_overrides(config, args.overrides)
   if args.steps:
@@ -157,7 +168,10 @@ def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
                      "compare greedy held-out answers before and after PPO, so set it "
                      "(e.g. --set log.eval_prompts=256).")
   if cell is not None:
-    apply_overrides(config, cell_overrides(cell))
+    overrides = cell_overrides(cell)
+    if overrides["runtime.mode"] == "pipe" and hasattr(module, "use_pipe_mode"):
+      module.use_pipe_mode(config, overrides["runtime.max_staleness"])
+    apply_overrides(config, overrides)
     config.warm_start.checkpoint = os.path.join(warm_dir, "warmstart")
     # The task data the warm start was built from (the same seed makes the same data):
     # read, not generated again per run.
@@ -207,6 +221,30 @@ def steady_samples_per_s(tracer, batch_size: int, excluded: int = 2) -> float:
   if len(ends) <= excluded:
     return float("nan")
   return batch_size * (len(ends) - excluded) / (ends[-1] - ends[excluded - 1])
+
+
+def stage_tokens_per_s(tracer, rows: list[dict], prompt_len: int, epochs: int,
+                       excluded: int = 2) -> dict[str, float]:
+  """Tokens per second of each stage's own spans, the first `excluded` steps (compiling)
+  left out: generate counts the completion tokens it sampled, infer the prompt and
+  completion tokens it scored (each model pass), train those it trained on per epoch.
+  Spans are the stages' wall time, so a stage that shares its devices is timed as it ran.
+  """
+  counted = rows[excluded:]
+  if not counted:
+    return {}
+  completion = sum(r.get("response_length/mean", 0.0) for r in counted)
+  batch = rows[0].get("batch_size", None)
+  out = {}
+  for stage in ("generate", "infer", "train"):
+    spans = tracer.spans(stage)[excluded:]
+    seconds = sum(s.end - s.start for s in spans)
+    if not spans or seconds <= 0:
+      continue
+    per_row = completion if stage == "generate" else (
+        completion + prompt_len * len(counted)) * (epochs if stage == "train" else 1)
+    out[stage] = per_row * (batch or 1) / seconds
+  return out
 
 
 def host_description() -> str:
@@ -262,6 +300,14 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "staleness_mean": float(np.mean([r.get("staleness/actor", 0.0) for r in rows])),
       "rm_eval_accuracy": (result.rm_eval or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result.tracer, config.ppo.batch_size),
+      # Per stage, over the steps after compiling (rows: one per PPO step).
+      "tokens_per_s": stage_tokens_per_s(
+          result.tracer, [{**r, "batch_size": config.ppo.batch_size} for r in rows],
+          config.data.prompt_len, config.ppo.epochs),
+      # |behaviour - the trainer's recomputed| log-probs (stages/train.py: logprob_gap).
+      "logprob_gap_max": [r.get("logprob_gap/max", float("nan")) for r in rows],
+      "logprob_gap_mean": [r.get("logprob_gap/mean", float("nan")) for r in rows],
+      "response_length": [r.get("response_length/mean", float("nan")) for r in rows],
       "wall_s": wall_s, "load_average": os.getloadavg()[0], "host": host_description(),
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
       "samples_after": result.samples_after, "samples_before": result.samples_before,
@@ -381,6 +427,44 @@ def format_table(table: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _change(run: dict, name: str) -> str:
+  """`name`'s ("greedy" / "sampled") before → after of a run, with its paired change."""
+  change = _paired(run, name)
+  if change is None:
+    return "-"
+  return (f"{run[f'{name}_before']:.3f} → {run[f'{name}_after']:.3f} ({change.delta:+.3f}, "
+          f"95% interval [{change.low:+.3f}, {change.high:+.3f}])")
+
+
+def format_runs(runs: list[dict]) -> str:
+  """One row per run: its held-out changes with their intervals, KL, time and rates."""
+  lines = ["| seed | cell | greedy before → after (change, 95% interval) | "
+           "held-out sampled before → after (change, 95% interval) | KL end | "
+           "wall s | tokens/s generate / infer / train |",
+           "|---|---|---|---|---|---|---|"]
+  for run in sorted(runs, key=lambda r: (r["cell"], r["seed"])):
+    rates = run.get("tokens_per_s") or {}
+    rate = " / ".join(f"{rates[k]:.0f}" if k in rates else "-"
+                      for k in ("generate", "infer", "train"))
+    lines.append(f"| {run['seed']} | {run['cell']} | {_change(run, 'greedy')} | "
+                 f"{_change(run, 'sampled')} | {run['kl_end']:.3f} | "
+                 f"{run['wall_s']:.0f} | {rate} |")
+  return "\n".join(lines)
+
+
+def format_answers(runs: list[dict], count: int = 4) -> str:
+  """The held-out answers shown before and after PPO, of the first seed of each cell."""
+  blocks = []
+  for cell in dict.fromkeys(r["cell"] for r in runs):
+    run = min((r for r in runs if r["cell"] == cell), key=lambda r: r["seed"])
+    for when in ("before", "after"):
+      shown = run.get(f"samples_{when}") or []
+      if shown:
+        blocks.append(f"Seed {run['seed']} {cell}, {when} PPO:\n\n```text\n"
+                      + "\n".join(shown[:count]) + "\n```")
+  return "\n\n".join(blocks)
+
+
 def paired(runs: list[dict], cell: str, baseline: str) -> list[float]:
   """Final accuracy of `cell` minus `baseline`'s, per seed that ran both (sorted by seed)."""
   base = {r["seed"]: r["acc_final"] for r in runs if r["cell"] == baseline}
@@ -483,6 +567,8 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
         std = curves.std(0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
         color = colors.get(cell)
         ax.plot(x, mean, label=f"{cell} (n={len(curves)})", color=color)
+        for curve in curves:  # each seed's own curve, thin
+          ax.plot(x, curve, color=color, lw=0.6, alpha=0.45)
         ax.fill_between(x, mean - std, mean + std, alpha=0.12, color=color)
       ax.grid(alpha=0.3)
       if ax.lines:  # a panel of cells this invocation did not run stays empty
@@ -543,12 +629,17 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       "samples, before and after PPO (its gain: the paired change); mean ± sample std "
       "over seeds.", "",
       format_table(table), "",
+      "Each run (its held-out intervals are paired bootstrap intervals over the prompts, "
+      "`phases.heldout.paired_change`; tokens/s: each stage's own spans after the first "
+      "two, compiling, steps):", "",
+      format_runs(runs), "",
       "*samples/s were measured on a shared machine (load average "
       f"{min(r['load_average'] for r in runs):.1f}-{max(r['load_average'] for r in runs):.1f}"
       " at the runs' ends): not a speed result.", "",
       "Hosts (a seed's warm start differs between hosts): "
       + "; ".join(sorted({r.get("host", "not recorded") for r in runs})) + ".", "",
-      "Goals:", *goal_checks(table, runs), ""])
+      "Goals:", *goal_checks(table, runs), "",
+      "Held-out answers:", "", format_answers(runs), ""])
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text)
   plot_curves(runs, cells, os.path.join(out, "curves.png"),
