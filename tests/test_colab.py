@@ -1,4 +1,5 @@
-"""The quickstart notebook executes top to bottom (at its tiny scale)."""
+"""The notebooks execute top to bottom (at their tiny scale) and stay paired with their
+percent-format scripts."""
 
 import os
 
@@ -40,8 +41,37 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert (run / name).read_bytes()[:4] == b"\x89PNG", name
 
 
-def test_notebook_and_script_are_paired():
+@pytest.mark.slow
+def test_real_model_notebook_executes(tmp_path, monkeypatch):
+  # Loads the packaged SmolLM2-135M-Instruct (installed by .ci/run) and RL-trains it for
+  # two steps of short answers.
+  from pipe_rlhf_jax.models import packaged
+  try:
+    packaged.gguf_path("smollm2-135m-instruct", install=False)
+  except packaged.PackageMissing as e:
+    pytest.skip(str(e))
+  notebook = nbformat.read(os.path.join(ROOT, "colabs", "real_model_rl.ipynb"), as_version=4)
+  monkeypatch.setenv("NOTEBOOK_SCALE", "tiny")
+  monkeypatch.delenv("MPLBACKEND", raising=False)
+  workdir = tmp_path / "repo"
+  workdir.mkdir()
+  os.symlink(os.path.abspath(os.path.join(ROOT, "pipe_rlhf_jax")), workdir / "pipe_rlhf_jax")
+  os.symlink(os.path.abspath(os.path.join(ROOT, "configs")), workdir / "configs")
+  NotebookClient(notebook, timeout=900, kernel_name="python3",
+                 resources={"metadata": {"path": str(workdir)}}).execute()
+  outputs = "".join(o.get("text", "") for cell in notebook.cells
+                    for o in cell.get("outputs", []))
+  assert "SmolLM2-135M-Instruct" in outputs and "30 layers" in outputs
+  assert "math_verify:" in outputs and "after RL:" in outputs
+  images = [o for cell in notebook.cells for o in cell.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+  assert len(images) == 1
+  assert (workdir / "runs" / "colab-real-tiny" / "summary.txt").is_file()
+
+
+@pytest.mark.parametrize("name", ["quickstart", "real_model_rl"])
+def test_notebook_and_script_are_paired(name):
   import jupytext
-  script = jupytext.read(os.path.join(ROOT, "colabs", "quickstart.py"))
-  notebook = nbformat.read(os.path.join(ROOT, "colabs", "quickstart.ipynb"), as_version=4)
+  script = jupytext.read(os.path.join(ROOT, "colabs", f"{name}.py"))
+  notebook = nbformat.read(os.path.join(ROOT, "colabs", f"{name}.ipynb"), as_version=4)
   assert [c.source for c in script.cells] == [c.source for c in notebook.cells]

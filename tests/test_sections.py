@@ -223,3 +223,13 @@ def test_every_shipped_config_uses_known_keys_only():
       if section in config:
         check_known(config[section].keys(), [f.name for f in dataclasses.fields(cls)],
                     section)
+
+
+def test_model_path_is_a_gguf_file_or_a_directory_with_config_json(tmp_path):
+  config = quickstart.get_config()
+  config.model.path = str(tmp_path)  # an empty directory
+  with pytest.raises(ValueError, match=r"model.path=.* is neither a GGUF file nor a "
+                                       r"directory with a config.json"):
+    ExperimentSettings.from_config(config)
+  (tmp_path / "model.gguf").write_bytes(b"")  # the format is decided by the name here;
+  assert ExperimentSettings.from_config(config).model.path == str(tmp_path)  # read later

@@ -124,6 +124,29 @@ def test_prompt_ids_past_the_policys_vocabulary_are_refused_naming_row_id_and_si
   assert system.version == 0  # nothing ran
 
 
+def test_sampler_and_trainer_log_probs_agree_on_policy_and_differ_once_stale(tmp_path):
+  # One model definition serves the sampler (token by token, KV cache) and the trainer
+  # (whole sequences): at the same weights their log-probs of the sampled tokens agree
+  # to float32 rounding. A rollout one version stale differs by the update between.
+  texts = [f"rev {w}=" for w in "abcdefgh"]
+  system, tok = _tiny_system(tmp_path)
+  metrics = run(system, prompts_from_texts(texts, tok, 8, 8), steps=2).metrics
+  for row in metrics:
+    assert 0.0 <= row["logprob_gap/mean"] <= row["logprob_gap/max"] < 1e-4, row
+  stale, tok = _tiny_system(tmp_path / "stale", mode="pipe", max_staleness=1,
+                            placement=(2, 2, 4))
+  rows = run(stale, prompts_from_texts(texts, tok, 8, 8), steps=3).metrics
+  moved = [r["logprob_gap/max"] for r in rows if r["staleness/actor"] == 1]
+  assert moved and min(moved) > 1e-3
+
+
+def test_logprob_gap_by_hand():
+  from pipe_rlhf_jax.stages.train import logprob_gap
+  gap = logprob_gap(jnp.array([[-1.0, -2.0, -9.0]]), jnp.array([[-1.5, -2.0, 0.0]]),
+                    jnp.array([[True, True, False]]))  # the padded token never counts
+  assert float(gap["logprob_gap/max"]) == 0.5 and float(gap["logprob_gap/mean"]) == 0.25
+
+
 def test_a_batch_that_does_not_split_over_the_mesh_is_refused_up_front(tmp_path):
   with pytest.raises(ValueError, match=r"ppo.batch_size=4 does not split over the 8 batch "
                                        r"shards of the generate stage.*give mesh fewer"):
