@@ -14,9 +14,10 @@ Imports nothing heavy: config validation and data code call it before jax starts
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -107,3 +108,16 @@ def check_known(keys: Iterable[str], known: Iterable[str], field: str,
   hint = f" ({'; '.join(hints)})" if hints else ""
   raise ValueError(f"{field} has unknown {what} {unknown}{hint}; known: {sorted(known)}.")
 
+
+def from_section(cls, section: Mapping[str, Any], field: str, prefix: str):
+  """`cls(**section)` for a frozen settings dataclass that checks itself with messages
+  starting `prefix.`: unknown keys are refused and every message names `field.<key>`,
+  the config path the user wrote."""
+  values = dict(section)
+  check_known(values, [f.name for f in dataclasses.fields(cls)], field)
+  try:
+    return cls(**values)
+  except ValueError as e:
+    if str(e).startswith(prefix + "."):
+      raise ValueError(field + str(e)[len(prefix):]) from None
+    raise

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import operator
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from pipe_rlhf_jax.checks import check_int, check_known, check_number
-from pipe_rlhf_jax.data.task import write_jsonl
+from pipe_rlhf_jax.checks import check_int, check_number, from_section
+from pipe_rlhf_jax.data.task import write_task_files
 
 # Operator symbol -> the integer function it names.
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -84,14 +82,7 @@ class ArithSpec:
   @classmethod
   def from_config(cls, section: Mapping[str, Any], field: str = "data.arith") -> "ArithSpec":
     """From a config section (e.g. `config.data.arith`); errors name `field.<key>`."""
-    values = dict(section)
-    check_known(values, [f.name for f in dataclasses.fields(cls)], field)
-    try:
-      return cls(**values)
-    except ValueError as e:  # name the config field the user wrote, not the attribute
-      if str(e).startswith("arith."):
-        raise ValueError(str(e).replace("arith.", field + ".")) from None
-      raise
+    return from_section(cls, section, field, "arith")
 
   def num_problems(self) -> int:
     """How many distinct problems the spec allows (operand pairs x operators)."""
@@ -209,15 +200,8 @@ def write_arith_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: int = 40
     arguments (`arith_task_config`) is written alongside.
   """
   records = make_arith_records(num_prompts, num_demos, seed, spec, num_eval=num_eval)
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {}
-  for role, name in ARITH_FILES.items():
-    paths[role] = os.path.join(out_dir, name)
-    write_jsonl(paths[role], records[role])
-  with open(os.path.join(out_dir, "task_config.json"), "w", encoding="utf-8") as f:
-    json.dump(arith_task_config(num_prompts, num_demos, seed, spec, num_eval), f, indent=2,
-              sort_keys=True)
-  return paths
+  return write_task_files(out_dir, records, ARITH_FILES,
+                          arith_task_config(num_prompts, num_demos, seed, spec, num_eval))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -271,14 +271,26 @@ def write_task_jsonl(
       num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len, demo_noise,
       num_eval=num_eval, length_noise=length_noise, hard_pairs=hard_pairs,
   )
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {}
-  for role, name in TASK_FILES.items():
-    paths[role] = os.path.join(out_dir, name)
-    write_jsonl(paths[role], records[role])
   config = task_settings(num_prompts, num_demos, num_pairs, seed, alphabet, min_len, max_len,
                          demo_noise, num_eval=num_eval, length_noise=length_noise,
                          hard_pairs=hard_pairs)
+  return write_task_files(out_dir, records, TASK_FILES, config)
+
+
+def write_task_files(out_dir: str, records: dict[str, list[dict[str, Any]]],
+                     files: dict[str, str], config: dict[str, Any]) -> dict[str, str]:
+  """Writes a generated task: each role's records to its JSONL file in `out_dir`, and the
+  generator's arguments to `task_config.json` beside them (what decides whether the files
+  are current, `builders._generated_datasets`).
+
+  Returns:
+    Role -> file path, for the roles of `files`.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {}
+  for role, name in files.items():
+    paths[role] = os.path.join(out_dir, name)
+    write_jsonl(paths[role], records[role])
   with open(os.path.join(out_dir, "task_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   return paths

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from pipe_rlhf_jax.checks import check_int, check_known
-from pipe_rlhf_jax.data.task import write_jsonl
+from pipe_rlhf_jax.checks import check_int, from_section
+from pipe_rlhf_jax.data.task import write_task_files
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eva", "Ben", "Lily", "Omar")
 ITEMS = ("apples", "stickers", "marbles", "books", "pencils", "cookies", "shells", "cards",
@@ -106,14 +104,7 @@ class WordProblemSpec:
   def from_config(cls, section: Mapping[str, Any],
                   field: str = "data.word_problems") -> "WordProblemSpec":
     """From a config section; errors name `field.<key>`."""
-    values = dict(section)
-    check_known(values, [f.name for f in dataclasses.fields(cls)], field)
-    try:
-      return cls(**values)
-    except ValueError as e:  # name the config field the user wrote, not the attribute
-      if str(e).startswith("word_problems."):
-        raise ValueError(str(e).replace("word_problems.", field + ".")) from None
-      raise
+    return from_section(cls, section, field, "word_problems")
 
   def num_problems(self) -> int:
     """How many distinct (operation, phrasing, operands) problems the spec allows."""
@@ -237,15 +228,9 @@ def write_word_problem_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: i
     recording the arguments is written alongside.
   """
   records = make_word_problem_records(num_prompts, num_demos, seed, spec, num_eval=num_eval)
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {}
-  for role, name in WORD_PROBLEM_FILES.items():
-    paths[role] = os.path.join(out_dir, name)
-    write_jsonl(paths[role], records[role])
-  with open(os.path.join(out_dir, "task_config.json"), "w", encoding="utf-8") as f:
-    json.dump(word_problem_task_config(num_prompts, num_demos, seed, spec, num_eval), f,
-              indent=2, sort_keys=True)
-  return paths
+  return write_task_files(
+      out_dir, records, WORD_PROBLEM_FILES,
+      word_problem_task_config(num_prompts, num_demos, seed, spec, num_eval))
 
 
 def main(argv: list[str] | None = None) -> None:
