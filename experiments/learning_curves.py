@@ -472,6 +472,22 @@ def paired(runs: list[dict], cell: str, baseline: str) -> list[float]:
           if r["cell"] == cell and r["seed"] in base]
 
 
+def greedy_goal_lines(runs: list[dict], goal: float) -> list[str]:
+  """Per cell: whether every seed's held-out greedy score rose by at least `goal` with a
+  95% interval above zero, with each seed's change and interval."""
+  lines = []
+  for cell in dict.fromkeys(r["cell"] for r in runs):
+    rs = sorted((r for r in runs if r["cell"] == cell), key=lambda r: r["seed"])
+    changes = [(r["seed"], greedy_change(r)) for r in rs]
+    met = [c is not None and c.delta >= goal and c.low > 0 for _, c in changes]
+    per_seed = "; ".join(f"seed {seed} {c.delta:+.3f} [{c.low:+.3f}, {c.high:+.3f}]"
+                         for seed, c in changes if c is not None)
+    lines.append(f"- {cell}: held-out greedy gain >= {goal:+.2f} with its 95% interval above "
+                 f"zero in {sum(met)} of {len(rs)} seeds: "
+                 f"{'holds' if all(met) else 'does NOT hold'} ({per_seed})")
+  return lines
+
+
 def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
   """The experiment's goals, each stated with its numbers and whether it holds.
 
@@ -595,7 +611,8 @@ RUN_FIELDS = ("seed", "cell", "mode", "max_staleness", "loss", "steps", "acc_sta
               "samples_per_s", "wall_s", "load_average")
 
 
-def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -> str:
+def write_report(out: str, runs: list[dict], cells: list[str], settings: dict,
+                 greedy_goal: float | None = None) -> str:
   """runs.csv, runs.json, table.md and curves.png from the finished runs; the table text."""
   with open(os.path.join(out, "runs.csv"), "w", newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
@@ -638,7 +655,8 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict) -
       " at the runs' ends): not a speed result.", "",
       "Hosts (a seed's warm start differs between hosts): "
       + "; ".join(sorted({r.get("host", "not recorded") for r in runs})) + ".", "",
-      "Goals:", *goal_checks(table, runs), "",
+      "Goals:", *goal_checks(table, runs),
+      *(greedy_goal_lines(runs, greedy_goal) if greedy_goal is not None else []), "",
       "Held-out answers:", "", format_answers(runs), ""])
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
     f.write(text)
@@ -663,6 +681,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--page", default="",
                       help="also write the table as docs/results/<PAGE>.md (with its "
                            "provenance) and its plot beside it, replacing that page")
+  parser.add_argument("--greedy-goal", type=float, default=None,
+                      help="also check that every seed's held-out greedy score rose by at "
+                           "least this much with a 95%% interval above zero")
   parser.add_argument("--report-only", action="store_true",
                       help="only rebuild the table and plot from the finished runs")
   parser.add_argument("--warm-starts-only", action="store_true",
@@ -782,7 +803,7 @@ def main(argv=None) -> int:
   if not runs:
     print("no finished runs yet")
     return 1
-  text = write_report(args.out, runs, args.cells, settings)
+  text = write_report(args.out, runs, args.cells, settings, args.greedy_goal)
   print(text)
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
   if args.page:

@@ -207,3 +207,49 @@ def test_experiment_end_to_end(tmp_path):
   assert "| pipe_s1 | 1 |" in table
   assert recorded["host"].endswith(f"jax {jax.__version__}") and recorded["host"] in table
 
+
+
+def test_greedy_goal_needs_the_gain_and_an_interval_above_zero_in_every_seed():
+  # Seed 0: 20 of 64 prompts went from 0 to 1 (+0.31); seed 1: 8 of 64 (+0.125).
+  big = ([0.0] * 64, [1.0] * 20 + [0.0] * 44)
+  small = ([0.0] * 64, [1.0] * 8 + [0.0] * 56)
+  runs = [run(0, "sequential", [0.1, 0.3], greedy=(0.0, 20 / 64), per_prompt=big),
+          run(1, "sequential", [0.1, 0.3], greedy=(0.0, 8 / 64), per_prompt=small)]
+  lines = lc.greedy_goal_lines(runs, 0.2)
+  assert len(lines) == 1 and "in 1 of 2 seeds: does NOT hold" in lines[0]
+  assert "seed 0 +0.312" in lines[0] and "seed 1 +0.125" in lines[0]
+  assert "in 2 of 2 seeds: holds" in lc.greedy_goal_lines(runs, 0.1)[0]
+  per_run = lc.format_runs([{**r, "wall_s": 60.0, "tokens_per_s": {"generate": 12.0}}
+                            for r in runs])
+  assert "0.000 → 0.312 (+0.312, 95% interval [+" in per_run and "| 60 | 12 / - / - |" in per_run
+
+
+def test_stage_tokens_per_s_count_each_stages_own_tokens_after_compiling():
+  tracer = Tracer()
+  for step in range(4):  # each stage takes 1, 2 and 4 seconds a step
+    tracer.add("generate", 10 * step, 10 * step + 1, batch=step)
+    tracer.add("infer", 10 * step + 1, 10 * step + 3, batch=step)
+    tracer.add("train", 10 * step + 3, 10 * step + 7, batch=step)
+  rows = [{"response_length/mean": 10.0, "batch_size": 8} for _ in range(4)]
+  rates = lc.stage_tokens_per_s(tracer, rows, prompt_len=30, epochs=2)
+  # Steps 2 and 3: 2 x 8 x 10 completion tokens in 2 s; 2 x 8 x 40 tokens in 4 s; twice
+  # that (two epochs) in 8 s.
+  assert rates == pytest.approx({"generate": 80.0, "infer": 160.0, "train": 160.0})
+
+
+def test_a_configs_own_pipe_mode_is_applied_to_pipe_cells(tmp_path):
+  module = tmp_path / "cfg.py"
+  module.write_text(
+      "from configs import quickstart\n"
+      "def get_config(variant=''):\n"
+      "  config = quickstart.get_config()\n"
+      "  config.runtime.num_devices = 1\n"
+      "  return config\n"
+      "def use_pipe_mode(config, max_staleness):\n"
+      "  config.runtime.num_devices = 3\n"
+      "  config.runtime.placement.update(generate=1, infer=1, train=1)\n")
+  args = lc.parse_args(["--config", str(module), "--out", str(tmp_path / "out")])
+  pipe = lc.run_config(args, 0, "pipe_s2", str(tmp_path))
+  assert (pipe.runtime.mode, pipe.runtime.max_staleness, pipe.runtime.num_devices) == (
+      "pipe", 2, 3)
+  assert lc.run_config(args, 0, "sequential", str(tmp_path)).runtime.num_devices == 1
