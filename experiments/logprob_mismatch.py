@@ -128,6 +128,18 @@ def format_page(records: list[dict], command: str) -> str:
     lines.append(f"| {r['dtype']} | {r['cell']} | {r['steps']} | {int(sum(r['tokens']))} | "
                  f"{top:.2e} | {mean:.2e} | {np.exp(top):.6f} | "
                  f"{max(r['staleness']):.0f} |")
+  lines.append("")
+  for dtype in dict.fromkeys(r["dtype"] for r in records):
+    tops = [float(np.max(r["gap_max"])) for r in records if r["dtype"] == dtype]
+    ratio = float(np.exp(max(tops)))
+    verdict = ("inside the clip range: the mismatch alone does not move a ratio out of it"
+               if ratio < 1.2 else
+               "beyond the clip range: on some tokens the ratio the update sees differs "
+               "from 1 by precision alone, so a run in this dtype should use the "
+               "decoupled objective or a behaviour-weight cap, or compute the sampler in "
+               "float32")
+    lines.append(f"- {dtype}: the largest gap is {max(tops):.2e} nats, a ratio of "
+                 f"{ratio:.4f}: {verdict}.")
   lines += ["", "How it is measured: `stages/train.py` (`logprob_gap`) compares the "
             "behaviour log-probs the sampler recorded with those of the update's first "
             "gradient step, whose forward pass runs at the update's starting weights in the "
