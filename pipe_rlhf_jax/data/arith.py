@@ -21,6 +21,7 @@ streams, so changing `num_demos` does not change the prompts. Runnable as
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import operator
 from typing import Any, Mapping
@@ -28,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pipe_rlhf_jax.checks import check_int, check_number, from_section
-from pipe_rlhf_jax.data.task import print_paths, task_parser, write_task_files
+from pipe_rlhf_jax.data.task import write_task_files
 
 # Operator symbol -> the integer function it names.
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -204,7 +205,12 @@ def write_arith_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: int = 40
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = task_parser("Write the arith verifiable-reward task as JSONL.")
+  parser = argparse.ArgumentParser(description="Write the arith verifiable-reward task as JSONL.")
+  parser.add_argument("--out_dir", required=True)
+  parser.add_argument("--num_prompts", type=int, default=4096)
+  parser.add_argument("--num_demos", type=int, default=4096)
+  parser.add_argument("--num_eval", type=int, default=256)
+  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--operators", default=ArithSpec.operators)
   parser.add_argument("--min_digits", type=int, default=ArithSpec.min_digits)
   parser.add_argument("--max_digits", type=int, default=ArithSpec.max_digits)
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
   spec = ArithSpec(args.operators, args.min_digits, args.max_digits, args.demo_noise)
   paths = write_arith_jsonl(args.out_dir, args.num_prompts, args.num_demos, args.seed, spec,
                             num_eval=args.num_eval)
-  print_paths(paths)
+  for role, path in paths.items():
+    print(f"{role}: {path}")
 
 
 if __name__ == "__main__":

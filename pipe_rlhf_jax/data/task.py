@@ -296,27 +296,14 @@ def write_task_files(out_dir: str, records: dict[str, list[dict[str, Any]]],
   return paths
 
 
-def task_parser(description: str, num_demos: int = 4096, num_eval: int = 256
-                ) -> argparse.ArgumentParser:
-  """The command line every task generator shares: where to write, how many records of
-  each kind, the seed; a generator adds its own settings."""
-  parser = argparse.ArgumentParser(description=description)
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description="Write the reverse toy RLHF task as JSONL.")
   parser.add_argument("--out_dir", required=True)
   parser.add_argument("--num_prompts", type=int, default=4096)
-  parser.add_argument("--num_demos", type=int, default=num_demos)
-  parser.add_argument("--num_eval", type=int, default=num_eval)
-  parser.add_argument("--seed", type=int, default=0)
-  return parser
-
-
-def print_paths(paths: dict[str, str]) -> None:
-  for role, path in paths.items():
-    print(f"{role}: {path}")
-
-
-def main(argv: list[str] | None = None) -> None:
-  parser = task_parser("Write the reverse toy RLHF task as JSONL.")
+  parser.add_argument("--num_demos", type=int, default=4096)
   parser.add_argument("--num_pairs", type=int, default=4096)
+  parser.add_argument("--num_eval", type=int, default=256)
+  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--alphabet", default=DEFAULT_ALPHABET)
   parser.add_argument("--min_len", type=int, default=3)
   parser.add_argument("--max_len", type=int, default=6)
@@ -329,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
       args.min_len, args.max_len, args.demo_noise, num_eval=args.num_eval,
       length_noise=args.length_noise, hard_pairs=args.hard_pairs,
   )
-  print_paths(paths)
+  for role, path in paths.items():
+    print(f"{role}: {path}")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ Runnable as `python -m pipe_rlhf_jax.data.word_problems --out_dir DIR`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
 
 from pipe_rlhf_jax.checks import check_int, from_section
-from pipe_rlhf_jax.data.task import print_paths, task_parser, write_task_files
+from pipe_rlhf_jax.data.task import write_task_files
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eva", "Ben", "Lily", "Omar")
 ITEMS = ("apples", "stickers", "marbles", "books", "pencils", "cookies", "shells", "cards",
@@ -233,8 +234,12 @@ def write_word_problem_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: i
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = task_parser("Write the word-problem chat task as JSONL.", num_demos=256,
-                       num_eval=128)
+  parser = argparse.ArgumentParser(description="Write the word-problem chat task as JSONL.")
+  parser.add_argument("--out_dir", required=True)
+  parser.add_argument("--num_prompts", type=int, default=4096)
+  parser.add_argument("--num_demos", type=int, default=256)
+  parser.add_argument("--num_eval", type=int, default=128)
+  parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--operations", default=WordProblemSpec.operations)
   parser.add_argument("--max_operand", type=int, default=WordProblemSpec.max_operand)
   parser.add_argument("--max_factor", type=int, default=WordProblemSpec.max_factor)
@@ -242,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
   spec = WordProblemSpec(args.operations, args.max_operand, args.max_factor)
   paths = write_word_problem_jsonl(args.out_dir, args.num_prompts, args.num_demos, args.seed,
                                    spec, num_eval=args.num_eval)
-  print_paths(paths)
+  for role, path in paths.items():
+    print(f"{role}: {path}")
 
 
 if __name__ == "__main__":
