@@ -223,8 +223,8 @@ def steady_samples_per_s(tracer, batch_size: int, excluded: int = 2) -> float:
   return batch_size * (len(ends) - excluded) / (ends[-1] - ends[excluded - 1])
 
 
-def stage_tokens_per_s(tracer, rows: list[dict], prompt_len: int, epochs: int,
-                       excluded: int = 2) -> dict[str, float]:
+def stage_tokens_per_s(tracer, rows: list[dict], batch_size: int, prompt_len: int,
+                       epochs: int, excluded: int = 2) -> dict[str, float]:
   """Tokens per second of each stage's own spans, the first `excluded` steps (compiling)
   left out: generate counts the completion tokens it sampled, infer the prompt and
   completion tokens it scored (each model pass), train those it trained on per epoch.
@@ -234,7 +234,6 @@ def stage_tokens_per_s(tracer, rows: list[dict], prompt_len: int, epochs: int,
   if not counted:
     return {}
   completion = sum(r.get("response_length/mean", 0.0) for r in counted)
-  batch = rows[0].get("batch_size", None)
   out = {}
   for stage in ("generate", "infer", "train"):
     spans = tracer.spans(stage)[excluded:]
@@ -243,7 +242,7 @@ def stage_tokens_per_s(tracer, rows: list[dict], prompt_len: int, epochs: int,
       continue
     per_row = completion if stage == "generate" else (
         completion + prompt_len * len(counted)) * (epochs if stage == "train" else 1)
-    out[stage] = per_row * (batch or 1) / seconds
+    out[stage] = per_row * batch_size / seconds
   return out
 
 
@@ -301,9 +300,8 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "rm_eval_accuracy": (result.rm_eval or {}).get("eval_accuracy"),  # None: a rule
       "samples_per_s": steady_samples_per_s(result.tracer, config.ppo.batch_size),
       # Per stage, over the steps after compiling (rows: one per PPO step).
-      "tokens_per_s": stage_tokens_per_s(
-          result.tracer, [{**r, "batch_size": config.ppo.batch_size} for r in rows],
-          config.data.prompt_len, config.ppo.epochs),
+      "tokens_per_s": stage_tokens_per_s(result.tracer, rows, config.ppo.batch_size,
+                                         config.data.prompt_len, config.ppo.epochs),
       # |behaviour - the trainer's recomputed| log-probs (stages/train.py: logprob_gap).
       "logprob_gap_max": [r.get("logprob_gap/max", float("nan")) for r in rows],
       "logprob_gap_mean": [r.get("logprob_gap/mean", float("nan")) for r in rows],

@@ -230,8 +230,8 @@ def test_stage_tokens_per_s_count_each_stages_own_tokens_after_compiling():
     tracer.add("generate", 10 * step, 10 * step + 1, batch=step)
     tracer.add("infer", 10 * step + 1, 10 * step + 3, batch=step)
     tracer.add("train", 10 * step + 3, 10 * step + 7, batch=step)
-  rows = [{"response_length/mean": 10.0, "batch_size": 8} for _ in range(4)]
-  rates = lc.stage_tokens_per_s(tracer, rows, prompt_len=30, epochs=2)
+  rows = [{"response_length/mean": 10.0} for _ in range(4)]
+  rates = lc.stage_tokens_per_s(tracer, rows, batch_size=8, prompt_len=30, epochs=2)
   # Steps 2 and 3: 2 x 8 x 10 completion tokens in 2 s; 2 x 8 x 40 tokens in 4 s; twice
   # that (two epochs) in 8 s.
   assert rates == pytest.approx({"generate": 80.0, "infer": 160.0, "train": 160.0})
