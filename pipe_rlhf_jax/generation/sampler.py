@@ -107,8 +107,9 @@ class DecodeState:
   Attributes:
     cache: KVCache with P + T slots.
     tokens, logprobs, mask: the output buffers [B, T].
-    done: bool [B], True once a row has emitted EOS.
+    done: bool [B], True once a row has emitted EOS (or reached its limit).
     last_token: int32 [B], the token to feed at the next step.
+    limit: int32 [B], each row's length budget (at most T).
     step: int32 [], index of the next completion token to draw.
   """
 
@@ -119,6 +120,7 @@ class DecodeState:
   done: jax.Array
   last_token: jax.Array
   step: jax.Array
+  limit: jax.Array
 
   def output(self) -> GenerationOutput:
     """The generation result held in this state."""
@@ -148,11 +150,13 @@ def next_tokens(logits: jax.Array, rng: jax.Array, sample_ids: jax.Array,
 
 def record_tokens(tokens_buf: jax.Array, logprobs_buf: jax.Array, mask_buf: jax.Array,
                   done: jax.Array, index: jax.Array | int, tokens: jax.Array,
-                  logprobs: jax.Array, params: SamplingParams):
+                  logprobs: jax.Array, params: SamplingParams,
+                  limit: jax.Array | None = None):
   """Writes column `index` of the output buffers with EOS handling.
 
   Rows already done get `pad_id`, log-prob 0 and mask False; a row whose new token
-  is EOS keeps it (mask True) and is done from then on.
+  is EOS keeps it (mask True) and is done from then on, as is a row whose token
+  `index` is the last its `limit` allows.
 
   Args:
     tokens_buf, logprobs_buf, mask_buf: [rows, T] output buffers.
@@ -160,6 +164,7 @@ def record_tokens(tokens_buf: jax.Array, logprobs_buf: jax.Array, mask_buf: jax.
     index: completion position of `tokens`.
     tokens, logprobs: [rows] the fresh draw.
     params: sampling settings.
+    limit: optional int [rows], each row's length budget (tokens it may emit).
 
   Returns:
     (tokens_buf, logprobs_buf, mask_buf, done) updated.
@@ -169,8 +174,11 @@ def record_tokens(tokens_buf: jax.Array, logprobs_buf: jax.Array, mask_buf: jax.
   logprobs = jnp.where(emit, logprobs, 0.0).astype(jnp.float32)
   column = lambda buf, value: jax.lax.dynamic_update_slice_in_dim(
       buf, value[:, None].astype(buf.dtype), index, axis=1)
+  ends = tokens == params.eos
+  if limit is not None:
+    ends = ends | (index + 1 >= limit)
   return (column(tokens_buf, tokens), column(logprobs_buf, logprobs),
-          column(mask_buf, emit), done | (emit & (tokens == params.eos)))
+          column(mask_buf, emit), done | (emit & ends))
 
 
 def completion_key_mask(prompt_mask: jax.Array, max_new_tokens: int) -> jax.Array:
@@ -185,7 +193,8 @@ def completion_key_mask(prompt_mask: jax.Array, max_new_tokens: int) -> jax.Arra
 
 def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                prompt_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-               params: SamplingParams, group_size: int = 1) -> DecodeState:
+               params: SamplingParams, group_size: int = 1,
+               limits: jax.Array | None = None) -> DecodeState:
   """Runs the whole prompt at cache slot 0 and draws completion token 0.
 
   Args:
@@ -199,6 +208,9 @@ def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arra
       group, `stages.generate.repeat_for_groups`): each prompt is then run once, and
       its cache and last logits are copied to its n rows, so the prefill costs B / n
       rows instead of B. Only the draws (per sample id) differ within a group.
+    limits: optional int [B], each row's length budget (at most T; default T): a row
+      stops after that many tokens as if it had emitted EOS. Benchmarks and tests force
+      length distributions with it.
 
   Returns:
     The DecodeState after token 0 (step == 1).
@@ -222,13 +234,16 @@ def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arra
     cache = KVCache(*(constrain(copy(c, 1), CACHE_AXES) for c in cache))
     logits = copy(logits, 0)  # [B, vocab]
   tokens, logprobs = next_tokens(logits, rng, sample_ids, 0, params)
+  limit = (jnp.full((batch,), steps, jnp.int32) if limits is None
+           else jnp.minimum(jnp.asarray(limits, jnp.int32), steps))
   buffers = (jnp.full((batch, steps), params.pad_id, jnp.int32),
              jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
   buffers = tuple(constrain(b, ("batch", "length")) for b in buffers)
   tok_buf, lp_buf, mask_buf, done = record_tokens(
-      *buffers, jnp.zeros((batch,), bool), 0, tokens, logprobs, params)
+      *buffers, jnp.zeros((batch,), bool), 0, tokens, logprobs, params, limit)
   return DecodeState(cache=cache, tokens=tok_buf, logprobs=lp_buf, mask=mask_buf,
-                     done=done, last_token=tokens, step=jnp.ones((), jnp.int32))
+                     done=done, last_token=tokens, step=jnp.ones((), jnp.int32),
+                     limit=limit)
 
 
 def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
@@ -272,9 +287,9 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
                                          s.cache, prompt_len + fed, layer_params)
     tokens, logprobs = next_tokens(logits[:, 0], rng, sample_ids, s.step, params)
     tok_buf, lp_buf, mask_buf, done = record_tokens(
-        s.tokens, s.logprobs, s.mask, s.done, s.step, tokens, logprobs, params)
+        s.tokens, s.logprobs, s.mask, s.done, s.step, tokens, logprobs, params, s.limit)
     return DecodeState(cache=cache, tokens=tok_buf, logprobs=lp_buf, mask=mask_buf,
-                       done=done, last_token=tokens, step=s.step + 1)
+                       done=done, last_token=tokens, step=s.step + 1, limit=s.limit)
 
   return jax.lax.while_loop(cond, body, decode_state)
 
@@ -291,7 +306,7 @@ def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
     params: static sampling settings.
     group_size: rows per distinct prompt, each prompt prefilled once (`prefill_fn`).
     prefill_shardings: optional `jax.jit` kwargs (`in_shardings`, `out_shardings`)
-      for `prefill(state, prompt_tokens, prompt_mask, rng, sample_ids)`.
+      for `prefill(state, prompt_tokens, prompt_mask, rng, sample_ids, limits=None)`.
     decode_shardings: likewise for
       `decode(state, decode_state, prompt_mask, rng, sample_ids)`.
 
@@ -300,9 +315,9 @@ def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
     returns the final DecodeState (call `.output()` on it). Trace them inside
     `parallel.logical.axis_rules(mesh, rules)` for activation constraints to apply.
   """
-  def prefill(state, prompt_tokens, prompt_mask, rng, sample_ids):
+  def prefill(state, prompt_tokens, prompt_mask, rng, sample_ids, limits=None):
     return prefill_fn(graphdef, state, prompt_tokens, prompt_mask, rng, sample_ids,
-                      params, group_size)
+                      params, group_size, limits)
 
   def decode(state, decode_state, prompt_mask, rng, sample_ids):
     return decode_fn(graphdef, state, decode_state, prompt_mask, rng, sample_ids,
@@ -370,8 +385,8 @@ def check_prompts(prompt_tokens, prompt_mask, sample_ids=None):
 def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array,
              max_new_tokens: int, *, rng: jax.Array, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eos_id: int | None,
-             pad_id: int = 0, sample_ids: jax.Array | None = None
-             ) -> GenerationOutput:
+             pad_id: int = 0, sample_ids: jax.Array | None = None,
+             limits: jax.Array | None = None) -> GenerationOutput:
   """Samples completions for a left-padded batch of prompts with a KV cache.
 
   Args:
@@ -386,6 +401,7 @@ def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
     pad_id: written after EOS.
     sample_ids: int [B] global ids (default arange(B)); tokens depend on the id, not
       on the row a sample occupies.
+    limits: optional int [B] per-row length budgets (`prefill_fn`).
 
   Returns:
     GenerationOutput with [B, T] tokens / logprobs / mask and the steps decoded.
@@ -399,7 +415,7 @@ def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
                                                          sample_ids)
   graphdef, state = nnx.split(model)
   prefill, decode = cached_generate_fns(graphdef, params)
-  decode_state = prefill(state, prompt_tokens, prompt_mask, rng, sample_ids)
+  decode_state = prefill(state, prompt_tokens, prompt_mask, rng, sample_ids, limits)
   return decode(state, decode_state, prompt_mask, rng, sample_ids).output()
 
 

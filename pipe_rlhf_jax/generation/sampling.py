@@ -84,9 +84,14 @@ def sampling_logprobs(logits: jax.Array, temperature: float = 1.0, top_k: int = 
 
 def token_keys(rng: jax.Array, sample_ids: jax.Array, position: jax.Array | int
                ) -> jax.Array:
-  """Keys [batch] for drawing token `position` of each sample in `sample_ids` [batch]."""
-  fold = lambda sid: jax.random.fold_in(jax.random.fold_in(rng, sid), position)
-  return jax.vmap(fold)(sample_ids)
+  """Keys [batch] for drawing token `position` of each sample in `sample_ids` [batch].
+
+  `position` is one index for every row, or an int [batch] (the continuous-batching
+  engine, whose rows are at different positions): a token's key depends only on its
+  sample id and position, never on the row or step that draws it.
+  """
+  fold = lambda sid, pos: jax.random.fold_in(jax.random.fold_in(rng, sid), pos)
+  return jax.vmap(fold)(sample_ids, jnp.broadcast_to(position, jnp.shape(sample_ids)))
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

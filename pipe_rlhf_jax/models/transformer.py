@@ -17,8 +17,11 @@ Design points a reader should know:
   maps the names to mesh axes. Outside a rules context the constraints are no-ops.
 - Batches are left-padded: `attention_mask` marks real tokens, positions default to the
   running count of real tokens, and padded keys are never attended to.
-- The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout), so all
-  rows of a batch write the same slot at each step and no per-row scatter is needed.
+- The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout). The
+  static decoders write the same slot for every row at each step (one
+  `dynamic_update_slice`); the continuous-batching engine gives each row its own slot
+  (`slot` an int [batch]: one scatter per step), because its rows are at different
+  completion positions.
 - Local ("sliding_attention") and global layers share the stacked parameters; which
   kind a layer is comes from the config (a static pattern), looked up inside the layer
   scan from the layer's global index (`layer_offset` + local index, so a pipeline stage
@@ -186,11 +189,12 @@ def window_allowed(allowed: jax.Array, query_slots: jax.Array, window: int) -> j
   """`allowed` [batch, length, keys] narrowed to the last `window` slots of each query.
 
   A query at slot q keeps key slot k iff q - k < window (with the causal k <= q already
-  in `allowed`): transformers' sliding-window rule, in slots.
+  in `allowed`): transformers' sliding-window rule, in slots. `query_slots` is [length]
+  (every row at the same slots) or [batch, length].
   """
   keys = allowed.shape[-1]
-  near = query_slots[:, None] - jnp.arange(keys)[None, :] < window  # [length, keys]
-  return allowed & near[None]
+  near = query_slots[..., None] - jnp.arange(keys) < window  # [(batch,) length, keys]
+  return allowed & near
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -264,7 +268,8 @@ class Layers(nnx.Module):
         causally on top.
       cache: optional KV cache for the local layers, [local_layers, batch, slots, ...].
       slot: the cache slot of the first query token; the queries occupy
-        [slot, slot + length).
+        [slot, slot + length). An int [batch] gives each row its own slot (the
+        continuous-batching engine, whose rows are at different positions).
       cache_stride, cache_offset: local layer i reads and writes cache row
         `i * cache_stride + cache_offset` (default: row i). The pipelined decoder keeps
         all its micro-batches' caches in one array, [local_layers * M, mb, ...], and
@@ -284,11 +289,13 @@ class Layers(nnx.Module):
     num_local = len(layer_params) if layer_params is not None else params["q_proj"].shape[0]
     length = h.shape[1]
     keys = key_mask.shape[1]
-    # [length, keys]: causal in slot order; with left padding, slot order is time order.
-    query_slots = slot + jnp.arange(length)
-    causal = jnp.arange(keys)[None, :] <= query_slots[:, None]
+    # [(batch,) length]: per-row slots when `slot` is [batch].
+    query_slots = jnp.asarray(slot)[..., None] + jnp.arange(length)
+    # [(batch,) length, keys]: causal in slot order; with left padding, slot order is time
+    # order.
+    causal = jnp.arange(keys) <= query_slots[..., None]
     # [batch, length, keys]
-    allowed = causal[None] & key_mask[:, None, :].astype(bool)
+    allowed = causal & key_mask[:, None, :].astype(bool)
     # What a layer attends with: (mask, cos, sin), one set per layer kind.
     full = (allowed, *rope_tables(c, positions))
     kinds = c.local_layers
@@ -361,10 +368,18 @@ class Layers(nnx.Module):
     k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    if cache_k is not None:
+    if cache_k is not None and jnp.ndim(slot) == 0:
       start = (index, 0, slot, 0, 0)
       cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
       cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
+      keys, values = cache_k[index], cache_v[index]  # [batch, slots, kv_heads, head_dim]
+    elif cache_k is not None:
+      # Row b's tokens go to its own slots [slot[b], slot[b] + length); slots past the
+      # cache are dropped (a free engine slot may point there; its output is discarded).
+      rows = jnp.arange(batch)[:, None]  # [batch, 1]
+      cols = slot[:, None] + jnp.arange(length)  # [batch, length]
+      cache_k = cache_k.at[index, rows, cols].set(k.astype(cache_k.dtype), mode="drop")
+      cache_v = cache_v.at[index, rows, cols].set(v.astype(cache_v.dtype), mode="drop")
       keys, values = cache_k[index], cache_v[index]  # [batch, slots, kv_heads, head_dim]
     else:
       keys, values = k, v

@@ -363,7 +363,7 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
 
 
 _STAGE_DEFAULTS = {"num_microbatches": 1, "attention": "auto", "remat": "none",
-                   "logits_chunk": 0}
+                   "logits_chunk": 0, "num_slots": 0}
 
 
 def _has(config, key: str) -> bool:

@@ -2,8 +2,11 @@
 
 When the stage's mesh has a `pipe` axis larger than one, decoding runs the delayed
 inter-batch pipeline (`generation/pipelined.py`) with `num_microbatches`; otherwise the
-plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules.
-Either way the output is a `Rollout` in the shared `[prompt | completion]` layout.
+plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules,
+either as one static batch or, with `num_slots` > 0, as a queue over that many slots
+with continuous batching (`generation/engine.py`: same completions, fewer idle
+slot-steps on long-tailed lengths). Either way the output is a `Rollout` in the shared
+`[prompt | completion]` layout.
 
 Group sampling (`ppo.group_size = n`): each prompt of the batch is repeated n times,
 consecutively, before decoding, so the n completions of one prompt are generated in the
@@ -12,7 +15,7 @@ rollout, where the group estimators (`ppo/critic_free.py`) expect them. Sample j
 prompt with global id i draws its tokens with key id i * n + j: distinct for every
 completion, and equal to i when n = 1. The plain sampler prefills each prompt once and
 copies its KV cache to the group's n rows (`sampler.prefill_fn`'s `group_size`): the
-prefill costs the prompts, not the samples. (The pipelined decoder prefills every row:
+prefill costs the prompts, not the samples; the engine admits a group whole, likewise. (The pipelined decoder prefills every row:
 its micro-batches need not hold whole groups.)
 """
 
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipe_rlhf_jax.distributed.arrays import fetch
+from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.ppo.types import Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
@@ -40,20 +43,27 @@ class GenerateStage:
     params: static sampling settings (length, temperature, top-k/p, EOS, pad).
     num_microbatches: micro-batches of the pipelined decoder (used when pipe > 1).
     group_size: completions sampled per prompt.
+    num_slots: 0 for one static batch; S > 0 for continuous batching over S slots.
   """
 
   def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
                params: sampler.SamplingParams, num_microbatches: int = 1,
-               group_size: int = 1):
+               group_size: int = 1, num_slots: int = 0):
     self.layout = layout
     self.group_size = group_size
     self.graphdef = graphdef
     self.params = params
     self.num_microbatches = num_microbatches
+    self.num_slots = num_slots
     self.pipe = layout.mesh.shape.get("pipe", 1)
-    if self.pipe == 1:
+    if num_slots and self.pipe > 1:
+      raise ValueError(f"stages.generate.num_slots={num_slots} on a generation mesh with "
+                       f"pipe={self.pipe}: the pipelined decoder decodes static "
+                       "micro-batches; set num_slots=0, or pipe=1 for continuous batching.")
+    if self.pipe == 1 and not num_slots:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, params,
                                                               group_size=group_size)
+    self._engines: dict[int, object] = {}
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:
@@ -71,11 +81,17 @@ class GenerateStage:
       The Rollout (on this stage's mesh) and timing metrics.
     """
     start = time.perf_counter()
+    queue = batch
     batch = repeat_for_groups(batch, self.group_size)
     prompts = self.layout.put_batch({k: batch[k] for k in ("prompt_tokens", "prompt_mask")})
     tokens, mask = prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool)
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
-    if self.pipe > 1:
+    metrics = {}
+    if self.num_slots:
+      out, stats = self._continuous(actor, queue, rng, sample_ids)
+      busy, steps = (int(x) for x in fetch((stats.busy_slot_steps, stats.decode_steps)))
+      metrics["generate/slot_occupancy"] = busy / max(steps * self._slots(len(tokens)), 1)
+    elif self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
       out, _ = pipelined.pipelined_generate(
           self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
@@ -95,7 +111,30 @@ class GenerateStage:
     new_tokens = float(fetch(out.mask).sum())
     seconds = time.perf_counter() - start
     return rollout, {"time/generate_s": seconds,
-                     "generate/tokens_per_s": new_tokens / max(seconds, 1e-9)}
+                     "generate/tokens_per_s": new_tokens / max(seconds, 1e-9), **metrics}
+
+  def _slots(self, rows: int) -> int:
+    """Slots the engine runs: more than the batch's rows would never fill."""
+    return max(min(self.num_slots, rows), self.group_size)
+
+  def _continuous(self, actor: nnx.State, queue: dict, rng: jax.Array,
+                  sample_ids: jax.Array):
+    """The batch's prompts as the engine's queue, each prompt once (not per sample)."""
+    from pipe_rlhf_jax.generation import engine
+    rows = len(queue["prompt_tokens"]) * self.group_size
+    slots = self._slots(rows)
+    if slots not in self._engines:
+      spec = engine.EngineSpec(num_slots=slots, group_size=self.group_size)
+      self._engines[slots] = engine.make_engine_fn(self.graphdef, self.params, spec)
+    # The queue is read by every slot wherever it sits: replicated, not split over batch.
+    prompts = put_global({k: np.asarray(queue[k]) for k in ("prompt_tokens", "prompt_mask")},
+                         self.layout.replicated)
+    limits = put_global(np.full((rows,), self.params.max_new_tokens, np.int32),
+                        self.layout.replicated)
+    with self.layout.rules_context():
+      return self._engines[slots](actor, prompts["prompt_tokens"],
+                                  prompts["prompt_mask"].astype(bool), rng, sample_ids,
+                                  limits)
 
 
 def repeat_for_groups(batch: dict, group_size: int) -> dict:

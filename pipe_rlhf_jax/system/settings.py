@@ -299,6 +299,10 @@ class StagePlan:
       (0: all at once). Applies in every mode.
     scan_unroll: layers per iteration of the layer scan (`TransformerConfig.scan_unroll`;
       1: a loop, the number of layers: unrolled). Applies in every mode.
+    num_slots: generation only: 0 decodes each batch as one static batch; S > 0 decodes
+      the batch's prompts as a queue over S slots with continuous batching
+      (`generation/engine.py`): a finished row's slot takes the next prompt at once.
+      Applies in every mode, to a stage without a pipe axis.
   """
 
   mesh: MeshSpec = MeshSpec()
@@ -308,6 +312,7 @@ class StagePlan:
   remat: str = "none"
   logits_chunk: int = 0
   scan_unroll: int = 1
+  num_slots: int = 0
 
   def __post_init__(self):
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
@@ -315,6 +320,7 @@ class StagePlan:
     check_choice(self.remat, "remat", REMAT_POLICIES)
     check_int(self.logits_chunk, "logits_chunk", low=0)
     check_int(self.scan_unroll, "scan_unroll", low=1)
+    check_int(self.num_slots, "num_slots", low=0)
 
   def execution(self) -> dict[str, Any]:
     """The model execution fields this stage sets (`models.transformer.with_execution`)."""
@@ -325,7 +331,7 @@ class StagePlan:
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
     check_known(values, ("mesh", "rules", "num_microbatches", "attention", "remat",
-                         "logits_chunk", "scan_unroll"), field)
+                         "logits_chunk", "scan_unroll", "num_slots"), field)
     rules = values.get("rules") or {}
     rules = tuple((name, tuple(a) if isinstance(a, list) else a)
                   for name, a in _plain(rules).items())
@@ -335,9 +341,11 @@ class StagePlan:
                  attention=values.get("attention", "auto"),
                  remat=values.get("remat", "none"),
                  logits_chunk=values.get("logits_chunk", 0),
-                 scan_unroll=values.get("scan_unroll", 1))
+                 scan_unroll=values.get("scan_unroll", 1),
+                 num_slots=values.get("num_slots", 0))
     except ValueError as e:
-      if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=")):
+      if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=",
+                            "num_slots=")):
         raise ValueError(f"{field}.{e}") from None
       raise
 
@@ -391,6 +399,16 @@ class Plan:
         check_int(count, f"runtime.placement.{stage}")
     for stage in STAGES:
       check_int(self.stage(stage).num_microbatches, f"stages.{stage}.num_microbatches")
+    for stage in ("infer", "train"):
+      if self.stage(stage).num_slots:
+        raise ValueError(f"stages.{stage}.num_slots={self.stage(stage).num_slots}: only "
+                         "generation decodes; set stages.generate.num_slots instead.")
+    if self.generate.num_slots and self.mode != "sequential" and self.generate.mesh.pipe > 1:
+      raise ValueError(
+          f"stages.generate.num_slots={self.generate.num_slots} with "
+          f"stages.generate.mesh.pipe={self.generate.mesh.pipe}: the pipelined decoder "
+          "decodes static micro-batches; set num_slots=0, or pipe=1 for continuous "
+          "batching.")
     if self.mode != "sequential" and self.train.mesh.pipe not in (1,):
       raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
                        "whole; fold those devices into fsdp or data.")

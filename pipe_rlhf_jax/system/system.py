@@ -374,7 +374,8 @@ class PPOSystem:
                                if self.has_critic else None) for stage in ("infer", "train")}
     self.generate_stage = GenerateStage(
         gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
-        runtime.num_microbatches, group_size=ppo.group_size)
+        runtime.num_microbatches, group_size=ppo.group_size,
+        num_slots=runtime.generate.num_slots)
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
                                   critic_graphdef["infer"], reward_graphdef,
                                   InferHyper.from_settings(ppo, sampling.temperature),

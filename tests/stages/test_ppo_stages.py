@@ -578,3 +578,28 @@ def test_ptx_batch_must_match_the_setting(layout, models):
     trainer.update(state, exp, jax.random.key(0))
   with pytest.raises(ValueError, match=r"this update needs \(2, 1, 4\)"):
     trainer.update(state, exp, jax.random.key(0), demo_batch((1, 1, 4)))
+
+
+def test_continuous_batching_stage_gives_the_static_stages_rollout(models):
+  # Groups of 2 over 3 slots, a frequent token as EOS: slots free and refill at different
+  # steps, on a tensor-parallel generation mesh. The rollout is the static stage's.
+  mesh = make_mesh({"data": 1, "tensor": 2}, jax.devices()[:2])
+  layout = StageLayout("generate", mesh, logical.DEFAULT_RULES)
+  actor_gd, actor = models["actor"]
+  batch = prompts(seed=3)
+  rng = jax.random.key(5)
+  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=None)
+  probe, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 0)
+  eos = int(np.bincount(np.asarray(probe.completion_tokens).ravel()).argmax())
+  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=eos)
+  static, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 3)
+  engine, metrics = GenerateStage(layout, actor_gd, sampling, group_size=2, num_slots=3)(
+      actor, batch, rng, 3)
+  lengths = np.asarray(static.completion_mask).sum(1)
+  assert lengths.min() < COMPLETION < lengths.max() + 1  # EOS ends some rows early
+  for field in ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask"):
+    np.testing.assert_array_equal(np.asarray(getattr(engine, field)),
+                                  np.asarray(getattr(static, field)), err_msg=field)
+  np.testing.assert_allclose(np.asarray(engine.behaviour_logprobs),
+                             np.asarray(static.behaviour_logprobs), atol=2e-5)
+  assert 0 < metrics["generate/slot_occupancy"] <= 1

@@ -258,3 +258,25 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
     np.testing.assert_allclose(m["kl_coef"], coefs[version], rtol=1e-6)
   assert len(set(coefs)) > 1  # the controller did move
   np.testing.assert_allclose(system.kl_coef, coefs[-1], rtol=1e-6)
+
+
+def test_continuous_batching_changes_how_not_what(tmp_path):
+  # The same two PPO steps, generation as one static batch and as a queue over 3 slots.
+  results = []
+  for plan in (StagePlan(), StagePlan(num_slots=3)):
+    system, tok = _tiny_system(tmp_path, generate=plan)
+    prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
+    results.append(run(system, prompts, steps=2).metrics)
+  for want, got in zip(*results):
+    for key in ("reward/mean", "kl/mean", "policy_loss", "value_loss"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  assert 0 < results[1][-1]["generate/slot_occupancy"] <= 1
+
+
+def test_num_slots_is_a_generation_setting():
+  with pytest.raises(ValueError, match="stages.generate.num_slots=-1"):
+    StagePlan.from_config({"num_slots": -1}, "stages.generate")
+  with pytest.raises(ValueError, match="stages.train.num_slots=4: only generation"):
+    Plan(train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1), num_slots=4))
+  with pytest.raises(ValueError, match="pipelined decoder decodes static micro-batches"):
+    Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_slots=4))

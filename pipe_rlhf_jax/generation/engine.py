@@ -1,0 +1,387 @@
+"""Continuous batching for the plain KV-cache decoder: a queue of prompts over S slots.
+
+This module owns the slot engine: one jitted `lax.while_loop` that decodes a queue of
+prompts with a fixed number of *slots* (rows of the running batch, each with its own
+region of the KV cache). A slot whose completion emits EOS or reaches its length frees
+at once, and the next prompts of the queue are prefilled into the free slots between
+two decode steps, inside the same program: no host round-trip per token or per refill.
+
+Why: the static sampler (`sampler.py`) decodes a fixed batch until its longest row ends,
+so on a long-tailed length distribution most slot-steps produce nothing. Here a slot is
+busy as long as the queue has prompts; only the queue's last completions leave slots
+idle.
+
+The engine changes scheduling, not mathematics: a completion is a function of the
+weights, its prompt and its sampling key alone. Each slot's cache region has the static
+sampler's layout (prompt left-padded in columns [0, P), completion token t at column
+P + t), its rows are attended with the same masks, and token t of sample id i is drawn
+with `token_keys(rng, i, t)` whichever slot and step draw it; so every completion and
+its log-probs equal the static sampler's for the same key (tests check it, greedy and
+sampled, with tensor parallelism).
+
+Admission: prompts enter in queue order, a prompt's n group samples together (one
+prefill per prompt, its cache copied into n slots, as the static sampler's group
+prefill does). An admission prefills w prompts at once, w the largest of the static
+widths 1, 2, 4, ... `max_admit` that the free slots and the queue allow: one compiled
+prefill per width, chosen with `lax.switch`. A whole prompt is prefilled in one go, so
+the running decode waits one prefill of w prompts (at P tokens each about the cost of
+P / S decode steps per prompt, a few steps at the shipped sizes) rather than being
+interleaved in chunks. A newcomer's region is overwritten whole (zeros past its
+prompt), so whatever a freed slot held, NaN included, never reaches it.
+
+The KV cache is contiguous per slot (S x (P + T) columns). A paged cache would let slots
+share a token budget instead of each reserving P + T columns; on CPU, where the slot
+count is bounded by compute rather than by cache memory, the contiguous layout avoids
+the page-table gather in every attention read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+from flax import nnx, struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipe_rlhf_jax.generation.sampler import (GenerationOutput, SamplingParams,
+                                              check_prompts, completion_key_mask,
+                                              next_tokens)
+from pipe_rlhf_jax.models.transformer import CACHE_AXES, KVCache, default_positions
+from pipe_rlhf_jax.parallel.logical import constrain, current_axis_rules
+
+FREE = -1  # `EngineState.row` of a slot that holds no completion
+
+
+@struct.dataclass
+class EngineStats:
+  """What the engine did, for occupancy and throughput metrics.
+
+  Attributes:
+    decode_steps: int32 []: decode steps run (each computes every slot).
+    busy_slot_steps: int32 []: slot-steps that produced a token (decode steps only;
+      prefills draw each completion's first token).
+    prefills: int32 []: admissions run.
+    prefill_rows: int32 []: prompt rows computed by the admissions (padding included).
+  """
+
+  decode_steps: jax.Array
+  busy_slot_steps: jax.Array
+  prefills: jax.Array
+  prefill_rows: jax.Array
+
+
+@struct.dataclass
+class EngineState:
+  """The loop carry.
+
+  Attributes:
+    cache: KVCache [layers, S, P + T, kv_heads, head_dim], one region per slot.
+    key_mask: bool [S, P + T]: the slot's prompt mask, then every completion column.
+    num_real: int32 [S]: real prompt tokens of the slot's prompt.
+    row: int32 [S]: output row of the slot's completion, FREE when idle.
+    step: int32 [S]: index of the next completion token the slot draws.
+    last_token: int32 [S]: the token to feed at the slot's next decode step.
+    next_prompt: int32 []: the first queue entry not yet admitted.
+    tokens, logprobs, mask: [N, T] output buffers, N = queue length x group size.
+    stats: EngineStats.
+  """
+
+  cache: KVCache
+  key_mask: jax.Array
+  num_real: jax.Array
+  row: jax.Array
+  step: jax.Array
+  last_token: jax.Array
+  next_prompt: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  stats: EngineStats
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """Static shape of one engine program (hashable: it keys the jit cache).
+
+  Attributes:
+    num_slots: S, completions decoded at once.
+    group_size: n, completions per prompt (consecutive output rows).
+    max_admit: the widest admission, in prompts (default: as many as S slots hold).
+  """
+
+  num_slots: int
+  group_size: int = 1
+  max_admit: int | None = None
+
+  def __post_init__(self):
+    for name in ("num_slots", "group_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if self.num_slots < self.group_size:
+      raise ValueError(
+          f"num_slots={self.num_slots} cannot hold one group of {self.group_size} samples: "
+          f"use at least {self.group_size} slots (a group is admitted whole).")
+    if self.max_admit is not None and (not isinstance(self.max_admit, (int, np.integer))
+                                       or self.max_admit < 1):
+      raise ValueError(f"max_admit must be a positive int or None, got {self.max_admit!r}")
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    """Admission widths in prompts: powers of two up to the widest."""
+    widest = self.num_slots // self.group_size
+    if self.max_admit is not None:
+      widest = min(widest, self.max_admit)
+    out, w = [], 1
+    while w <= widest:
+      out.append(w)
+      w *= 2
+    return tuple(out)
+
+
+def init_state(model_config, spec: EngineSpec, params: SamplingParams, prompt_len: int,
+               num_rows: int, cache_fill: float = 0.0) -> EngineState:
+  """An engine with every slot free and empty output buffers.
+
+  Args:
+    model_config: the model's TransformerConfig (cache shape and dtype).
+    spec: slot count and group size.
+    params: sampling settings (T and the pad id).
+    prompt_len: P.
+    num_rows: N, completions to produce.
+    cache_fill: the free slots' cache content (tests poison it with NaN).
+  """
+  s, steps = spec.num_slots, params.max_new_tokens
+  cache = KVCache.zeros(model_config, s, prompt_len + steps)
+  if cache_fill != 0.0:
+    cache = KVCache(*(jnp.full_like(c, cache_fill) for c in cache))
+  cache = KVCache(*(constrain(c, CACHE_AXES) for c in cache))
+  buffers = (jnp.full((num_rows, steps), params.pad_id, jnp.int32),
+             jnp.zeros((num_rows, steps), jnp.float32), jnp.zeros((num_rows, steps), bool))
+  zero = jnp.zeros((), jnp.int32)
+  return EngineState(
+      cache=cache, key_mask=jnp.zeros((s, prompt_len + steps), bool),
+      num_real=jnp.zeros((s,), jnp.int32), row=jnp.full((s,), FREE, jnp.int32),
+      step=jnp.zeros((s,), jnp.int32), last_token=jnp.zeros((s,), jnp.int32),
+      next_prompt=zero, tokens=buffers[0], logprobs=buffers[1], mask=buffers[2],
+      stats=EngineStats(zero, zero, zero, zero))
+
+
+def _write(buf: jax.Array, rows: jax.Array, cols: jax.Array, values: jax.Array) -> jax.Array:
+  """buf[rows[i], cols[i]] = values[i]; rows past the buffer (idle slots) are dropped."""
+  return buf.at[rows, cols].set(values.astype(buf.dtype), mode="drop")
+
+
+def _emit(s: EngineState, slots_row: jax.Array, column: jax.Array, tokens: jax.Array,
+          logprobs: jax.Array, limits: jax.Array, params: SamplingParams
+          ) -> tuple[EngineState, jax.Array]:
+  """Records token `column` of the completions in `slots_row` (FREE rows skipped).
+
+  Returns the state with outputs written and a bool per entry: this token ended its
+  completion (EOS, or its length budget reached).
+  """
+  num_rows = s.tokens.shape[0]
+  live = slots_row != FREE
+  target = jnp.where(live, slots_row, num_rows)  # out of range: dropped
+  ended = (tokens == params.eos) | (column + 1 >= limits[jnp.clip(slots_row, 0)])
+  s = s.replace(tokens=_write(s.tokens, target, column, tokens),
+                logprobs=_write(s.logprobs, target, column, logprobs),
+                mask=_write(s.mask, target, column, live))
+  return s, live & ended
+
+
+def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
+           queue_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
+           limits: jax.Array, spec: EngineSpec, params: SamplingParams) -> EngineState:
+  """Prefills the next `width` prompts of the queue into free slots.
+
+  The caller guarantees `width * n` free slots and `width` prompts left (the queue is
+  padded by the widest admission, so the slice below never clamps).
+  """
+  n, steps = spec.group_size, params.max_new_tokens
+  prompt_len = queue_tokens.shape[1]
+  num_slots = s.row.shape[0]
+  tokens = jax.lax.dynamic_slice_in_dim(queue_tokens, s.next_prompt, width)  # [w, P]
+  mask = jax.lax.dynamic_slice_in_dim(queue_mask, s.next_prompt, width)
+  key_mask = completion_key_mask(mask, steps)  # [w, P + T]
+  cache = KVCache.zeros(model.config, width, prompt_len + steps)
+  logits, cache = model.forward_cached(tokens, default_positions(mask), key_mask, cache, 0,
+                                       last_only=True)
+  logits = logits[:, -1]  # [w, vocab]: left padding puts the last prompt token last
+
+  # Entry j of the admission is sample j % n of prompt j // n; it takes the j-th free
+  # slot (free slots in index order).
+  free_first = jnp.argsort(s.row != FREE, stable=True)  # [S]
+  target = free_first[:width * n]  # [w * n] slot indices
+  source = jnp.arange(width * n) // n  # [w * n] prompt within the admission
+  out_row = (s.next_prompt + source) * n + jnp.arange(width * n) % n  # [w * n]
+
+  put = lambda dst, src, axis: dst.at[(slice(None),) * axis + (target,)].set(
+      jnp.take(src, source, axis=axis).astype(dst.dtype))
+  new_cache = KVCache(*(constrain(put(d, c, 1), CACHE_AXES) for d, c in zip(s.cache, cache)))
+  first, first_lp = next_tokens(jnp.take(logits, source, axis=0), rng,
+                                sample_ids[out_row], 0, params)
+  s = s.replace(
+      cache=new_cache, key_mask=put(s.key_mask, key_mask, 0),
+      num_real=put(s.num_real, jnp.sum(mask, axis=1, dtype=jnp.int32), 0),
+      step=s.step.at[target].set(1), last_token=s.last_token.at[target].set(first),
+      next_prompt=s.next_prompt + width,
+      stats=s.stats.replace(prefills=s.stats.prefills + 1,
+                            prefill_rows=s.stats.prefill_rows + width))
+  s, ended = _emit(s, out_row, jnp.zeros_like(out_row), first, first_lp, limits, params)
+  return s.replace(row=s.row.at[target].set(jnp.where(ended, FREE, out_row)))
+
+
+def _decode(model, s: EngineState, prompt_len: int, rng: jax.Array,
+            sample_ids: jax.Array, limits: jax.Array, params: SamplingParams,
+            layer_params) -> EngineState:
+  """One decode step of every slot; busy slots record their token, idle ones discard."""
+  # The token drawn at step-1 is fed at its own cache column and position. Idle slots
+  # compute on whatever their region holds; nothing of theirs is kept.
+  fed = jnp.maximum(s.step - 1, 0)  # [S]
+  positions = (s.num_real + fed)[:, None]  # [S, 1]
+  logits, cache = model.forward_cached(s.last_token[:, None], positions, s.key_mask,
+                                       s.cache, prompt_len + fed, layer_params)
+  ids = sample_ids[jnp.clip(s.row, 0)]
+  tokens, logprobs = next_tokens(logits[:, 0], rng, ids, s.step, params)
+  busy = s.row != FREE
+  s = s.replace(cache=cache)
+  s, ended = _emit(s, s.row, s.step, tokens, logprobs, limits, params)
+  return s.replace(
+      row=jnp.where(ended, FREE, s.row), step=jnp.where(busy, s.step + 1, s.step),
+      last_token=tokens,
+      stats=s.stats.replace(decode_steps=s.stats.decode_steps + 1,
+                            busy_slot_steps=s.stats.busy_slot_steps
+                            + jnp.sum(busy, dtype=jnp.int32)))
+
+
+def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
+           queue_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
+           limits: jax.Array, spec: EngineSpec, params: SamplingParams,
+           cache_fill: float = 0.0) -> tuple[GenerationOutput, EngineStats]:
+  """Decodes the whole queue; pure and jit-able (see `make_engine_fn`).
+
+  Args:
+    graphdef, state: `nnx.split` of an LM-head Transformer.
+    queue_tokens, queue_mask: [Q, P] left-padded prompts, in admission order.
+    rng: base key; completion k's token t uses `token_keys(rng, sample_ids[k], t)`.
+    sample_ids: int [Q * n]: completion k is sample k % n of prompt k // n.
+    limits: int [Q * n] length budgets (at most T).
+    spec, params: static engine and sampling settings.
+    cache_fill: initial content of the free slots' cache.
+
+  Returns:
+    The [Q * n, T] GenerationOutput (`num_steps` is the number of decode steps run)
+    and the EngineStats.
+  """
+  model = nnx.merge(graphdef, state)
+  num_prompts, prompt_len = queue_tokens.shape
+  n, widths = spec.group_size, spec.widths
+  # Padding the queue by the widest admission keeps every dynamic slice in range.
+  pad = widths[-1]
+  queue_tokens = jnp.concatenate(
+      [queue_tokens, jnp.zeros((pad, prompt_len), queue_tokens.dtype)], axis=0)
+  queue_mask = jnp.concatenate(
+      [queue_mask, jnp.ones((pad, prompt_len), bool)], axis=0)
+  limits = jnp.minimum(jnp.asarray(limits, jnp.int32), params.max_new_tokens)
+  active = current_axis_rules()
+  fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
+  layer_params = model.layers.per_layer() if fsdp == 1 else None
+
+  admits = [functools.partial(_admit, model, width=w, queue_tokens=queue_tokens,
+                              queue_mask=queue_mask, rng=rng, sample_ids=sample_ids,
+                              limits=limits, spec=spec, params=params)
+            for w in widths]
+
+  def admit(s: EngineState) -> EngineState:
+    # The widest admission the free slots and the queue allow; branch 0 admits none.
+    free = jnp.sum(s.row == FREE, dtype=jnp.int32)
+    room = jnp.minimum(free // n, num_prompts - s.next_prompt)
+    branch = jnp.sum(jnp.asarray(widths) <= room)
+    return jax.lax.switch(branch, [lambda s: s] + [lambda s, f=f: f(s) for f in admits], s)
+
+  def cond(s: EngineState):
+    return jnp.any(s.row != FREE) | (s.next_prompt < num_prompts)
+
+  def body(s: EngineState) -> EngineState:
+    s = admit(s)
+    return jax.lax.cond(
+        jnp.any(s.row != FREE),
+        lambda s: _decode(model, s, prompt_len, rng, sample_ids, limits, params,
+                          layer_params),
+        lambda s: s, s)
+
+  s = init_state(model.config, spec, params, prompt_len, num_prompts * n, cache_fill)
+  s = jax.lax.while_loop(cond, body, s)
+  return (GenerationOutput(tokens=s.tokens, logprobs=s.logprobs, mask=s.mask,
+                           num_steps=s.stats.decode_steps), s.stats)
+
+
+def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineSpec,
+                   cache_fill: float = 0.0, jit_kwargs: dict[str, Any] | None = None
+                   ) -> Callable:
+  """Jits `run(state, queue_tokens, queue_mask, rng, sample_ids, limits)`.
+
+  Trace it inside `parallel.logical.axis_rules(mesh, rules)` for the stage's
+  activation constraints to apply (the slots take the `batch` axis).
+  """
+  def run(state, queue_tokens, queue_mask, rng, sample_ids, limits):
+    return run_fn(graphdef, state, queue_tokens, queue_mask, rng, sample_ids, limits,
+                  spec, params, cache_fill)
+
+  return jax.jit(run, **(jit_kwargs or {}))
+
+
+_FNS_CACHE: dict[Any, Callable] = {}
+
+
+def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
+                        prompt_mask: jax.Array, params: SamplingParams, *,
+                        rng: jax.Array, num_slots: int, group_size: int = 1,
+                        sample_ids: jax.Array | None = None,
+                        limits: jax.Array | None = None, max_admit: int | None = None,
+                        cache_fill: float = 0.0
+                        ) -> tuple[GenerationOutput, EngineStats]:
+  """Samples `group_size` completions of every prompt with `num_slots` slots.
+
+  Args:
+    model: an LM-head Transformer.
+    prompt_tokens, prompt_mask: [Q, P] left-padded prompts (one row per prompt, NOT
+      repeated per sample).
+    params: sampling settings.
+    rng: base key.
+    num_slots: S.
+    group_size: n; completions of prompt q are rows [q * n, (q + 1) * n) of the output.
+    sample_ids: int [Q * n] (default arange): completion k draws with id sample_ids[k].
+    limits: optional int [Q * n] length budgets.
+    max_admit: widest admission in prompts (default: as many as the slots hold).
+    cache_fill: initial content of the free slots' cache (tests poison it with NaN).
+
+  Returns:
+    GenerationOutput with [Q * n, T] arrays and the EngineStats.
+  """
+  if getattr(model, "config", None) is None or model.config.head != "lm":
+    raise ValueError("generate_continuous needs a Transformer with head='lm'")
+  spec = EngineSpec(num_slots=int(num_slots), group_size=int(group_size),
+                    max_admit=max_admit)
+  prompt_tokens, prompt_mask, _ = check_prompts(prompt_tokens, prompt_mask)
+  num_rows = prompt_tokens.shape[0] * spec.group_size
+  if sample_ids is None:
+    sample_ids = jnp.arange(num_rows, dtype=jnp.int32)
+  sample_ids = jnp.asarray(sample_ids, jnp.int32)
+  if sample_ids.shape != (num_rows,):
+    raise ValueError(f"sample_ids must have shape ({num_rows},) (prompts x group_size), "
+                     f"got {sample_ids.shape}")
+  if limits is None:
+    limits = jnp.full((num_rows,), params.max_new_tokens, jnp.int32)
+  limits = jnp.asarray(limits, jnp.int32)
+  if limits.shape != (num_rows,):
+    raise ValueError(f"limits must have shape ({num_rows},), got {limits.shape}")
+  graphdef, state = nnx.split(model)
+  key = (graphdef, params, spec, float(cache_fill), current_axis_rules())
+  if key not in _FNS_CACHE:
+    _FNS_CACHE[key] = make_engine_fn(graphdef, params, spec, cache_fill)
+  return _FNS_CACHE[key](state, prompt_tokens, prompt_mask, rng, sample_ids, limits)
