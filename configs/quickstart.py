@@ -192,7 +192,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.runtime.progress_timeout_s = 0.0
   # Use the first N of jax.devices() (0 = all): e.g. resume a run on a smaller slice.
   config.runtime.num_devices = 0
-  # Devices of each stage in `pipe` mode (disjoint, in device order).
+  # Devices of each stage in `pipe` mode (disjoint, in device order): generation and
+  # inference from the first device on, training on the last ones, so that on more
+  # devices (e.g. 2 launched processes of 8) the ones between are unused and training
+  # stays on process 0, which writes the run's files.
   config.runtime.placement = ml_collections.ConfigDict(
       dict(generate=4, infer=2, train=2))
 

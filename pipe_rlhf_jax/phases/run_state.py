@@ -95,10 +95,22 @@ class ProcessRole:
     """The role of process `process` of `processes` under the plan `runtime`, whose stage
     layouts are `layouts` (`owner(device)`: a device's process); raises ValueError when
     pipe mode across processes would put the training stage outside process 0 (which
-    writes the run's files)."""
+    writes the run's files) or leave a process without a stage."""
     if not (runtime.mode == "pipe" and processes > 1):
       return cls(process=process, writes=process == 0)
-    trainers = tuple(stage_processes(layouts, owner)["train"])
+    groups = stage_processes(layouts, owner)
+    # A process of no stage would have no part in the PPO schedule, while the job's
+    # collectives (checkpoints, stopping) still wait for it.
+    idle = sorted(set(range(processes)) - {p for g in groups.values() for p in g})
+    if idle:
+      raise ValueError(
+          f"runtime.placement: in pipe mode across processes every process must hold a "
+          f"stage, but the placement {'+'.join(map(str, runtime.placement))} leaves "
+          f"processes {idle} without one ({processes} processes of "
+          f"{devices_per_process} devices). Give the stages more devices (e.g. "
+          f"runtime.placement.train a multiple of {devices_per_process}: training takes "
+          f"the last devices), or start fewer processes.")
+    trainers = tuple(groups["train"])
     if 0 not in trainers:
       raise ValueError(
           f"runtime.placement: in pipe mode across processes the training stage must "

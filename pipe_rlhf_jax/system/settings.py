@@ -369,7 +369,8 @@ class Plan:
       (`runtime/progress.py`); 0 sizes it from the slowest step seen and the planner's
       prediction.
     placement: `pipe` only: devices of (generate, infer, train), contiguous blocks in
-      device order.
+      device order: generation and inference from the first device on, training on the
+      last ones (devices they leave lie unused between inference and training).
     mesh: the one mesh of `sequential` mode.
     generate / infer / train: each stage's plan in `per_stage` and `pipe` modes.
   """

@@ -65,8 +65,15 @@ def stage_mesh_shapes(runtime: Plan, num_devices: int
     if sum(placement.values()) > num_devices:
       raise ValueError(
           f"runtime.placement asks for {sum(placement.values())} devices "
-          f"({placement}) but only {num_devices} exist; shrink the counts.")
-    subsets = split_devices(indices, placement)
+          f"({placement}) but only {num_devices} exist; shrink the counts so that they "
+          f"sum to at most {num_devices}.")
+    # Training takes the last devices, whatever the count: a placement written for fewer
+    # devices leaves the ones between inference and training unused, and on a
+    # multi-process run training stays on process 0 (its devices come last:
+    # `job.select_devices`), the process that writes the run's files.
+    train = placement.pop("train")
+    subsets = split_devices(indices[:num_devices - train], placement)
+    subsets["train"] = indices[num_devices - train:]
   shapes = {}
   for s in STAGES:
     plan = runtime.stage(s)
@@ -83,7 +90,8 @@ def build_layouts(runtime: Plan, devices=None) -> dict[str, StageLayout]:
 
   sequential: one mesh (`runtime.mesh`) over all devices, shared by every stage.
   per_stage: each stage's own mesh over all devices.
-  pipe: devices split by `runtime.placement`, each stage's mesh on its block.
+  pipe: devices split by `runtime.placement` (generation and inference from the first
+    device on, training on the last ones), each stage's mesh on its block.
   """
   devices = list(devices if devices is not None else jax.devices())
   shapes = stage_mesh_shapes(runtime, len(devices))

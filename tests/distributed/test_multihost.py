@@ -296,6 +296,22 @@ def test_main_job_in_pipe_mode_across_processes(tmp_path):
   assert ("generate", "p1") in where and ("train", "p0") in where
 
 
+@pytest.mark.slow
+def test_main_job_in_pipe_mode_on_more_devices_than_its_placement(tmp_path):
+  # The tiny quickstart's placement, 2 + 2 + 4 written for 8 devices, on 2 processes x 8:
+  # generation and inference on process 1's first devices, training on process 0's last
+  # 4 (the devices between unused), not refused for lying in process 1.
+  workdir = tmp_path / "run"
+  args = [a for a in main_args(workdir) if "runtime.mode" not in a]
+  job = launch(args, num_processes=2, cpu_devices=8, log_dir=str(tmp_path / "logs"),
+               timeout_s=400, command=MAIN, echo=False,
+               env={**child_env(), "PYTHONPATH": ROOT})
+  assert job.ok, job.report()
+  assert "plan (hand-written, checked by the planner): pipe[2+2+4 devices" in job.log_text(0)
+  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [4..7]" in job.log_text(0)
+  assert [r["step"] for r in phase_rows(workdir, "ppo")] == [0, 1, 2, 3]
+
+
 def test_launcher_kills_what_does_not_stop(tmp_path):
   # Process 1 fails at once, process 0 would sleep a minute: after grace_s it is
   # SIGKILLed; and a job past timeout_s is SIGKILLed whole.

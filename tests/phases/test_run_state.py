@@ -6,9 +6,10 @@ process), as in tests/system/test_stage_groups.py.
 
 import pytest
 
+from configs import quickstart
 from pipe_rlhf_jax.phases.run_state import ProcessRole
 from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
-from pipe_rlhf_jax.system.system import build_layouts
+from pipe_rlhf_jax.system.system import build_layouts, stage_mesh_shapes
 
 QUADS = lambda d: d.id // 4  # 2 processes x 4 devices
 
@@ -60,3 +61,39 @@ def test_a_training_stage_outside_process_0_is_refused_naming_the_placement():
       r"process\); it lies in processes \[1\]. Make runtime.placement.train the last "
       r"block")):
     ProcessRole.of(runtime, build_layouts(runtime), 0, 2, 4, QUADS)
+
+
+def test_a_placement_written_for_fewer_devices_keeps_training_on_the_last_ones():
+  # The quickstart's tiny placement, 2 + 2 + 4 written for 8 devices, on the 16 of a
+  # launch of 2 processes x 8: generation and inference keep the first devices, training
+  # takes the last 4 (process 0's in that order) and the 8 between are unused.
+  runtime = Plan.from_config(quickstart.get_config("tiny"))
+  assert runtime.mode == "pipe" and runtime.placement == (2, 2, 4)
+  blocks = {s: v[2] for s, v in stage_mesh_shapes(runtime, 16).items()}
+  assert blocks == {"generate": [0, 1], "infer": [2, 3], "train": [12, 13, 14, 15]}
+  # On the devices it was written for, nothing moves.
+  blocks = {s: v[2] for s, v in stage_mesh_shapes(runtime, 8).items()}
+  assert blocks == {"generate": [0, 1], "infer": [2, 3], "train": [4, 5, 6, 7]}
+  # The same on real layouts, scaled to the 8 test devices: 1 + 1 + 2 written for 4, on
+  # 2 processes x 4 with process 0's devices last (`select_devices`): training is
+  # process 0's, generation and inference process 1's.
+  runtime = pipe_runtime((1, 1, 2))
+  layouts = build_layouts(runtime)
+  last_is_0 = lambda d: 1 - d.id // 4
+  trainer = ProcessRole.of(runtime, layouts, 0, 2, 4, last_is_0)
+  other = ProcessRole.of(runtime, layouts, 1, 2, 4, last_is_0)
+  assert trainer.trainers == (0,) and trainer.trains and trainer.writes
+  assert not other.trains and not other.writes
+
+
+def test_a_placement_that_leaves_a_process_without_a_stage_is_refused():
+  # 4 processes x 2 devices in `select_devices`'s order (processes 1, 2, 3, then 0):
+  # 1 + 1 + 2 holds processes 1 and 0 only.
+  runtime = pipe_runtime((1, 1, 2))
+  order = lambda d: (1, 2, 3, 0)[d.id // 2]
+  with pytest.raises(ValueError, match=(
+      r"runtime.placement: in pipe mode across processes every process must hold a "
+      r"stage, but the placement 1\+1\+2 leaves processes \[2, 3\] without one \(4 "
+      r"processes of 2 devices\). Give the stages more devices \(e.g. "
+      r"runtime.placement.train a multiple of 2")):
+    ProcessRole.of(runtime, build_layouts(runtime), 0, 4, 2, order)
