@@ -136,3 +136,35 @@ def test_admission_widths_are_powers_of_two_up_to_the_free_groups():
   assert engine.EngineSpec(num_slots=8, group_size=2).widths == (1, 2, 4)
   assert engine.EngineSpec(num_slots=8, group_size=1, max_admit=3).widths == (1, 2)
   assert engine.EngineSpec(num_slots=3, group_size=3).widths == (1,)
+
+
+def test_the_pure_schedule_is_the_engines(model):
+  tokens, mask = queue(9, seed=5)
+  rs = np.random.RandomState(6)
+  limits = rs.choice([1, 2, 3, 12, 5, 9], size=18).astype(np.int32)
+  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  spec = engine.EngineSpec(num_slots=5, group_size=2)
+  _, stats = engine.generate_continuous(model, tokens, mask, params, rng=jax.random.key(2),
+                                        num_slots=5, group_size=2, limits=limits)
+  timeline = engine.simulate(limits, spec)
+  assert timeline.decode_steps == int(stats.decode_steps)
+  assert timeline.busy_slot_steps == int(stats.busy_slot_steps)
+  assert len(timeline.prefill_widths) == int(stats.prefills)
+  assert sum(timeline.prefill_widths) == int(stats.prefill_rows)
+  # Every completion decodes its length - 1 tokens, one per step, in one slot.
+  for k, length in enumerate(limits):
+    assert (timeline.rows == k).sum() == length - 1
+  # The static sampler over batches of 4 rows waits on each batch's longest row.
+  static = engine.static_timeline(limits, 4)
+  assert static.decode_steps == sum(int(limits[i:i + 4].max()) - 1 for i in range(0, 18, 4))
+  assert static.busy_slot_steps == timeline.busy_slot_steps
+  assert static.occupancy < timeline.occupancy
+
+
+def test_static_timeline_is_the_static_samplers_steps(model):
+  tokens, mask = queue(8, seed=8)
+  limits = np.array([1, 4, 12, 2, 3, 3, 1, 5], np.int32)
+  params = dict(rng=jax.random.key(0), eos_id=None, **SAMPLED)
+  steps = [int(generate(model, tokens[i:i + 4], mask[i:i + 4], T, limits=limits[i:i + 4],
+                        **params).num_steps) - 1 for i in (0, 4)]
+  assert engine.static_decode_steps(limits, 4) == sum(steps)

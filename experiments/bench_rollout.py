@@ -1,0 +1,342 @@
+"""Benchmark of the rollout engine: continuous batching against the static batch.
+
+Owns one measurement: the same queue of completions decoded by the static sampler
+(consecutive batches of S rows, each decoded until its longest row ends) and by the
+continuous-batching engine (`generation/engine.py`, S slots refilled as rows end), at
+the same slot count and the same KV-cache memory (S x (P + T) columns each), in
+alternating rounds of one process. Three length distributions:
+
+  long_tail  lognormal lengths with a p99 about 8x the median, forced with per-row
+             length budgets (`limits`) on the SmolLM2-135M shape with random weights
+  uniform    every completion the same length (the engine must not be slower)
+  real       SmolLM2-135M-Instruct (the packaged GGUF model) free-running at temperature
+             1 on the 32 shipped math chat prompts (configs/data/math_prompts*.jsonl),
+             n samples each, up to T tokens, ending at its own EOS; the lengths it
+             produced are recorded in the page and in lengths_real.json
+
+Per engine and distribution: decode steps, slot occupancy (tokens decoded over slot-steps
+run), seconds per queue, useful tokens/s (every completion token, over the seconds), the
+KV cache and the compiled program's temporary memory, and the cost model's prediction:
+decode steps from the pure schedule (`engine.simulate`, `engine.static_decode_steps`)
+times one decode step's seconds, plus the prefills, the step and prefill seconds
+measured once on a separate probe (uniform lengths, not the queues measured).
+Both engines draw token t of completion k with the same key, so they produce the same
+completions: the page counts how many are identical.
+
+  python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
+  python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
+      --page ''                              # a quick look, no page
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import results  # noqa: E402
+from pipe_rlhf_jax.generation import engine, sampler  # noqa: E402
+from pipe_rlhf_jax.models import shapes  # noqa: E402
+from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
+
+PARTS = ("long_tail", "uniform", "real")
+DATA = os.path.join(_ROOT, "configs", "data")
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--parts", default=",".join(PARTS),
+                      help=f"comma-separated distributions among {PARTS}")
+  parser.add_argument("--slots", type=int, default=16, help="S, for both engines")
+  parser.add_argument("--queue", type=int, default=128,
+                      help="completions in the synthetic queues")
+  parser.add_argument("--layers", type=int, default=8,
+                      help="layers of the random-weight SmolLM2-135M shape (synthetic parts)")
+  parser.add_argument("--median", type=int, default=24,
+                      help="median length of the synthetic long tail (uniform: every length)")
+  parser.add_argument("--max-new-tokens", type=int, default=256,
+                      help="T of the synthetic parts")
+  parser.add_argument("--prompt-len", type=int, default=64, help="P of the synthetic parts")
+  parser.add_argument("--real-samples", type=int, default=2,
+                      help="samples per shipped prompt in the real part")
+  parser.add_argument("--real-max-new-tokens", type=int, default=512)
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="alternating timed rounds (median reported); the real part runs 1")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--page", default="rollout_engine",
+                      help="docs/results page name ('' = no page)")
+  parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
+                                                    "bench_rollout"))
+  return parser.parse_args(argv)
+
+
+def long_tail_lengths(count: int, median: int, cap: int, seed: int) -> np.ndarray:
+  """Lognormal lengths, p99 / median = 8 (sigma = ln 8 / z_0.99), in [1, cap]."""
+  sigma = np.log(8.0) / 2.3263
+  rs = np.random.RandomState(seed)
+  return np.clip(np.round(median * rs.lognormal(0.0, sigma, count)), 1, cap).astype(np.int32)
+
+
+def random_prompts(count: int, prompt_len: int, vocab: int, seed: int):
+  rs = np.random.RandomState(seed + 1)
+  tokens = rs.randint(1, vocab, (count, prompt_len)).astype(np.int32)
+  return tokens, np.ones((count, prompt_len), bool)
+
+
+def compiled_bytes(compiled) -> int:
+  """Temporary bytes of a compiled program (0 where the backend does not report it)."""
+  try:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+  except (AttributeError, NotImplementedError, RuntimeError):
+    return 0
+
+
+class Static:
+  """The static sampler over the queue in consecutive batches of S rows."""
+
+  def __init__(self, graphdef, state, params, slots, group_size, queue, limits, rng):
+    self.state, self.rng, self.n, self.slots = state, rng, group_size, slots
+    tokens, mask = queue
+    per = slots // group_size  # prompts per batch
+    self.batches = []
+    for start in range(0, len(tokens), per):
+      rows = slice(start * group_size, (start + per) * group_size)
+      self.batches.append((jnp.asarray(np.repeat(tokens[start:start + per], group_size, 0)),
+                           jnp.asarray(np.repeat(mask[start:start + per], group_size, 0)),
+                           jnp.arange(rows.start, rows.stop, dtype=jnp.int32),
+                           jnp.asarray(limits[rows])))
+    prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
+    t, m, ids, lim = self.batches[0]
+    self.prefill = prefill.lower(state, t, m, rng, ids, lim).compile()
+    first = self.prefill(state, t, m, rng, ids, lim)
+    self.decode = decode.lower(state, first, m, rng, ids).compile()
+    self.temp_bytes = max(compiled_bytes(self.prefill), compiled_bytes(self.decode))
+
+  def __call__(self):
+    outs, steps = [], 0
+    start = time.perf_counter()
+    for t, m, ids, lim in self.batches:
+      first = self.prefill(self.state, t, m, self.rng, ids, lim)
+      out = self.decode(self.state, first, m, self.rng, ids).output()
+      outs.append(out)
+    outs = jax.block_until_ready(outs)
+    seconds = time.perf_counter() - start
+    steps = sum(int(o.num_steps) - 1 for o in outs)
+    tokens = np.concatenate([np.asarray(o.tokens) for o in outs])
+    mask = np.concatenate([np.asarray(o.mask) for o in outs])
+    return dict(seconds=seconds, decode_steps=steps, prefills=len(outs), tokens=tokens,
+                mask=mask)
+
+
+class Continuous:
+  """The engine with S slots over the whole queue."""
+
+  def __init__(self, graphdef, state, params, slots, group_size, queue, limits, rng):
+    self.state, self.rng = state, rng
+    tokens, mask = queue
+    self.args = (jnp.asarray(tokens), jnp.asarray(mask), rng,
+                 jnp.arange(len(limits), dtype=jnp.int32), jnp.asarray(limits))
+    spec = engine.EngineSpec(num_slots=slots, group_size=group_size)
+    self.fn = engine.make_engine_fn(graphdef, params, spec).lower(state, *self.args).compile()
+    self.temp_bytes = compiled_bytes(self.fn)
+
+  def __call__(self):
+    start = time.perf_counter()
+    out, stats = jax.block_until_ready(self.fn(self.state, *self.args))
+    seconds = time.perf_counter() - start
+    return dict(seconds=seconds, decode_steps=int(stats.decode_steps),
+                prefills=int(stats.prefills), tokens=np.asarray(out.tokens),
+                mask=np.asarray(out.mask))
+
+
+def probe_costs(graphdef, state, params, slots, prompt_len, vocab) -> dict[str, float]:
+  """Seconds of one decode step of S rows and of one prompt's prefill, measured on the
+  static sampler over uniform lengths (a queue of its own, not one of those measured)."""
+  steps = min(32, params.max_new_tokens)
+  tokens, mask = random_prompts(slots, prompt_len, vocab, seed=99)
+  limits = np.full(slots, steps, np.int32)
+  run = Static(graphdef, state, params, slots, 1, (tokens, mask), limits, jax.random.key(9))
+  run()  # warm
+  best = min((run() for _ in range(2)), key=lambda r: r["seconds"])
+  t, m, ids, lim = run.batches[0]
+  start = time.perf_counter()
+  jax.block_until_ready(run.prefill(state, t, m, run.rng, ids, lim))
+  prefill = time.perf_counter() - start
+  step = (best["seconds"] - prefill) / best["decode_steps"]
+  return {"step_s": step, "prefill_prompt_s": prefill / slots}
+
+
+def predicted_seconds(kind: str, lengths, slots: int, n: int, costs) -> tuple[float, int]:
+  """The cost model: decode steps from the pure schedule x step seconds + prefills."""
+  if kind == "static":
+    steps = engine.static_decode_steps(lengths, slots)
+    prefill_prompts = len(lengths) // n
+  else:
+    timeline = engine.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n))
+    steps = timeline.decode_steps
+    prefill_prompts = sum(timeline.prefill_widths)
+  return steps * costs["step_s"] + prefill_prompts * costs["prefill_prompt_s"], steps
+
+
+def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, costs):
+  """Both engines on one queue, alternating rounds; a row per engine."""
+  rng = jax.random.key(7)
+  runs = {"static": Static(graphdef, state, params, slots, n, queue, limits, rng),
+          "continuous": Continuous(graphdef, state, params, slots, n, queue, limits, rng)}
+  got = {k: [] for k in runs}
+  for _ in range(rounds):
+    for kind, run in runs.items():
+      got[kind].append(run())
+      print(f"  {name} {kind}: {got[kind][-1]['seconds']:.2f} s", flush=True)
+  lengths = got["static"][0]["mask"].sum(1)
+  same = int(np.all(got["static"][0]["tokens"] == got["continuous"][0]["tokens"], axis=1).sum())
+  rows = []
+  for kind, runs_ in got.items():
+    seconds = statistics.median(r["seconds"] for r in runs_)
+    r = runs_[0]
+    useful = int(r["mask"].sum())
+    decoded = useful - len(lengths)  # the first tokens come from the prefills
+    predicted, steps = predicted_seconds(kind, r["mask"].sum(1), slots, n, costs)
+    rows.append(dict(
+        distribution=name, engine=kind, decode_steps=r["decode_steps"],
+        predicted_steps=steps, occupancy=decoded / max(r["decode_steps"] * slots, 1),
+        seconds=seconds, tokens_per_s=useful / seconds, predicted_s=predicted,
+        kv_mib=kv_bytes(graphdef, state, slots, queue[0].shape[1] + params.max_new_tokens)
+        / 2**20, temp_mib=runs[kind].temp_bytes / 2**20, identical=same,
+        completions=len(lengths)))
+  return rows, lengths
+
+
+def kv_bytes(graphdef, state, slots: int, columns: int) -> int:
+  c = nnx.merge(graphdef, state).config
+  return 2 * c.num_layers * slots * columns * c.num_kv_heads * c.head_dim * \
+      jnp.dtype(c.dtype).itemsize
+
+
+def real_queue(samples: int):
+  """The packaged SmolLM2-135M-Instruct and the 32 shipped math chat prompts, rendered
+  with its chat template and left-padded."""
+  from pipe_rlhf_jax.models import load, packaged
+  path = packaged.gguf_path("smollm2-135m-instruct")
+  model = load.from_pretrained(path)
+  tok = load.load_tokenizer(path)
+  records = []
+  for name in ("math_prompts.jsonl", "math_prompts_eval.jsonl"):
+    with open(os.path.join(DATA, name), encoding="utf-8") as f:
+      records += [json.loads(line) for line in f if line.strip()]
+  ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in records]
+  width = max(len(x) for x in ids)
+  tokens = np.full((len(ids), width), tok.pad_id, np.int32)
+  mask = np.zeros((len(ids), width), bool)
+  for row, x in enumerate(ids):
+    tokens[row, width - len(x):] = x
+    mask[row, width - len(x):] = True
+  return model, tok, (tokens, mask)
+
+
+def length_summary(lengths, cap: int) -> str:
+  lengths = np.asarray(lengths)
+  return (f"{len(lengths)} completions, lengths {lengths.min()}-{lengths.max()} (median "
+          f"{np.median(lengths):.0f}, mean {lengths.mean():.0f}, p99 "
+          f"{np.percentile(lengths, 99):.0f}, {int((lengths >= cap).sum())} cut at {cap})")
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  parts = [p for p in args.parts.split(",") if p]
+  unknown = sorted(set(parts) - set(PARTS))
+  if unknown:
+    raise SystemExit(f"--parts: unknown {unknown}; choose among {PARTS}")
+  os.makedirs(args.out, exist_ok=True)
+  rows, notes = [], []
+  synthetic = [p for p in parts if p != "real"]
+  if synthetic:
+    cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
+    graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
+    params = sampler.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                    eos_id=None)
+    costs = probe_costs(graphdef, state, params, args.slots, args.prompt_len, cfg.vocab_size)
+    notes.append(f"synthetic parts: SmolLM2-135M shape with {args.layers} layers, random "
+                 f"weights, P={args.prompt_len}, T={args.max_new_tokens}, S={args.slots}; "
+                 f"probe: {1e3 * costs['step_s']:.1f} ms per decode step, "
+                 f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
+    queue = random_prompts(args.queue, args.prompt_len, cfg.vocab_size, args.seed)
+    for part in synthetic:
+      limits = (long_tail_lengths(args.queue, args.median, args.max_new_tokens, args.seed)
+                if part == "long_tail" else np.full(args.queue, args.median, np.int32))
+      got, lengths = measure(part, graphdef, state, params, args.slots, 1, queue, limits,
+                             args.rounds, costs)
+      rows += got
+      notes.append(f"{part}: {length_summary(lengths, args.max_new_tokens)}")
+  if "real" in parts:
+    model, tok, queue = real_queue(args.real_samples)
+    graphdef, state = nnx.split(model)
+    params = sampler.SamplingParams(max_new_tokens=args.real_max_new_tokens,
+                                    temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    costs = probe_costs(graphdef, state, params, args.slots, queue[0].shape[1],
+                        model.config.vocab_size)
+    limits = np.full(len(queue[0]) * args.real_samples, args.real_max_new_tokens, np.int32)
+    got, lengths = measure("real", graphdef, state, params, args.slots, args.real_samples,
+                           queue, limits, 1, costs)
+    rows += got
+    with open(os.path.join(args.out, "lengths_real.json"), "w") as f:
+      json.dump([int(x) for x in lengths], f)
+    notes.append(f"real: SmolLM2-135M-Instruct (Q4_1 GGUF, float32), {len(queue[0])} prompts "
+                 f"x {args.real_samples} samples, P={queue[0].shape[1]}, "
+                 f"T={args.real_max_new_tokens}, S={args.slots}: "
+                 f"{length_summary(lengths, args.real_max_new_tokens)}; probe: "
+                 f"{1e3 * costs['step_s']:.1f} ms per decode step, "
+                 f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
+  with open(os.path.join(args.out, "rows.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  table = render(rows)
+  print(table)
+  print("\n".join(notes))
+  if args.page:
+    path = results.write_page(args.page, "Rollout engine: continuous batching against the "
+                              "static batch", body(table, notes), None)
+    print(f"wrote {path}")
+
+
+def render(rows) -> str:
+  lines = ["| distribution | engine | decode steps (predicted) | slot occupancy | s per queue "
+           "(predicted, error) | useful tokens/s | speed-up | KV cache MiB | compiled temp "
+           "MiB | identical completions |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  base = {r["distribution"]: r for r in rows if r["engine"] == "static"}
+  for r in rows:
+    err = (r["predicted_s"] - r["seconds"]) / r["seconds"]
+    lines.append(
+        f"| {r['distribution']} | {r['engine']} | {r['decode_steps']} "
+        f"({r['predicted_steps']}) | {r['occupancy']:.2f} | {r['seconds']:.2f} "
+        f"({r['predicted_s']:.2f}, {100 * err:+.0f}%) | {r['tokens_per_s']:.1f} | "
+        f"{r['tokens_per_s'] / base[r['distribution']]['tokens_per_s']:.2f}x | "
+        f"{r['kv_mib']:.1f} | {r['temp_mib']:.1f} | {r['identical']}/{r['completions']} |")
+  return "\n".join(lines)
+
+
+def body(table: str, notes) -> str:
+  return "\n".join([
+      "The same queue of completions decoded by the static sampler (consecutive batches of "
+      "S rows, each running until its longest row ends) and by the continuous-batching "
+      "engine (S slots, a finished row's slot refilled at once), at the same slot count "
+      "and KV-cache memory. The speed-up is in useful tokens per second (every "
+      "completion token over the seconds the queue took); slot occupancy is the decoded "
+      "tokens over the slot-steps run. Predicted: the cost model's decode steps (the pure "
+      "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills.",
+      "", table, "", *[f"- {n}" for n in notes]])
+
+
+if __name__ == "__main__":
+  main()
