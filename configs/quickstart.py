@@ -205,8 +205,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # generation is a 4-stage pipeline with tensor=2 inside each stage on all 8 devices
   # (per_stage), and a plain 4-stage pipeline on its 4 devices (pipe).
   config.stages = ml_collections.ConfigDict()
+  # num_slots > 0 decodes each batch as a queue over that many slots with continuous
+  # batching (a generation mesh without pipe, e.g. in sequential mode); 0: static batches.
   config.stages.generate = ml_collections.ConfigDict(
-      dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=4), num_microbatches=8))
+      dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=4), num_microbatches=8, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(
       dict(mesh=dict(data=-1, fsdp=1, tensor=1, pipe=1)))
   config.stages.train = ml_collections.ConfigDict(

@@ -59,13 +59,16 @@ def parse_args(argv=None):
   parser.add_argument("--parts", default=",".join(PARTS),
                       help=f"comma-separated distributions among {PARTS}")
   parser.add_argument("--slots", type=int, default=16, help="S, for both engines")
+  parser.add_argument("--min-admit", type=int, default=0,
+                      help="the engine's narrowest admission while slots decode, in prompts "
+                           "(0: the engine's default)")
   parser.add_argument("--queue", type=int, default=128,
                       help="completions in the synthetic queues")
   parser.add_argument("--layers", type=int, default=8,
                       help="layers of the random-weight SmolLM2-135M shape (synthetic parts)")
-  parser.add_argument("--median", type=int, default=24,
+  parser.add_argument("--median", type=int, default=48,
                       help="median length of the synthetic long tail (uniform: every length)")
-  parser.add_argument("--max-new-tokens", type=int, default=256,
+  parser.add_argument("--max-new-tokens", type=int, default=512,
                       help="T of the synthetic parts")
   parser.add_argument("--prompt-len", type=int, default=64, help="P of the synthetic parts")
   parser.add_argument("--real-samples", type=int, default=2,
@@ -142,12 +145,13 @@ class Static:
 class Continuous:
   """The engine with S slots over the whole queue."""
 
-  def __init__(self, graphdef, state, params, slots, group_size, queue, limits, rng):
+  def __init__(self, graphdef, state, params, slots, group_size, queue, limits, rng,
+               min_admit=None):
     self.state, self.rng = state, rng
     tokens, mask = queue
     self.args = (jnp.asarray(tokens), jnp.asarray(mask), rng,
                  jnp.arange(len(limits), dtype=jnp.int32), jnp.asarray(limits))
-    spec = engine.EngineSpec(num_slots=slots, group_size=group_size)
+    spec = engine.EngineSpec(num_slots=slots, group_size=group_size, min_admit=min_admit)
     self.fn = engine.make_engine_fn(graphdef, params, spec).lower(state, *self.args).compile()
     self.temp_bytes = compiled_bytes(self.fn)
 
@@ -177,23 +181,27 @@ def probe_costs(graphdef, state, params, slots, prompt_len, vocab) -> dict[str, 
   return {"step_s": step, "prefill_prompt_s": prefill / slots}
 
 
-def predicted_seconds(kind: str, lengths, slots: int, n: int, costs) -> tuple[float, int]:
+def predicted_seconds(kind: str, lengths, slots: int, n: int, costs, min_admit=None
+                      ) -> tuple[float, int]:
   """The cost model: decode steps from the pure schedule x step seconds + prefills."""
   if kind == "static":
     steps = engine.static_decode_steps(lengths, slots)
     prefill_prompts = len(lengths) // n
   else:
-    timeline = engine.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n))
+    timeline = engine.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n,
+                                                          min_admit=min_admit))
     steps = timeline.decode_steps
     prefill_prompts = sum(timeline.prefill_widths)
   return steps * costs["step_s"] + prefill_prompts * costs["prefill_prompt_s"], steps
 
 
-def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, costs):
+def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, costs,
+            min_admit=None):
   """Both engines on one queue, alternating rounds; a row per engine."""
   rng = jax.random.key(7)
   runs = {"static": Static(graphdef, state, params, slots, n, queue, limits, rng),
-          "continuous": Continuous(graphdef, state, params, slots, n, queue, limits, rng)}
+          "continuous": Continuous(graphdef, state, params, slots, n, queue, limits, rng,
+                                   min_admit)}
   got = {k: [] for k in runs}
   for _ in range(rounds):
     for kind, run in runs.items():
@@ -207,7 +215,7 @@ def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, cost
     r = runs_[0]
     useful = int(r["mask"].sum())
     decoded = useful - len(lengths)  # the first tokens come from the prefills
-    predicted, steps = predicted_seconds(kind, r["mask"].sum(1), slots, n, costs)
+    predicted, steps = predicted_seconds(kind, r["mask"].sum(1), slots, n, costs, min_admit)
     rows.append(dict(
         distribution=name, engine=kind, decode_steps=r["decode_steps"],
         predicted_steps=steps, occupancy=decoded / max(r["decode_steps"] * slots, 1),
@@ -268,7 +276,8 @@ def main(argv=None):
                                     eos_id=None)
     costs = probe_costs(graphdef, state, params, args.slots, args.prompt_len, cfg.vocab_size)
     notes.append(f"synthetic parts: SmolLM2-135M shape with {args.layers} layers, random "
-                 f"weights, P={args.prompt_len}, T={args.max_new_tokens}, S={args.slots}; "
+                 f"weights, P={args.prompt_len}, T={args.max_new_tokens}, S={args.slots}, "
+                 f"min_admit={args.min_admit or 'default'}; "
                  f"probe: {1e3 * costs['step_s']:.1f} ms per decode step, "
                  f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
     queue = random_prompts(args.queue, args.prompt_len, cfg.vocab_size, args.seed)
@@ -276,7 +285,7 @@ def main(argv=None):
       limits = (long_tail_lengths(args.queue, args.median, args.max_new_tokens, args.seed)
                 if part == "long_tail" else np.full(args.queue, args.median, np.int32))
       got, lengths = measure(part, graphdef, state, params, args.slots, 1, queue, limits,
-                             args.rounds, costs)
+                             args.rounds, costs, args.min_admit or None)
       rows += got
       notes.append(f"{part}: {length_summary(lengths, args.max_new_tokens)}")
   if "real" in parts:
@@ -288,7 +297,7 @@ def main(argv=None):
                         model.config.vocab_size)
     limits = np.full(len(queue[0]) * args.real_samples, args.real_max_new_tokens, np.int32)
     got, lengths = measure("real", graphdef, state, params, args.slots, args.real_samples,
-                           queue, limits, 1, costs)
+                           queue, limits, 1, costs, args.min_admit or None)
     rows += got
     with open(os.path.join(args.out, "lengths_real.json"), "w") as f:
       json.dump([int(x) for x in lengths], f)

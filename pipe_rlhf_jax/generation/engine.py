@@ -23,9 +23,12 @@ Admission: prompts enter in queue order, a prompt's n group samples together (on
 prefill per prompt, its cache copied into n slots, as the static sampler's group
 prefill does). An admission prefills w prompts at once, w the largest of the static
 widths 1, 2, 4, ... `max_admit` that the free slots and the queue allow: one compiled
-prefill per width, chosen with `lax.switch`. A whole prompt is prefilled in one go, so
-the running decode waits one prefill of w prompts (at P tokens each about the cost of
-P / S decode steps per prompt, a few steps at the shipped sizes) rather than being
+prefill per width, chosen with `lax.switch`. The loop admits while an admission is due
+(at least `min_admit` prompts' slots free, or nothing decoding), then runs decode steps
+until the next one is due: the decode loop's body is the decode step alone, and no
+conditional carries the cache through unchanged (XLA would copy it every step). A whole
+prompt is prefilled in one go, so the running decode waits one prefill of w prompts (at
+P tokens each about the cost of P / S decode steps per prompt) rather than being
 interleaved in chunks. A newcomer's region is overwritten whole (zeros past its
 prompt), so whatever a freed slot held, NaN included, never reaches it.
 
@@ -111,11 +114,19 @@ class EngineSpec:
     num_slots: S, completions decoded at once.
     group_size: n, completions per prompt (consecutive output rows).
     max_admit: the widest admission, in prompts (default: as many as S slots hold).
+    min_admit: the narrowest admission while other slots are decoding, in prompts: the
+      engine leaves up to min_admit x n - 1 slots idle so that a prefill runs several
+      prompts at once (a one-prompt prefill runs the weights over P tokens only, at a
+      fraction of a batched prefill's rate). It admits fewer when no slot is decoding
+      or fewer prompts are left. Default: a quarter of the widest admission, which on
+      the long-tailed queue of `experiments/bench_rollout.py` (16 slots) ran faster than
+      admitting every free slot at once.
   """
 
   num_slots: int
   group_size: int = 1
   max_admit: int | None = None
+  min_admit: int | None = None
 
   def __post_init__(self):
     for name in ("num_slots", "group_size"):
@@ -129,6 +140,16 @@ class EngineSpec:
     if self.max_admit is not None and (not isinstance(self.max_admit, (int, np.integer))
                                        or self.max_admit < 1):
       raise ValueError(f"max_admit must be a positive int or None, got {self.max_admit!r}")
+    if self.min_admit is not None and (
+        isinstance(self.min_admit, bool) or not isinstance(self.min_admit, (int, np.integer))
+        or not 1 <= self.min_admit <= self.widths[-1]):
+      raise ValueError(f"min_admit must be an int in [1, {self.widths[-1]}] (the widest "
+                       f"admission {self.num_slots} slots allow), got {self.min_admit!r}")
+
+  @property
+  def floor(self) -> int:
+    """The narrowest admission while slots decode (`min_admit`, resolved)."""
+    return self.min_admit if self.min_admit is not None else max(1, self.widths[-1] // 4)
 
   @property
   def widths(self) -> tuple[int, ...]:
@@ -297,23 +318,36 @@ def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
                               limits=limits, spec=spec, params=params)
             for w in widths]
 
-  def admit(s: EngineState) -> EngineState:
-    # The widest admission the free slots and the queue allow; branch 0 admits none.
+  def room(s: EngineState):
+    """Prompts the next admission takes: the widest width the free slots and the queue
+    allow, once it reaches the floor; 0 when no admission is due."""
     free = jnp.sum(s.row == FREE, dtype=jnp.int32)
-    room = jnp.minimum(free // n, num_prompts - s.next_prompt)
-    branch = jnp.sum(jnp.asarray(widths) <= room)
-    return jax.lax.switch(branch, [lambda s: s] + [lambda s, f=f: f(s) for f in admits], s)
+    left = num_prompts - s.next_prompt
+    fits = jnp.minimum(free // n, left)
+    floor = jnp.where(jnp.any(s.row != FREE) & (left >= spec.floor), spec.floor, 1)
+    return jnp.where(fits >= floor, fits, 0)
+
+  def admit(s: EngineState) -> EngineState:
+    # Only called with room >= 1, so every branch admits: no branch passes the state
+    # through untouched, which would make XLA copy the KV cache into the result.
+    branch = jnp.sum(jnp.asarray(widths) <= room(s)) - 1
+    return jax.lax.switch(branch, admits, s)
+
+  def decoding(s: EngineState):
+    return jnp.any(s.row != FREE) & (room(s) == 0)
+
+  def decode(s: EngineState) -> EngineState:
+    return _decode(model, s, prompt_len, rng, sample_ids, limits, params, layer_params)
 
   def cond(s: EngineState):
     return jnp.any(s.row != FREE) | (s.next_prompt < num_prompts)
 
   def body(s: EngineState) -> EngineState:
-    s = admit(s)
-    return jax.lax.cond(
-        jnp.any(s.row != FREE),
-        lambda s: _decode(model, s, prompt_len, rng, sample_ids, limits, params,
-                          layer_params),
-        lambda s: s, s)
+    # Admit while admissions are due, then decode until one is due again (or every slot
+    # is idle): the decode loop's body is the decode step alone, with no conditional
+    # around the cache.
+    s = jax.lax.while_loop(lambda s: room(s) > 0, admit, s)
+    return jax.lax.while_loop(decoding, decode, s)
 
   s = init_state(model.config, spec, params, prompt_len, num_prompts * n, cache_fill)
   s = jax.lax.while_loop(cond, body, s)
@@ -344,6 +378,7 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
                         rng: jax.Array, num_slots: int, group_size: int = 1,
                         sample_ids: jax.Array | None = None,
                         limits: jax.Array | None = None, max_admit: int | None = None,
+                        min_admit: int | None = None,
                         cache_fill: float = 0.0
                         ) -> tuple[GenerationOutput, EngineStats]:
   """Samples `group_size` completions of every prompt with `num_slots` slots.
@@ -359,6 +394,7 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
     sample_ids: int [Q * n] (default arange): completion k draws with id sample_ids[k].
     limits: optional int [Q * n] length budgets.
     max_admit: widest admission in prompts (default: as many as the slots hold).
+    min_admit: narrowest admission while slots are decoding (`EngineSpec`).
     cache_fill: initial content of the free slots' cache (tests poison it with NaN).
 
   Returns:
@@ -367,7 +403,7 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
   if getattr(model, "config", None) is None or model.config.head != "lm":
     raise ValueError("generate_continuous needs a Transformer with head='lm'")
   spec = EngineSpec(num_slots=int(num_slots), group_size=int(group_size),
-                    max_admit=max_admit)
+                    max_admit=max_admit, min_admit=min_admit)
   prompt_tokens, prompt_mask, _ = check_prompts(prompt_tokens, prompt_mask)
   num_rows = prompt_tokens.shape[0] * spec.group_size
   if sample_ids is None:
@@ -395,8 +431,7 @@ class SlotTimeline:
   Attributes:
     rows: int [decode_steps, S]: the completion each slot decodes at each step (FREE
       when idle); a completion's first token comes from its admission's prefill.
-    admissions: per decode step, the admission width (prompts) run just before it
-      (0: none).
+    admissions: per decode step, the prompts admitted just before it (0: none).
     prefill_widths: every admission's width, in order (including any that no decode
       step follows: a queue ending in one-token completions).
   """
@@ -442,11 +477,15 @@ def simulate(lengths, spec: EngineSpec) -> SlotTimeline:
   next_prompt, timeline, admissions, widths = 0, [], [], []
   pending = 0
   while (row != FREE).any() or next_prompt < num_prompts:
-    free = np.flatnonzero(row == FREE)
-    room = min(len(free) // n, num_prompts - next_prompt)
-    width = max((w for w in spec.widths if w <= room), default=0)
-    if width:
-      pending = width
+    while True:  # admissions, while one is due
+      free = np.flatnonzero(row == FREE)
+      left = num_prompts - next_prompt
+      room = min(len(free) // n, left)
+      floor = spec.floor if (row != FREE).any() and left >= spec.floor else 1
+      if room < floor or room == 0:
+        break
+      width = max(w for w in spec.widths if w <= room)
+      pending += width
       widths.append(width)
       for j, slot in enumerate(free[:width * n]):
         k = (next_prompt + j // n) * n + j % n

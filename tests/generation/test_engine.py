@@ -138,14 +138,18 @@ def test_admission_widths_are_powers_of_two_up_to_the_free_groups():
   assert engine.EngineSpec(num_slots=3, group_size=3).widths == (1,)
 
 
-def test_the_pure_schedule_is_the_engines(model):
+@pytest.mark.parametrize("min_admit", [1, 2])
+def test_the_pure_schedule_is_the_engines(model, min_admit):
   tokens, mask = queue(9, seed=5)
   rs = np.random.RandomState(6)
   limits = rs.choice([1, 2, 3, 12, 5, 9], size=18).astype(np.int32)
   params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
-  spec = engine.EngineSpec(num_slots=5, group_size=2)
-  _, stats = engine.generate_continuous(model, tokens, mask, params, rng=jax.random.key(2),
-                                        num_slots=5, group_size=2, limits=limits)
+  spec = engine.EngineSpec(num_slots=5, group_size=2, min_admit=min_admit)
+  rng = jax.random.key(2)
+  out, stats = engine.generate_continuous(model, tokens, mask, params, rng=rng, num_slots=5,
+                                          group_size=2, limits=limits, min_admit=min_admit)
+  assert_same(out, static_reference(model, tokens, mask, 2, limits, None, rng, **SAMPLED),
+              exact=False)
   timeline = engine.simulate(limits, spec)
   assert timeline.decode_steps == int(stats.decode_steps)
   assert timeline.busy_slot_steps == int(stats.busy_slot_steps)
@@ -168,3 +172,11 @@ def test_static_timeline_is_the_static_samplers_steps(model):
   steps = [int(generate(model, tokens[i:i + 4], mask[i:i + 4], T, limits=limits[i:i + 4],
                         **params).num_steps) - 1 for i in (0, 4)]
   assert engine.static_decode_steps(limits, 4) == sum(steps)
+
+
+def test_admissions_wait_for_a_quarter_of_the_widest_by_default():
+  assert engine.EngineSpec(num_slots=16).floor == 4
+  assert engine.EngineSpec(num_slots=4, group_size=2).floor == 1
+  assert engine.EngineSpec(num_slots=16, min_admit=2).floor == 2
+  with pytest.raises(ValueError, match=r"min_admit must be an int in \[1, 2\]"):
+    engine.EngineSpec(num_slots=4, group_size=2, min_admit=3)
