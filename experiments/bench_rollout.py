@@ -262,6 +262,7 @@ def length_summary(lengths, cap: int) -> str:
 
 def main(argv=None):
   args = parse_args(argv)
+  results.git_commit()  # the commit measured, read before anything runs
   parts = [p for p in args.parts.split(",") if p]
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:

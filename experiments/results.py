@@ -18,6 +18,7 @@ Usage, from an experiment script:
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import shlex
@@ -95,7 +96,11 @@ def cpu_flags() -> str:
   return "none of AVX/AVX2/AVX-512"
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
+  """The commit of the code that runs, read once, when a script first asks (scripts ask
+  at start, `provenance` again at the end: edits made while a long run measures are not
+  the code it measured)."""
   try:
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
                             capture_output=True, text=True, check=True).stdout.strip()

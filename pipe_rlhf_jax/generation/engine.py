@@ -225,7 +225,6 @@ def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
   """
   n, steps = spec.group_size, params.max_new_tokens
   prompt_len = queue_tokens.shape[1]
-  num_slots = s.row.shape[0]
   tokens = jax.lax.dynamic_slice_in_dim(queue_tokens, s.next_prompt, width)  # [w, P]
   mask = jax.lax.dynamic_slice_in_dim(queue_mask, s.next_prompt, width)
   key_mask = completion_key_mask(mask, steps)  # [w, P + T]
@@ -241,8 +240,14 @@ def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
   source = jnp.arange(width * n) // n  # [w * n] prompt within the admission
   out_row = (s.next_prompt + source) * n + jnp.arange(width * n) % n  # [w * n]
 
-  put = lambda dst, src, axis: dst.at[(slice(None),) * axis + (target,)].set(
-      jnp.take(src, source, axis=axis).astype(dst.dtype))
+  def put(dst, src, axis):
+    # Sample j of every admitted prompt, one scatter per j: the prompts' caches are
+    # placed n times without first being repeated into a [w * n, ...] copy.
+    for j in range(n):
+      slots = target.reshape(width, n)[:, j]
+      dst = dst.at[(slice(None),) * axis + (slots,)].set(src.astype(dst.dtype))
+    return dst
+
   new_cache = KVCache(*(constrain(put(d, c, 1), CACHE_AXES) for d, c in zip(s.cache, cache)))
   first, first_lp = next_tokens(jnp.take(logits, source, axis=0), rng,
                                 sample_ids[out_row], 0, params)

@@ -10,7 +10,9 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             (`schedule.early_exit_schedule`: each micro-batch runs the passes of its
             longest row, from the response-length model of `planner.lengths`; with all
             rows at T it is `schedule.num_ticks(p, M, T)`; with p = 1, one prefill and
-            decode steps until the batch's longest row is done). Pass 0 of a micro-batch
+            decode steps until the batch's longest row is done; with continuous batching,
+            the engine's decode steps and admissions from its pure schedule over the
+            batch's response lengths). Pass 0 of a micro-batch
             [B/(d f M), Lp] through L/p layers is a prefill, later passes decode steps;
             ticks run in lock step, so a tick costs its busy stages together (dedicated
             devices: the slowest; shared host: their summed work at the host's rate).
@@ -47,6 +49,7 @@ import math
 
 import numpy as np
 
+from pipe_rlhf_jax.generation import engine
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
@@ -371,32 +374,42 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   dedicated devices the slowest busy stage (a prefill, else a decode step); on a shared
   host their summed work at the host's rate for that many devices (`compute_rate`,
   bounded by its measured concurrency). Idle ticks (bubbles, finished micro-batches)
-  still pay the tick overhead and the ring's ppermute.
+  still pay the tick overhead and the ring's ppermute. With continuous batching
+  (`plan.num_slots`, no pipe) the ticks are the engine's own schedule over the batch's
+  response lengths (`engine.simulate` on `Workload.batch_lengths`): its decode steps of
+  S slots and its admissions, each a prefill of that many prompts.
   """
   cfg = work.actor
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
   mb = plan.num_microbatches if p > 1 else 1
-  rows = work.batch_size / (d * f * mb)  # rows of one micro-batch per device group
+  slots = plan.num_slots if p == 1 else 0
+  if slots:
+    slots = max(min(slots, work.batch_size), work.group_size)
+  # Rows of one micro-batch (or the engine's slots) per device group.
+  rows = (slots or work.batch_size / mb) / (d * f)
   act = _BYTES[cfg.dtype]
   weights = param_bytes(cfg) / (t * p)  # stored per device after the fsdp all-gather
   w_read = flops.decode_step_bytes(cfg, 0, 0)  # matmul weights one token reads
   # Every step attends over the whole cache (unused slots masked, not skipped).
-  slots = work.prompt_len + work.gen_len
-  kv_read = flops.decode_step_bytes(cfg, rows, slots) - w_read  # KV of `rows`, all layers
+  columns = work.prompt_len + work.gen_len
+  kv_read = flops.decode_step_bytes(cfg, rows, columns) - w_read  # KV of `rows`, all layers
   shards = d * f  # copies of the pipeline working side by side
   stage_devices = n // p  # devices of one pipeline stage; the p stages work in parallel
   # Work of one pipeline stage for one tick (L/p layers of one micro-batch), over all
   # `shards` copies: (FLOPs, bytes).
-  dec = (shards * flops.forward_flops(cfg, rows, 1, context=slots) / p,
+  dec = (shards * flops.forward_flops(cfg, rows, 1, context=columns) / p,
          shards * (w_read + kv_read) / p)
-  prefill_rows = work.prefill_rows(rows, p)
-  # The head runs at each row's last prompt position only (it draws the first token).
-  pre = (shards * flops.forward_flops(cfg, prefill_rows, work.prompt_len, context=slots,
-                                      head_positions=1) / p,
-         shards * w_read / p)
 
-  def tick_compute(prefilling: int, decoding: int) -> float:
+  def prefill_work(prompts: float):
+    # The head runs at each row's last prompt position only (it draws the first token).
+    return (shards * flops.forward_flops(cfg, prompts, work.prompt_len, context=columns,
+                                         head_positions=1) / p,
+            shards * w_read / p)
+
+  pre = prefill_work(work.prefill_rows(rows, p))
+
+  def tick_compute(prefilling: int, decoding: int, pre=pre) -> float:
     if m.hw.shared_host:
       busy = prefilling + decoding
       return m.roofline(prefilling * pre[0] + decoding * dec[0],
@@ -414,22 +427,46 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   ring_tick = m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"]) if p > 1 else 0.0
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
-  comm_pre = gather + 2 * layers * m.all_reduce(
-      prefill_rows * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
-  if p > 1:
-    comm_pre += m.ppermute(rows * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
+
+  def prefill_comm(prompts: float) -> float:
+    out = gather + 2 * layers * m.all_reduce(
+        prompts * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
+    if p > 1:
+      out += m.ppermute(prompts * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
+    return out
+
   compute = comm = 0.0
   ticks = 0
-  for (prefilling, decoding), count in tick_counts(p, mb, work.gen_len,
-                                                   work.response_fraction,
-                                                   work.batch_size):
-    ticks += count
-    compute += count * tick_compute(prefilling, decoding)
-    comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
-  # Two jitted calls: prefill and decode (or the pipelined decoder's one, and its setup).
+  if slots:
+    timeline = engine_timeline(work.batch_lengths(), slots, work.group_size)
+    steps = timeline.decode_steps
+    ticks = steps + len(timeline.prefill_widths)
+    compute = steps * tick_compute(0, 1) + sum(
+        tick_compute(1, 0, prefill_work(w / (d * f))) for w in timeline.prefill_widths)
+    comm = steps * comm_tick + sum(prefill_comm(w / (d * f))
+                                   for w in timeline.prefill_widths)
+  else:
+    comm_pre = prefill_comm(work.prefill_rows(rows, p))
+    if work.response_lengths and p == 1:
+      counts = (((1, 0), 1), ((0, 1), max(work.batch_lengths()) - 1))
+    else:
+      counts = tick_counts(p, mb, work.gen_len, work.response_fraction, work.batch_size)
+    for (prefilling, decoding), count in counts:
+      ticks += count
+      compute += count * tick_compute(prefilling, decoding)
+      comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
+  # Two jitted calls: prefill and decode (or the pipelined decoder's one, or the engine's).
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=2 * m.eff.call_overhead_s, units=ticks,
                     device_units=_device_units(m, ticks, n))
+
+
+@functools.lru_cache(maxsize=256)
+def engine_timeline(batch_lengths: tuple[int, ...], slots: int, group_size: int):
+  """The continuous-batching engine's schedule over one batch (memoised: the search
+  prices the same generation plan many times)."""
+  return engine.simulate(batch_lengths, engine.EngineSpec(num_slots=slots,
+                                                          group_size=group_size))
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:

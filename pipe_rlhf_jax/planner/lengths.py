@@ -95,3 +95,31 @@ def fraction_from_metrics(path: str, max_len: int) -> float:
     raise ValueError(f"{path} has no PPO rows with response_length/mean; give a run's "
                      "metrics.jsonl, or the fraction itself (runtime.response_fraction).")
   return min(1.0, max(1.0 / max_len, float(np.mean(means)) / max_len))
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_lengths(fraction: float, max_len: int, count: int,
+                  observed: tuple[int, ...] = ()) -> tuple[int, ...]:
+  """`count` response lengths standing for one batch, in queue order.
+
+  The (i + 1/2) / count quantiles of the length distribution: the observed lengths'
+  empirical one when given (`Workload.response_lengths`, e.g. recorded from the model),
+  else the constant-hazard model of mean `fraction` x T. The quantiles are put in a fixed
+  random order, as a queue of prompts would meet them. The continuous-batching engine's
+  cost depends on the whole distribution and on the order (its pure schedule,
+  `generation.engine.simulate`, runs over these lengths), not on the mean alone.
+  """
+  u = (np.arange(count) + 0.5) / count
+  if observed:
+    out = np.quantile(np.asarray(observed, np.float64), u, method="inverted_cdf")
+  else:
+    q = hazard(fraction, max_len)
+    if q == 0.0:
+      out = np.full(count, max_len)
+    elif q >= 1.0:
+      out = np.ones(count)
+    else:
+      # P(length <= k) = 1 - (1 - q)^k below T: the smallest k reaching u.
+      out = np.ceil(np.log1p(-u) / np.log1p(-q))
+  out = np.clip(np.asarray(out, np.int64), 1, max_len)
+  return tuple(int(x) for x in out[np.random.RandomState(0).permutation(count)])

@@ -154,11 +154,17 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   vocab_dev = cfg.vocab_size / t
   fsdp = mesh_sizes["fsdp"] > 1
   if stage == "generate":
-    b = work.batch_size / batch_ways
+    engine_slots = plan.num_slots if p == 1 else 0
+    if engine_slots:
+      engine_slots = max(min(engine_slots, work.batch_size), work.group_size)
+    b = (engine_slots or work.batch_size) / batch_ways
     slots = L  # prompt + completion: the cache every step attends over
     impl = _attention_impl(cfg, plan, slots)
     kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
         * cfg.head_dim * act
+    # The engine's widest admission builds its newcomers' cache regions (up to every
+    # slot's) before placing them, once per prompt and once per slot: up to 2x the cache.
+    admission = 2 * kv if engine_slots else 0.0
     tokens = work.prefill_rows(b, p) * work.prompt_len
     prefill = tokens * (forward_activation_bytes(cfg, t, slots, impl)
                         + model_activation_bytes(cfg, t, slots, impl))
@@ -176,7 +182,8 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     copies = cfg.num_layers * _layer_params(cfg) / param_ways if p == 1 and not fsdp else 0.0
     per_layer = max(0.0, copies - prefill - logits)
     return StageMemory((("actor params", param_bytes(cfg) / param_ways),),
-                       (("kv cache", kv), ("prefill activations", prefill),
+                       (("kv cache", kv), ("engine admission cache", admission),
+                        ("prefill activations", prefill),
                         ("logits", logits), ("fsdp-gathered weights", gathered),
                         ("decode's per-layer weight copies", per_layer)))
   impl = _attention_impl(cfg, plan, L)

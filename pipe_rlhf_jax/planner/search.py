@@ -187,12 +187,13 @@ def pareto(work: Workload, m: cost_mod.Machine, options: SpaceOptions = SpaceOpt
     common = dict(mode=sch.mode, max_staleness=sch.max_staleness, queue_size=sch.queue_size)
     if sch.mode == "sequential":
       for mesh in space.mesh_shapes(n):
-        for remat in options.train_remat:
+        for remat, slots in itertools.product(options.train_remat,
+                                              space.sequential_slot_counts(mesh, work)):
           plan = Plan(mesh=mesh, train=StagePlan(
               mesh=space.MeshSpec(data=1, fsdp=-1), remat=remat,
               attention=options.attention, logits_chunk=options.logits_chunk),
               generate=StagePlan(attention=options.attention,
-                                 logits_chunk=options.logits_chunk),
+                                 logits_chunk=options.logits_chunk, num_slots=slots),
               infer=StagePlan(attention=options.attention,
                               logits_chunk=options.logits_chunk), **common)
           if space.plan_error(plan, work) is None:

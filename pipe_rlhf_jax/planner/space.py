@@ -31,6 +31,7 @@ from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
+from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
 from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, Plan, StagePlan
@@ -65,6 +66,9 @@ class Workload:
       0 = none): one more actor forward and backward over that many rows per step.
     group_size: completions per prompt (`ppo.group_size`): the plain sampler prefills
       each of the batch_size / group_size prompts once.
+    response_lengths: observed response lengths (tokens), when known: generation is then
+      priced on their distribution instead of the constant-hazard model of
+      `response_fraction` (plain decoder; the pipelined decoder keeps the model).
   """
 
   actor: TransformerConfig
@@ -82,9 +86,32 @@ class Workload:
   proximal_pass: bool = False
   ptx_rows: int = 0
   group_size: int = 1
+  response_lengths: tuple[int, ...] = ()
 
   def __post_init__(self):
     checks.check_fraction(self.response_fraction, "response_fraction")
+    if any(int(x) < 1 for x in self.response_lengths):
+      raise ValueError("response_lengths must be token counts >= 1, got "
+                       f"min {min(self.response_lengths)}")
+
+  def batch_lengths(self) -> tuple[int, ...]:
+    """The response lengths of one generation batch (`lengths.batch_lengths`)."""
+    return lengths.batch_lengths(self.response_fraction, self.gen_len, self.batch_size,
+                                 tuple(int(x) for x in self.response_lengths))
+
+  def slot_counts(self, data_ways: int) -> tuple[int, ...]:
+    """Engine slot counts worth pricing for generation without pipe: 0 (static batches)
+    and, when response lengths vary, half and a quarter of the batch (whole groups,
+    split evenly over the `data_ways` batch shards). Fewer slots than that leave too
+    little of the batch in flight at once to pay back their refills."""
+    if self.response_fraction >= 1 and not self.response_lengths:
+      return (0,)
+    out = [0]
+    for div in (2, 4):
+      s = self.batch_size // div
+      if s >= self.group_size and s % self.group_size == 0 and s % data_ways == 0:
+        out.append(s)
+    return tuple(out)
 
   @property
   def critic(self) -> TransformerConfig:
@@ -252,15 +279,17 @@ def stage_plans(stage: str, num_devices: int, work: Workload,
                 ) -> list[StagePlan]:
   """The valid strategies of one stage on `num_devices` devices (level 3).
 
-  Generation: M = 1 without pipe; with pipe P > 1, M in {1, P, 2P, 4P} (those the
-  runtime accepts). Training: each remat policy of `options`, pipe = 1.
+  Generation: M = 1 without pipe, each slot count of `Workload.slot_counts` (static
+  batches, or continuous batching when lengths vary); with pipe P > 1, M in {1, P, 2P,
+  4P} (those the runtime accepts). Training: each remat policy of `options`, pipe = 1.
   """
   out = []
   for mesh in mesh_shapes(num_devices, pipe_allowed=(stage != "train" or sequential)):
     if stage == "generate":
       ms = sorted({1 if f == 0 else f * mesh.pipe for f in options.microbatch_factors}
                   ) if mesh.pipe > 1 else [1]
-      variants = [dict(num_microbatches=m) for m in ms]
+      variants = ([dict(num_microbatches=m) for m in ms] if mesh.pipe > 1 else
+                  [dict(num_slots=s) for s in work.slot_counts(mesh.data * mesh.fsdp)])
     elif stage == "train":
       variants = [dict(remat=r) for r in options.train_remat]
     else:
@@ -332,6 +361,14 @@ def schedules(options: SpaceOptions = SpaceOptions()) -> list[Schedule]:
   return out
 
 
+def sequential_slot_counts(mesh: MeshSpec, work: Workload) -> tuple[int, ...]:
+  """Slot counts for `sequential` mode's one mesh (static only when it has pipe, or
+  unresolved (-1) axes whose batch ways are not known here)."""
+  if mesh.pipe != 1 or mesh.data < 1 or mesh.fsdp < 1:
+    return (0,)
+  return work.slot_counts(mesh.data * mesh.fsdp)
+
+
 def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
                     ) -> Iterator[Plan]:
   """Every valid plan of the space (exhaustive; for small device counts)."""
@@ -344,9 +381,11 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
           train = StagePlan(mesh=MeshSpec(data=1, fsdp=-1), remat=remat,
                             attention=options.attention, logits_chunk=options.logits_chunk)
           other = StagePlan(attention=options.attention, logits_chunk=options.logits_chunk)
-          rt = Plan(mesh=mesh, generate=other, infer=other, train=train, **common)
-          if plan_error(rt, work) is None:
-            yield rt
+          for slots in sequential_slot_counts(mesh, work):
+            rt = Plan(mesh=mesh, generate=dataclasses.replace(other, num_slots=slots),
+                      infer=other, train=train, **common)
+            if plan_error(rt, work) is None:
+              yield rt
       continue
     if sch.mode == "per_stage":
       layouts = [(n, n, n)]

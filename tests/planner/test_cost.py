@@ -313,3 +313,42 @@ def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
   times = {"generate": 1.0, "infer": 1.0, "train": 2.0}
   assert composition.closed_form(times, 0.0, rt) == pytest.approx(2.0)
   assert composition.closed_form(times, 0.0, rt, exclusive={"infer", "train"}) == pytest.approx(3.0)
+
+
+def _long_tail(count=256, median=24, cap=256, seed=0):
+  rs = random.Random(seed)
+  return tuple(min(cap, max(1, round(median * rs.lognormvariate(0.0, 0.894))))
+               for _ in range(count))
+
+
+def test_continuous_batching_is_priced_with_the_engines_schedule():
+  eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
+  m = cost.Machine(hardware.get("h100"), eff)
+  work = dataclasses.replace(WORK, batch_size=64, gen_len=256, num_devices=1,
+                             response_lengths=_long_tail())
+  static = cost.generate_cost(StagePlan(), MESH1, work, m)
+  engine_plan = StagePlan(num_slots=16)
+  continuous = cost.generate_cost(engine_plan, MESH1, work, m)
+  timeline = cost.engine_timeline(work.batch_lengths(), 16, 1)
+  # One tick per decode step and per admission, each priced at the engine's own rows.
+  assert continuous.overhead == pytest.approx(timeline.decode_steps
+                                              + len(timeline.prefill_widths))
+  assert static.overhead == pytest.approx(max(work.batch_lengths()))  # 1 prefill + T - 1
+  # Where a step's cost grows with its rows (a compute-bound CPU), 16 slots decode a long
+  # tail in less compute than one static batch of 64 rows waiting on its longest row.
+  cpu = cost.Machine(hardware.get("cpu"), cost.Efficiency(tick_overhead_s=0.0,
+                                                          call_overhead_s=0.0))
+  assert (cost.generate_cost(engine_plan, MESH1, work, cpu).compute
+          < 0.8 * cost.generate_cost(StagePlan(), MESH1, work, cpu).compute)
+  # Every row the same length: nothing to gain from refilling slots.
+  uniform = dataclasses.replace(work, response_lengths=(64,) * 8)
+  assert (cost.generate_cost(engine_plan, MESH1, uniform, cpu).compute
+          >= 0.95 * cost.generate_cost(StagePlan(), MESH1, uniform, cpu).compute)
+
+
+def test_batch_lengths_follow_the_distribution_given():
+  assert set(lengths.batch_lengths(1.0, 32, 16)) == {32}
+  modelled = lengths.batch_lengths(0.25, 64, 4096)
+  assert abs(sum(modelled) / len(modelled) - 16) < 1.0  # the hazard model's mean
+  observed = lengths.batch_lengths(1.0, 512, 8, (10, 20, 30, 40))
+  assert sorted(observed) == [10, 10, 20, 20, 30, 30, 40, 40]

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from pipe_rlhf_jax.models.config import tiny_config
@@ -36,3 +37,18 @@ def test_memory_limit_rejects_with_a_reason():
   assert rejected and all("GiB per device" in c.rejected for c in rejected)
   for c in best:
     assert max(c.memory.values()) <= 2e6 * 0.9
+
+
+def test_the_search_chooses_continuous_batching_for_long_tailed_lengths():
+  # One device, sequential: the space holds static batches and 1/2, 1/4 of the batch as
+  # slots; on a long tail the engine wins, on uniform lengths nothing is offered.
+  rs = np.random.RandomState(0)
+  tail = tuple(int(x) for x in np.clip(np.round(24 * rs.lognormal(0, 0.894, 256)), 1, 256))
+  work = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=64, epochs=1,
+                        prompt_len=16, gen_len=256, num_devices=1, response_lengths=tail)
+  m = cost.Machine(hardware.get("cpu"), cost.Efficiency())
+  opts = space.SpaceOptions(modes=("sequential",))
+  best = search.search(work, m, opts, k=1)[0][0].plan
+  assert best.generate.num_slots in (16, 32)
+  assert work.slot_counts(1) == (0, 32, 16)
+  assert dataclasses.replace(work, response_lengths=()).slot_counts(1) == (0,)
