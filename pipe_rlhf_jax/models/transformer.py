@@ -16,7 +16,10 @@ Design points a reader should know:
   activations are constrained with `parallel.logical.constrain`; a per-stage rules table
   maps the names to mesh axes. Outside a rules context the constraints are no-ops.
 - Batches are left-padded: `attention_mask` marks real tokens, positions default to the
-  running count of real tokens, and padded keys are never attended to.
+  running count of real tokens, and padded keys are never attended to. The no-cache
+  forward also takes packed rows (`segment_ids`, 0 = padding): several sequences side by
+  side in one row, each attending causally within itself, positions restarting at each
+  (`stages/packing.py` builds them).
 - The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout). The
   static decoders write the same slot for every row at each step (one
   `dynamic_update_slice`); the continuous-batching engine gives each row its own slot
@@ -88,6 +91,21 @@ def default_positions(mask: jax.Array) -> jax.Array:
   """Position ids for a left-padded batch: count of real tokens before each slot."""
   # [batch, length]
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """Position ids for packed rows: the column's distance from its segment's first column.
+
+  `segment_ids` int [batch, length], each segment contiguous; padding columns (id 0)
+  get whatever their run gives, unread since no query attends to them.
+  """
+  length = segment_ids.shape[-1]
+  columns = jnp.broadcast_to(jnp.arange(length), segment_ids.shape)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[..., :1], bool),
+                            segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+  # [batch, length]: the first column of the run each column belongs to.
+  first = jax.lax.cummax(jnp.where(starts, columns, 0), axis=segment_ids.ndim - 1)
+  return columns - first
 
 
 def rope_inv_freq(config: TransformerConfig, local: bool = False) -> jax.Array:
@@ -256,6 +274,7 @@ class Layers(nnx.Module):
                cache_stride: int = 1, cache_offset: jax.Array | int = 0,
                layer_params: tuple[dict[str, jax.Array], ...] | None = None,
                layer_offset: jax.Array | int = 0,
+               segment_ids: jax.Array | None = None,
                ) -> tuple[jax.Array, KVCache | None]:
     """Applies every (local) layer in order.
 
@@ -280,6 +299,9 @@ class Layers(nnx.Module):
       layer_offset: the model-wide index of the first local layer (a pipeline stage's
         `stage * local_layers`): local layer i is of kind `config.layer_types[offset + i]`
         (its window and RoPE base).
+      segment_ids: int [batch, length], no cache only: packed rows, a query attending
+        only to keys of its own segment (0 = padding, never a key). Each segment is
+        contiguous, so a sliding window in columns is its window in positions.
 
     Returns:
       The residual stream after the local layers, and the updated cache (or None).
@@ -296,6 +318,10 @@ class Layers(nnx.Module):
     causal = jnp.arange(keys) <= query_slots[..., None]
     # [batch, length, keys]
     allowed = causal & key_mask[:, None, :].astype(bool)
+    if segment_ids is not None:
+      if cache is not None:
+        raise ValueError("Layers: segment_ids are for the no-cache forward only.")
+      allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
     # What a layer attends with: (mask, cos, sin), one set per layer kind.
     full = (allowed, *rope_tables(c, positions))
     kinds = c.local_layers
@@ -457,18 +483,28 @@ class Transformer(nnx.Module):
     return out[..., 0].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
-    return self.head(self.hidden(tokens, attention_mask, positions))
+               positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    return self.head(self.hidden(tokens, attention_mask, positions, segment_ids))
 
   def hidden(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
-             positions: jax.Array | None = None) -> jax.Array:
+             positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
     """The residual stream after the last layer, [batch, length, embed] (before the head:
-    a caller that needs few positions slices first and applies `head` to those only)."""
+    a caller that needs few positions slices first and applies `head` to those only).
+
+    With `segment_ids` (int [batch, length], 0 = padding) the rows are packed: each
+    segment is a sequence of its own (causal within itself, blind to its neighbours),
+    `attention_mask` defaults to the non-zero ids and `positions` restart per segment.
+    """
     if attention_mask is None:
-      attention_mask = jnp.ones(tokens.shape, bool)
+      attention_mask = (segment_ids != 0 if segment_ids is not None
+                        else jnp.ones(tokens.shape, bool))
     if positions is None:
-      positions = default_positions(attention_mask)
-    h, _ = self.layers(self.embed(tokens), positions, attention_mask)
+      positions = (segment_positions(segment_ids) if segment_ids is not None
+                   else default_positions(attention_mask))
+    h, _ = self.layers(self.embed(tokens), positions, attention_mask,
+                       segment_ids=segment_ids)
     return h
 
   def forward_cached(self, tokens: jax.Array, positions: jax.Array, key_mask: jax.Array,

@@ -402,7 +402,7 @@ def enumerate_plans(work: Workload, options: SpaceOptions = SpaceOptions()
 
 
 _STAGE_DEFAULTS = {"num_microbatches": 1, "attention": "auto", "remat": "none",
-                   "logits_chunk": 0, "num_slots": 0}
+                   "logits_chunk": 0, "num_slots": 0, "pack_tokens": 0}
 
 
 def _has(config, key: str) -> bool:

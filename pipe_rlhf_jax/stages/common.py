@@ -9,6 +9,9 @@ pytrees onto the stage through the one reshard helper, so every cross-mesh move 
 shared `[prompt | completion]` layout (see `ppo/types.py`); the SFT, reward-model and
 PPO phases and all three stages use them, so every log-prob in the system is computed
 one way: under the tempered, untruncated policy (top-k / top-p never enter).
+
+The `packed_*` variants compute the same outputs over packed rows of real tokens only
+(`stages/packing.py`), for the inference stage's `pack_tokens` setting.
 """
 
 from __future__ import annotations
@@ -218,4 +221,61 @@ def sequence_scores(graphdef, params, prompt_tokens, prompt_mask, completion_tok
   h = model.hidden(tokens, mask)  # [batch, length, embed]
   last = prompt_tokens.shape[1] - 1 + jnp.sum(completion_mask.astype(jnp.int32), axis=1)
   h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)  # [batch, 1, embed]
+  return model.head(h_last)[:, 0]
+
+
+def packed_hidden(model, plan, prompt_tokens: jax.Array,
+                  completion_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The residual stream over packed rows (`stages/packing.py`), and their tokens.
+
+  Args:
+    model: a merged model.
+    plan: a `PackPlan` on the device ([rows, budget] fields, [batch, ...] gathers).
+    prompt_tokens: [batch, P]; completion_tokens: [batch, T]: the padded layout the plan
+      was made for. Gathered into the rows here, on the device.
+
+  Returns:
+    (h [rows, budget, embed], tokens int [rows, budget]).
+  """
+  flat = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).reshape(-1)
+  tokens = jnp.take(flat, plan.source, axis=0)  # [rows, budget]
+  h = model.hidden(tokens, positions=plan.positions, segment_ids=plan.segment_ids)
+  return h, tokens
+
+
+def packed_completion_logprobs(graphdef, params, plan, prompt_tokens, completion_tokens,
+                               completion_mask, *, temperature=1.0) -> jax.Array:
+  """`completion_logprobs` computed over packed rows: the same [batch, T] f32 log-probs
+  (0 on padding). The head runs over the packed columns, each scoring the column after
+  it, so it too touches real tokens (and the few spare columns) only."""
+  model = nnx.merge(graphdef, params)
+  h, tokens = packed_hidden(model, plan, prompt_tokens, completion_tokens)
+  # [rows, budget]: the token each column predicts (the last column predicts none read).
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+  def one_chunk(_, xs):
+    h_chunk, tokens_chunk = xs
+    logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [r, chunk, vocab]
+    return None, token_logprob(logprobs_all, tokens_chunk)
+
+  logprobs = _over_position_chunks(one_chunk, h, targets, model.config.logits_chunk_size)
+  logprobs = logprobs[plan.completion_rows, plan.completion_cols]  # [batch, T]
+  return jnp.where(completion_mask, logprobs, 0.0)
+
+
+def packed_completion_values(graphdef, params, plan, prompt_tokens, completion_tokens,
+                             completion_mask) -> jax.Array:
+  """`completion_values` computed over packed rows: critic values [batch, T]."""
+  model = nnx.merge(graphdef, params)
+  h, _ = packed_hidden(model, plan, prompt_tokens, completion_tokens)
+  values = model.head(h)[plan.completion_rows, plan.completion_cols]  # [batch, T]
+  return jnp.where(completion_mask, values, 0.0)
+
+
+def packed_sequence_scores(graphdef, params, plan, prompt_tokens,
+                           completion_tokens) -> jax.Array:
+  """`sequence_scores` computed over packed rows: scores [batch] at each last token."""
+  model = nnx.merge(graphdef, params)
+  h, _ = packed_hidden(model, plan, prompt_tokens, completion_tokens)
+  h_last = h[plan.last_rows, plan.last_cols][:, None]  # [batch, 1, embed]
   return model.head(h_last)[:, 0]

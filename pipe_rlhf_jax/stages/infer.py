@@ -12,6 +12,10 @@ Only the models the algorithm needs run: no critic for a critic-free estimator
 (`values` is None), no reference when `ppo.kl_coef == 0` (`ref_logprobs` and `kl` are
 None). With `ppo.kl_in == "loss"` the KL is measured here (metrics, `Experience.kl`) but
 not put into the rewards; the trainer adds it to the loss.
+
+With `pack_tokens` = L > 0 the forward passes run over packed rows of L tokens (real
+tokens only, `stages/packing.py`) instead of the padded `[batch, P + T]` layout, with the
+same outputs; the plan needs the masks on the host, once per batch.
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.losses import explained_variance
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, score_rule
 from pipe_rlhf_jax.ppo.types import Experience, Rollout, decode_answers
+from pipe_rlhf_jax.stages import packing
 from pipe_rlhf_jax.stages.common import (
   StageLayout,
   completion_logprobs,
   completion_values,
+  packed_completion_logprobs,
+  packed_completion_values,
+  packed_sequence_scores,
   sequence_scores,
 )
 
@@ -143,12 +151,15 @@ class InferStage:
       `reward_graphdef` is None.
     eval_fn: a host-side rule reward reported as `rule_reward/mean`, not optimised.
     decode: token ids -> text, for rule rewards.
+    pack_tokens: 0 runs the forward passes over the padded layout; L > 0 over packed
+      rows of L tokens (`stages.infer.pack_tokens`; the same outputs).
   """
 
   def __init__(self, layout: StageLayout, policy_graphdef: nnx.GraphDef,
                critic_graphdef: nnx.GraphDef | None, reward_graphdef: nnx.GraphDef | None,
                hyper: InferHyper, reward_fn: Callable | None = None,
-               eval_fn: Callable | None = None, decode: Callable | None = None):
+               eval_fn: Callable | None = None, decode: Callable | None = None,
+               pack_tokens: int = 0):
     if reward_graphdef is None and reward_fn is None:
       raise ValueError("reward.fn: give a reward model or a registered rule reward.")
     if (critic_graphdef is None) == hyper.needs_critic:
@@ -161,6 +172,9 @@ class InferStage:
     self.reward_fn = reward_fn
     self.eval_fn = eval_fn
     self.decode = decode
+    if pack_tokens < 0:
+      raise ValueError(f"stages.infer.pack_tokens={pack_tokens} must be >= 0.")
+    self.pack_tokens = pack_tokens
     h = hyper
     ADVANTAGE_ESTIMATORS.get(h.advantage_estimator, field="ppo.advantage_estimator")
 
@@ -183,6 +197,21 @@ class InferStage:
                         if reward_model is not None else None)
         return ref_logprobs, values, model_scores
 
+    def forward_packed(ref, critic, reward_model, rollout: Rollout, plan: packing.PackPlan):
+      # The same passes over packed rows; their outputs are the padded layout's.
+      with layout.rules_context():
+        r = rollout
+        args = (plan, r.prompt_tokens, r.completion_tokens)
+        ref_logprobs = (packed_completion_logprobs(policy_graphdef, ref, *args,
+                                                   r.completion_mask,
+                                                   temperature=h.temperature)
+                        if ref is not None else None)
+        values = (packed_completion_values(critic_graphdef, critic, *args, r.completion_mask)
+                  if critic is not None else None)
+        model_scores = (packed_sequence_scores(reward_graphdef, reward_model, *args)
+                        if reward_model is not None else None)
+        return ref_logprobs, values, model_scores
+
     def make_experience(rollout: Rollout, ref_logprobs, values, scores, kl_coef):
       with layout.rules_context():
         exp = derive_targets(h, rollout, rollout.behaviour_logprobs, ref_logprobs, values,
@@ -190,6 +219,7 @@ class InferStage:
         return exp, experience_metrics(exp)
 
     self._forward = jax.jit(forward)
+    self._forward_packed = jax.jit(forward_packed)
     self._make = jax.jit(make_experience)
 
   def score_on_host(self, rollout: Rollout, fn: Callable) -> np.ndarray:
@@ -204,6 +234,21 @@ class InferStage:
     completions = [self.decode(c[m]) for c, m in zip(completions_np, cmask)]
     answers = None if answer_bytes is None else decode_answers(answer_bytes)
     return score_rule(fn, prompts, completions, answers)
+
+  def pack(self, rollout: Rollout) -> packing.PackPlan:
+    """The packing plan of `rollout`'s masks (one host transfer), placed on this stage."""
+    prompt_mask, completion_mask = fetch((rollout.prompt_mask, rollout.completion_mask))
+    plan = packing.plan_packing(prompt_mask, completion_mask, self.pack_tokens,
+                                row_multiple=self.layout.batch_ways())
+    return self.layout.put_batch(plan)
+
+  def forward(self, ref: nnx.State | None, critic: nnx.State | None,
+              reward_model: nnx.State | None, rollout: Rollout):
+    """Dispatches the model passes: (reference log-probs, values, model scores), each
+    None without its model; over packed rows when `pack_tokens` is set."""
+    if not self.pack_tokens:
+      return self._forward(ref, critic, reward_model, rollout)
+    return self._forward_packed(ref, critic, reward_model, rollout, self.pack(rollout))
 
   def __call__(self, ref: nnx.State | None, critic: nnx.State | None,
                reward_model: nnx.State | None, rollout: Rollout, kl_coef: float
@@ -221,7 +266,7 @@ class InferStage:
     scored, rollout = rollout, rollout.replace(answer_bytes=None)
     # Asynchronous dispatch: the device runs the model passes while the host decodes
     # and scores the completions below.
-    ref_logprobs, values, model_scores = self._forward(ref, critic, reward_model, rollout)
+    ref_logprobs, values, model_scores = self.forward(ref, critic, reward_model, rollout)
     if reward_model is None:
       # Each process holds the whole host batch; put_global keeps its own shards.
       scores = put_global(self.score_on_host(scored, self.reward_fn),

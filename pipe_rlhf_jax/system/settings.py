@@ -303,6 +303,9 @@ class StagePlan:
       the batch's prompts as a queue over S slots with continuous batching
       (`generation/engine.py`): a finished row's slot takes the next prompt at once.
       Applies in every mode, to a stage without a pipe axis.
+    pack_tokens: inference only: 0 runs its forward passes over the padded
+      `[batch, P + T]` layout; L > 0 packs the real tokens into rows of L
+      (`stages/packing.py`), the same outputs. Applies in every mode.
   """
 
   mesh: MeshSpec = MeshSpec()
@@ -313,6 +316,7 @@ class StagePlan:
   logits_chunk: int = 0
   scan_unroll: int = 1
   num_slots: int = 0
+  pack_tokens: int = 0
 
   def __post_init__(self):
     from pipe_rlhf_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
@@ -321,6 +325,7 @@ class StagePlan:
     check_int(self.logits_chunk, "logits_chunk", low=0)
     check_int(self.scan_unroll, "scan_unroll", low=1)
     check_int(self.num_slots, "num_slots", low=0)
+    check_int(self.pack_tokens, "pack_tokens", low=0)
 
   def execution(self) -> dict[str, Any]:
     """The model execution fields this stage sets (`models.transformer.with_execution`)."""
@@ -331,7 +336,7 @@ class StagePlan:
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = _plain(stage)
     check_known(values, ("mesh", "rules", "num_microbatches", "attention", "remat",
-                         "logits_chunk", "scan_unroll", "num_slots"), field)
+                         "logits_chunk", "scan_unroll", "num_slots", "pack_tokens"), field)
     rules = values.get("rules") or {}
     rules = tuple((name, tuple(a) if isinstance(a, list) else a)
                   for name, a in _plain(rules).items())
@@ -342,10 +347,11 @@ class StagePlan:
                  remat=values.get("remat", "none"),
                  logits_chunk=values.get("logits_chunk", 0),
                  scan_unroll=values.get("scan_unroll", 1),
-                 num_slots=values.get("num_slots", 0))
+                 num_slots=values.get("num_slots", 0),
+                 pack_tokens=values.get("pack_tokens", 0))
     except ValueError as e:
       if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=",
-                            "num_slots=")):
+                            "num_slots=", "pack_tokens=")):
         raise ValueError(f"{field}.{e}") from None
       raise
 
@@ -404,6 +410,10 @@ class Plan:
       if self.stage(stage).num_slots:
         raise ValueError(f"stages.{stage}.num_slots={self.stage(stage).num_slots}: only "
                          "generation decodes; set stages.generate.num_slots instead.")
+    for stage in ("generate", "train"):
+      if self.stage(stage).pack_tokens:
+        raise ValueError(f"stages.{stage}.pack_tokens={self.stage(stage).pack_tokens}: only "
+                         "inference packs; set stages.infer.pack_tokens instead.")
     if self.generate.num_slots and self.mode != "sequential" and self.generate.mesh.pipe > 1:
       raise ValueError(
           f"stages.generate.num_slots={self.generate.num_slots} with "

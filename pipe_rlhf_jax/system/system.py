@@ -387,7 +387,8 @@ class PPOSystem:
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
                                   critic_graphdef["infer"], reward_graphdef,
                                   InferHyper.from_settings(ppo, sampling.temperature),
-                                  reward_fn=reward_fn, eval_fn=eval_fn, decode=decode)
+                                  reward_fn=reward_fn, eval_fn=eval_fn, decode=decode,
+                                  pack_tokens=runtime.infer.pack_tokens)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
                                           schedule=ppo.lr_schedule,
