@@ -56,6 +56,9 @@ class BoundedQueue:
     poll_s: Longest single wait slice in seconds.
   """
 
+  # Held in this process's memory: a stop aborts it at once (`system/pipe_loop.Stream`).
+  in_process = True
+
   def __init__(
       self,
       maxsize: int,

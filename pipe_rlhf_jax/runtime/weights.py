@@ -60,6 +60,10 @@ class VersionedWeights:
     poll_s: Longest single wait slice, so stop events are noticed promptly.
   """
 
+  # Held in this process's memory: publishers hand it params already on the consumer's
+  # layout, and a stop closes it (`system/pipe_loop.Weights`).
+  in_process = True
+
   def __init__(self, params: Any = None, version: int = 0,
                poll_s: float = DEFAULT_POLL_S):
     self.poll_s = poll_s
@@ -186,11 +190,12 @@ class StalenessGate:
   """Applies the staleness bound when a generator fetches weights.
 
   Args:
-    weights: The shared store.
+    weights: The shared store, or anything with its `wait_for` (a cross-process
+      subscription: `system/pipe_loop.Weights`).
     max_staleness: Allowed policy lag in train steps (>= 0).
   """
 
-  def __init__(self, weights: VersionedWeights, max_staleness: int):
+  def __init__(self, weights: Any, max_staleness: int):
     required_version(0, max_staleness)  # validates max_staleness
     self.weights = weights
     self.max_staleness = max_staleness

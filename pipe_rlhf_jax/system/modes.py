@@ -7,6 +7,7 @@ after another; the two modes differ only in the layouts `build_layouts` gives th
 queues (back-pressure), with versioned weights: generation of batch k waits until the
 actor has at least version k - max_staleness (0 = on-policy, which reproduces the serial
 schedule). The first exception in any worker stops every worker and is re-raised here.
+The workers are `pipe_loop`'s; `run_pipe` gives them this process's queues and slots.
 
 Both record a span per stage per batch in the tracer and call `on_step(step, metrics)`
 after each training update from the thread that owns the trainer state, which is where
@@ -24,22 +25,21 @@ Without a critic (a critic-free advantage estimator) nothing of one is synced or
 published, and no critic version or staleness is reported.
 
 In a multi-process job `run` hands `pipe` mode to `pipe_processes`, which runs the same
-workers with each stage on its own group of processes (one process, or several whole
-processes running the stage SPMD) and the links between groups carried by
-`distributed.transfer`.
+`pipe_loop` workers with each stage on its own group of processes (one process, or
+several whole processes running the stage SPMD) and the channels between groups carried
+by `distributed.transfer`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import StalenessGate, VersionedWeights
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
-from pipe_rlhf_jax.system.steps import DataFeed, OnStep, StopHere, finish_step
+from pipe_rlhf_jax.runtime.weights import VersionedWeights
+from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
+from pipe_rlhf_jax.system.steps import DataFeed, OnStep, finish_step
 from pipe_rlhf_jax.system.system import PPOSystem
 
 
@@ -92,82 +92,20 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
 
 def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,
              tracer: Tracer, boundary: StepBoundary, timeout: float | None = None) -> bool:
-  """pipe: generate / infer / train workers running concurrently on disjoint devices.
+  """pipe: generate / infer / train workers running concurrently on disjoint devices,
+  linked in this process by bounded queues and versioned-weights slots.
 
   Returns True when the run stopped on a request.
   """
   cfg = system.runtime
-  actor, actor_stats = system.actor_for_generation()
-  critic, _ = system.critic_for_inference()
-  actor_store = VersionedWeights(actor, version=system.version)
-  # No critic: a store that always holds None at the actor's versions is never needed.
-  critic_store = (VersionedWeights(critic, version=system.version) if system.has_critic
-                  else None)
-  gate = StalenessGate(actor_store, cfg.max_staleness)
-  rollouts = BoundedQueue(cfg.queue_size, "rollouts")
-  experience = BoundedQueue(cfg.queue_size, "experience")
-  # A worker is only stopped between items, and an item can be a first call that is
-  # still compiling: the bound is generous, but it is a bound (shutdown never hangs).
-  group = WorkerGroup(shutdown_timeout=cfg.shutdown_timeout_s)
-  for obj in (rollouts, experience, actor_store, critic_store):
-    if obj is not None:
-      group.register_queue(obj)
-  step_start: dict[int, float] = {}
-
-  def generate_worker(stop: threading.Event) -> None:
-    for step in range(start, end):
-      batch = feed.next(step)
-      waited = time.perf_counter()
-      params, version = gate.acquire(step, stop_event=stop)
-      step_start[step] = time.perf_counter()
-      with tracer.span("generate", batch=step, version=version):
-        rollout, metrics = system.generate(params, batch, step, version)
-      metrics["generate_version"] = version
-      metrics["time/weights_wait_s"] = step_start[step] - waited
-      rollouts.put((step, rollout, metrics), stop_event=stop)
-    rollouts.close()
-
-  def infer_worker(stop: threading.Event) -> None:
-    for step, rollout, metrics in rollouts:
-      actor_version = metrics.pop("generate_version")
-      # The span carries the critic's version, or without a critic the sampling policy's.
-      critic, version = (critic_store.latest() if critic_store is not None
-                         else (None, actor_version))
-      with tracer.span("infer", batch=step, version=version):
-        exp, inf_metrics = system.infer(rollout, critic, actor_version=actor_version,
-                                        critic_version=version)
-      experience.put((step, exp, {**metrics, **inf_metrics}), stop_event=stop)
-    experience.close()
-
-  def train_worker(stop: threading.Event) -> None:
-    for step, exp, metrics in experience:
-      with tracer.span("train", batch=step, version=system.version):
-        metrics.update(system.train(exp, step, observed_kl=metrics.get("kl/mean", 0.0)))
-      with tracer.span("sync", batch=step, version=system.version):
-        critic, critic_stats = system.critic_for_inference()
-        actor, actor_stats = system.actor_for_generation()
-      metrics.update(actor_stats.as_metrics("transfer/actor_sync"))
-      if critic_store is not None:
-        metrics.update(critic_stats.as_metrics("transfer/critic_sync"))
-      metrics.update(rollouts.metrics())
-      metrics.update(experience.metrics())
-      metrics["time/step_s"] = time.perf_counter() - step_start.get(step, time.perf_counter())
-      # Record (metrics, checkpoint) before publishing: publishing fails once a shutdown
-      # has begun, and a trained step must never go unrecorded.
-      finish_step(system, step, metrics, on_step)
-      if boundary.reached(step):
-        raise StopHere()
-      # The critic first: an on-policy generator released by the actor's version must
-      # find the matching critic when its batch reaches inference.
-      if critic_store is not None:
-        critic_store.publish(critic, system.version)
-      actor_store.publish(actor, system.version)
-
-  group.add("generate", generate_worker)
-  group.add("infer", infer_worker)
-  group.add("train", train_worker)
-  group.start()
-  return not group.join(timeout=timeout, should_stop=boundary.requested)
+  channels = PipeChannels(
+      rollouts=BoundedQueue(cfg.queue_size, "rollouts"),
+      experience=BoundedQueue(cfg.queue_size, "experience"),
+      actor=VersionedWeights(),
+      # No critic: nothing of one is synced or published.
+      critic=VersionedWeights() if system.has_critic else None)
+  return run_pipe_workers(system, feed, start, end, on_step, tracer, boundary, channels,
+                          timeout=timeout)
 
 
 def run(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: OnStep,

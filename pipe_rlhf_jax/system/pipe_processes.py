@@ -1,21 +1,23 @@
 """`pipe` mode across processes: stage groups of whole processes, links between them.
 
-The schedule is `modes.run_pipe`'s (the same workers, staleness gate, versioning and
-metrics); what changes is where each piece lives. Each stage lives on a group of
-processes (`stage_processes`): either within one process (a process may then hold
-several stages, as on one machine) or spanning several whole processes, which then hold
-no other stage. Each process runs only the workers of its own stages; the processes of
-a multi-process stage all run its worker, in lockstep, issuing the same programs in the
-same order (SPMD inside the group; the stage's programs and `distributed.fetch` are
-collectives over the group's mesh only). The first process of a group is its leader.
+The workers are `pipe_loop`'s, as in one process (the same staleness gate, versioning,
+metrics and spans); what changes is where each piece lives, and so the channels this
+module gives them. Each stage lives on a group of processes (`stage_processes`): either
+within one process (a process may then hold several stages, as on one machine) or
+spanning several whole processes, which then hold no other stage. Each process runs only
+the workers of its own stages; the processes of a multi-process stage all run its
+worker, in lockstep, issuing the same programs in the same order (SPMD inside the group;
+the stage's programs and `distributed.fetch` are collectives over the group's mesh
+only). The first process of a group is its leader.
 
-A link between two stages of one process is the usual bounded queue or versioned-weights
-slot; a link between groups goes through `distributed.transfer` (transfer servers for the
-arrays, the key-value store for ids, versions, layouts and back-pressure): the sending
-group gathers within itself when its arrays span processes, its leader lays out each
-receiving process's block as that process will hold it (a mirror of its sub-mesh on the
-leader's devices) and offers it; each receiving process pulls its own block, checks its
-layout first, and assembles the stage's global arrays from its shards:
+A channel between two stages of one process is the usual bounded queue or
+versioned-weights slot; a link between groups (`_Link`, `_Weights`) goes through
+`distributed.transfer` (transfer servers for the arrays, the key-value store for ids,
+versions, layouts and back-pressure): the sending group gathers within itself when its
+arrays span processes, its leader lays out each receiving process's block as that
+process will hold it (a mirror of its sub-mesh on the leader's devices) and offers it;
+each receiving process pulls its own block, checks its layout first, and assembles the
+stage's global arrays from its shards:
 
   generate --rollouts--> infer --experience--> train
   train --actor vK--> generate        train --critic vK--> infer
@@ -51,13 +53,9 @@ from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import VersionedWeights, required_version
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.runtime.weights import VersionedWeights
+from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
 from pipe_rlhf_jax.system.settings import STAGES
-from pipe_rlhf_jax.system.steps import StopHere, finish_step
-
-# Key of the prompt source's state in the metrics that travel with a batch.
-DATA_STATE = "_data_state"
 
 
 def stage_processes(layouts, owner: Callable[[Any], int] = tr.process_of
@@ -122,26 +120,24 @@ def _treedef(kind: type, absent: list[str]):
 
 
 class _Link:
-  """A stage-to-stage queue of (step, pytree, metrics): local, or between two groups.
+  """A `pipe_loop.Stream` of (step, pytree, metrics) items between two stage groups.
 
   Args:
     name: the stream's name ("rollouts", "experience").
     kind: the pytree's class (`Rollout`, `Experience`).
-    producer / consumer: the two stages' groups of processes (`stage_processes`).
+    producer / consumer: the two stages' groups of processes (`stage_processes`),
+      different ones (stages of one process share a `BoundedQueue`).
     layout: the consuming stage's `StageLayout` (batch-sharded arrays on arrival).
     capacity: items in flight at most.
   """
+
+  in_process = False
 
   def __init__(self, name: str, kind: type, producer: tuple[int, ...],
                consumer: tuple[int, ...], layout, capacity: int):
     self.name, self.kind, self.layout = name, kind, layout
     self.me = distributed.process_index()
-    # Equal groups are one process holding both stages (a multi-process stage's
-    # processes hold no other stage).
-    self.local = producer == consumer
-    if self.local:
-      self.queue = BoundedQueue(capacity, name)
-    elif self.me in producer:
+    if self.me in producer:
       self.sender = tr.QueueSender(name, consumer, capacity, group=producer)
     elif self.me in consumer:
       self.receiver = tr.QueueReceiver(name, producer[0], self._target)
@@ -152,50 +148,40 @@ class _Link:
               for shape, dtype in meta["shapes"]]
     return jax.tree.unflatten(_treedef(self.kind, meta["absent"]), leaves)
 
-  def put(self, step: int, tree: Any, metrics: dict, stop: threading.Event) -> None:
-    if self.local:
-      self.queue.put((step, tree, metrics), stop_event=stop)
-      return
+  def put(self, item: tuple[int, Any, dict], timeout: float | None = None,
+          stop_event: threading.Event | None = None) -> None:
     # Every process of the producing group calls this (SPMD); the sender lays out each
     # consuming process's block as the consumer's stage will hold it.
+    step, tree, metrics = item
     shapes = [[list(x.shape), str(x.dtype)] for x in jax.tree.leaves(tree)]
     self.sender.put(tree, self.layout.batch_shardings(tree),
                     {"step": step, "metrics": metrics, "shapes": shapes,
-                     "absent": _absent_fields(tree)}, stop=stop)
+                     "absent": _absent_fields(tree)}, stop=stop_event, timeout_s=timeout)
+
+  def get(self, timeout: float | None = None,
+          stop_event: threading.Event | None = None) -> tuple[int, Any, dict]:
+    """The next (step, tree, metrics); `tr.StreamEnded` after the last one."""
+    tree, meta = self.receiver.get(stop=stop_event, timeout_s=timeout)
+    return meta["step"], tree, meta["metrics"]
 
   def close(self) -> None:
-    if self.local:
-      self.queue.close()
-    else:
-      self.sender.close()
-
-  def items(self, stop: threading.Event):
-    """(step, tree, metrics) in order until the producer closes the link."""
-    if self.local:
-      yield from self.queue
-      return
-    while True:
-      try:
-        tree, meta = self.receiver.get(stop=stop)
-      except tr.StreamEnded:
-        return
-      yield meta["step"], tree, meta["metrics"]
+    self.sender.close()
 
   def metrics(self) -> dict[str, float]:
-    return self.queue.metrics() if self.local else {}
+    return {}
 
 
 class _Weights:
-  """A versioned-weights link from the trainer to a stage: local or between groups."""
+  """A `pipe_loop.Weights` channel from the training group to another stage group."""
+
+  in_process = False
 
   def __init__(self, name: str, source: tuple[int, ...], consumer: tuple[int, ...], layout,
                abstract: Any):
     self.me = distributed.process_index()
-    self.local = source == consumer
     self.name = name
-    if self.local:
-      self.store = VersionedWeights()
-    elif self.me in source:
+    self.publisher = None
+    if self.me in source:
       self.publisher = tr.WeightPublisher(name, consumer, layout.param_shardings(abstract),
                                           group=source)
     elif self.me in consumer:
@@ -204,12 +190,32 @@ class _Weights:
           layout.param_shardings(abstract)), group=consumer)
 
   def publish(self, params: Any, version: int) -> None:
-    (self.store if self.local else self.publisher).publish(params, version)
+    self.publisher.publish(params, version)
 
-  def acquire(self, min_version: int, stop: threading.Event) -> tuple[Any, int]:
-    if self.local:
-      return self.store.wait_for(min_version, stop_event=stop)
-    return self.subscriber.acquire(min_version, stop=stop)
+  def wait_for(self, min_version: int, stop_event: threading.Event | None = None,
+               timeout: float | None = None) -> tuple[Any, int]:
+    return self.subscriber.acquire(min_version, stop=stop_event, timeout_s=timeout)
+
+  def close(self) -> None:
+    """Stops serving versions (once no peer may still pull one)."""
+    if self.publisher is not None:
+      self.publisher.close()
+
+
+class _KLCoefficients:
+  """Each policy version's KL coefficient through the key-value store
+  (`pipe_loop.KLCoefficients`), written once, by the training group's leader."""
+
+  def __init__(self, endpoint, writer: int):
+    self.endpoint, self.writer = endpoint, writer
+
+  def share(self, version: int, coef: float) -> None:
+    if distributed.process_index() == self.writer:
+      self.endpoint.put(f"kl_coef/{version}", coef)
+
+  def wait(self, version: int, stop: threading.Event) -> float:
+    return self.endpoint.wait_get(f"kl_coef/{version}", stop=stop, timeout_s=None,
+                                  poll_s=0.005)
 
 
 def gather_trace(tracer: Tracer, endpoint, into: int, run: str,
@@ -247,107 +253,39 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   cfg = system.runtime
   where = stage_processes(system.layouts)
   me = distributed.process_index()
-  mine = [s for s in STAGES if me in where[s]]
   trainer = where["train"][0]  # the training group's leader
   endpoint = tr.Endpoint.get()
   abstract = system.abstract_params()
   # Stream names are unique per run (a job may call `run` again): their keys and ids
   # never meet a previous run's.
   run = f"{start}-{end}"
-  rollouts = _Link(f"rollouts@{run}", Rollout, where["generate"], where["infer"],
-                   system.layouts["infer"], cfg.queue_size)
-  experience = _Link(f"experience@{run}", Experience, where["infer"], where["train"],
-                     system.layouts["train"], cfg.queue_size)
-  actor_link = _Weights(f"actor@{run}", where["train"], where["generate"],
-                        system.layouts["generate"], abstract["actor"])
-  # Without a critic (critic-free estimators) there is nothing to publish.
-  critic_link = (_Weights(f"critic@{run}", where["train"], where["infer"],
-                          system.layouts["infer"], abstract["critic"])
-                 if system.has_critic else None)
-  who = f"p{me}"
 
-  def publish(version: int) -> None:
-    # The critic first (see modes.run_pipe); the KL coefficient of `version` before both,
-    # for an inference stage in another process (written once, by the training leader).
-    if me == trainer:
-      endpoint.put(f"kl_coef/{version}", system.kl_coefs[version])
-    if critic_link is not None:
-      critic_link.publish(system.critic_for_inference()[0] if critic_link.local
-                          else system.state.critic, version)
-    actor_link.publish(system.actor_for_generation()[0] if actor_link.local
-                       else system.state.actor, version)
+  def stream(name: str, kind: type, producer: str, consumer: str):
+    if where[producer] == where[consumer]:  # one process holding both stages
+      return BoundedQueue(cfg.queue_size, f"{name}@{run}")
+    return _Link(f"{name}@{run}", kind, where[producer], where[consumer],
+                 system.layouts[consumer], cfg.queue_size)
 
-  def generate_worker(stop: threading.Event) -> None:
-    for step in range(start, end):
-      batch = feed.next(step)
-      waited = time.perf_counter()
-      params, version = actor_link.acquire(required_version(step, cfg.max_staleness), stop)
-      began = time.perf_counter()
-      with tracer.span("generate", batch=step, version=version, process=who):
-        rollout, metrics = system.generate(params, batch, step, version)
-      metrics["generate_version"] = version
-      metrics["time/weights_wait_s"] = began - waited
-      # Wall clock: the batch's step time is taken in the trainer's process.
-      metrics["time/generate_start"] = time.time()
-      # The prompt position a checkpoint after this step resumes from (read here, saved
-      # by the trainer's process).
-      metrics[DATA_STATE] = feed.state_before(step + 1)
-      rollouts.put(step, rollout, metrics, stop)
-    rollouts.close()
+  def weights(name: str, consumer: str):
+    if where["train"] == where[consumer]:
+      return VersionedWeights()
+    return _Weights(f"{name}@{run}", where["train"], where[consumer],
+                    system.layouts[consumer], abstract[name])
 
-  def infer_worker(stop: threading.Event) -> None:
-    for step, rollout, metrics in rollouts.items(stop):
-      actor_version = int(metrics.pop("generate_version"))
-      if actor_version not in system.kl_coefs:
-        system.kl_coefs[actor_version] = endpoint.wait_get(
-            f"kl_coef/{actor_version}", stop=stop, timeout_s=None, poll_s=0.005)
-      # The newest critic, at least as new as the actor that sampled the batch (without
-      # a critic the span carries the sampling policy's version).
-      critic, version = (critic_link.acquire(actor_version, stop)
-                         if critic_link is not None else (None, actor_version))
-      with tracer.span("infer", batch=step, version=version, process=who):
-        exp, inf_metrics = system.infer(rollout, critic, actor_version=actor_version,
-                                        critic_version=version)
-      experience.put(step, exp, {**metrics, **inf_metrics}, stop)
-    experience.close()
-
-  def train_worker(stop: threading.Event) -> None:
-    for step, exp, metrics in experience.items(stop):
-      with tracer.span("train", batch=step, version=system.version, process=who):
-        metrics.update(system.train(exp, step, observed_kl=metrics.get("kl/mean", 0.0)))
-      metrics.update(rollouts.metrics())
-      metrics.update(experience.metrics())
-      began = metrics.pop("time/generate_start")
-      feed.remember(step + 1, metrics.pop(DATA_STATE))
-      # From generation start to the end of the update, by wall clocks (exact on one
-      # machine, as good as the hosts' clock synchronisation across machines).
-      metrics["time/step_s"] = time.time() - began
-      finish_step(system, step, metrics, on_step)
-      if boundary.reached(step):
-        raise StopHere()
-      with tracer.span("sync", batch=step, version=system.version, process=who):
-        publish(system.version)
-
-  group = WorkerGroup(shutdown_timeout=cfg.shutdown_timeout_s)
-  for link in (rollouts, experience):
-    if link.local:
-      group.register_queue(link.queue)
-  for weights in (actor_link, critic_link):
-    if weights is not None and weights.local:
-      group.register_queue(weights.store)
-  if me in where["train"]:
-    publish(system.version)
-  workers = {"generate": generate_worker, "infer": infer_worker, "train": train_worker}
-  for stage in mine:
-    group.add(stage, workers[stage])
-  stopped = False
-  if mine:
-    group.start()
-    stopped = not group.join(should_stop=boundary.requested)
+  channels = PipeChannels(
+      rollouts=stream("rollouts", Rollout, "generate", "infer"),
+      experience=stream("experience", Experience, "infer", "train"),
+      actor=weights("actor", "generate"),
+      # Without a critic (critic-free estimators) there is nothing to publish.
+      critic=weights("critic", "infer") if system.has_critic else None,
+      stages=tuple(s for s in STAGES if me in where[s]),
+      sync_in_step=False, span_args={"process": f"p{me}"}, carry_data_state=True,
+      kl_coefs=_KLCoefficients(endpoint, trainer))
+  stopped = run_pipe_workers(system, feed, start, end, on_step, tracer, boundary, channels)
   # A peer may still pull the last items from this process's server.
   distributed.barrier(f"pipe_run_{run}_done", timeout_s=boundary.timeout_s())
   gather_trace(tracer, endpoint, trainer, run, timeout_s=boundary.timeout_s())
-  for weights in (actor_link, critic_link):
-    if weights is not None and not weights.local and me in where["train"]:
-      weights.publisher.close()
+  for link in channels.weights().values():
+    if not link.in_process:
+      link.close()
   return stopped
