@@ -13,6 +13,10 @@ alternating rounds of one process. Three length distributions:
              1 on the 32 shipped math chat prompts (configs/data/math_prompts*.jsonl),
              n samples each, up to T tokens, ending at its own EOS; the lengths it
              produced are recorded in the page and in lengths_real.json
+  packing    the inference stage (reference, critic and reward model) over a batch of
+             the real part's lengths (its lengths_real.json; prompts the shipped ones),
+             padded [B, P + T] against packed into rows of P + T tokens
+             (`stages.infer.pack_tokens`), on the random-weight shape; same outputs
 
 Per engine and distribution: decode steps, slot occupancy (tokens decoded over slot-steps
 run), seconds per queue, useful tokens/s (every completion token, over the seconds), the
@@ -24,6 +28,7 @@ Both engines draw token t of completion k with the same key, so they produce the
 completions: the page counts how many are identical.
 
   python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
+  python experiments/bench_rollout.py --parts packing --page infer_packing  # after the real part
   python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
       --page ''                              # a quick look, no page
 """
@@ -50,7 +55,7 @@ from pipe_rlhf_jax.generation import engine, sampler  # noqa: E402
 from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
-PARTS = ("long_tail", "uniform", "real")
+PARTS = ("long_tail", "uniform", "real", "packing")
 DATA = os.path.join(_ROOT, "configs", "data")
 
 
@@ -232,12 +237,12 @@ def kv_bytes(graphdef, state, slots: int, columns: int) -> int:
       jnp.dtype(c.dtype).itemsize
 
 
-def real_queue(samples: int):
-  """The packaged SmolLM2-135M-Instruct and the 32 shipped math chat prompts, rendered
-  with its chat template and left-padded."""
+def real_queue(samples: int, load_model: bool = True):
+  """The packaged SmolLM2-135M-Instruct (None without `load_model`), its tokenizer and the
+  32 shipped math chat prompts, rendered with its chat template and left-padded."""
   from pipe_rlhf_jax.models import load, packaged
   path = packaged.gguf_path("smollm2-135m-instruct")
-  model = load.from_pretrained(path)
+  model = load.from_pretrained(path) if load_model else None
   tok = load.load_tokenizer(path)
   records = []
   for name in ("math_prompts.jsonl", "math_prompts_eval.jsonl"):
@@ -260,6 +265,71 @@ def length_summary(lengths, cap: int) -> str:
           f"{np.percentile(lengths, 99):.0f}, {int((lengths >= cap).sum())} cut at {cap})")
 
 
+def measure_packing(args, lengths) -> tuple[str, str]:
+  """The inference stage padded and packed on one batch of the real lengths: a table
+  and a note."""
+  from pipe_rlhf_jax.parallel import logical
+  from pipe_rlhf_jax.parallel.mesh import make_mesh
+  from pipe_rlhf_jax.ppo.types import Rollout
+  from pipe_rlhf_jax.stages.common import StageLayout
+  from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+  _, tok, (prompt_tokens, prompt_mask) = real_queue(args.real_samples, load_model=False)
+  n = len(lengths) // len(prompt_tokens)
+  prompt_mask = np.repeat(prompt_mask, n, 0)  # [B, P]
+  width, steps = prompt_mask.shape[1], args.real_max_new_tokens
+  cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
+  rs = np.random.RandomState(args.seed)
+  batch = len(lengths)
+  completion_mask = np.arange(steps)[None, :] < np.asarray(lengths)[:, None]  # [B, T]
+  rollout = Rollout(
+      prompt_tokens=jnp.asarray(np.where(prompt_mask, rs.randint(1, cfg.vocab_size,
+                                                                  prompt_mask.shape), 0)),
+      prompt_mask=jnp.asarray(prompt_mask),
+      completion_tokens=jnp.asarray(np.where(completion_mask, rs.randint(
+          1, cfg.vocab_size, completion_mask.shape), 0)),
+      completion_mask=jnp.asarray(completion_mask),
+      behaviour_logprobs=jnp.zeros((batch, steps), jnp.float32),
+      policy_version=jnp.zeros((), jnp.int32))
+  models = {head: nnx.split(init_model(cfg.replace(head=head), seed=i))
+            for i, head in enumerate(("lm", "value", "score"))}
+  layout = StageLayout("infer", make_mesh({"data": 1}, jax.devices()[:1]),
+                       logical.DEFAULT_RULES)
+  hyper = InferHyper(kl_estimator="k1", advantage_estimator="gae", gamma=1.0, lam=0.95,
+                     whiten_advantages=True, temperature=1.0)
+  budget = width + steps
+  stages = {name: InferStage(layout, models["lm"][0], models["value"][0],
+                             models["score"][0], hyper, pack_tokens=pack)
+            for name, pack in (("padded", 0), ("packed", budget))}
+  params = (models["lm"][1], models["value"][1], models["score"][1])
+  got, out = {k: [] for k in stages}, {}
+  for round_ in range(1 + args.rounds):  # round 0 compiles
+    for name, stage in stages.items():
+      start = time.perf_counter()
+      exp, _ = stage(*params, rollout, 0.1)
+      jax.block_until_ready(exp)
+      if round_:
+        got[name].append(time.perf_counter() - start)
+        print(f"  packing {name}: {got[name][-1]:.2f} s", flush=True)
+      out[name] = exp
+  diff = max(float(np.max(np.abs(np.asarray(getattr(out["padded"], f))
+                                 - np.asarray(getattr(out["packed"], f)))))
+             for f in ("ref_logprobs", "values"))
+  real = int(prompt_mask.sum() + completion_mask.sum())
+  rows = []
+  base = statistics.median(got["padded"])
+  for name, times in got.items():
+    t = statistics.median(times)
+    rows.append(f"| {name} | {real} of {batch * budget} | {t:.2f} | {base / t:.2f}x |")
+  table = "\n".join(["| inference stage | real tokens of the layout | s per batch | speed-up |",
+                     "|---|---|---|---|", *rows])
+  note = (f"packing: the inference stage (reference log-probs, critic values, reward-model "
+          f"scores, then advantages) on {batch} rows of the real part's lengths, P={width}, "
+          f"T={steps}, SmolLM2-135M shape with {args.layers} layers, random weights; packed "
+          f"into rows of {budget} tokens; largest difference of the log-probs and values "
+          f"{diff:.1e}; median of {args.rounds} rounds after a compiling one")
+  return table, note
+
+
 def main(argv=None):
   args = parse_args(argv)
   results.git_commit()  # the commit measured, read before anything runs
@@ -269,7 +339,7 @@ def main(argv=None):
     raise SystemExit(f"--parts: unknown {unknown}; choose among {PARTS}")
   os.makedirs(args.out, exist_ok=True)
   rows, notes = [], []
-  synthetic = [p for p in parts if p != "real"]
+  synthetic = [p for p in parts if p in ("long_tail", "uniform")]
   if synthetic:
     cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
     graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
@@ -308,14 +378,26 @@ def main(argv=None):
                  f"{length_summary(lengths, args.real_max_new_tokens)}; probe: "
                  f"{1e3 * costs['step_s']:.1f} ms per decode step, "
                  f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
+  tables = []
+  if "packing" in parts:
+    path = os.path.join(args.out, "lengths_real.json")
+    if not os.path.exists(path):
+      raise SystemExit(f"--parts packing reads the real part's lengths from {path}: run "
+                       "the real part first (or with it).")
+    with open(path) as f:
+      table, note = measure_packing(args, json.load(f))
+    tables.append(table)
+    notes.append(note)
   with open(os.path.join(args.out, "rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
-  table = render(rows)
+  table = "\n\n".join(([render(rows)] if rows else []) + tables)
+  intro = ([ENGINE_INTRO] if rows else []) + ([PACKING_INTRO] if tables else [])
   print(table)
   print("\n".join(notes))
   if args.page:
-    path = results.write_page(args.page, "Rollout engine: continuous batching against the "
-                              "static batch", body(table, notes), None)
+    title = ("Rollout engine: continuous batching against the static batch" if rows
+             else "Packed inference against the padded layout")
+    path = results.write_page(args.page, title, body(intro, table, notes), None)
     print(f"wrote {path}")
 
 
@@ -336,16 +418,22 @@ def render(rows) -> str:
   return "\n".join(lines)
 
 
-def body(table: str, notes) -> str:
-  return "\n".join([
-      "The same queue of completions decoded by the static sampler (consecutive batches of "
-      "S rows, each running until its longest row ends) and by the continuous-batching "
-      "engine (S slots, a finished row's slot refilled at once), at the same slot count "
-      "and KV-cache memory. The speed-up is in useful tokens per second (every "
-      "completion token over the seconds the queue took); slot occupancy is the decoded "
-      "tokens over the slot-steps run. Predicted: the cost model's decode steps (the pure "
-      "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills.",
-      "", table, "", *[f"- {n}" for n in notes]])
+ENGINE_INTRO = (
+    "The same queue of completions decoded by the static sampler (consecutive batches of "
+    "S rows, each running until its longest row ends) and by the continuous-batching "
+    "engine (S slots, a finished row's slot refilled at once), at the same slot count "
+    "and KV-cache memory. The speed-up is in useful tokens per second (every "
+    "completion token over the seconds the queue took); slot occupancy is the decoded "
+    "tokens over the slot-steps run. Predicted: the cost model's decode steps (the pure "
+    "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills.")
+PACKING_INTRO = (
+    "The inference stage on one batch, its forward passes over the padded "
+    "`[prompt | completion]` layout and over the batch's real tokens packed into rows "
+    "(`stages.infer.pack_tokens`, `stages/packing.py`); the outputs are the same.")
+
+
+def body(intro, table: str, notes) -> str:
+  return "\n".join([*intro, "", table, "", *[f"- {n}" for n in notes]])
 
 
 if __name__ == "__main__":
