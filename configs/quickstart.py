@@ -210,7 +210,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.stages.generate = ml_collections.ConfigDict(
       dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=4), num_microbatches=8, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(
-      dict(mesh=dict(data=-1, fsdp=1, tensor=1, pipe=1)))
+      dict(mesh=dict(data=-1, fsdp=1, tensor=1, pipe=1), pack_tokens=0))
   config.stages.train = ml_collections.ConfigDict(
       dict(mesh=dict(data=1, fsdp=-1, tensor=1, pipe=1)))
 
