@@ -50,9 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipe_rlhf_jax.generation.sampler import (GenerationOutput, SamplingParams,
-                                              check_prompts, completion_key_mask,
-                                              next_tokens)
+from pipe_rlhf_jax.generation.sampler import (
+  GenerationOutput,
+  SamplingParams,
+  check_prompts,
+  completion_key_mask,
+  next_tokens,
+)
 from pipe_rlhf_jax.models.transformer import CACHE_AXES, KVCache, default_positions
 from pipe_rlhf_jax.parallel.logical import constrain, current_axis_rules
 

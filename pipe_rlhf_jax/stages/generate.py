@@ -15,8 +15,8 @@ rollout, where the group estimators (`ppo/critic_free.py`) expect them. Sample j
 prompt with global id i draws its tokens with key id i * n + j: distinct for every
 completion, and equal to i when n = 1. The plain sampler prefills each prompt once and
 copies its KV cache to the group's n rows (`sampler.prefill_fn`'s `group_size`): the
-prefill costs the prompts, not the samples; the engine admits a group whole, likewise. (The pipelined decoder prefills every row:
-its micro-batches need not hold whole groups.)
+prefill costs the prompts, not the samples; the engine admits a group whole, likewise.
+(The pipelined decoder prefills every row: its micro-batches need not hold whole groups.)
 """
 
 from __future__ import annotations
