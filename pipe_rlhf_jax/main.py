@@ -123,6 +123,8 @@ def main(argv):
     print(f"[pipe_rlhf_jax] {e}", file=sys.stderr, flush=True)
     if watch is not None and not e.agreed:
       watch.fail(e, status=e.exit_status)  # stopped alone: the others must stop too
+    if watch is not None:
+      watch.finish()  # every process stops at this step: end the watch as a normal end does
     sys.exit(e.exit_status)
   except KeyboardInterrupt as e:  # a second signal: abort, no final checkpoint
     print(f"[pipe_rlhf_jax] {e or 'interrupted'}", file=sys.stderr, flush=True)

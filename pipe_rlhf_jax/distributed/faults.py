@@ -149,8 +149,13 @@ class FaultWatch:
       return []
 
   def finish(self) -> None:
-    """Stops watching (a normal end: the other processes are finishing too)."""
+    """Stops watching (a normal end, or a stop every process agreed on: the others are
+    finishing too). Waits for the watch thread's last read of the coordination service:
+    a read still in flight while the interpreter shuts down (and process 0 takes the
+    service down) can abort this process in jax's client instead of exiting cleanly."""
     self._done.set()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=10 * self.poll_s)
 
   # ---- the others ------------------------------------------------------------------
   def _failures(self) -> list[str]:
