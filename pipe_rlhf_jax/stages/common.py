@@ -154,20 +154,28 @@ def completion_logprobs(graphdef, params, prompt_tokens, prompt_mask, completion
   model = nnx.merge(graphdef, params)
   h = completion_hidden(model, prompt_tokens, prompt_mask, completion_tokens,
                         completion_mask)  # [batch, completion_len, embed]
-
-  def one_chunk(_, xs):
-    h_chunk, tokens_chunk = xs
-    logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [b, chunk, vocab]
-    logprobs = token_logprob(logprobs_all, tokens_chunk)
-    entropy = entropy_from_logprobs(logprobs_all) if return_entropy else None
-    return None, (logprobs, entropy)
-
-  logprobs, entropy = _over_position_chunks(one_chunk, h, completion_tokens,
-                                            model.config.logits_chunk_size)
+  logprobs, entropy = _head_logprobs(model, h, completion_tokens, temperature,
+                                     return_entropy)
   logprobs = jnp.where(completion_mask, logprobs, 0.0)
   if not return_entropy:
     return logprobs
   return logprobs, jnp.where(completion_mask, entropy, 0.0)
+
+
+def _head_logprobs(model, h: jax.Array, targets: jax.Array, temperature: float,
+                   return_entropy: bool = False):
+  """Log-probs of `targets` [rows, positions] from the hidden states `h` [rows,
+  positions, embed] under the tempered policy, the head run `logits_chunk_size`
+  positions at a time; with `return_entropy` also each position's entropy (else None)."""
+
+  def one_chunk(_, xs):
+    h_chunk, tokens_chunk = xs
+    logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [r, chunk, vocab]
+    logprobs = token_logprob(logprobs_all, tokens_chunk)
+    entropy = entropy_from_logprobs(logprobs_all) if return_entropy else None
+    return None, (logprobs, entropy)
+
+  return _over_position_chunks(one_chunk, h, targets, model.config.logits_chunk_size)
 
 
 def completion_nll(graphdef, params, prompt_tokens, prompt_mask, completion_tokens,
@@ -252,13 +260,7 @@ def packed_completion_logprobs(graphdef, params, plan, prompt_tokens, completion
   h, tokens = packed_hidden(model, plan, prompt_tokens, completion_tokens)
   # [rows, budget]: the token each column predicts (the last column predicts none read).
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-
-  def one_chunk(_, xs):
-    h_chunk, tokens_chunk = xs
-    logprobs_all = policy_logprobs(model.head(h_chunk), temperature)  # [r, chunk, vocab]
-    return None, token_logprob(logprobs_all, tokens_chunk)
-
-  logprobs = _over_position_chunks(one_chunk, h, targets, model.config.logits_chunk_size)
+  logprobs, _ = _head_logprobs(model, h, targets, temperature)
   logprobs = logprobs[plan.completion_rows, plan.completion_cols]  # [batch, T]
   return jnp.where(completion_mask, logprobs, 0.0)
 
