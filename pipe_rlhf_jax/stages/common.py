@@ -11,7 +11,7 @@ PPO phases and all three stages use them, so every log-prob in the system is com
 one way: under the tempered, untruncated policy (top-k / top-p never enter).
 
 The `packed_*` variants compute the same outputs over packed rows of real tokens only
-(`stages/packing.py`), for the inference stage's `pack_tokens` setting.
+(`stages/packing.py`), for the inference and training stages' `pack_tokens` settings.
 """
 
 from __future__ import annotations
@@ -252,17 +252,22 @@ def packed_hidden(model, plan, prompt_tokens: jax.Array,
 
 
 def packed_completion_logprobs(graphdef, params, plan, prompt_tokens, completion_tokens,
-                               completion_mask, *, temperature=1.0) -> jax.Array:
+                               completion_mask, *, temperature=1.0, return_entropy=False):
   """`completion_logprobs` computed over packed rows: the same [batch, T] f32 log-probs
-  (0 on padding). The head runs over the packed columns, each scoring the column after
-  it, so it too touches real tokens (and the few spare columns) only."""
+  (0 on padding), and with `return_entropy` the same entropies. The head runs over the
+  packed columns, each scoring the column after it, so it too touches real tokens (and
+  the few spare columns) only. Differentiable: the training stage's packed gradient
+  steps take their log-probs here (the gathers' gradients scatter back into the rows)."""
   model = nnx.merge(graphdef, params)
   h, tokens = packed_hidden(model, plan, prompt_tokens, completion_tokens)
   # [rows, budget]: the token each column predicts (the last column predicts none read).
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  logprobs, _ = _head_logprobs(model, h, targets, temperature)
-  logprobs = logprobs[plan.completion_rows, plan.completion_cols]  # [batch, T]
-  return jnp.where(completion_mask, logprobs, 0.0)
+  logprobs, entropy = _head_logprobs(model, h, targets, temperature, return_entropy)
+  read = lambda x: jnp.where(completion_mask,
+                             x[plan.completion_rows, plan.completion_cols], 0.0)  # [batch, T]
+  if not return_entropy:
+    return read(logprobs)
+  return read(logprobs), read(entropy)
 
 
 def packed_completion_values(graphdef, params, plan, prompt_tokens, completion_tokens,

@@ -11,6 +11,10 @@ gathered there through `PackPlan.source`.
 
 The row count is rounded up to a few sizes per octave (and to the stage's batch ways),
 so a run compiles a handful of packed shapes rather than one per batch.
+
+The inference stage packs each batch (`plan_packing`); the training stage packs each
+minibatch of an update, all of them to one row count (`plan_minibatches`): the update
+scans over its minibatches, so their packed rows must share a shape.
 """
 
 from __future__ import annotations
@@ -152,6 +156,48 @@ def plan_packing(prompt_mask, completion_mask, budget: int, row_multiple: int = 
   last_cols = (start_of + lengths - 1).astype(np.int32)
   return PackPlan(source, positions, segment_ids, completion_rows, completion_cols,
                   last_rows, last_cols)
+
+
+def pad_rows(plan: PackPlan, rows: int) -> PackPlan:
+  """`plan` with empty rows (all padding: segment 0) appended up to `rows` rows; the
+  gathers are unchanged, as no sequence moves."""
+  extra = rows - plan.source.shape[0]
+  if extra < 0:
+    raise ValueError(f"pad_rows: the plan has {plan.source.shape[0]} rows, more than {rows}.")
+  pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
+  return plan._replace(source=pad(plan.source), positions=pad(plan.positions),
+                       segment_ids=pad(plan.segment_ids))
+
+
+def plan_minibatches(prompt_mask, completion_mask, index, budget: int,
+                     row_multiple: int = 1,
+                     field: str = "stages.train.pack_tokens") -> PackPlan:
+  """One plan per minibatch of an update, all with the same row count.
+
+  Args:
+    prompt_mask: bool [batch, P]; completion_mask: bool [batch, T]: the whole batch.
+    index: int [..., minibatch]: the batch rows of each minibatch, in the order the
+      update gathers them (`x[index]`); the leading dims are the update's (epochs,
+      minibatches).
+    budget, row_multiple, field: as `plan_packing`.
+
+  Returns:
+    A `PackPlan` whose fields carry `index`'s leading dims: [..., rows, budget] and
+    [..., minibatch, T] / [..., minibatch], each minibatch's plan made for its own rows
+    in `index` order. `rows` is the largest row count a minibatch needs: each plan's is
+    one of `round_rows`' sizes (or the minibatch, rounded to `row_multiple`), so their
+    largest is too, and the packed shape is a few sizes an octave across updates.
+  """
+  prompt_mask = np.asarray(prompt_mask, bool)
+  completion_mask = np.asarray(completion_mask, bool)
+  index = np.asarray(index)
+  lead = index.shape[:-1]
+  plans = [plan_packing(prompt_mask[rows], completion_mask[rows], budget, row_multiple, field)
+           for rows in index.reshape(-1, index.shape[-1])]
+  rows = max(p.source.shape[0] for p in plans)
+  plans = [pad_rows(p, rows) for p in plans]
+  return PackPlan(*(np.stack(fields).reshape(lead + fields[0].shape)
+                    for fields in zip(*plans)))
 
 
 def occupancy(plan: PackPlan) -> float:

@@ -22,6 +22,33 @@ tokens as `ppo.loss_agg` says, plus `ptx_coef` times the SFT loss on demonstrati
 computes it) when the caller passes a `PtxBatch` for the update. Minibatches are drawn
 group by group (`ppo.group_size` contiguous rows), so a prompt's samples always share a
 gradient step.
+
+Packed training (`stages.train.pack_tokens` = L > 0): each minibatch's sequences (prompt
++ completion, real tokens only) are packed first-fit decreasing into rows of L tokens,
+each sequence a segment of its own (`stages/packing.py`, the inference stage's packer),
+and the actor's and critic's forward and backward passes run over those rows; the
+per-token log-probs, entropies and values are read back into the padded `[minibatch, T]`
+layout, so the objective (`ppo/objective.py`: every `ppo.loss_agg`, the KL and entropy
+terms, the value loss) sees exactly the arrays of the padded path. The proximal pass
+over the whole batch is packed too (a plan of its own); the PPO-ptx demonstrations stay
+padded (a few rows of another batch).
+
+Why packing happens within row-count minibatches, not minibatches formed by a token
+budget: a minibatch is the unit the loss aggregates over (`token_mean` pools its tokens,
+`seq_mean_*` its rows, a group estimator needs its `group_size` rows whole), so letting
+a token budget pick the rows would change what each gradient step optimises, not only
+how it is computed, and would make the minibatch count vary from batch to batch under a
+scan that needs it fixed. Packing inside the same minibatches keeps the update
+identical to the padded one (tests compare parameters and metrics) and still spends
+compute on real tokens only.
+
+Static shapes: the minibatch permutation is drawn on the host side of the jitted update
+(the same keys and function as the padded path, so the same minibatches), the masks are
+fetched once, and every minibatch of the update is packed to one row count: the largest
+any of them needs, which is one of `packing.round_rows`' few sizes an octave (rounded to
+the stage's batch shards). One update is one shape, and a run compiles a handful of
+them, the way packed inference does; a fixed worst case (a row per sequence) would be
+the padded cost again whenever lengths vary.
 """
 
 from __future__ import annotations
@@ -32,18 +59,24 @@ from typing import Any
 from flax import nnx, struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 import optax
 
+from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
 from pipe_rlhf_jax.ppo import objective
 from pipe_rlhf_jax.ppo.kl import kl_penalty
 from pipe_rlhf_jax.ppo.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 from pipe_rlhf_jax.ppo.types import Experience
+from pipe_rlhf_jax.stages import packing
 from pipe_rlhf_jax.stages.common import (
   StageLayout,
   completion_logprobs,
   completion_nll,
   completion_values,
+  packed_completion_logprobs,
+  packed_completion_values,
 )
 from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
 
@@ -141,6 +174,22 @@ class PPOHyper:
 
 
 LOGPROB_GAP_KEYS = ("logprob_gap/max", "logprob_gap/mean")
+PACK_FILL_KEY = "train/pack_fill"
+
+
+def epoch_rows(epoch_rng: jax.Array, batch: int, h: PPOHyper) -> jax.Array:
+  """The batch rows of each minibatch of one epoch, int [minibatches, minibatch_size].
+
+  Whole groups are shuffled (rows [g * n, (g + 1) * n) stay together and in order); with
+  n = 1 this is the per-sample permutation. Traced inside the padded update, called
+  before the packed one: the same keys give the same minibatches either way.
+  """
+  n = h.group_size
+  num_mb = batch // h.minibatch_size
+  groups_per_mb = h.minibatch_size // n
+  groups = jax.random.permutation(epoch_rng, batch // n)
+  groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
+  return (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
 
 
 def logprob_gap(logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Array
@@ -169,15 +218,22 @@ class TrainStage:
       critic's is None when there is no critic.
     hyper: PPO settings.
     actor_tx / critic_tx: their optimizers (critic_tx None without a critic).
+    pack_tokens: 0 runs the gradient steps over the padded layout; L > 0 over each
+      minibatch packed into rows of L tokens (`stages.train.pack_tokens`; the same
+      update).
   """
 
   def __init__(self, layout: StageLayout, actor_graphdef: nnx.GraphDef,
                critic_graphdef: nnx.GraphDef | None, hyper: PPOHyper,
                actor_tx: optax.GradientTransformation,
-               critic_tx: optax.GradientTransformation | None):
+               critic_tx: optax.GradientTransformation | None, pack_tokens: int = 0):
     if (critic_graphdef is None) != (critic_tx is None):
       raise ValueError("TrainStage: give both critic_graphdef and critic_tx (a critic) or "
                        "neither (a critic-free estimator).")
+    if pack_tokens < 0:
+      raise ValueError(f"stages.train.pack_tokens={pack_tokens} must be >= 0 (0: the "
+                       "padded layout).")
+    self.pack_tokens = pack_tokens
     self.layout = layout
     self.actor_graphdef = actor_graphdef
     self.critic_graphdef = critic_graphdef
@@ -187,6 +243,7 @@ class TrainStage:
     POLICY_LOSSES.get(hyper.loss, field="ppo.loss")
     LOSS_AGGREGATIONS.get(hyper.loss_agg, field="ppo.loss_agg")
     self._update = None
+    self._index = None
     self._state_shardings = None
 
   @property
@@ -242,11 +299,17 @@ class TrainStage:
     def gradient_step(state: ActorCriticState, mb: dict):
       r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
       mask = r.completion_mask
+      plan = mb.get("plan")  # the minibatch's PackPlan ([rows, L] ...), None: padded
 
       def actor_loss(actor):
-        logprobs, entropy = completion_logprobs(
-            actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-            mask, temperature=h.temperature, return_entropy=True)
+        if plan is None:
+          logprobs, entropy = completion_logprobs(
+              actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
+              mask, temperature=h.temperature, return_entropy=True)
+        else:  # the same [minibatch, T] arrays, computed over the packed rows
+          logprobs, entropy = packed_completion_logprobs(
+              actor_gd, actor, plan, r.prompt_tokens, r.completion_tokens, mask,
+              temperature=h.temperature, return_entropy=True)
         ptx_nll = None
         if h.ptx_coef:
           d = mb["ptx"]
@@ -259,8 +322,12 @@ class TrainStage:
         return loss, {**aux, **logprob_gap(logprobs, r.behaviour_logprobs, mask)}
 
       def critic_loss(critic):
-        values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
-                                   r.completion_tokens, mask)
+        if plan is None:
+          values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
+                                     r.completion_tokens, mask)
+        else:
+          values = packed_completion_values(critic_gd, critic, plan, r.prompt_tokens,
+                                            r.completion_tokens, mask)
         return objective.critic_objective(values, mb["values"], mb["returns"], mask, h)
 
       (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
@@ -310,7 +377,11 @@ class TrainStage:
       return (new, stopped | over), {**metrics, "ran": ran}
 
     def update(state: ActorCriticState, exp: Experience, rng: jax.Array,
-               ptx: PtxBatch | None = None):
+               ptx: PtxBatch | None = None, packed: dict | None = None):
+      # `packed` (packed training only): "index" int [epochs, minibatches, minibatch],
+      # the rows of every minibatch (`epoch_rows` of this update's keys); "plans", their
+      # PackPlans with leading [epochs, minibatches]; "whole", the whole batch's plan
+      # for the proximal pass (None without one). None: the padded path.
       with layout.rules_context():
         r = exp.rollout
         proximal = h.kl_policy == "proximal"
@@ -319,9 +390,14 @@ class TrainStage:
         if h.proximal_pass:
           # The proximal policy is the trainer's actor as the update starts, which may be
           # several versions ahead of the behaviour policy that sampled the rollout.
-          prox_logprobs = completion_logprobs(
-              actor_gd, state.actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-              r.completion_mask, temperature=h.temperature)
+          if packed is None:
+            prox_logprobs = completion_logprobs(
+                actor_gd, state.actor, r.prompt_tokens, r.prompt_mask,
+                r.completion_tokens, r.completion_mask, temperature=h.temperature)
+          else:
+            prox_logprobs = packed_completion_logprobs(
+                actor_gd, state.actor, packed["whole"], r.prompt_tokens,
+                r.completion_tokens, r.completion_mask, temperature=h.temperature)
           if decoupled:
             old_logprobs = prox_logprobs
           if proximal:
@@ -338,8 +414,9 @@ class TrainStage:
                             h.kl_estimator)
             extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
         # Every leaf is [batch, ...] so minibatches can be gathered uniformly.
-        per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version, (
-            r.prompt_tokens.shape[0],)))
+        # (A batch of partial rollouts carries a version per token already.)
+        per_sample = r.replace(policy_version=jnp.broadcast_to(
+            r.policy_version, r.completion_tokens.shape))
         data = {"rollout": per_sample, "old_logprobs": old_logprobs,
                 "advantages": exp.advantages}
         if has_critic:
@@ -349,24 +426,24 @@ class TrainStage:
         if h.target_kl:
           data["start_logprobs"] = prox_logprobs
         batch = r.prompt_tokens.shape[0]
-        n = h.group_size
-        num_mb = batch // h.minibatch_size
-        groups_per_mb = h.minibatch_size // n
+        index = plans = None
+        if packed is not None:
+          index, plans = packed["index"], packed["plans"]
 
         def epoch(carry, xs):
-          epoch_rng, epoch_ptx = xs
-          # Shuffle whole groups (rows [g * n, (g + 1) * n)); with n = 1 this is the
-          # per-sample permutation, so PPO runs without groups are unchanged.
-          groups = jax.random.permutation(epoch_rng, batch // n)
-          groups = groups[:num_mb * groups_per_mb].reshape(num_mb, groups_per_mb)
-          perm = (groups[:, :, None] * n + jnp.arange(n)).reshape(num_mb, h.minibatch_size)
+          epoch_rng, epoch_ptx, epoch_index, epoch_plans = xs
+          # [M, minibatch]: drawn here on the padded path, before the update when packed.
+          perm = epoch_rows(epoch_rng, batch, h) if epoch_index is None else epoch_index
           mbs = jax.tree.map(lambda x: x[perm], data)
           if epoch_ptx is not None:
             mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
+          if epoch_plans is not None:
+            mbs["plan"] = epoch_plans  # leaves [M, rows, L] / [M, minibatch, ...]
           return jax.lax.scan(minibatch_step, carry, mbs)
 
         (state, stopped), metrics = jax.lax.scan(
-            epoch, (state, jnp.zeros((), bool)), (jax.random.split(rng, h.epochs), ptx))
+            epoch, (state, jnp.zeros((), bool)),
+            (jax.random.split(rng, h.epochs), ptx, index, plans))
         # The first gradient step's forward ran at the update's starting weights: its
         # gap to the behaviour log-probs is the sampler-trainer mismatch (plus the
         # policy's drift when the batch is stale), measured on one minibatch for free.
@@ -383,6 +460,9 @@ class TrainStage:
           metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
         metrics.update(extra)
         metrics.update(gap)
+        if plans is not None:
+          # Real tokens over packed slots, all the update's minibatches together.
+          metrics[PACK_FILL_KEY] = jnp.mean((plans.segment_ids != 0).astype(jnp.float32))
         return state.replace(step=state.step + 1), metrics
 
     shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)
@@ -420,4 +500,42 @@ class TrainStage:
                        "the system must build the reference (ppo.kl_coef > 0).")
     if self._update is None:
       self._update = self._build_update(state)
-    return self._update(state, exp, rng, ptx)
+    packed = self.pack(exp, rng) if self.pack_tokens else None
+    return self._update(state, exp, rng, ptx, packed)
+
+  def pack(self, exp: Experience, rng: jax.Array) -> dict:
+    """The packed update's minibatch rows and plans for `exp` and `rng`, on this stage.
+
+    One host transfer (the masks and the minibatch rows), then numpy planning: every
+    minibatch packed to the row count the fullest one needs (`packing.plan_minibatches`),
+    and the whole batch for the proximal pass when there is one.
+    """
+    h, layout = self.hyper, self.layout
+    batch = exp.rollout.prompt_tokens.shape[0]
+    if self._index is None:
+      self._index = jax.jit(
+          lambda rng, batch: jax.vmap(lambda k: epoch_rows(k, batch, h))(
+              jax.random.split(rng, h.epochs)), static_argnums=1)
+    # [epochs, minibatches, minibatch]: a pure function of the key, so every process of
+    # the stage draws the same rows (and the same as the padded update would).
+    index = self._index(rng, batch)
+    prompt_mask, completion_mask, index = fetch(
+        (exp.rollout.prompt_mask, exp.rollout.completion_mask, index))
+    ways = layout.batch_ways()
+    field = "stages.train.pack_tokens"
+    plans = packing.plan_minibatches(prompt_mask, completion_mask, index, self.pack_tokens,
+                                     row_multiple=ways, field=field)
+    whole = (packing.plan_packing(prompt_mask, completion_mask, self.pack_tokens,
+                                  row_multiple=ways, field=field)
+             if h.proximal_pass else None)
+    # The plans' rows (and minibatch rows) split over the stage's batch shards, as a
+    # padded minibatch's rows are; the leading [epochs, minibatches] stay whole.
+    batch_axes = layout.batch_sharding(1).spec[0]
+
+    def sharding(x):
+      split = batch_axes if x.shape[2] % ways == 0 else None  # else replicated
+      return NamedSharding(layout.mesh, PartitionSpec(None, None, split))
+
+    return {"index": put_global(index.astype(np.int32), layout.replicated),
+            "plans": put_global(plans, jax.tree.map(sharding, plans)),
+            "whole": None if whole is None else layout.put_batch(whole)}

@@ -29,6 +29,8 @@ from pipe_rlhf_jax.parallel.mesh import MESH_AXES
 MODES = ("sequential", "per_stage", "pipe")
 KL_PLACEMENTS = ("reward", "loss")  # where the KL to the reference acts (ppo.kl_in)
 STAGES = ("generate", "infer", "train")
+# What partial rollouts do with a completion older than the staleness bound allows.
+PAST_STALENESS = ("finish", "drop")
 
 
 def _plain(node: Any) -> Any:
@@ -298,14 +300,16 @@ class StagePlan:
     logits_chunk: completion positions per chunk of the LM head and log-softmax
       (0: all at once). Applies in every mode.
     scan_unroll: layers per iteration of the layer scan (`TransformerConfig.scan_unroll`;
-      1: a loop, the number of layers: unrolled). Applies in every mode.
+      0, the default: every layer unrolled, the faster step; n >= 1: a loop of n layers
+      per iteration, the shorter compile). Applies in every mode.
     num_slots: generation only: 0 decodes each batch as one static batch; S > 0 decodes
       the batch's prompts as a queue over S slots with continuous batching
       (`generation/engine.py`): a finished row's slot takes the next prompt at once.
       Applies in every mode, to a stage without a pipe axis.
-    pack_tokens: inference only: 0 runs its forward passes over the padded
-      `[batch, P + T]` layout; L > 0 packs the real tokens into rows of L
-      (`stages/packing.py`), the same outputs. Applies in every mode.
+    pack_tokens: inference and training: 0 runs the stage's forward (and backward)
+      passes over the padded `[batch, P + T]` layout; L > 0 packs the real tokens into
+      rows of L (`stages/packing.py`; training packs each minibatch), the same outputs.
+      L must hold the longest sequence. Applies in every mode.
   """
 
   mesh: MeshSpec = MeshSpec()
@@ -314,7 +318,7 @@ class StagePlan:
   attention: str = "auto"
   remat: str = "none"
   logits_chunk: int = 0
-  scan_unroll: int = 1
+  scan_unroll: int = 0
   num_slots: int = 0
   pack_tokens: int = 0
 
@@ -323,7 +327,7 @@ class StagePlan:
     check_choice(self.attention, "attention", ATTENTION_IMPLS)
     check_choice(self.remat, "remat", REMAT_POLICIES)
     check_int(self.logits_chunk, "logits_chunk", low=0)
-    check_int(self.scan_unroll, "scan_unroll", low=1)
+    check_int(self.scan_unroll, "scan_unroll", low=0)
     check_int(self.num_slots, "num_slots", low=0)
     check_int(self.pack_tokens, "pack_tokens", low=0)
 
@@ -346,7 +350,7 @@ class StagePlan:
                  attention=values.get("attention", "auto"),
                  remat=values.get("remat", "none"),
                  logits_chunk=values.get("logits_chunk", 0),
-                 scan_unroll=values.get("scan_unroll", 1),
+                 scan_unroll=values.get("scan_unroll", cls.scan_unroll),
                  num_slots=values.get("num_slots", 0),
                  pack_tokens=values.get("pack_tokens", 0))
     except ValueError as e:
@@ -365,7 +369,16 @@ class Plan:
       "per_stage" (each stage its own mesh over all devices, one after another) or
       "pipe" (stages concurrent on disjoint device blocks of `placement`).
     max_staleness: `pipe` only: a rollout may come from a policy this many updates old
-      (0 reproduces `sequential`).
+      (0 reproduces `sequential`). With partial rollouts, the bound applies to each
+      completion's oldest token.
+    partial_rollouts: `pipe` only, with `stages.generate.num_slots` > 0: the engine keeps
+      running across PPO steps (`stages/rollout_stream.py`): a batch is the first
+      `ppo.batch_size` completions to finish, unfinished rows stay in their slots and
+      continue under the newest weights, each token recording the version that drew it.
+    past_staleness: with partial rollouts, what happens to a completion whose oldest
+      token is older than `max_staleness` allows: "finish" (it is trained on, counted in
+      `rollout/past_staleness`) or "drop" (discarded and its prompt re-queued, counted
+      in `rollout/dropped`).
     queue_size: `pipe` only: capacity of the rollout and experience queues.
     shutdown_timeout_s: `pipe` only: how long the other workers may take to finish their
       current item after one fails.
@@ -383,6 +396,8 @@ class Plan:
 
   mode: str = "sequential"
   max_staleness: int = 0
+  partial_rollouts: bool = False
+  past_staleness: str = "finish"
   queue_size: int = 2
   shutdown_timeout_s: float = 120.0
   progress_timeout_s: float = 0.0
@@ -396,6 +411,16 @@ class Plan:
     check_choice(self.mode, "runtime.mode", MODES)
     check_int(self.max_staleness, "runtime.max_staleness", low=0)
     check_int(self.queue_size, "runtime.queue_size")
+    if not isinstance(self.partial_rollouts, bool):
+      raise ValueError(f"runtime.partial_rollouts={self.partial_rollouts!r} must be True "
+                       "or False.")
+    check_choice(self.past_staleness, "runtime.past_staleness", PAST_STALENESS)
+    if self.partial_rollouts and (self.mode != "pipe" or not self.generate.num_slots):
+      raise ValueError(
+          f"runtime.partial_rollouts=True needs runtime.mode='pipe' and "
+          f"stages.generate.num_slots > 0 (the slot engine keeps unfinished rows across "
+          f"updates); got mode={self.mode!r}, num_slots={self.generate.num_slots}. Set "
+          "both, or partial_rollouts=False.")
     check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
     check_number(self.progress_timeout_s, "runtime.progress_timeout_s", allow_zero=True)
     if self.mode == "pipe":
@@ -410,10 +435,10 @@ class Plan:
       if self.stage(stage).num_slots:
         raise ValueError(f"stages.{stage}.num_slots={self.stage(stage).num_slots}: only "
                          "generation decodes; set stages.generate.num_slots instead.")
-    for stage in ("generate", "train"):
-      if self.stage(stage).pack_tokens:
-        raise ValueError(f"stages.{stage}.pack_tokens={self.stage(stage).pack_tokens}: only "
-                         "inference packs; set stages.infer.pack_tokens instead.")
+    if self.generate.pack_tokens:
+      raise ValueError(f"stages.generate.pack_tokens={self.generate.pack_tokens}: "
+                       "generation decodes, it does not pack; set stages.infer.pack_tokens "
+                       "or stages.train.pack_tokens instead (0 here).")
     if self.generate.num_slots and self.mode != "sequential" and self.generate.mesh.pipe > 1:
       raise ValueError(
           f"stages.generate.num_slots={self.generate.num_slots} with "
@@ -460,6 +485,8 @@ class Plan:
       placement = tuple(placement[s] for s in STAGES)
     stages = {s: StagePlan.from_config(config.stages[s], f"stages.{s}") for s in STAGES}
     return cls(mode=rt["mode"], max_staleness=rt["max_staleness"],
+               partial_rollouts=rt.get("partial_rollouts", cls.partial_rollouts),
+               past_staleness=rt.get("past_staleness", cls.past_staleness),
                queue_size=rt["queue_size"],
                shutdown_timeout_s=float(rt.get("shutdown_timeout_s", cls.shutdown_timeout_s)),
                progress_timeout_s=float(rt.get("progress_timeout_s", cls.progress_timeout_s)),

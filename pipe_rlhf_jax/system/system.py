@@ -42,6 +42,7 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+from pipe_rlhf_jax.stages.rollout_stream import RolloutStream, split_data_state
 from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system.settings import STAGES, Plan, PPOConfig
 from pipe_rlhf_jax.system.steps import BadStepGuard
@@ -399,7 +400,8 @@ class PPOSystem:
                                       PPOHyper.from_settings(ppo, sampling.temperature),
                                       ptx_rows=ptx_rows),
                                   optimizer(ppo.actor_lr),
-                                  optimizer(ppo.critic_lr) if self.has_critic else None)
+                                  optimizer(ppo.critic_lr) if self.has_critic else None,
+                                  pack_tokens=runtime.train.pack_tokens)
     self.reference = self.reward = self.state = None
     if "infer" in self.local_stages:
       self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
@@ -410,6 +412,9 @@ class PPOSystem:
                                                                  models.critic)
     root = jax.random.key(ppo.seed)
     self.gen_key = jax.random.fold_in(root, 1)
+    # Prompts a restored checkpoint held in flight (partial rollouts): the next
+    # `rollout_stream` queues them first.
+    self.in_flight: list[dict] = []
     self.train_key = jax.random.fold_in(root, 2)
     self.version = 0  # number of PPO updates applied to the actor
     # The KL coefficient of each policy version: rewards of a rollout sampled by version
@@ -452,6 +457,16 @@ class PPOSystem:
                        f"{per_step}: make them equal.")
     rng = jax.random.fold_in(self.gen_key, step)
     return self.generate_stage(actor, batch, rng, version)
+
+  def rollout_stream(self) -> RolloutStream:
+    """The generation stage's engine kept across steps (`runtime.partial_rollouts`),
+    holding first the prompts a restored checkpoint had in flight."""
+    stream = RolloutStream(self.generate_stage, self.ppo.batch_size, self.gen_key,
+                           max_staleness=self.runtime.max_staleness,
+                           past_staleness=self.runtime.past_staleness,
+                           in_flight=self.in_flight)
+    self.in_flight = []
+    return stream
 
   def infer(self, rollout: Rollout, critic: nnx.State | None, *, actor_version: int,
             critic_version: int | None) -> tuple[Experience, dict]:
@@ -538,4 +553,5 @@ class PPOSystem:
     self.state = state["trainer"]
     self.version = int(metadata["version"])
     self.kl_coefs = {self.version: float(metadata["kl_coef"])}
+    self.in_flight = split_data_state(metadata.get("data_state"))[1]
     self.guard.restore(metadata.get("bad_steps"))

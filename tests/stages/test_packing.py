@@ -151,10 +151,12 @@ def test_packed_inference_changes_how_not_what(tmp_path):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_pack_tokens_is_an_inference_setting():
+def test_pack_tokens_is_an_inference_and_training_setting():
   assert StagePlan.from_config({"pack_tokens": 512}, "stages.infer").pack_tokens == 512
   with pytest.raises(ValueError, match="stages.infer.pack_tokens=-1"):
     StagePlan.from_config({"pack_tokens": -1}, "stages.infer")
   from pipe_rlhf_jax.system import Plan
-  with pytest.raises(ValueError, match="stages.generate.pack_tokens=64: only inference"):
+  with pytest.raises(ValueError, match="stages.generate.pack_tokens=64: generation decodes, "
+                                       "it does not pack; set stages.infer.pack_tokens or "
+                                       "stages.train.pack_tokens"):
     Plan(generate=StagePlan(pack_tokens=64))
