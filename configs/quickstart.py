@@ -211,8 +211,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=4), num_microbatches=8, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(
       dict(mesh=dict(data=-1, fsdp=1, tensor=1, pipe=1), pack_tokens=0))
+  # pack_tokens = L > 0 runs the inference passes / each training minibatch over rows of
+  # L real tokens (stages/packing.py): the same outputs, less padding computed; 0: padded.
   config.stages.train = ml_collections.ConfigDict(
-      dict(mesh=dict(data=1, fsdp=-1, tensor=1, pipe=1)))
+      dict(mesh=dict(data=1, fsdp=-1, tensor=1, pipe=1), pack_tokens=0))
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 20

@@ -116,7 +116,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.stages.generate = ml_collections.ConfigDict(
       dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=1), num_microbatches=1, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(dict(mesh=dict(data=-1), pack_tokens=0))
-  config.stages.train = ml_collections.ConfigDict(dict(mesh=dict(fsdp=-1)))
+  config.stages.train = ml_collections.ConfigDict(dict(mesh=dict(fsdp=-1), pack_tokens=0))
 
   if variant == "tiny":
     quickstart.shrink_to_tiny(config)
