@@ -160,3 +160,23 @@ def test_pack_tokens_is_an_inference_and_training_setting():
                                        "it does not pack; set stages.infer.pack_tokens or "
                                        "stages.train.pack_tokens"):
     Plan(generate=StagePlan(pack_tokens=64))
+
+
+@pytest.mark.parametrize("spare_columns", [0, 30], ids=["head_on_gathered", "head_on_rows"])
+def test_packed_logprobs_and_entropy_whichever_layout_the_head_runs_on(spare_columns):
+  # With T padded far past the completions the packed columns are the fewer positions
+  # and the head runs on them; at T = 10 it runs on the states gathered into [batch, T].
+  (policy, policy_p), _, _ = _models(logits_chunk_size=3)
+  prompt_tokens, prompt_mask, completion_tokens, completion_mask = padded_batch(seed=3)
+  completion_tokens = np.pad(completion_tokens, ((0, 0), (0, spare_columns)))
+  completion_mask = np.pad(completion_mask, ((0, 0), (0, spare_columns)))
+  plan = packing.plan_packing(prompt_mask, completion_mask, PROMPT + COMPLETION)
+  assert (plan.source.size <= completion_mask.size) == bool(spare_columns)
+  args = tuple(map(jnp.asarray, (prompt_tokens, prompt_mask, completion_tokens,
+                                 completion_mask)))
+  want = completion_logprobs(policy, policy_p, *args, temperature=0.7, return_entropy=True)
+  got = packed_completion_logprobs(policy, policy_p, jax.tree.map(jnp.asarray, plan),
+                                   args[0], args[2], args[3], temperature=0.7,
+                                   return_entropy=True)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

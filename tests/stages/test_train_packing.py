@@ -43,11 +43,15 @@ def models():
                                                ("reward", "score")))}
 
 
-def experience(layout, models, ppo):
+def experience(layout, models, ppo, spare_columns=0):
   """Experience of a varied-length batch (an empty and a full completion among them),
-  sampled by a policy a little away from the actor, made by the padded inference stage."""
-  prompt_tokens, prompt_mask, completion_tokens, completion_mask = map(
-      jnp.asarray, padded_batch(seed=3, batch=BATCH))
+  sampled by a policy a little away from the actor, made by the padded inference stage;
+  `spare_columns` more padding columns after the completions."""
+  prompt_tokens, prompt_mask, completion_tokens, completion_mask = padded_batch(
+      seed=3, batch=BATCH)
+  prompt_tokens, prompt_mask, completion_tokens, completion_mask = map(jnp.asarray, (
+      prompt_tokens, prompt_mask, np.pad(completion_tokens, ((0, 0), (0, spare_columns))),
+      np.pad(completion_mask, ((0, 0), (0, spare_columns)))))
   actor_gd, actor = models["actor"]
   behaviour = completion_logprobs(actor_gd, moved(actor, seed=5, scale=0.2), prompt_tokens,
                                   prompt_mask, completion_tokens, completion_mask,
@@ -61,11 +65,11 @@ def experience(layout, models, ppo):
   return exp
 
 
-def updates(layout, models, ppo, budget):
+def updates(layout, models, ppo, budget, spare_columns=0):
   """(state, metrics) of one update padded, then packed into rows of `budget`; plain SGD,
   whose step is linear in the gradient (Adam's first step is about lr x its sign, which
   float rounding flips where a gradient is ~0)."""
-  exp = experience(layout, models, ppo)
+  exp = experience(layout, models, ppo, spare_columns)
   hyper = PPOHyper.from_settings(ppo, ppo.temperature)
   needs_critic = InferHyper.from_settings(ppo, ppo.temperature).needs_critic
   critic_gd, critic = models["critic"] if needs_critic else (None, None)
@@ -108,12 +112,14 @@ def test_a_packed_update_with_a_critic_is_the_padded_one(layout, models, loss_ag
 
 def test_a_packed_critic_free_update_keeps_its_groups(layout, models):
   # GRPO over groups of 4 with its KL in the loss and the decoupled loss (the proximal
-  # pass, packed over the whole batch); sequence-mean aggregation; a row of exactly one
-  # padded width.
+  # pass, packed over the whole batch); sequence-mean aggregation; rows of one sequence's
+  # padded width, completions padded to 4 x their longest (so the LM head runs on the
+  # packed rows, the fewer positions, where the tests above run it on the gathered ones).
   ppo = ppo_section(advantage_estimator="grpo", group_size=4, minibatch_size=8,
                     kl_in="loss", kl_estimator="k3", loss="decoupled_ppo_clip",
                     loss_agg="seq_mean_token_mean")
-  assert_same_update(*updates(layout, models, ppo, budget=PROMPT + COMPLETION))
+  assert_same_update(*updates(layout, models, ppo, budget=PROMPT + COMPLETION,
+                              spare_columns=3 * COMPLETION))
 
 
 def test_every_minibatch_is_packed_to_one_row_count():
