@@ -13,10 +13,12 @@ alternating rounds of one process. Three length distributions:
              1 on the 32 shipped math chat prompts (configs/data/math_prompts*.jsonl),
              n samples each, up to T tokens, ending at its own EOS; the lengths it
              produced are recorded in the page and in lengths_real.json
-  packing    the inference stage (reference, critic and reward model) over a batch of
+  packing    the inference stage (reference, critic and reward model) and the training
+             stage (one PPO update of actor and critic over minibatches) on a batch of
              the real part's lengths (its lengths_real.json; prompts the shipped ones),
              padded [B, P + T] against packed into rows of P + T tokens
-             (`stages.infer.pack_tokens`), on the random-weight shape; same outputs
+             (`stages.infer.pack_tokens`, `stages.train.pack_tokens`), on the
+             random-weight shape; same outputs
 
 Per engine and distribution: decode steps, slot occupancy (tokens decoded over slot-steps
 run), seconds per queue, useful tokens/s (every completion token, over the seconds), the
@@ -29,6 +31,8 @@ completions: the page counts how many are identical.
 
   python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
   python experiments/bench_rollout.py --parts packing --page infer_packing  # after the real part
+  python experiments/bench_rollout.py --parts packing --packing-stages train --layers 1 \
+      --real-max-new-tokens 64 --rounds 1 --page ''   # a quick look at packed training
   python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
       --page ''                              # a quick look, no page
 """
@@ -81,6 +85,11 @@ def parse_args(argv=None):
   parser.add_argument("--real-max-new-tokens", type=int, default=512)
   parser.add_argument("--rounds", type=int, default=2,
                       help="alternating timed rounds (median reported); the real part runs 1")
+  parser.add_argument("--packing-stages", default="infer,train",
+                      help="the packing part's stages: infer, train or both")
+  parser.add_argument("--train-minibatch", type=int, default=16,
+                      help="the packing part's training minibatch rows (the batch is the "
+                           "real part's completions)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--page", default="rollout_engine",
                       help="docs/results page name ('' = no page)")
@@ -265,18 +274,14 @@ def length_summary(lengths, cap: int) -> str:
           f"{np.percentile(lengths, 99):.0f}, {int((lengths >= cap).sum())} cut at {cap})")
 
 
-def measure_packing(args, lengths) -> tuple[str, str]:
-  """The inference stage padded and packed on one batch of the real lengths: a table
-  and a note."""
-  from pipe_rlhf_jax.parallel import logical
-  from pipe_rlhf_jax.parallel.mesh import make_mesh
+def packing_batch(args, lengths):
+  """The packing part's batch: the shipped prompts' masks (each repeated per sample) and
+  completions of the real part's lengths, random tokens; returns (rollout, config)."""
   from pipe_rlhf_jax.ppo.types import Rollout
-  from pipe_rlhf_jax.stages.common import StageLayout
-  from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
   _, tok, (prompt_tokens, prompt_mask) = real_queue(args.real_samples, load_model=False)
   n = len(lengths) // len(prompt_tokens)
   prompt_mask = np.repeat(prompt_mask, n, 0)  # [B, P]
-  width, steps = prompt_mask.shape[1], args.real_max_new_tokens
+  steps = args.real_max_new_tokens
   cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
   rs = np.random.RandomState(args.seed)
   batch = len(lengths)
@@ -290,6 +295,23 @@ def measure_packing(args, lengths) -> tuple[str, str]:
       completion_mask=jnp.asarray(completion_mask),
       behaviour_logprobs=jnp.zeros((batch, steps), jnp.float32),
       policy_version=jnp.zeros((), jnp.int32))
+  return rollout, cfg
+
+
+def measure_packing(args, lengths) -> tuple[list[str], list[str]]:
+  """The inference and / or training stage padded and packed on one batch of the real
+  lengths: a table and a note per stage."""
+  from pipe_rlhf_jax.parallel import logical
+  from pipe_rlhf_jax.parallel.mesh import make_mesh
+  from pipe_rlhf_jax.stages.common import StageLayout
+  from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+  stages_measured = [s for s in args.packing_stages.split(",") if s]
+  if not stages_measured or set(stages_measured) - {"infer", "train"}:
+    raise SystemExit(f"--packing-stages: choose among infer, train, got "
+                     f"{args.packing_stages!r}")
+  rollout, cfg = packing_batch(args, lengths)
+  batch, width = rollout.prompt_mask.shape
+  steps = rollout.completion_mask.shape[1]
   models = {head: nnx.split(init_model(cfg.replace(head=head), seed=i))
             for i, head in enumerate(("lm", "value", "score"))}
   layout = StageLayout("infer", make_mesh({"data": 1}, jax.devices()[:1]),
@@ -301,32 +323,91 @@ def measure_packing(args, lengths) -> tuple[str, str]:
                              models["score"][0], hyper, pack_tokens=pack)
             for name, pack in (("padded", 0), ("packed", budget))}
   params = (models["lm"][1], models["value"][1], models["score"][1])
-  got, out = {k: [] for k in stages}, {}
-  for round_ in range(1 + args.rounds):  # round 0 compiles
-    for name, stage in stages.items():
+  real = int(np.sum(rollout.prompt_mask) + np.sum(rollout.completion_mask))
+  shape = (f"{batch} rows of the real part's lengths, P={width}, T={steps}, SmolLM2-135M "
+           f"shape with {args.layers} layers, random weights; packed into rows of {budget} "
+           "tokens")
+  tables, notes = [], []
+  if "infer" in stages_measured:
+    got, out = {k: [] for k in stages}, {}
+    for round_ in range(1 + args.rounds):  # round 0 compiles
+      for name, stage in stages.items():
+        start = time.perf_counter()
+        exp, _ = stage(*params, rollout, 0.1)
+        jax.block_until_ready(exp)
+        if round_:
+          got[name].append(time.perf_counter() - start)
+          print(f"  packing {name}: {got[name][-1]:.2f} s", flush=True)
+        out[name] = exp
+    diff = max(float(np.max(np.abs(np.asarray(getattr(out["padded"], f))
+                                   - np.asarray(getattr(out["packed"], f)))))
+               for f in ("ref_logprobs", "values"))
+    tables.append(speed_table("inference stage", "s per batch", got, real, batch * budget))
+    notes.append(f"packing: the inference stage (reference log-probs, critic values, "
+                 f"reward-model scores, then advantages) on {shape}; largest difference "
+                 f"of the log-probs and values {diff:.1e}; median of {args.rounds} rounds "
+                 "after a compiling one")
+  if "train" in stages_measured:
+    table, note = measure_train_packing(args, layout, models, stages["padded"], params,
+                                        rollout, budget)
+    tables.append(table)
+    notes.append(f"{note}; {shape}")
+  return tables, notes
+
+
+def speed_table(stage: str, unit: str, got: dict, real: int, slots: int) -> str:
+  """Median seconds of the padded and packed runs of a stage, and the speed-up."""
+  base = statistics.median(got["padded"])
+  rows = [f"| {name} | {real} of {slots} | {statistics.median(t):.2f} | "
+          f"{base / statistics.median(t):.2f}x |" for name, t in got.items()]
+  return "\n".join([f"| {stage} | real tokens of the layout | {unit} | speed-up |",
+                    "|---|---|---|---|", *rows])
+
+
+def measure_train_packing(args, layout, models, infer, params, rollout, budget):
+  """One PPO update (actor and critic, one epoch of minibatches) padded and packed on
+  the same experience: a table and a note."""
+  import optax
+
+  from pipe_rlhf_jax.models.transformer import with_execution
+  from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, PPOHyper, TrainStage
+  exp, _ = infer(*params, rollout, 0.1)
+  batch = rollout.prompt_mask.shape[0]
+  minibatch = min(args.train_minibatch, batch)
+  if batch % minibatch:
+    raise SystemExit(f"--train-minibatch={minibatch} must divide the batch ({batch} rows)")
+  hyper = PPOHyper(epochs=1, minibatch_size=minibatch, clip_eps=0.2, value_clip_eps=0.2,
+                   entropy_coef=0.0, loss="ppo_clip", behaviour_weight_cap=None,
+                   temperature=1.0)
+  # The LM head over 128 positions at a time in both layouts, as a real run would: the
+  # [minibatch, T, vocab] f32 logits of a whole minibatch do not fit beside its backward.
+  actor_gd, actor = with_execution(*models["lm"], logits_chunk_size=128), models["lm"][1]
+  critic_gd, critic = models["value"]
+  trainers = {name: TrainStage(layout, actor_gd, critic_gd, hyper, optax.sgd(1e-4),
+                               optax.sgd(1e-4), pack_tokens=pack)
+              for name, pack in (("padded", 0), ("packed", budget))}
+  states = {name: t.init_state(actor, critic) for name, t in trainers.items()}
+  got, metrics = {k: [] for k in trainers}, {}
+  for round_ in range(1 + args.rounds):  # round 0 compiles (and starts both equal)
+    for name, trainer in trainers.items():
       start = time.perf_counter()
-      exp, _ = stage(*params, rollout, 0.1)
-      jax.block_until_ready(exp)
+      states[name], m = trainer.update(states[name], exp, jax.random.key(round_))
+      jax.block_until_ready(states[name])
       if round_:
         got[name].append(time.perf_counter() - start)
-        print(f"  packing {name}: {got[name][-1]:.2f} s", flush=True)
-      out[name] = exp
-  diff = max(float(np.max(np.abs(np.asarray(getattr(out["padded"], f))
-                                 - np.asarray(getattr(out["packed"], f)))))
-             for f in ("ref_logprobs", "values"))
-  real = int(prompt_mask.sum() + completion_mask.sum())
-  rows = []
-  base = statistics.median(got["padded"])
-  for name, times in got.items():
-    t = statistics.median(times)
-    rows.append(f"| {name} | {real} of {batch * budget} | {t:.2f} | {base / t:.2f}x |")
-  table = "\n".join(["| inference stage | real tokens of the layout | s per batch | speed-up |",
-                     "|---|---|---|---|", *rows])
-  note = (f"packing: the inference stage (reference log-probs, critic values, reward-model "
-          f"scores, then advantages) on {batch} rows of the real part's lengths, P={width}, "
-          f"T={steps}, SmolLM2-135M shape with {args.layers} layers, random weights; packed "
-          f"into rows of {budget} tokens; largest difference of the log-probs and values "
-          f"{diff:.1e}; median of {args.rounds} rounds after a compiling one")
+        print(f"  packing train {name}: {got[name][-1]:.2f} s", flush=True)
+      else:
+        metrics[name] = {k: float(v) for k, v in m.items()}
+  fill = metrics["packed"].pop(PACK_FILL_KEY)
+  diff = max(abs(metrics["packed"][k] - v) / max(abs(v), 1e-6)
+             for k, v in metrics["padded"].items())
+  real = int(np.sum(rollout.prompt_mask) + np.sum(rollout.completion_mask))
+  table = speed_table("training stage", "s per update", got, real, batch * budget)
+  note = (f"training: one PPO update (actor and critic, {batch // minibatch} minibatches of "
+          f"{minibatch} rows, one epoch, SGD) on the padded inference stage's experience; "
+          f"packed slots filled {fill:.2f}; largest relative difference of the first "
+          f"update's metrics {diff:.1e}; median of {args.rounds} rounds after a compiling "
+          "one")
   return table, note
 
 
@@ -385,9 +466,9 @@ def main(argv=None):
       raise SystemExit(f"--parts packing reads the real part's lengths from {path}: run "
                        "the real part first (or with it).")
     with open(path) as f:
-      table, note = measure_packing(args, json.load(f))
-    tables.append(table)
-    notes.append(note)
+      got_tables, got_notes = measure_packing(args, json.load(f))
+    tables += got_tables
+    notes += got_notes
   with open(os.path.join(args.out, "rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
   table = "\n\n".join(([render(rows)] if rows else []) + tables)
@@ -396,7 +477,7 @@ def main(argv=None):
   print("\n".join(notes))
   if args.page:
     title = ("Rollout engine: continuous batching against the static batch" if rows
-             else "Packed inference against the padded layout")
+             else "Packed inference and training against the padded layout")
     path = results.write_page(args.page, title, body(intro, table, notes), None)
     print(f"wrote {path}")
 
@@ -429,7 +510,9 @@ ENGINE_INTRO = (
 PACKING_INTRO = (
     "The inference stage on one batch, its forward passes over the padded "
     "`[prompt | completion]` layout and over the batch's real tokens packed into rows "
-    "(`stages.infer.pack_tokens`, `stages/packing.py`); the outputs are the same.")
+    "(`stages.infer.pack_tokens`, `stages/packing.py`), and the training stage's PPO "
+    "update on that batch, each minibatch's forward and backward passes padded and "
+    "packed (`stages.train.pack_tokens`); the outputs are the same.")
 
 
 def body(intro, table: str, notes) -> str:
