@@ -99,11 +99,12 @@ class TransformerConfig:
       only; training wants it at long lengths, generation never needs it).
     logits_chunk_size: positions per chunk when log-probs are read from the LM head
       (`stages.common.completion_logprobs`); 0 = all at once (execution only).
-    scan_unroll: layers per iteration of the layer scan (execution only): 1 loops over
-      the stacked layers; `num_layers` (or more) unrolls them, so that each layer's
-      weights are sliced and its gradients written at static offsets instead of through
-      dynamic slices and updates of the stacked arrays. Faster steps, longer compiles
-      (the loop body is compiled that many times).
+    scan_unroll: layers per iteration of the layer scan (execution only). 0 (the
+      default) unrolls every layer, so that each layer's weights are sliced and its
+      gradients written at static offsets instead of through dynamic slices and updates
+      of the stacked arrays: faster steps, longer compiles (the layer is compiled once
+      per layer). An integer >= 1 asks for a loop of that many layers per iteration
+      (1: a loop over the stacked layers, the shortest compile).
   """
 
   vocab_size: int
@@ -136,7 +137,7 @@ class TransformerConfig:
   attention_block_size: int = 512
   remat: str = "none"
   logits_chunk_size: int = 0
-  scan_unroll: int = 1
+  scan_unroll: int = 0
 
   def __post_init__(self):
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -187,9 +188,10 @@ class TransformerConfig:
       raise ValueError(f"model.logits_chunk_size={self.logits_chunk_size!r} must be an "
                        "integer >= 0 (0: no chunking).")
     if isinstance(self.scan_unroll, bool) or not isinstance(
-        self.scan_unroll, int) or self.scan_unroll < 1:
-      raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1 "
-                       "(1: a loop over the layers; num_layers: unrolled).")
+        self.scan_unroll, int) or self.scan_unroll < 0:
+      raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 0 "
+                       "(0: every layer unrolled; n >= 1: a loop of n layers per "
+                       "iteration).")
     if self.norm_eps <= 0:
       raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}.")
     if self.sliding_window is not None and (

@@ -367,7 +367,8 @@ class Layers(nnx.Module):
       return h, (KVCache(cache_k, cache_v) if cache is not None else None)
     (h, cache_k, cache_v), _ = jax.lax.scan(
         block, (h, cache_k, cache_v), (params, jnp.arange(num_local), flags),
-        unroll=min(c.scan_unroll, num_local))
+        # 0: every layer unrolled (`TransformerConfig.scan_unroll`).
+        unroll=min(c.scan_unroll or num_local, num_local))
     return h, (KVCache(cache_k, cache_v) if cache is not None else None)
 
   def _block(self, p, h, cos, sin, allowed, cache_k, cache_v, index, slot):

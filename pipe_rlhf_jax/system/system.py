@@ -373,9 +373,11 @@ class PPOSystem:
     self.has_critic = models.critic is not None
     # Rows of the policy's embedding: prompts with ids past it are refused as they enter.
     self.vocab_size = nnx.merge(models.actor_graphdef, models.actor).config.vocab_size
-    # Each stage computes the same models its own way (attention kernel, remat).
+    # Each stage computes the same models its own way (attention kernel, remat, layer
+    # scan: unrolled unless its mesh shards the weights over fsdp, `StagePlan.unroll_for`).
     def for_stage(stage, graphdef, params):
-      return with_execution(graphdef, params, **runtime.stage(stage).execution())
+      fsdp = self.layouts[stage].mesh.shape.get("fsdp", 1)
+      return with_execution(graphdef, params, **runtime.stage(stage).execution(fsdp))
 
     reward_graphdef = (for_stage("infer", models.reward_graphdef, models.reward)
                        if models.reward is not None else None)

@@ -57,7 +57,8 @@ def _model_and_batch(**config):
                                      dict(remat="full"), dict(remat="save_matmuls"),
                                      dict(attention="blockwise", attention_block_size=4,
                                           remat="full"),
-                                     dict(scan_unroll=2), dict(scan_unroll=8),
+                                     # The default unrolls every layer; 1 is the loop.
+                                     dict(scan_unroll=2), dict(scan_unroll=1),
                                      dict(scan_unroll=2, remat="save_matmuls")])
 def test_forward_and_gradients_equal_the_dense_model(changes):
   model, tokens, mask = _model_and_batch()
@@ -95,8 +96,8 @@ def test_with_execution_refuses_fields_that_change_the_model():
     with_execution(graphdef, params, num_layers=3)
   with pytest.raises(ValueError, match="model.remat"):
     tiny_config(remat="some")
-  with pytest.raises(ValueError, match="model.scan_unroll=0 must be an integer >= 1"):
-    tiny_config(scan_unroll=0)
+  with pytest.raises(ValueError, match="model.scan_unroll=-1 must be an integer >= 0"):
+    tiny_config(scan_unroll=-1)
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 5, 12, 64])

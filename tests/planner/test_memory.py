@@ -13,7 +13,11 @@ of the real programs, against `memory.stage_memory` (model / XLA), measured here
   data=8 0.92.
 (The first version of the model was 0.40 / 0.70 on the activation-dominated update: it
 counted a third of each layer's residuals and one model's instead of both.) The tests
-hold a spread of these to 25%.
+hold a spread of these to 25%. Those ratios are of the looped layer scan; each case now
+runs the default's (`StagePlan.unroll_for`: unrolled on one device without remat, looped
+under fsdp or remat), which moved the single-device cases without remat: the update 0.90
+-> 1.13, with ptx 0.89 -> 1.12, inference 1.02 -> 1.12 (one layer's activations per model
+when unrolled), the prefill 1.09 -> 0.91.
 """
 
 import dataclasses

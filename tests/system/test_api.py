@@ -226,10 +226,16 @@ def test_per_stage_attention_and_remat_change_how_not_what(tmp_path):
 def test_stage_plan_names_a_bad_execution_field():
   with pytest.raises(ValueError, match="stages.train.remat='some'"):
     StagePlan.from_config({"remat": "some"}, "stages.train")
-  with pytest.raises(ValueError, match="stages.train.scan_unroll=0"):
-    StagePlan.from_config({"scan_unroll": 0}, "stages.train")
+  with pytest.raises(ValueError, match="stages.train.scan_unroll=-1"):
+    StagePlan.from_config({"scan_unroll": -1}, "stages.train")
   assert StagePlan.from_config({"scan_unroll": 4}, "stages.train").execution()[
       "scan_unroll"] == 4
+  # Left out: 0, the library's choice: every layer unrolled (the model's own default)
+  # unless the stage shards over fsdp or sets remat, where it loops; n >= 1 as given.
+  assert StagePlan.from_config({}, "stages.train").scan_unroll == StagePlan().scan_unroll == 0
+  assert models.tiny_config().scan_unroll == 0
+  assert StagePlan().unroll_for(fsdp=1) == 0 and StagePlan(remat="full").unroll_for(1) == 1
+  assert StagePlan().unroll_for(fsdp=4) == 1 and StagePlan(scan_unroll=2).unroll_for(4) == 2
 
 
 @pytest.mark.slow
