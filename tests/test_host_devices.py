@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pipe_rlhf_jax import host_devices
-from tests.helpers.xla_env import child_env
+from tests.helpers.xla_env import COMPILE_FLAGS, child_env
 
 SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
@@ -55,13 +55,37 @@ print(jax.jit(grads).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 """
 
 
-def _temp_bytes(extra_flags: str) -> int:
+def _temp_bytes(extra_flags: str, before: str = "") -> int:
+  """The probe's temporary bytes in a fresh process under `extra_flags` (beside the tests'
+  compile flags, without their scheduler choice), `before` run ahead of it."""
   env = child_env()
-  env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {extra_flags}".strip()
-  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
-                       text=True, timeout=120, check=True)
+  env["XLA_FLAGS"] = f"{COMPILE_FLAGS} {extra_flags}".strip()
+  out = subprocess.run([sys.executable, "-c", before + _PROBE], env=env,
+                       capture_output=True, text=True, timeout=120, check=True)
   return int(out.stdout.split()[-1])
 
 
 def test_the_lean_scheduler_keeps_fewer_temporaries_live():
   assert _temp_bytes(f"{SCHEDULER}=false") < _temp_bytes("")
+
+
+def test_importing_the_library_chooses_the_lean_scheduler_unless_jax_has_started():
+  lean, default = _temp_bytes(f"{SCHEDULER}=false"), _temp_bytes("")
+  # A library user who imports the API first compiles as the entry points do ...
+  assert _temp_bytes("", before="import pipe_rlhf_jax.system\n") == lean
+  # ... and XLA_FLAGS that name the scheduler keep it.
+  assert _temp_bytes(f"{SCHEDULER}=true", before="import pipe_rlhf_jax.system\n") == default
+  # After jax has started, the flag could no longer take effect: it is left unset.
+  probe = ("import os, jax\njax.devices()\nimport pipe_rlhf_jax.system\n"
+           "print(os.environ.get('XLA_FLAGS'))\n")
+  assert _temp_bytes("", before=probe) == default
+
+
+def test_the_default_is_left_alone_once_jax_has_started(env, monkeypatch):
+  env.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  monkeypatch.setattr(host_devices, "backends_started", lambda: True)
+  assert not host_devices.use_memory_lean_scheduler_by_default()
+  assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+  monkeypatch.setattr(host_devices, "backends_started", lambda: False)
+  assert host_devices.use_memory_lean_scheduler_by_default()
+  assert os.environ["XLA_FLAGS"].endswith(f"{SCHEDULER}=false")

@@ -29,10 +29,17 @@ from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from pipe_rlhf_jax import host_devices
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.steps import DataFeed
 from pipe_rlhf_jax.system.system import PPOSystem
+
+# The speed the benchmarks measure is the library's default: XLA's CPU compiler gets its
+# memory-minimising scheduler here as in the command-line entry points, unless jax has
+# already started (it then has read its flags) or XLA_FLAGS choose (`host_devices`).
+# Importing the modules above starts no backend.
+host_devices.use_memory_lean_scheduler_by_default()
 
 
 @runtime_checkable

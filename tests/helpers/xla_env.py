@@ -16,14 +16,19 @@ from __future__ import annotations
 import os
 
 COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+# XLA's own instruction order, named so that importing `pipe_rlhf_jax.system` keeps it
+# (the library otherwise chooses the memory-lean one, `host_devices`): the memory model's
+# comparisons with XLA (tests/planner/test_memory.py) were measured under it.
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def xla_flags(devices: int | None = None) -> str:
-  """XLA_FLAGS of a test process: the tests' compile flags, and `devices` virtual CPU
-  devices (None: leave the count to the program, as the entry points and
+  """XLA_FLAGS of a test process: the tests' compile and scheduler flags, and `devices`
+  virtual CPU devices (None: leave the count to the program, as the entry points and
   `launch --cpu_devices` choose their own)."""
-  return COMPILE_FLAGS + (f" {DEVICE_FLAG}={devices}" if devices else "")
+  return f"{COMPILE_FLAGS} {SCHEDULER_FLAG}" + (f" {DEVICE_FLAG}={devices}" if devices
+                                                else "")
 
 
 def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
