@@ -47,7 +47,7 @@ Where it differs (read from tunix 0.1.7's source):
   falls outside the token buffer and is dropped); ours runs `gen` - 1. Each decode step
   attends over the whole KV cache (prompt + gen, the least tunix accepts), masked.
 - tunix's layers are a Python loop, unrolled into each program (ours: a layer scan,
-  unrolled by default in bench_ppo_step.py).
+  unrolled by default, `StagePlan.scan_unroll`).
 - No advantage whitening (tunix's PPO has none). The rollout seed is the same every step
   (tunix's RolloutConfig takes one seed; a key array is donated, see `seed=0` below); the
   prompts differ each step.

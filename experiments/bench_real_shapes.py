@@ -3,9 +3,12 @@
 Owns one measurement: for each shape of `models/shapes.py` (`--shapes`), a random-weight
 Hugging Face directory is written (`models.random_checkpoint`), loaded through
 `models.hf.from_pretrained`, and `PPOSystem` runs `--steps` PPO steps (`sequential`, one
-device, f32; by default the memory-lean plan: blockwise attention, full remat in the
-update, chunked log-probs; no early EOS, so the work is fixed). The first step compiles
-and is left out. Shapes too big for the machine (`--memory-only`) are sized, not run.
+device, f32; by default each stage's plan is `StagePlan()`'s, what a library user gets:
+dense attention within a block, no remat, log-probs all at once, every layer unrolled;
+`--attention blockwise --remat full --logits-chunk 32 --scan-unroll 1` is the
+memory-lean plan that shapes too big for those defaults need; no early EOS, so the work is
+fixed). The first step compiles and is left out. Shapes too big for the machine
+(`--memory-only`) are sized, not run.
 
 Per stage (generate, infer, train) it reports seconds, FLOPs (`models/flops.py`) and the
 achieved FLOP/s against the f32 matmul peak measured in the same process; for decoding the
@@ -28,7 +31,9 @@ Usage:
   python experiments/bench_real_shapes.py --shapes smollm2-135m --steps 2
   python experiments/bench_real_shapes.py --shapes smollm2-135m --layers 4 --steps 1 --page
   python experiments/bench_real_shapes.py --shapes smollm2-135m,qwen2.5-0.5b,qwen3-0.6b \
-      --memory-only qwen2.5-0.5b,qwen3-0.6b --attention auto --remat none --scan-unroll 0 --page
+      --memory-only qwen2.5-0.5b,qwen3-0.6b --page
+  python experiments/bench_real_shapes.py --shapes smollm2-135m --attention blockwise \
+      --remat full --logits-chunk 32 --scan-unroll 1
 
 Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and, with
 --page, docs/results/real_shapes.md.
@@ -80,11 +85,18 @@ OUT_DIR = os.path.join(_ROOT, "experiments", "out", "real_shapes")
 MIB = 2**20
 
 
-def stage_plans(logits_chunk: int, attention: str = "blockwise", remat: str = "full",
-                scan_unroll: int = 1) -> dict[str, StagePlan]:
-  """The execution of real shapes; by default the memory-lean one: blockwise attention
-  everywhere, full remat in the update, the head and log-softmax in chunks of completion
-  positions."""
+DEFAULTS = StagePlan()
+# The memory-lean plan: blockwise attention everywhere, full remat in the update, the head
+# and log-softmax in chunks of completion positions, a rolled layer scan; what the shapes
+# too big for the defaults need (`device_check.py` runs it).
+LEAN = dict(attention="blockwise", remat="full", logits_chunk=32, scan_unroll=1)
+
+
+def stage_plans(logits_chunk: int = DEFAULTS.logits_chunk,
+                attention: str = DEFAULTS.attention, remat: str = DEFAULTS.remat,
+                scan_unroll: int = DEFAULTS.scan_unroll) -> dict[str, StagePlan]:
+  """The execution of real shapes; by default the library's (`StagePlan()`); `remat`
+  applies to the update, `logits_chunk` to inference and the update."""
   common_ = dict(attention=attention, scan_unroll=scan_unroll)
   return {"generate": StagePlan(**common_),
           "infer": StagePlan(logits_chunk=logits_chunk, **common_),
@@ -237,10 +249,9 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
     policy = hf.from_pretrained(checkpoint, dtype=dtype)
   cfg = policy.config
   vocab = cfg.vocab_size
-  plans = stage_plans(args.logits_chunk, getattr(args, "attention", "blockwise"),
-                      getattr(args, "remat", "full"),
-                      cfg.num_layers if getattr(args, "scan_unroll", 1) == 0
-                      else getattr(args, "scan_unroll", 1))
+  plans = stage_plans(args.logits_chunk, getattr(args, "attention", DEFAULTS.attention),
+                      getattr(args, "remat", DEFAULTS.remat),
+                      getattr(args, "scan_unroll", DEFAULTS.scan_unroll))
   runtime = runtime_for(mode, plans)
   devices = jax.devices()[:devices_needed(runtime)]
   if len(devices) < devices_needed(runtime):
@@ -337,13 +348,15 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
 def memory_row(shape: str, args, limits) -> dict:
   """What a shape would need, without running it: the planner's peak, the machine's usable
   memory, and XLA's peaks of the actor's stage functions, compiled on abstract parameters
-  (`--memory-only`, for shapes that do not fit). Sized with blockwise attention and full
-  remat (and `--logits-chunk`), whatever the other flags: near the least it needs."""
+  (`--memory-only`, for shapes that do not fit). Sized with blockwise attention, full
+  remat and a rolled layer scan (and `--logits-chunk`), whatever the other flags: near the
+  least it needs."""
   from pipe_rlhf_jax.models import shapes
   overrides = {"num_hidden_layers": args.layers} if args.layers else {}
   cfg = shapes.config(shape, dtype="float32", **overrides)
   batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
-  plans = stage_plans(args.logits_chunk)
+  plans = stage_plans(args.logits_chunk, LEAN["attention"], LEAN["remat"],
+                      LEAN["scan_unroll"])
   runtime = runtime_for("sequential", plans)
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
                         prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
@@ -450,11 +463,18 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=64)
-  parser.add_argument("--logits-chunk", type=int, default=32)
-  parser.add_argument("--attention", default="blockwise", help="every stage's attention")
-  parser.add_argument("--remat", default="full", help="the update's remat policy")
-  parser.add_argument("--scan-unroll", type=int, default=1,
-                      help="layers per layer-scan iteration (0: all, unrolled)")
+  # Defaults: the library's (`StagePlan()`), so that the benchmark measures what a user
+  # gets; `LEAN` is the memory-lean alternative.
+  parser.add_argument("--logits-chunk", type=int, default=DEFAULTS.logits_chunk,
+                      help=f"0: all at once; memory-lean: {LEAN['logits_chunk']}")
+  parser.add_argument("--attention", default=DEFAULTS.attention,
+                      help=f"every stage's attention; memory-lean: {LEAN['attention']}")
+  parser.add_argument("--remat", default=DEFAULTS.remat,
+                      help=f"the update's remat policy; memory-lean: {LEAN['remat']}")
+  parser.add_argument("--scan-unroll", type=int, default=DEFAULTS.scan_unroll,
+                      help="layers per layer-scan iteration (0: the library's choice, "
+                      "every layer unrolled unless remat is set; memory-lean: "
+                      f"{LEAN['scan_unroll']}, a loop)")
   parser.add_argument("--untied", action="store_true",
                       help="an LM head of its own, not tied to the embedding")
   parser.add_argument("--memory-only", default="", help="shapes (of --shapes) to size "

@@ -239,7 +239,15 @@ def parse_args(argv=None):
   parser.add_argument("--batch", type=int)
   parser.add_argument("--prompt-len", type=int)
   parser.add_argument("--new-tokens", type=int)
-  parser.add_argument("--logits-chunk", type=int, default=32)
+  # The memory-lean plan (`bench_real_shapes.LEAN`): the bf16 shapes on one device, their
+  # page comparable from run to run.
+  lean = bench_real_shapes.LEAN
+  parser.add_argument("--logits-chunk", type=int, default=lean["logits_chunk"])
+  parser.add_argument("--attention", default=lean["attention"])
+  parser.add_argument("--remat", default=lean["remat"], help="the update's remat policy")
+  parser.add_argument("--scan-unroll", type=int, default=lean["scan_unroll"],
+                      help="layers per layer-scan iteration (0: the library's choice, "
+                      "every layer unrolled unless remat is set)")
   parser.add_argument("--dtype", help="default bfloat16 on an accelerator, float32 on a CPU")
   parser.add_argument("--hardware", help="planner profile; default from the device kind")
   parser.add_argument("--matmul-n", type=int, help="side of the peak-measuring matmul")
