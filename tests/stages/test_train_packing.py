@@ -162,9 +162,16 @@ def test_pack_tokens_is_a_training_setting():
     StagePlan.from_config({"pack_tokens": -2}, "stages.train")
 
 
+def test_the_system_hands_the_setting_to_its_training_stage(tmp_path):
+  train = StagePlan(mesh=MeshSpec(data=1, fsdp=-1), pack_tokens=16)
+  system, _ = _tiny_system(tmp_path, train=train)
+  assert system.train_stage.pack_tokens == 16 and system.infer_stage.pack_tokens == 0
+
+
+@pytest.mark.slow
 def test_packed_training_changes_how_not_what(tmp_path):
   # Two PPO steps through the public API, the training stage padded and packed into rows
-  # of 16 tokens (8 prompt + 4 completion columns a sequence).
+  # of 16 tokens (8 prompt + 4 completion columns a sequence), over its 8 devices.
   results = []
   for plan in (StagePlan(mesh=MeshSpec(data=1, fsdp=-1)),
                StagePlan(mesh=MeshSpec(data=1, fsdp=-1), pack_tokens=16)):
