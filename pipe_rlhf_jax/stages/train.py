@@ -42,13 +42,15 @@ scan that needs it fixed. Packing inside the same minibatches keeps the update
 identical to the padded one (tests compare parameters and metrics) and still spends
 compute on real tokens only.
 
-Static shapes: the minibatch permutation is drawn on the host side of the jitted update
-(the same keys and function as the padded path, so the same minibatches), the masks are
-fetched once, and every minibatch of the update is packed to one row count: the largest
-any of them needs, which is one of `packing.round_rows`' few sizes an octave (rounded to
-the stage's batch shards). One update is one shape, and a run compiles a handful of
-them, the way packed inference does; a fixed worst case (a row per sequence) would be
-the padded cost again whenever lengths vary.
+Static shapes: the minibatch rows are drawn before the jitted update (`epoch_rows`, the
+same keys and function as the padded path, so the same minibatches) and fetched with the
+masks, one host transfer (a sync point the padded update does not have), and every
+minibatch of the update is packed to one row count: the largest any of them needs, which
+is one of `packing.round_rows`' few sizes an octave (rounded to the stage's batch
+shards). One update is one shape, and a run compiles a handful of them, the way packed
+inference does; a fixed worst case (a row per sequence) would be the padded cost again
+whenever lengths vary. The LM head runs on the packed columns or on the padded
+completion positions, whichever are fewer (`stages.common.packed_completion_logprobs`).
 """
 
 from __future__ import annotations
