@@ -183,6 +183,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.runtime.response_fraction = 1.0
   config.runtime.mode = "pipe"
   config.runtime.max_staleness = 1
+  # Partial rollouts (pipe mode, stages.generate.num_slots > 0): the engine keeps
+  # unfinished rows across updates; a completion older than max_staleness at its oldest
+  # token is kept ("finish") or re-queued ("drop").
+  config.runtime.partial_rollouts = False
+  config.runtime.past_staleness = "finish"
   config.runtime.queue_size = 2
   # How long the other workers may take to finish their current item after one fails.
   config.runtime.shutdown_timeout_s = 120.0

@@ -470,8 +470,8 @@ SECTION_TYPES = {"model": ModelSettings, "data": DataSettings, "sft": SFTSetting
                  "warm_start": WarmStartSettings, "checkpoint": CheckpointSettings,
                  "log": LogSettings}
 # The runtime section's keys `Plan.from_config` reads.
-_PLAN_FIELDS = ("mode", "max_staleness", "queue_size", "shutdown_timeout_s",
-                "progress_timeout_s", "placement")
+_PLAN_FIELDS = ("mode", "max_staleness", "partial_rollouts", "past_staleness", "queue_size",
+                "shutdown_timeout_s", "progress_timeout_s", "placement")
 # Built-in rule rewards that only apply to one embedded task, by name prefix.
 TASK_RULE_PREFIXES = {"reverse": "reverse_", "arith": "arith_"}
 # Tasks whose prompt records carry a reference answer (for rules that take `answers`).

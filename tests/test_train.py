@@ -389,3 +389,31 @@ def test_user_jsonl_data_with_malformed_lines(tmp_path):
   config.data.jsonl.prefs = str(tmp_path / "missing.jsonl")
   with pytest.raises(ValueError, match="data.jsonl.prefs"):
     train(config, str(tmp_path / "run2"), progress=False)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_with_the_prompts_they_held(tmp_path, monkeypatch):
+  # pipe mode, 4 slots: a stop after step 2 checkpoints the prompts read and not yet
+  # trained; the resumed run's engine queues exactly those first.
+  from pipe_rlhf_jax.stages import rollout_stream
+  config = tiny("pipe")
+  config.runtime.partial_rollouts = True
+  config.stages.generate.num_slots = 4
+  config.stages.generate.mesh.pipe = 1
+  config.stages.generate.mesh.data = 2
+  workdir = str(tmp_path)
+  train(config, workdir, stop_after=2, progress=False)
+  meta_path = os.path.join(workdir, "checkpoints", "1", "metadata", "metadata")
+  held = json.load(open(meta_path))["data_state"]["in_flight"]
+  assert held
+  queued = []
+  original = rollout_stream.RolloutStream.__init__
+
+  def spy(self, *args, **kwargs):
+    queued.append([r["index"]["data"] for r in kwargs.get("in_flight", [])])
+    original(self, *args, **kwargs)
+
+  monkeypatch.setattr(rollout_stream.RolloutStream, "__init__", spy)
+  resumed = train(config, workdir, resume=True, progress=False)
+  assert [r["step"] for r in resumed.ppo_metrics] == [0, 1, 2, 3]
+  assert queued == [[r["index"]["data"] for r in held]]

@@ -32,6 +32,12 @@ P tokens each about the cost of P / S decode steps per prompt) rather than being
 interleaved in chunks. A newcomer's region is overwritten whole (zeros past its
 prompt), so whatever a freed slot held, NaN included, never reaches it.
 
+The same loop also runs as a persistent engine (`step_fn`, for partial rollouts in
+`stages/rollout_stream.py`): its state is kept between calls, a call stops once a target
+number of completions has ended (or after a bound on decode steps, so that new weights
+are taken between two calls without draining), and output rows are a ring the caller
+assigns and recycles.
+
 The KV cache is contiguous per slot (S x (P + T) columns). A paged cache would let slots
 share a token budget instead of each reserving P + T columns; on CPU, where the slot
 count is bounded by compute rather than by cache memory, the contiguous layout avoids
@@ -65,7 +71,7 @@ FREE = -1  # `EngineState.row` of a slot that holds no completion
 
 @struct.dataclass
 class EngineStats:
-  """What the engine did, for occupancy and throughput metrics.
+  """What the engine did, for occupancy and throughput metrics (per call).
 
   Attributes:
     decode_steps: int32 []: decode steps run (each computes every slot).
@@ -82,8 +88,29 @@ class EngineStats:
 
 
 @struct.dataclass
+class EngineQueue:
+  """The prompts one call may admit, in admission order.
+
+  Attributes:
+    tokens, mask: [Q, P] left-padded prompts (one row per prompt, not per sample).
+    length: int32 []: entries of the queue that are real (the rest pad a fixed shape).
+    rows: int32 [Q * n]: output row of each completion (sample k % n of prompt k // n).
+    ids: int32 [Q * n]: its sample id (`token_keys(rng, id, t)` draws token t).
+    limits: int32 [Q * n]: its length budget (at most T).
+  """
+
+  tokens: jax.Array
+  mask: jax.Array
+  length: jax.Array
+  rows: jax.Array
+  ids: jax.Array
+  limits: jax.Array
+
+
+@struct.dataclass
 class EngineState:
-  """The loop carry.
+  """The loop carry, and between calls the engine itself (slots keep decoding across
+  calls: `step_fn`).
 
   Attributes:
     cache: KVCache [layers, S, P + T, kv_heads, head_dim], one region per slot.
@@ -92,9 +119,14 @@ class EngineState:
     row: int32 [S]: output row of the slot's completion, FREE when idle.
     step: int32 [S]: index of the next completion token the slot draws.
     last_token: int32 [S]: the token to feed at the slot's next decode step.
-    next_prompt: int32 []: the first queue entry not yet admitted.
-    tokens, logprobs, mask: [N, T] output buffers, N = queue length x group size.
-    stats: EngineStats.
+    slot_id: int32 [S]: the sample id of the slot's completion.
+    slot_limit: int32 [S]: its length budget.
+    next_prompt: int32 []: entries of this call's queue admitted so far.
+    tokens, logprobs, mask: [R, T] output rows.
+    versions: int32 [R, T]: the policy version that drew each token.
+    finished: bool [R]: the row's completion has ended (EOS or its budget).
+    done: int32 []: completions that ended during this call.
+    stats: EngineStats of this call.
   """
 
   cache: KVCache
@@ -103,10 +135,15 @@ class EngineState:
   row: jax.Array
   step: jax.Array
   last_token: jax.Array
+  slot_id: jax.Array
+  slot_limit: jax.Array
   next_prompt: jax.Array
   tokens: jax.Array
   logprobs: jax.Array
   mask: jax.Array
+  versions: jax.Array
+  finished: jax.Array
+  done: jax.Array
   stats: EngineStats
 
 
@@ -170,14 +207,15 @@ class EngineSpec:
 
 def init_state(model_config, spec: EngineSpec, params: SamplingParams, prompt_len: int,
                num_rows: int, cache_fill: float = 0.0) -> EngineState:
-  """An engine with every slot free and empty output buffers.
+  """An engine with every slot free and `num_rows` empty output rows.
 
   Args:
     model_config: the model's TransformerConfig (cache shape and dtype).
     spec: slot count and group size.
     params: sampling settings (T and the pad id).
     prompt_len: P.
-    num_rows: N, completions to produce.
+    num_rows: R, output rows (a one-shot queue's completions, or a persistent engine's
+      ring of rows in flight).
     cache_fill: the free slots' cache content (tests poison it with NaN).
   """
   s, steps = spec.num_slots, params.max_new_tokens
@@ -185,15 +223,23 @@ def init_state(model_config, spec: EngineSpec, params: SamplingParams, prompt_le
   if cache_fill != 0.0:
     cache = KVCache(*(jnp.full_like(c, cache_fill) for c in cache))
   cache = KVCache(*(constrain(c, CACHE_AXES) for c in cache))
-  buffers = (jnp.full((num_rows, steps), params.pad_id, jnp.int32),
-             jnp.zeros((num_rows, steps), jnp.float32), jnp.zeros((num_rows, steps), bool))
-  zero = jnp.zeros((), jnp.int32)
+  # Distinct arrays for every field (no shared buffers): the state is donated whole.
+  def zero():
+    return jnp.zeros((), jnp.int32)
+
+  def per_slot():
+    return jnp.zeros((s,), jnp.int32)
+
   return EngineState(
       cache=cache, key_mask=jnp.zeros((s, prompt_len + steps), bool),
-      num_real=jnp.zeros((s,), jnp.int32), row=jnp.full((s,), FREE, jnp.int32),
-      step=jnp.zeros((s,), jnp.int32), last_token=jnp.zeros((s,), jnp.int32),
-      next_prompt=zero, tokens=buffers[0], logprobs=buffers[1], mask=buffers[2],
-      stats=EngineStats(zero, zero, zero, zero))
+      num_real=per_slot(), row=jnp.full((s,), FREE, jnp.int32), step=per_slot(),
+      last_token=per_slot(), slot_id=per_slot(), slot_limit=per_slot(), next_prompt=zero(),
+      tokens=jnp.full((num_rows, steps), params.pad_id, jnp.int32),
+      logprobs=jnp.zeros((num_rows, steps), jnp.float32),
+      mask=jnp.zeros((num_rows, steps), bool),
+      versions=jnp.zeros((num_rows, steps), jnp.int32),
+      finished=jnp.zeros((num_rows,), bool), done=zero(),
+      stats=EngineStats(zero(), zero(), zero(), zero()))
 
 
 def _write(buf: jax.Array, rows: jax.Array, cols: jax.Array, values: jax.Array) -> jax.Array:
@@ -201,36 +247,40 @@ def _write(buf: jax.Array, rows: jax.Array, cols: jax.Array, values: jax.Array) 
   return buf.at[rows, cols].set(values.astype(buf.dtype), mode="drop")
 
 
-def _emit(s: EngineState, slots_row: jax.Array, column: jax.Array, tokens: jax.Array,
-          logprobs: jax.Array, limits: jax.Array, params: SamplingParams
-          ) -> tuple[EngineState, jax.Array]:
-  """Records token `column` of the completions in `slots_row` (FREE rows skipped).
+def _emit(s: EngineState, rows: jax.Array, column: jax.Array, tokens: jax.Array,
+          logprobs: jax.Array, limits: jax.Array, version: jax.Array,
+          params: SamplingParams) -> tuple[EngineState, jax.Array]:
+  """Records token `column` of the completions in output `rows` (FREE entries skipped).
 
   Returns the state with outputs written and a bool per entry: this token ended its
-  completion (EOS, or its length budget reached).
+  completion (EOS, or its length budget `limits` reached).
   """
   num_rows = s.tokens.shape[0]
-  live = slots_row != FREE
-  target = jnp.where(live, slots_row, num_rows)  # out of range: dropped
-  ended = (tokens == params.eos) | (column + 1 >= limits[jnp.clip(slots_row, 0)])
+  live = rows != FREE
+  target = jnp.where(live, rows, num_rows)  # out of range: dropped
+  ended = live & ((tokens == params.eos) | (column + 1 >= limits))
   s = s.replace(tokens=_write(s.tokens, target, column, tokens),
                 logprobs=_write(s.logprobs, target, column, logprobs),
-                mask=_write(s.mask, target, column, live))
-  return s, live & ended
+                mask=_write(s.mask, target, column, live),
+                versions=_write(s.versions, target, column,
+                                jnp.broadcast_to(version, tokens.shape)),
+                finished=s.finished.at[jnp.where(ended, rows, num_rows)].set(
+                    True, mode="drop"),
+                done=s.done + jnp.sum(ended, dtype=jnp.int32))
+  return s, ended
 
 
-def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
-           queue_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-           limits: jax.Array, spec: EngineSpec, params: SamplingParams) -> EngineState:
+def _admit(model, s: EngineState, width: int, queue: EngineQueue, rng: jax.Array,
+           version: jax.Array, spec: EngineSpec, params: SamplingParams) -> EngineState:
   """Prefills the next `width` prompts of the queue into free slots.
 
   The caller guarantees `width * n` free slots and `width` prompts left (the queue is
-  padded by the widest admission, so the slice below never clamps).
+  padded by the widest admission, so the slices below never clamp).
   """
   n, steps = spec.group_size, params.max_new_tokens
-  prompt_len = queue_tokens.shape[1]
-  tokens = jax.lax.dynamic_slice_in_dim(queue_tokens, s.next_prompt, width)  # [w, P]
-  mask = jax.lax.dynamic_slice_in_dim(queue_mask, s.next_prompt, width)
+  prompt_len = queue.tokens.shape[1]
+  tokens = jax.lax.dynamic_slice_in_dim(queue.tokens, s.next_prompt, width)  # [w, P]
+  mask = jax.lax.dynamic_slice_in_dim(queue.mask, s.next_prompt, width)
   key_mask = completion_key_mask(mask, steps)  # [w, P + T]
   cache = KVCache.zeros(model.config, width, prompt_len + steps)
   logits, cache = model.forward_cached(tokens, default_positions(mask), key_mask, cache, 0,
@@ -242,7 +292,9 @@ def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
   free_first = jnp.argsort(s.row != FREE, stable=True)  # [S]
   target = free_first[:width * n]  # [w * n] slot indices
   source = jnp.arange(width * n) // n  # [w * n] prompt within the admission
-  out_row = (s.next_prompt + source) * n + jnp.arange(width * n) % n  # [w * n]
+  out_row, ids, limits = (  # [w * n] each: the admitted completions' entries
+      jax.lax.dynamic_slice_in_dim(a, s.next_prompt * n, width * n)
+      for a in (queue.rows, queue.ids, queue.limits))
 
   def put(dst, src, axis):
     # Sample j of every admitted prompt, one scatter per j: the prompts' caches are
@@ -253,22 +305,27 @@ def _admit(model, s: EngineState, width: int, queue_tokens: jax.Array,
     return dst
 
   new_cache = KVCache(*(constrain(put(d, c, 1), CACHE_AXES) for d, c in zip(s.cache, cache)))
-  first, first_lp = next_tokens(jnp.take(logits, source, axis=0), rng,
-                                sample_ids[out_row], 0, params)
+  first, first_lp = next_tokens(jnp.take(logits, source, axis=0), rng, ids, 0, params)
+  # A row may have served an earlier completion (a persistent engine reuses its rows):
+  # it starts blank, so nothing of that completion's columns survives past this one's end.
   s = s.replace(
       cache=new_cache, key_mask=put(s.key_mask, key_mask, 0),
       num_real=put(s.num_real, jnp.sum(mask, axis=1, dtype=jnp.int32), 0),
       step=s.step.at[target].set(1), last_token=s.last_token.at[target].set(first),
+      slot_id=s.slot_id.at[target].set(ids), slot_limit=s.slot_limit.at[target].set(limits),
       next_prompt=s.next_prompt + width,
+      tokens=s.tokens.at[out_row].set(params.pad_id),
+      logprobs=s.logprobs.at[out_row].set(0.0), mask=s.mask.at[out_row].set(False),
+      versions=s.versions.at[out_row].set(0), finished=s.finished.at[out_row].set(False),
       stats=s.stats.replace(prefills=s.stats.prefills + 1,
                             prefill_rows=s.stats.prefill_rows + width))
-  s, ended = _emit(s, out_row, jnp.zeros_like(out_row), first, first_lp, limits, params)
+  s, ended = _emit(s, out_row, jnp.zeros_like(out_row), first, first_lp, limits, version,
+                   params)
   return s.replace(row=s.row.at[target].set(jnp.where(ended, FREE, out_row)))
 
 
-def _decode(model, s: EngineState, prompt_len: int, rng: jax.Array,
-            sample_ids: jax.Array, limits: jax.Array, params: SamplingParams,
-            layer_params) -> EngineState:
+def _decode(model, s: EngineState, prompt_len: int, rng: jax.Array, version: jax.Array,
+            params: SamplingParams, layer_params) -> EngineState:
   """One decode step of every slot; busy slots record their token, idle ones discard."""
   # The token drawn at step-1 is fed at its own cache column and position. Idle slots
   # compute on whatever their region holds; nothing of theirs is kept.
@@ -276,17 +333,87 @@ def _decode(model, s: EngineState, prompt_len: int, rng: jax.Array,
   positions = (s.num_real + fed)[:, None]  # [S, 1]
   logits, cache = model.forward_cached(s.last_token[:, None], positions, s.key_mask,
                                        s.cache, prompt_len + fed, layer_params)
-  ids = sample_ids[jnp.clip(s.row, 0)]
-  tokens, logprobs = next_tokens(logits[:, 0], rng, ids, s.step, params)
+  tokens, logprobs = next_tokens(logits[:, 0], rng, s.slot_id, s.step, params)
   busy = s.row != FREE
   s = s.replace(cache=cache)
-  s, ended = _emit(s, s.row, s.step, tokens, logprobs, limits, params)
+  s, ended = _emit(s, s.row, s.step, tokens, logprobs, s.slot_limit, version, params)
   return s.replace(
       row=jnp.where(ended, FREE, s.row), step=jnp.where(busy, s.step + 1, s.step),
       last_token=tokens,
       stats=s.stats.replace(decode_steps=s.stats.decode_steps + 1,
                             busy_slot_steps=s.stats.busy_slot_steps
                             + jnp.sum(busy, dtype=jnp.int32)))
+
+
+def _pad_queue(queue: EngineQueue, spec: EngineSpec) -> EngineQueue:
+  """The queue padded by the widest admission, so every dynamic slice stays in range."""
+  pad, n = spec.widths[-1], spec.group_size
+
+  def grow(a, rows, value):
+    return jnp.concatenate([a, jnp.full((rows,) + a.shape[1:], value, a.dtype)], axis=0)
+
+  return queue.replace(tokens=grow(queue.tokens, pad, 0), mask=grow(queue.mask, pad, True),
+                       rows=grow(queue.rows, pad * n, FREE), ids=grow(queue.ids, pad * n, 0),
+                       limits=grow(queue.limits, pad * n, 1))
+
+
+def _run(model, s: EngineState, queue: EngineQueue, rng: jax.Array, version: jax.Array,
+         target: jax.Array, spec: EngineSpec, params: SamplingParams,
+         max_steps: jax.Array | None = None) -> EngineState:
+  """Admits from `queue` and decodes until `target` completions have ended in this call,
+  `max_steps` decode steps have run (None: no bound), or nothing is left to decode
+  (every slot idle and the queue admitted)."""
+  n, widths = spec.group_size, spec.widths
+  prompt_len = queue.tokens.shape[1]
+  queue = _pad_queue(queue, spec)
+  queue = queue.replace(limits=jnp.minimum(queue.limits, params.max_new_tokens))
+  active = current_axis_rules()
+  fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
+  layer_params = model.layers.per_layer() if fsdp == 1 else None
+  admits = [functools.partial(_admit, model, width=w, queue=queue, rng=rng, version=version,
+                              spec=spec, params=params)
+            for w in widths]
+
+  if max_steps is None:
+    max_steps = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+
+  def going(s: EngineState):
+    return (s.done < target) & (s.stats.decode_steps < max_steps)
+
+  def room(s: EngineState):
+    """Prompts the next admission takes: the widest width the free slots and the queue
+    allow, once it reaches the floor; 0 when no admission is due."""
+    free = jnp.sum(s.row == FREE, dtype=jnp.int32)
+    left = queue.length - s.next_prompt
+    fits = jnp.minimum(free // n, left)
+    floor = jnp.where(jnp.any(s.row != FREE) & (left >= spec.floor), spec.floor, 1)
+    return jnp.where((fits >= floor) & going(s), fits, 0)
+
+  def admit(s: EngineState) -> EngineState:
+    # Only called with room >= 1, so every branch admits: no branch passes the state
+    # through untouched, which would make XLA copy the KV cache into the result.
+    branch = jnp.sum(jnp.asarray(widths) <= room(s)) - 1
+    return jax.lax.switch(branch, admits, s)
+
+  def decoding(s: EngineState):
+    return jnp.any(s.row != FREE) & (room(s) == 0) & going(s)
+
+  def decode(s: EngineState) -> EngineState:
+    return _decode(model, s, prompt_len, rng, version, params, layer_params)
+
+  def cond(s: EngineState):
+    return (jnp.any(s.row != FREE) | (s.next_prompt < queue.length)) & going(s)
+
+  def body(s: EngineState) -> EngineState:
+    # Admit while admissions are due, then decode until one is due again (or every slot
+    # is idle): the decode loop's body is the decode step alone, with no conditional
+    # around the cache.
+    s = jax.lax.while_loop(lambda s: room(s) > 0, admit, s)
+    return jax.lax.while_loop(decoding, decode, s)
+
+  zero = jnp.zeros((), jnp.int32)
+  s = s.replace(next_prompt=zero, done=zero, stats=EngineStats(zero, zero, zero, zero))
+  return jax.lax.while_loop(cond, body, s)
 
 
 def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
@@ -310,58 +437,50 @@ def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
   """
   model = nnx.merge(graphdef, state)
   num_prompts, prompt_len = queue_tokens.shape
-  n, widths = spec.group_size, spec.widths
-  # Padding the queue by the widest admission keeps every dynamic slice in range.
-  pad = widths[-1]
-  queue_tokens = jnp.concatenate(
-      [queue_tokens, jnp.zeros((pad, prompt_len), queue_tokens.dtype)], axis=0)
-  queue_mask = jnp.concatenate(
-      [queue_mask, jnp.ones((pad, prompt_len), bool)], axis=0)
-  limits = jnp.minimum(jnp.asarray(limits, jnp.int32), params.max_new_tokens)
-  active = current_axis_rules()
-  fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
-  layer_params = model.layers.per_layer() if fsdp == 1 else None
-
-  admits = [functools.partial(_admit, model, width=w, queue_tokens=queue_tokens,
-                              queue_mask=queue_mask, rng=rng, sample_ids=sample_ids,
-                              limits=limits, spec=spec, params=params)
-            for w in widths]
-
-  def room(s: EngineState):
-    """Prompts the next admission takes: the widest width the free slots and the queue
-    allow, once it reaches the floor; 0 when no admission is due."""
-    free = jnp.sum(s.row == FREE, dtype=jnp.int32)
-    left = num_prompts - s.next_prompt
-    fits = jnp.minimum(free // n, left)
-    floor = jnp.where(jnp.any(s.row != FREE) & (left >= spec.floor), spec.floor, 1)
-    return jnp.where(fits >= floor, fits, 0)
-
-  def admit(s: EngineState) -> EngineState:
-    # Only called with room >= 1, so every branch admits: no branch passes the state
-    # through untouched, which would make XLA copy the KV cache into the result.
-    branch = jnp.sum(jnp.asarray(widths) <= room(s)) - 1
-    return jax.lax.switch(branch, admits, s)
-
-  def decoding(s: EngineState):
-    return jnp.any(s.row != FREE) & (room(s) == 0)
-
-  def decode(s: EngineState) -> EngineState:
-    return _decode(model, s, prompt_len, rng, sample_ids, limits, params, layer_params)
-
-  def cond(s: EngineState):
-    return jnp.any(s.row != FREE) | (s.next_prompt < num_prompts)
-
-  def body(s: EngineState) -> EngineState:
-    # Admit while admissions are due, then decode until one is due again (or every slot
-    # is idle): the decode loop's body is the decode step alone, with no conditional
-    # around the cache.
-    s = jax.lax.while_loop(lambda s: room(s) > 0, admit, s)
-    return jax.lax.while_loop(decoding, decode, s)
-
-  s = init_state(model.config, spec, params, prompt_len, num_prompts * n, cache_fill)
-  s = jax.lax.while_loop(cond, body, s)
+  rows = num_prompts * spec.group_size
+  queue = EngineQueue(tokens=queue_tokens, mask=queue_mask,
+                      length=jnp.asarray(num_prompts, jnp.int32),
+                      rows=jnp.arange(rows, dtype=jnp.int32),
+                      ids=jnp.asarray(sample_ids, jnp.int32),
+                      limits=jnp.asarray(limits, jnp.int32))
+  s = init_state(model.config, spec, params, prompt_len, rows, cache_fill)
+  s = _run(model, s, queue, rng, jnp.zeros((), jnp.int32), jnp.asarray(rows, jnp.int32),
+           spec, params)
   return (GenerationOutput(tokens=s.tokens, logprobs=s.logprobs, mask=s.mask,
                            num_steps=s.stats.decode_steps), s.stats)
+
+
+def step_fn(graphdef: nnx.GraphDef, state: nnx.State, engine: EngineState,
+            queue: EngineQueue, rng: jax.Array, version: jax.Array, target: jax.Array,
+            max_steps: jax.Array, release: jax.Array, spec: EngineSpec,
+            params: SamplingParams) -> EngineState:
+  """One call of a persistent engine (partial rollouts): pure and jit-able.
+
+  First frees the slots in `release` (bool [S]: completions the caller drops), then
+  admits from `queue` and decodes until `target` completions have ended during this
+  call, `max_steps` decode steps have run, or nothing is left to decode. Slots still
+  decoding at the end stay in the returned state, caches and all, and continue at the
+  next call under whatever weights that call gets: every token records the `version`
+  that drew it (`versions`). The cache is kept, not recomputed: a token drawn after an
+  update comes from the new weights reading the keys and values the earlier tokens got
+  from the weights of their time, and its behaviour log-prob is exactly that
+  distribution's, which is what the off-policy weight of the decoupled loss divides by.
+
+  Args:
+    graphdef, state: `nnx.split` of an LM-head Transformer (this call's weights).
+    engine: the state the previous call returned (or `init_state`).
+    queue: this call's admissible prompts (`EngineQueue`; rows must be free rows).
+    rng: the run's base key (the same at every call: a completion's draws depend on its
+      sample id and position only).
+    version: int32 []: the policy version of `state`.
+    target: int32 []: completions to finish in this call.
+    max_steps: int32 []: decode steps this call may run at most (a bound on how long
+      the engine goes without looking for newer weights).
+    release: bool [S]: slots to free before anything else.
+  """
+  model = nnx.merge(graphdef, state)
+  engine = engine.replace(row=jnp.where(release, FREE, engine.row))
+  return _run(model, engine, queue, rng, version, target, spec, params, max_steps)
 
 
 def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineSpec,
@@ -377,6 +496,18 @@ def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineS
                   spec, params, cache_fill)
 
   return jax.jit(run, **(jit_kwargs or {}))
+
+
+def make_step_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineSpec
+                 ) -> Callable:
+  """Jits `step(state, engine, queue, rng, version, target, max_steps, release)`
+  (`step_fn`), the engine state donated: its caches are updated in place from call to
+  call."""
+  def step(state, engine, queue, rng, version, target, max_steps, release):
+    return step_fn(graphdef, state, engine, queue, rng, version, target, max_steps,
+                   release, spec, params)
+
+  return jax.jit(step, donate_argnums=(1,))
 
 
 _FNS_CACHE: dict[Any, Callable] = {}

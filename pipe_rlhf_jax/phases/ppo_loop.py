@@ -31,6 +31,7 @@ from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
 from pipe_rlhf_jax.runtime.progress import Watchdog
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.stages.rollout_stream import split_data_state
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.settings import Plan
 from pipe_rlhf_jax.system.steps import DataFeed
@@ -65,13 +66,14 @@ def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
   if not setup.role.trains:  # a pipe-mode process without the training stage: no arrays
     meta = setup.checkpointer.read_metadata()
     system.restore({"trainer": None}, meta)
-    prompts.set_state(meta["data_state"])
+    prompts.set_state(split_data_state(meta["data_state"])[0])
     return
   state, meta = setup.checkpointer.restore(
       target=system.abstract_checkpoint_state(),
       expect_metadata={"config_fingerprint": setup.fingerprint})
   system.restore(state, meta)
-  prompts.set_state(meta["data_state"])
+  # Partial rollouts also store the prompts they held; `system.restore` took those.
+  prompts.set_state(split_data_state(meta["data_state"])[0])
   say(f"resumed PPO at step {setup.start} from {setup.checkpointer.directory}")
 
 

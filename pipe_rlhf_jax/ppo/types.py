@@ -32,7 +32,9 @@ class Rollout:
     behaviour_logprobs: f32 [batch, completion_len], log-probs of the sampled tokens under
       the tempered, untruncated policy softmax(logits / T) of the generating weights
       (top-k / top-p only filtered the draw; see `generation/sampling.py`), 0 on padding.
-    policy_version: int32 [], version of the actor weights that generated the batch.
+    policy_version: int32 [] (the version of the actor weights that generated the
+      batch) or [batch, completion_len] (partial rollouts: the version that drew each
+      token, `stages/rollout_stream.py`).
     answer_bytes: uint8 [batch, answer_len], each row's reference answer (NUL-padded
       UTF-8, see `decode_answers`), or None when the prompts carry none. Read by the
       rule reward only; the inference stage drops it from the experience.

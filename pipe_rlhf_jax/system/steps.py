@@ -76,14 +76,32 @@ class DataFeed:
   def next(self, step: int) -> dict:
     with self._lock:
       self._states[step] = self._state()
-      try:
-        batch = np_batch(next(self.source))
-      except StopIteration:
-        raise RuntimeError(f"The prompt source ran out before PPO step {step}; give an "
-                           "endless (or long enough) source.") from None
+      batch = self._read(f"PPO step {step}")
     if self.vocab_size is not None:
       check_prompt_ids(batch, self.vocab_size, step)
     return batch
+
+  def read(self, count: int) -> dict:
+    """The source's next batch without recording a state by step: partial rollouts read
+    prompts ahead of and across steps (`stages/rollout_stream.py`) and checkpoint the
+    prompts they hold themselves. `count` numbers the reads (for messages)."""
+    with self._lock:
+      batch = self._read(f"prompt batch {count}")
+    if self.vocab_size is not None:
+      check_prompt_ids(batch, self.vocab_size, count)
+    return batch
+
+  def current_state(self) -> dict | None:
+    """The source's state after the batches read so far."""
+    with self._lock:
+      return self._state()
+
+  def _read(self, what: str) -> dict:
+    try:
+      return np_batch(next(self.source))
+    except StopIteration:
+      raise RuntimeError(f"The prompt source ran out before {what}; give an endless (or "
+                         "long enough) source.") from None
 
   def remember(self, step: int, state: dict | None) -> None:
     """Records the source's state before batch `step` as read elsewhere (pipe mode
@@ -145,5 +163,7 @@ def finish_step(system, step: int, metrics: dict, on_step: OnStep) -> None:
   metrics["staleness/actor"] = float(trained_at - metrics["version/actor"])
   if system.has_critic:
     metrics["staleness/critic"] = float(trained_at - metrics["version/critic"])
+  if "version/oldest_token" in metrics:  # partial rollouts: the batch's oldest token
+    metrics["staleness/oldest_token"] = float(trained_at - metrics["version/oldest_token"])
   system.guard.check(step, metrics)
   on_step(step, metrics)

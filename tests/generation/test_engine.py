@@ -180,3 +180,125 @@ def test_admissions_wait_for_a_quarter_of_the_widest_by_default():
   assert engine.EngineSpec(num_slots=16, min_admit=2).floor == 2
   with pytest.raises(ValueError, match=r"min_admit must be an int in \[1, 2\]"):
     engine.EngineSpec(num_slots=4, group_size=2, min_admit=3)
+
+
+def _persistent(model, params, spec, tokens, mask, limits, num_rows):
+  """A persistent engine (`step_fn`) over the queue, and a call helper."""
+  graphdef, state = nnx.split(model)
+  s = engine.init_state(model.config, spec, params, tokens.shape[1], num_rows, float("nan"))
+  n = spec.group_size
+  queue = engine.EngineQueue(tokens=tokens, mask=mask,
+                             length=np.int32(len(tokens)),
+                             rows=np.arange(len(tokens) * n, dtype=np.int32),
+                             ids=np.arange(len(tokens) * n, dtype=np.int32),
+                             limits=limits)
+  step = engine.make_step_fn(graphdef, params, spec)
+  return state, s, queue, step
+
+
+def _offer(q, start, n):
+  """The queue's entries from `start` on, in a queue of the same shape (as a host
+  offers what is still pending at each call)."""
+  def shift(a, k):
+    return np.concatenate([np.asarray(a)[k:], np.asarray(a)[:k]])
+  return q.replace(tokens=shift(q.tokens, start), mask=shift(q.mask, start),
+                   length=np.int32(len(q.tokens) - start), rows=shift(q.rows, start * n),
+                   ids=shift(q.ids, start * n), limits=shift(q.limits, start * n))
+
+
+def test_a_persistent_engine_called_in_pieces_equals_the_static_sampler(model):
+  # The queue is decoded over many calls of at most 3 decode steps each, one completion
+  # to finish per call: slots carry their caches from call to call unchanged.
+  n = 2
+  tokens, mask = queue(5, seed=6)
+  limits = np.array([1, 12, 4, 7, 12, 2, 9, 3, 5, 11], np.int32)
+  rng = jax.random.key(4)
+  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  spec = engine.EngineSpec(num_slots=4, group_size=n)
+  state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 10)
+  calls, admitted = 0, 0
+  while not bool(np.asarray(s.finished).all()):
+    s = step(state, s, _offer(q, admitted, n), rng, np.int32(calls), np.int32(1),
+             np.int32(3), np.zeros(4, bool))
+    admitted += int(s.next_prompt)
+    calls += 1
+  assert calls > 5
+  ref = static_reference(model, tokens, mask, n, limits, None, rng, **SAMPLED)
+  assert_same(s, ref, exact=False)
+  # Each token records the call (here: the version) that drew it, non-decreasing.
+  versions = np.where(np.asarray(s.mask), np.asarray(s.versions), -1)
+  assert (np.diff(np.where(versions < 0, calls, versions), axis=1) >= 0).all()
+  assert len(np.unique(versions[versions >= 0])) > 3
+
+
+def _mixed_logprobs(model, old_state, new_state, tokens, mask, completion, switch,
+                    temperature):
+  """Teacher-forced log-probs of a completion whose first `switch` tokens were drawn by
+  the old weights and the rest by the new ones reading the cache as it was: keys and
+  values of the prompt and of tokens < switch - 1 from the old weights (fed before the
+  update), the later ones from the new weights."""
+  from pipe_rlhf_jax.generation.sampler import completion_key_mask
+  from pipe_rlhf_jax.models.transformer import KVCache, default_positions
+  graphdef = nnx.split(model)[0]
+  old, new = nnx.merge(graphdef, old_state), nnx.merge(graphdef, new_state)
+  p = tokens.shape[1]
+  full = np.concatenate([tokens, completion], axis=1)  # [B, P + T]
+  positions = np.concatenate([np.asarray(default_positions(mask)),
+                              mask.sum(1, keepdims=True) + np.arange(T)], axis=1)
+  key_mask = completion_key_mask(mask, T)
+  cache = KVCache.zeros(model.config, len(tokens), p + T)
+  cut = p + switch - 1
+  logits_old, cache = old.forward_cached(full[:, :cut], positions[:, :cut], key_mask, cache,
+                                         0)
+  logits_new, _ = new.forward_cached(full[:, cut:-1], positions[:, cut:-1], key_mask,
+                                     cache, cut)
+  logits = np.concatenate([np.asarray(logits_old)[:, p - 1:], np.asarray(logits_new)],
+                          axis=1) / temperature  # [B, T, vocab]: predicts token t
+  logp = logits - jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+  return np.take_along_axis(np.asarray(logp), completion[..., None], axis=-1)[..., 0]
+
+
+def test_new_weights_between_calls_continue_the_rows_under_the_new_policy(model):
+  # A weight update between two calls, without draining: tokens drawn after it carry
+  # the new version, and their behaviour log-probs are exactly what drew them (the new
+  # weights over the cache as the rows had it), those before it the old weights'.
+  tokens, mask = queue(3, seed=8)
+  limits = np.full(3, T, np.int32)
+  rng = jax.random.key(2)
+  params = SamplingParams(max_new_tokens=T, eos_id=None, temperature=0.9)
+  spec = engine.EngineSpec(num_slots=3)
+  state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 3)
+  new_state = jax.tree.map(lambda x: x * 1.05 if x.dtype == np.float32 else x, state)
+  none = np.zeros(3, bool)
+  s = step(state, s, q, rng, np.int32(0), np.int32(3), np.int32(4), none)
+  assert not bool(np.asarray(s.finished).any())  # mid-way: 1 + 4 tokens each
+  s = step(new_state, s, q.replace(length=np.int32(0)), rng, np.int32(1), np.int32(3),
+           np.int32(T), none)
+  versions = np.asarray(s.versions)
+  assert (versions[:, :5] == 0).all() and (versions[:, 5:] == 1).all()
+  completion = np.asarray(s.tokens)
+  want = _mixed_logprobs(model, state, new_state, tokens, mask, completion, 5, 0.9)
+  np.testing.assert_allclose(np.asarray(s.logprobs), want, atol=3e-5)
+  stale = _mixed_logprobs(model, state, state, tokens, mask, completion, 5, 0.9)
+  assert np.abs(stale[:, 5:] - want[:, 5:]).max() > 1e-3  # the update changed the policy
+
+
+def test_released_slots_take_new_prompts_and_leak_nothing(model):
+  # Dropping a decoding completion (`release`) frees its slot; the prompt admitted into
+  # it decodes exactly as in a fresh engine.
+  tokens, mask = queue(2, seed=9)
+  limits = np.full(2, T, np.int32)
+  rng = jax.random.key(5)
+  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  spec = engine.EngineSpec(num_slots=1)
+  state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 2)
+  first = q.replace(length=np.int32(1))
+  s = step(state, s, first, rng, np.int32(0), np.int32(1), np.int32(5), np.zeros(1, bool))
+  s = step(state, s, _offer(q, 1, 1), rng, np.int32(0), np.int32(1), np.int32(T), np.ones(1, bool))
+  # Row 1 is sample id 1: compare against the static sampler with that id.
+  ref = generate(model, tokens[1:], mask[1:], T, rng=rng, eos_id=None, limits=limits[1:],
+                 sample_ids=np.array([1], np.int32), **SAMPLED)
+  np.testing.assert_array_equal(np.asarray(s.tokens)[1], np.asarray(ref.tokens)[0])
+  np.testing.assert_allclose(np.asarray(s.logprobs)[1], np.asarray(ref.logprobs)[0],
+                             atol=2e-5)
+  assert not bool(np.asarray(s.finished)[0])  # the dropped completion never ended

@@ -86,3 +86,30 @@ def test_early_stop_past_the_factor_times_the_target():
   kl = float(objective.kl_from_start(lp, jnp.zeros((1, 3)), MASK))
   r = np.array([0.1, -0.1])
   np.testing.assert_allclose(kl, np.mean(np.expm1(r) - r), rtol=1e-6)
+
+
+def test_decoupled_loss_of_a_mixed_version_completion_is_its_per_token_definition():
+  # Partial rollouts: a completion's first tokens drawn by version 0, the rest by
+  # version 1, each with its own behaviour log-prob. The decoupled loss over the mixed
+  # row equals the token-weighted combination of the loss over each version's tokens
+  # alone: a token's importance weight reads its own behaviour log-prob only.
+  from pipe_rlhf_jax.ppo.losses import POLICY_LOSSES
+  rs = np.random.RandomState(0)
+  shape = (3, 8)
+  logprobs, prox, adv = (jnp.asarray(rs.normal(-2, 0.3, shape), jnp.float32)
+                         for _ in range(3))
+  behaviour = {v: jnp.asarray(rs.normal(-2, 0.3, shape), jnp.float32) for v in (0, 1)}
+  version = np.broadcast_to(np.arange(8) >= 3, shape).astype(np.int32)  # [3, 8]
+  mask = np.ones(shape, bool)
+  mask[2, 6:] = False
+  mixed = jnp.where(version == 1, behaviour[1], behaviour[0])
+  loss_fn = POLICY_LOSSES.get("decoupled_ppo_clip")
+  kwargs = dict(clip_eps=0.2, behaviour_weight_cap=2.0, loss_agg="token_mean")
+  whole, _ = loss_fn(logprobs, prox, adv, mask, behaviour_logprobs=mixed, **kwargs)
+  parts = []
+  for v in (0, 1):
+    part_mask = mask & (version == v)
+    loss, _ = loss_fn(logprobs, prox, adv, part_mask, behaviour_logprobs=behaviour[v],
+                      **kwargs)
+    parts.append(float(loss) * part_mask.sum())
+  np.testing.assert_allclose(float(whole), sum(parts) / mask.sum(), rtol=1e-6)

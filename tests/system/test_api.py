@@ -286,3 +286,36 @@ def test_num_slots_is_a_generation_setting():
     Plan(train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1), num_slots=4))
   with pytest.raises(ValueError, match="pipelined decoder decodes static micro-batches"):
     Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_slots=4))
+
+
+def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
+  # Groups of 2 over 4 slots, two prompts a batch: unfinished rows stay in the engine
+  # across updates; "drop" keeps every trained completion within the staleness bound.
+  path = write_tiny_llama(tmp_path / "m")
+  tok = models.load_tokenizer(path)
+  plan = Plan(mode="pipe", placement=(1, 1, 1), max_staleness=1, partial_rollouts=True,
+              past_staleness="drop", generate=StagePlan(num_slots=4), train=StagePlan())
+  system = PPOSystem(
+      Models.from_policy(models.from_pretrained(path), critic_from=None),
+      ppo=PPOConfig(steps=3, batch_size=4, minibatch_size=4, actor_lr=1e-3, group_size=2,
+                    advantage_estimator="grpo", whiten_advantages=False,
+                    loss="decoupled_ppo_clip"),
+      sampling=SamplingParams(max_new_tokens=12, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      runtime=plan, reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
+  texts = [f"rev {w}=" for w in "abcdefghijklmnop"]
+  result = run(system, prompts_from_texts(texts, tok, 2, 8, shuffle=False), steps=3)
+  assert system.version == 3
+  for m in result.metrics:
+    assert np.isfinite(m["policy_loss"]) and m["staleness/oldest_token"] <= 1
+    assert m["rollout/past_staleness"] == 0
+  assert "in_flight" in result.data_state  # prompts held travel with the data state
+
+
+def test_partial_rollouts_need_pipe_mode_and_slots():
+  with pytest.raises(ValueError, match=r"runtime.partial_rollouts=True needs "
+                                       r"runtime.mode='pipe' and stages.generate.num_slots"):
+    Plan(partial_rollouts=True, generate=StagePlan(num_slots=4))
+  with pytest.raises(ValueError, match="runtime.partial_rollouts=True needs"):
+    Plan(mode="pipe", placement=(1, 1, 1), partial_rollouts=True)
+  with pytest.raises(ValueError, match="runtime.past_staleness"):
+    Plan(past_staleness="later")
