@@ -72,8 +72,10 @@ class GenerateStage:
     Args:
       actor: actor parameters, already in this stage's layout.
       batch: host prompt batch with "prompt_tokens", "prompt_mask" and "index", and
-        optionally "answer_bytes" (the reference answers, carried into the rollout); each
-        prompt yields `group_size` completions.
+        optionally "answer_bytes" (the reference answers, carried into the rollout) and
+        "max_new_tokens" (int [prompts]: each prompt's own length budget, at most the
+        sampling settings'; benchmarks force length distributions with it); each prompt
+        yields `group_size` completions.
       rng: key of this PPO step; token keys fold in each sample's global index.
       version: policy version of `actor`.
 
@@ -86,12 +88,16 @@ class GenerateStage:
     prompts = self.layout.put_batch({k: batch[k] for k in ("prompt_tokens", "prompt_mask")})
     tokens, mask = prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool)
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
+    limits = budgets(batch, len(tokens), self.params.max_new_tokens)
     metrics = {}
     if self.num_slots:
-      out, stats = self._continuous(actor, queue, rng, sample_ids)
+      out, stats = self._continuous(actor, queue, rng, sample_ids, limits)
       busy, steps = (int(x) for x in fetch((stats.busy_slot_steps, stats.decode_steps)))
       metrics["generate/slot_occupancy"] = busy / max(steps * self._slots(len(tokens)), 1)
     elif self.pipe > 1:
+      if "max_new_tokens" in batch:
+        raise ValueError("per-prompt max_new_tokens: the pipelined decoder decodes every "
+                         "row to the sampling length; use a generation mesh with pipe=1.")
       from pipe_rlhf_jax.generation import pipelined
       out, _ = pipelined.pipelined_generate(
           self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
@@ -99,7 +105,8 @@ class GenerateStage:
           rules=self.layout.rules)
     else:
       with self.layout.rules_context():
-        state = self._prefill(actor, tokens, mask, rng, sample_ids)
+        state = self._prefill(actor, tokens, mask, rng, sample_ids,
+                              self.layout.put_batch(limits))
         out = self._decode(actor, state, mask, rng, sample_ids).output()
     answers = (self.layout.put_batch(np.asarray(batch["answer_bytes"], np.uint8))
                if "answer_bytes" in batch else None)
@@ -118,7 +125,7 @@ class GenerateStage:
     return max(min(self.num_slots, rows), self.group_size)
 
   def _continuous(self, actor: nnx.State, queue: dict, rng: jax.Array,
-                  sample_ids: jax.Array):
+                  sample_ids: jax.Array, limits: np.ndarray):
     """The batch's prompts as the engine's queue, each prompt once (not per sample)."""
     from pipe_rlhf_jax.generation import engine
     rows = len(queue["prompt_tokens"]) * self.group_size
@@ -129,12 +136,23 @@ class GenerateStage:
     # The queue is read by every slot wherever it sits: replicated, not split over batch.
     prompts = put_global({k: np.asarray(queue[k]) for k in ("prompt_tokens", "prompt_mask")},
                          self.layout.replicated)
-    limits = put_global(np.full((rows,), self.params.max_new_tokens, np.int32),
-                        self.layout.replicated)
+    limits = put_global(limits, self.layout.replicated)
     with self.layout.rules_context():
       return self._engines[slots](actor, prompts["prompt_tokens"],
                                   prompts["prompt_mask"].astype(bool), rng, sample_ids,
                                   limits)
+
+
+def budgets(batch: dict, rows: int, steps: int) -> np.ndarray:
+  """int32 [rows]: each completion's length budget (a repeated batch's
+  "max_new_tokens", capped at `steps`; `steps` without one)."""
+  if "max_new_tokens" not in batch:
+    return np.full((rows,), steps, np.int32)
+  limits = np.asarray(batch["max_new_tokens"])
+  if limits.shape != (rows,) or (limits < 1).any():
+    raise ValueError(f"the prompt batch's max_new_tokens must be one integer >= 1 per "
+                     f"prompt; got shape {limits.shape}, min {limits.min()}.")
+  return np.minimum(limits, steps).astype(np.int32)
 
 
 def repeat_for_groups(batch: dict, group_size: int) -> dict:

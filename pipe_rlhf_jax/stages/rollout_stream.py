@@ -175,6 +175,9 @@ class RolloutStream:
       rows[i * n:(i + 1) * n] = group_rows
       ids[i * n:(i + 1) * n] = int(r["index"]) * n + np.arange(n)
     limits = np.full_like(ids, self.stage.params.max_new_tokens)
+    for i, r in enumerate(records):  # a prompt's own budget (`GenerateStage`)
+      if "max_new_tokens" in r:
+        limits[i * n:(i + 1) * n] = min(int(r["max_new_tokens"]), limits[0])
     queue = engine_lib.EngineQueue(tokens=tokens, mask=mask,
                                    length=np.asarray(take, np.int32),
                                    rows=rows, ids=ids, limits=limits)

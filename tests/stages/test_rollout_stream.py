@@ -173,3 +173,31 @@ def test_a_resumed_stream_loses_no_prompt_and_takes_none_twice(actor):
 def test_a_data_state_without_partial_rollouts_is_the_sources():
   assert split_data_state({"next_index": 4}) == ({"next_index": 4}, [])
   assert split_data_state(None) == (None, [])
+
+
+class Budgeted(Prompts):
+  """Prompts with their own length budgets (`max_new_tokens`), 1 to T."""
+
+  def __next__(self):
+    batch = super().__next__()
+    batch["max_new_tokens"] = 1 + batch["index"] * 3 % T
+    return batch
+
+
+def test_a_prompts_own_length_budget_holds_in_every_engine(actor):
+  layout = StageLayout("generate", make_mesh({"data": 1}, jax.devices()[:1]),
+                       logical.DEFAULT_RULES)
+  sampling = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=None)
+  batch = next(Budgeted())
+  want = np.repeat(batch["max_new_tokens"], 2)
+  for slots in (0, 2):
+    stage = GenerateStage(layout, actor[0], sampling, group_size=2, num_slots=slots)
+    rollout, _ = stage(actor[1], batch, jax.random.key(0), 0)
+    np.testing.assert_array_equal(np.asarray(rollout.completion_mask).sum(1), want)
+  stream = make_stream(actor)
+  rollout, _ = stream.next_batch(0, DataFeed(Budgeted()), lambda v: (actor[1], 0))
+  lengths = np.asarray(rollout.completion_mask).sum(1)
+  assert set(lengths) <= set(1 + np.arange(8) * 3 % T)
+  with pytest.raises(ValueError, match="max_new_tokens must be one integer >= 1"):
+    bad = dict(batch, max_new_tokens=np.zeros(2, np.int32))
+    GenerateStage(layout, actor[0], sampling)(actor[1], bad, jax.random.key(0), 0)
