@@ -13,6 +13,11 @@ alternating rounds of one process. Three length distributions:
              1 on the 32 shipped math chat prompts (configs/data/math_prompts*.jsonl),
              n samples each, up to T tokens, ending at its own EOS; the lengths it
              produced are recorded in the page and in lengths_real.json
+  step       whole PPO steps (GRPO, groups of 4) of `PPOSystem` on the random-weight
+             shape, prompts carrying long-tailed length budgets (`max_new_tokens`):
+             `sequential` and `pipe` with static batches, and `pipe` with partial
+             rollouts (one engine of B slots kept across updates); inference and
+             training packed in every variant, so the rollout engine is what differs
   packing    the inference stage (reference, critic and reward model) and the training
              stage (one PPO update of actor and critic over minibatches) on a batch of
              the real part's lengths (its lengths_real.json; prompts the shipped ones),
@@ -59,7 +64,7 @@ from pipe_rlhf_jax.generation import engine, sampler  # noqa: E402
 from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
-PARTS = ("long_tail", "uniform", "real", "packing")
+PARTS = ("long_tail", "uniform", "real", "packing", "step")
 DATA = os.path.join(_ROOT, "configs", "data")
 
 
@@ -90,6 +95,12 @@ def parse_args(argv=None):
   parser.add_argument("--train-minibatch", type=int, default=16,
                       help="the packing part's training minibatch rows (the batch is the "
                            "real part's completions)")
+  parser.add_argument("--step-prompts", type=int, default=8,
+                      help="the step part's prompts per PPO step (x 4 samples each)")
+  parser.add_argument("--step-steps", type=int, default=16,
+                      help="the step part's PPO steps per variant (the first 3 untimed)")
+  parser.add_argument("--step-max-new-tokens", type=int, default=256,
+                      help="T of the step part (its long tail's median is T / 8)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--page", default="rollout_engine",
                       help="docs/results page name ('' = no page)")
@@ -411,10 +422,113 @@ def measure_train_packing(args, layout, models, infer, params, rollout, budget):
   return table, note
 
 
+STEP_WARMUP = 3  # compilation, and partial rollouts' engine filling up
+
+
+def step_variants(prompts: int, group: int):
+  """The step part's plans: static generation in two modes, and partial rollouts."""
+  from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan
+  packed = lambda length, **kw: StagePlan(pack_tokens=length, **kw)  # noqa: E731
+
+  def plan(length, mode, **kw):
+    gen = StagePlan(num_slots=kw.pop("num_slots", 0))
+    if mode == "sequential":
+      return Plan(mode=mode, mesh=MeshSpec(data=1), generate=gen, infer=packed(length),
+                  train=packed(length, mesh=MeshSpec(data=1)))
+    return Plan(mode=mode, placement=(1, 1, 1), max_staleness=1, generate=gen,
+                infer=packed(length), train=packed(length), **kw)
+
+  return {"sequential, static": lambda n: plan(n, "sequential"),
+          "pipe, static": lambda n: plan(n, "pipe"),
+          "pipe, partial rollouts": lambda n: plan(n, "pipe", partial_rollouts=True,
+                                                   num_slots=prompts * group)}
+
+
+def measure_steps(args) -> tuple[list[str], list[str]]:
+  """Whole PPO steps of each `step_variants` plan on one long-tailed prompt stream."""
+  from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, run
+  group, k, steps_t = 4, args.step_prompts, args.step_max_new_tokens
+  prompt_len, median = 32, max(steps_t // 8, 1)
+  cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
+  rows = []
+  for name, make_plan in step_variants(k, group).items():
+    rs = np.random.RandomState(args.seed + 2)  # every variant: the same prompt stream
+
+    def prompts():
+      index = 0
+      while True:
+        yield {"prompt_tokens": rs.randint(1, cfg.vocab_size, (k, prompt_len)
+                                           ).astype(np.int32),
+               "prompt_mask": np.ones((k, prompt_len), bool),
+               "index": np.arange(index, index + k),
+               "max_new_tokens": long_tail_lengths(k, median, steps_t, args.seed + index)}
+        index += k
+
+    plan = make_plan(prompt_len + steps_t)
+    devices = jax.devices()[:1 if plan.mode == "sequential" else 3]
+    system = PPOSystem(
+        Models.from_policy(init_model(cfg, seed=args.seed), critic_from=None,
+                           reference=False),
+        ppo=PPOConfig(steps=args.step_steps, batch_size=k * group,
+                      minibatch_size=k * group, group_size=group, epochs=1,
+                      advantage_estimator="grpo", whiten_advantages=False,
+                      loss="decoupled_ppo_clip", actor_lr=1e-6, kl_coef=0.0),
+        sampling=sampler.SamplingParams(max_new_tokens=steps_t, temperature=1.0,
+                                        eos_id=None, pad_id=0),
+        runtime=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
+        decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
+    ends = []  # when each update finished: in pipe mode steps overlap, so the time per
+    # step is the interval between updates, not one step's own span
+    t0 = time.perf_counter()
+    metrics = run(system, prompts(), args.step_steps,
+                  on_step=lambda step, m: ends.append(time.perf_counter())).metrics
+    wall = time.perf_counter() - t0
+    timed = metrics[STEP_WARMUP:]
+    mean = lambda key: float(np.mean([m.get(key, float("nan")) for m in timed]))  # noqa
+    tokens = mean("response_length/mean") * k * group
+    interval = (ends[-1] - ends[STEP_WARMUP - 1]) / len(timed)
+    rows.append({"variant": name, "s_per_step": interval, "step_span_s": mean("time/step_s"),
+                 "generate_s": mean("time/generate_s"), "infer_s": mean("time/infer_s"),
+                 "train_s": mean("time/train_s"), "tokens": tokens,
+                 "occupancy": mean("generate/slot_occupancy"),
+                 "carried": mean("rollout/carried"),
+                 "oldest": mean("staleness/oldest_token"), "wall_s": wall})
+    print(rows[-1], flush=True)
+  with open(os.path.join(args.out, "steps.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  base = {r["variant"].split(",")[0]: r for r in rows if r["variant"].endswith("static")}
+  lines = ["| mode, generation | s per step | generate s | infer s | train s | completion "
+           "tokens per step | trained tokens/s | vs static, same mode | slot occupancy | "
+           "rows carried | oldest-token staleness |", "|---|---|---|---|---|---|---|---|---|"
+           "---|---|"]
+  for r in rows:
+    ref = base[r["variant"].split(",")[0]]
+    speed = r["tokens"] / r["s_per_step"]
+    lines.append(
+        f"| {r['variant']} | {r['s_per_step']:.2f} | {r['generate_s']:.2f} | "
+        f"{r['infer_s']:.2f} | {r['train_s']:.2f} | {r['tokens']:.0f} | {speed:.1f} | "
+        f"{speed / (ref['tokens'] / ref['s_per_step']):.2f}x | "
+        + " | ".join("-" if np.isnan(r[key]) else f"{r[key]:.2f}"
+                     for key in ("occupancy", "carried", "oldest")) + " |")
+  notes = [f"step: SmolLM2-135M shape with {args.layers} layers, random weights, GRPO, "
+           f"{k} prompts x {group} samples per step, P={prompt_len}, T={steps_t}, length "
+           f"budgets lognormal per prompt (median {median}, p99 about 8x), inference and "
+           f"training packed (pack_tokens={prompt_len + steps_t}), staleness 1, pipe on 3 "
+           f"virtual CPU devices (one per stage); s per step: the interval between "
+           f"updates {STEP_WARMUP - 1} and {args.step_steps - 1} over their count, the "
+           f"other columns means over those steps, one run per variant. A batch of partial "
+           f"rollouts is the first completions to finish, so its tokens per step run below "
+           f"the distribution's mean at first and the long ones arrive later."]
+  return ["\n".join(lines)], notes
+
+
 def main(argv=None):
   args = parse_args(argv)
   results.git_commit()  # the commit measured, read before anything runs
   parts = [p for p in args.parts.split(",") if p]
+  if "step" in parts:  # pipe mode: one virtual CPU device per stage (before jax starts)
+    from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
+    use_virtual_cpu_devices(3)
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:
     raise SystemExit(f"--parts: unknown {unknown}; choose among {PARTS}")
@@ -459,7 +573,10 @@ def main(argv=None):
                  f"{length_summary(lengths, args.real_max_new_tokens)}; probe: "
                  f"{1e3 * costs['step_s']:.1f} ms per decode step, "
                  f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
-  tables = []
+  tables, step_tables = [], []
+  if "step" in parts:
+    step_tables, got_notes = measure_steps(args)
+    notes += got_notes
   if "packing" in parts:
     path = os.path.join(args.out, "lengths_real.json")
     if not os.path.exists(path):
@@ -471,12 +588,14 @@ def main(argv=None):
     notes += got_notes
   with open(os.path.join(args.out, "rows.json"), "w") as f:
     json.dump(rows, f, indent=1)
-  table = "\n\n".join(([render(rows)] if rows else []) + tables)
-  intro = ([ENGINE_INTRO] if rows else []) + ([PACKING_INTRO] if tables else [])
+  table = "\n\n".join(([render(rows)] if rows else []) + step_tables + tables)
+  intro = (([ENGINE_INTRO] if rows else []) + ([STEP_INTRO] if step_tables else [])
+           + ([PACKING_INTRO] if tables else []))
   print(table)
   print("\n".join(notes))
   if args.page:
     title = ("Rollout engine: continuous batching against the static batch" if rows
+             else "Whole PPO steps: partial rollouts against static batches" if step_tables
              else "Packed inference and training against the padded layout")
     path = results.write_page(args.page, title, body(intro, table, notes), None)
     print(f"wrote {path}")
@@ -507,6 +626,13 @@ ENGINE_INTRO = (
     "completion token over the seconds the queue took); slot occupancy is the decoded "
     "tokens over the slot-steps run. Predicted: the cost model's decode steps (the pure "
     "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills.")
+STEP_INTRO = (
+    "Whole PPO steps on one stream of prompts whose completions have long-tailed lengths: "
+    "static batches (each decoded until its longest completion ends) in `sequential` and "
+    "`pipe` mode, and partial rollouts in `pipe` mode (`runtime.partial_rollouts`: one "
+    "engine of as many slots as the batch has completions, kept across updates; a batch "
+    "is the first completions to finish, the rest continue under the next weights). "
+    "Trained tokens/s is the completion tokens per step over the seconds per step.")
 PACKING_INTRO = (
     "The inference stage on one batch, its forward passes over the padded "
     "`[prompt | completion]` layout and over the batch's real tokens packed into rows "

@@ -417,6 +417,7 @@ class PPOSystem:
     # Prompts a restored checkpoint held in flight (partial rollouts): the next
     # `rollout_stream` queues them first.
     self.in_flight: list[dict] = []
+    self._stream: RolloutStream | None = None
     self.train_key = jax.random.fold_in(root, 2)
     self.version = 0  # number of PPO updates applied to the actor
     # The KL coefficient of each policy version: rewards of a rollout sampled by version
@@ -462,13 +463,15 @@ class PPOSystem:
 
   def rollout_stream(self) -> RolloutStream:
     """The generation stage's engine kept across steps (`runtime.partial_rollouts`),
-    holding first the prompts a restored checkpoint had in flight."""
-    stream = RolloutStream(self.generate_stage, self.ppo.batch_size, self.gen_key,
-                           max_staleness=self.runtime.max_staleness,
-                           past_staleness=self.runtime.past_staleness,
-                           in_flight=self.in_flight)
-    self.in_flight = []
-    return stream
+    holding first the prompts a restored checkpoint had in flight. One per system: a
+    second `run` continues the rows the first left decoding."""
+    if self._stream is None:
+      self._stream = RolloutStream(self.generate_stage, self.ppo.batch_size, self.gen_key,
+                                   max_staleness=self.runtime.max_staleness,
+                                   past_staleness=self.runtime.past_staleness,
+                                   in_flight=self.in_flight)
+      self.in_flight = []
+    return self._stream
 
   def infer(self, rollout: Rollout, critic: nnx.State | None, *, actor_version: int,
             critic_version: int | None) -> tuple[Experience, dict]:
@@ -556,4 +559,5 @@ class PPOSystem:
     self.version = int(metadata["version"])
     self.kl_coefs = {self.version: float(metadata["kl_coef"])}
     self.in_flight = split_data_state(metadata.get("data_state"))[1]
+    self._stream = None  # the restored prompts go to a new engine
     self.guard.restore(metadata.get("bad_steps"))

@@ -308,7 +308,11 @@ def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
   for m in result.metrics:
     assert np.isfinite(m["policy_loss"]) and m["staleness/oldest_token"] <= 1
     assert m["rollout/past_staleness"] == 0
-  assert "in_flight" in result.data_state  # prompts held travel with the data state
+  # The prompts held travel with the data state, and stay in the system's engine for a
+  # next `run` to continue.
+  stream = system.rollout_stream()
+  assert len(result.data_state["in_flight"]) == len(stream.data_state(None)["in_flight"])
+  assert stream.decoding or stream.pending
 
 
 def test_partial_rollouts_need_pipe_mode_and_slots():
