@@ -50,6 +50,8 @@ the others pass over it.
 Usage:
   python experiments/learning_curves.py                                 # 3 seeds x 7 cells
   python experiments/learning_curves.py --seeds 0,1,2 --cells sequential,pipe_s1
+  python experiments/learning_curves.py --cells sequential,partial_s1,partial_s2 \
+      --tag partial --page learning_partial      # partial rollouts (decoupled loss)
   python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
   python experiments/learning_curves.py --config configs/grpo_arith.py
   python experiments/learning_curves.py --report-only                   # table from run.json
@@ -83,7 +85,11 @@ import numpy as np  # noqa: E402
 DEFAULT_CELLS = ("sequential", "pipe_s0", "pipe_s1", "pipe_s2", "pipe_s4", "decoupled_s2",
                  "decoupled_s4")
 FINAL_FRACTION = 0.2  # "final" = the mean over the last 20% of PPO steps
-_CELL_RE = re.compile(r"^(sequential|pipe_s(\d+)|decoupled_s(\d+))$")
+_CELL_RE = re.compile(r"^(sequential|pipe_s(\d+)|decoupled_s(\d+)|partial_s(\d+))$")
+# partial_s<k>: the generation mesh without a pipeline axis (the slot engine's), its
+# devices over data, and as many slots as a batch has completions.
+_PARTIAL = {"runtime.partial_rollouts": True, "stages.generate.mesh.pipe": 1,
+            "stages.generate.mesh.tensor": 1, "stages.generate.mesh.data": -1}
 
 
 # ---- cells and configs -------------------------------------------------------------------
@@ -95,13 +101,16 @@ def cell_overrides(cell: str) -> dict:
   """
   match = _CELL_RE.match(cell)
   if not match:
-    raise ValueError(f"--cells: unknown cell {cell!r}; use sequential, pipe_s<k> or "
-                     "decoupled_s<k> (k = runtime.max_staleness).")
+    raise ValueError(f"--cells: unknown cell {cell!r}; use sequential, pipe_s<k>, "
+                     "decoupled_s<k> or partial_s<k> (k = runtime.max_staleness).")
   if cell == "sequential":
     return {"runtime.mode": "sequential", "runtime.max_staleness": 0}
-  staleness = int(match.group(2) or match.group(3))
-  loss = "decoupled_ppo_clip" if cell.startswith("decoupled") else "ppo_clip"
-  return {"runtime.mode": "pipe", "runtime.max_staleness": staleness, "ppo.loss": loss}
+  staleness = int(match.group(2) or match.group(3) or match.group(4))
+  loss = "ppo_clip" if cell.startswith("pipe") else "decoupled_ppo_clip"
+  out = {"runtime.mode": "pipe", "runtime.max_staleness": staleness, "ppo.loss": loss}
+  if cell.startswith("partial"):
+    out.update(_PARTIAL)
+  return out
 
 
 def parse_value(text: str):
@@ -172,6 +181,8 @@ def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
     if overrides["runtime.mode"] == "pipe" and hasattr(module, "use_pipe_mode"):
       module.use_pipe_mode(config, overrides["runtime.max_staleness"])
     apply_overrides(config, overrides)
+    if config.runtime.get("partial_rollouts"):
+      config.stages.generate.num_slots = config.ppo.batch_size
     config.warm_start.checkpoint = os.path.join(warm_dir, "warmstart")
     # The task data the warm start was built from (the same seed makes the same data):
     # read, not generated again per run.
@@ -504,7 +515,7 @@ def goal_checks(table: list[dict], runs: list[dict]) -> list[str]:
     return ", ".join(f"{v:+.3f}" for v in values)
 
   lines = []
-  for cell in ("pipe_s1", "pipe_s2"):
+  for cell in ("pipe_s1", "pipe_s2", "partial_s1", "partial_s2"):
     if cell in rows and "sequential" in rows:
       diff, std, pairs = compare(cell, "sequential")
       lines.append(f"- {cell} final accuracy vs sequential: {diff:+.3f} (one std: {std:.3f}): "
@@ -567,7 +578,8 @@ def plot_curves(runs: list[dict], cells: list[str], path: str, title: str) -> st
             [c for c in cells if c == "sequential" or c in ("pipe_s2", "pipe_s4")
              or c.startswith("decoupled")])
   fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True, sharey="row")
-  colors = dict(zip(DEFAULT_CELLS, plt.get_cmap("tab10").colors))
+  colors = dict(zip(DEFAULT_CELLS + tuple(c for c in cells if c not in DEFAULT_CELLS),
+                    plt.get_cmap("tab10").colors))
   x = np.arange(steps)
   for row, relative in enumerate((False, True)):
     for ax, panel in zip(axes[row], panels):

@@ -253,3 +253,15 @@ def test_a_configs_own_pipe_mode_is_applied_to_pipe_cells(tmp_path):
   assert (pipe.runtime.mode, pipe.runtime.max_staleness, pipe.runtime.num_devices) == (
       "pipe", 2, 3)
   assert lc.run_config(args, 0, "sequential", str(tmp_path)).runtime.num_devices == 1
+
+
+def test_partial_cells_run_the_slot_engine_across_updates(tmp_path):
+  # partial_s<k>: pipe mode, partial rollouts, the decoupled loss, a generation mesh
+  # without a pipeline axis and one slot per completion of a batch; the plan is valid.
+  from pipe_rlhf_jax.system.settings import Plan
+  args = lc.parse_args(["--config", "configs/quickstart.py", "--out", str(tmp_path)])
+  config = lc.run_config(args, 0, "partial_s1", str(tmp_path))
+  assert config.runtime.partial_rollouts and config.ppo.loss == "decoupled_ppo_clip"
+  assert config.stages.generate.num_slots == config.ppo.batch_size
+  plan = Plan.from_config(config)
+  assert plan.generate.mesh.pipe == 1 and plan.max_staleness == 1
