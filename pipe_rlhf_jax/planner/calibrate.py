@@ -47,6 +47,10 @@ Fits (each printed and saved with how it was obtained):
                                        and experience in): seconds = arrays x a + bytes x
                                        destination replicas / W (the stage samples are
                                        timed without their batch's move)
+  {stage}_elementwise                  not fitted here (one model's points cannot tell it
+                                       from the scale): the default, fitted across model
+                                       sizes (`fit_elementwise`), carried in the file and
+                                       priced in the stage fits below
   per stage (`cost.STAGE_CONSTANTS`)   the stage's seconds = scale x roofline + per call +
                                        per unit x units + per device unit x units x
                                        (devices - 1) + per exchange x the collectives'
@@ -463,7 +467,10 @@ def fit_stages(samples: dict, fits: dict) -> dict:
       for col, value in zip(cols, (terms.roofline, 1.0, terms.units, terms.device_units,
                                    terms.exchanges)):
         col.append(value)
-      target.append(s["seconds"] - terms.memory - terms.comm - terms.fixed)
+      # The non-matmul work at the passes this machine carries (fitted across sizes,
+      # `fit_elementwise`; one model's points cannot tell it from the scale).
+      elementwise = getattr(machine.eff, cost.ELEMENTWISE[stage]) * terms.elementwise
+      target.append(s["seconds"] - terms.memory - terms.comm - terms.fixed - elementwise)
       weights.append(1.0 / s["seconds"])
     # Fewer points than constants leave the fit free to explain one point with a
     # constant of its own (a model whose heads skip the tensor points leaves three points
@@ -485,6 +492,40 @@ def fit_stages(samples: dict, fits: dict) -> dict:
     for i, value in zip(used, coef):
       out[names[i]] = (value, f"{labels[i]}: {how}")
   return out
+
+
+def heldout_split(samples: list[dict], held_out: str) -> tuple[list[dict], list[dict]]:
+  """(fit, check): the samples of every model but `held_out` (their "shape"), and those of
+  `held_out` alone; the check's model never enters the fit."""
+  fit_rows = [s for s in samples if s["shape"] != held_out]
+  return fit_rows, [s for s in samples if s["shape"] == held_out]
+
+
+def fit_elementwise(samples: list[dict]) -> dict[str, float]:
+  """Passes per activation element of each stage (`cost.ELEMENTWISE`) from real-stage
+  timings at several model sizes.
+
+  Each sample: "stage", "seconds" (measured), "predicted" (the cost model's seconds with
+  the term off) and "elementwise" (the term's seconds at one pass,
+  `cost.StageTerms.elementwise`). Per stage, c >= 0 minimising sum over samples of
+  ((predicted + c x elementwise - seconds) / seconds)^2: relative residuals, so a small
+  size counts as much as a big one. Closed form of that one-column least squares.
+  """
+  out = {}
+  for stage, name in _elementwise_names().items():
+    rows = [s for s in samples if s["stage"] == stage and s["elementwise"] > 0]
+    if not rows:
+      continue
+    num = sum(s["elementwise"] * (s["seconds"] - s["predicted"]) / s["seconds"] ** 2
+              for s in rows)
+    den = sum((s["elementwise"] / s["seconds"]) ** 2 for s in rows)
+    out[name] = max(0.0, num / den)
+  return out
+
+
+def _elementwise_names() -> dict[str, str]:
+  from pipe_rlhf_jax.planner import cost
+  return cost.ELEMENTWISE
 
 
 def fit(samples: dict) -> dict:
@@ -564,6 +605,13 @@ def fit(samples: dict) -> dict:
     fits["reshard_array_s"] = (per_array, how + "; a")
     fits["reshard_bw"] = (1 / per_byte if per_byte > 0 else 0.0, "the same fit's W")
   if samples.get("stages"):
+    # Carried so that the file says which passes its stage constants were fitted beside.
+    from pipe_rlhf_jax.planner.cost import Efficiency
+    for name in _elementwise_names().values():
+      fits[name] = (getattr(Efficiency(), name), "passes per activation element of the "
+                    "stage's non-matmul work: the default, fitted across model sizes "
+                    "(experiments/fit_elementwise.py); one model's stage points cannot "
+                    "tell it from the scale")
     stage_fits = fit_stages(samples, fits)
     for name, value in stage_fits.items():
       if name in fits:  # the microbenchmark's estimate, kept for the record

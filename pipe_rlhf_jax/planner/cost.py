@@ -29,6 +29,10 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             (7 parameter-sized reads/writes); plus, when the update starts with the
             actor's proximal log-probs (`Workload.proximal_pass`), one actor forward
             priced as inference prices it.
+Non-matmul work (elementwise ops, softmax, norms, RoPE, the head's log-softmax), which
+the FLOP and byte counts leave out, is priced per stage as passes over its activation
+elements (`flops.forward_elements`: per layer per token, plus the head) at the memory
+bandwidth: `{stage}_elementwise` passes x elements x bytes / bandwidth (`ELEMENTWISE`).
 Collectives on an axis of size k over a buffer of V bytes (the gathered / reduced size per
 device; alpha = latency, W = link bandwidth): all-gather / reduce-scatter
 c alpha + V/W (k-1)/k for c collectives moving V (one per weight array or per layer:
@@ -112,6 +116,22 @@ class Efficiency:
       metrics back).
     train_step_s: seconds per minibatch step per trained model (its loss, gradient norm
       and update ops, beyond their FLOPs and bytes).
+    generate_elementwise / infer_elementwise / train_elementwise: the non-matmul work
+      of the stage, as passes over its activation elements at the memory bandwidth
+      (dimensionless: seconds = passes x `flops.forward_elements` x bytes per element /
+      bandwidth). Elements are counted per forward pass (every decode step and prefill
+      for generate, each model's pass for infer, each trained model's forward per
+      minibatch step for train, `flops.train_elements`: its backward, loss and
+      log-softmax gradient are in the passes, and full remat adds a third of the
+      layers' for the forward it re-runs). Defaults: fitted by
+      `experiments/fit_elementwise.py` on the real stages at three toy sizes (d = 256,
+      512, 768) against rates probed in the same process on a 2-core AMD EPYC (XLA:CPU,
+      f32), SmolLM2-135M held out: generate 50, infer 0 (the probed forward rate already
+      covered those sizes' inference), train 16; 0 switches the term off. Many passes
+      per element (a fused op needs one or two) say that the work is launch- and
+      latency-bound small ops as much as memory traffic; the term scales as that work
+      does, with tokens x layers x width. Fitted on a busy shared host: the docs'
+      planner page gives the spread.
     train_exchange_s: seconds per collective exchange inside the update beyond
       `link_latency` (measured on collectives alone, back to back): between two layers'
       compute the devices of a shared host also wait for each other at every exchange.
@@ -148,6 +168,10 @@ class Efficiency:
   train_call_s: float = 0.0
   train_step_s: float = 0.0
   train_exchange_s: float = 0.0
+  # Fitted by experiments/fit_elementwise.py (see the docstring above).
+  generate_elementwise: float = 50.1
+  infer_elementwise: float = 0.0
+  train_elementwise: float = 15.7
   source: str = "assumed defaults (no calibration)"
 
   @classmethod
@@ -157,7 +181,10 @@ class Efficiency:
       data = json.load(f)
     values = data.get("efficiency", data)
     known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in known})
+    # A file written before the non-matmul term had its stage constants fitted without
+    # it: the term stays off there rather than counting that work twice.
+    absent = {name: 0.0 for name in ELEMENTWISE.values() if name not in values}
+    return cls(**{k: v for k, v in values.items() if k in known}, **absent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +225,11 @@ class Machine:
 
   def bw_rate(self, devices: int) -> float:
     return self.bw if self.hw.shared_host else devices * self.bw
+
+  def elementwise(self, elements: float, devices: int, dtype: str) -> float:
+    """Seconds of one pass over `elements` activation elements spread over `devices`
+    at the memory bandwidth (the stage's `{stage}_elementwise` passes multiply it)."""
+    return elements * _BYTES[dtype] / self.bw_rate(devices)
 
   def roofline(self, flops_total: float, bytes_total: float, devices: int, dtype: str,
                eff: float) -> float:
@@ -257,6 +289,8 @@ class StageTerms:
       device runs its own copy of the unit's program on the same cores.
     exchanges: how many latency-bound exchanges `comm` holds (each collective's count x
       its hops); filled by `stage_terms`.
+    elementwise: seconds of one pass over the stage's activation elements at the memory
+      bandwidth (times `{stage}_elementwise`, `ELEMENTWISE`).
   """
 
   roofline: float
@@ -266,6 +300,7 @@ class StageTerms:
   units: float
   device_units: float
   exchanges: float = 0.0
+  elementwise: float = 0.0
 
 
 # Per stage: the Efficiency fields of (scale, per call, per unit, per device unit, per
@@ -282,11 +317,21 @@ STAGE_CONSTANTS = {
 }
 
 
+# Per stage: the Efficiency field of its non-matmul work, in passes over its activation
+# elements. Kept apart from STAGE_CONSTANTS: the calibration times one model, whose points
+# cannot tell passes per element from the scale (both grow with the same work), so it is
+# fitted across model sizes (`calibrate.fit_elementwise`) and the calibration carries it.
+ELEMENTWISE = {"generate": "generate_elementwise", "infer": "infer_elementwise",
+               "train": "train_elementwise"}
+
+
 def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:
   """The stage's seconds from its terms and the fitted constants of `eff`."""
   scale, call, unit, device, exchange = (getattr(eff, name) if name else 0.0
                                          for name in STAGE_CONSTANTS[stage])
-  return StageCost(compute=scale * terms.roofline + terms.memory,
+  passes = getattr(eff, ELEMENTWISE[stage])
+  return StageCost(compute=scale * terms.roofline + terms.memory
+                   + passes * terms.elementwise,
                    comm=terms.comm + exchange * terms.exchanges,
                    overhead=terms.fixed + call + unit * terms.units
                    + device * terms.device_units)
@@ -408,6 +453,20 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
             shards * w_read / p)
 
   pre = prefill_work(work.prefill_rows(rows, p))
+  # Activation elements of one stage's tick over all copies: decode step, prefill.
+  dec_elems = shards * flops.forward_elements(cfg, rows, 1, context=columns) / p
+
+  def prefill_elements(prompts: float) -> float:
+    return shards * flops.forward_elements(cfg, prompts, work.prompt_len, context=columns,
+                                           head_positions=1) / p
+
+  def tick_elementwise(prefilling: int, decoding: int, pre_elems: float) -> float:
+    if m.hw.shared_host:
+      busy = prefilling + decoding
+      return m.elementwise(prefilling * pre_elems + decoding * dec_elems,
+                           busy * stage_devices, cfg.dtype) if busy else 0.0
+    return max(m.elementwise(pre_elems, stage_devices, cfg.dtype) if prefilling else 0.0,
+               m.elementwise(dec_elems, stage_devices, cfg.dtype) if decoding else 0.0)
 
   def tick_compute(prefilling: int, decoding: int, pre=pre) -> float:
     if m.hw.shared_host:
@@ -435,7 +494,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
       out += m.ppermute(prompts * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
     return out
 
-  compute = comm = 0.0
+  compute = comm = elementwise = 0.0
   ticks = 0
   if slots:
     timeline = engine_timeline(work.batch_lengths(), slots, work.group_size)
@@ -445,8 +504,12 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
         tick_compute(1, 0, prefill_work(w / (d * f))) for w in timeline.prefill_widths)
     comm = steps * comm_tick + sum(prefill_comm(w / (d * f))
                                    for w in timeline.prefill_widths)
+    elementwise = steps * tick_elementwise(0, 1, 0.0) + sum(
+        tick_elementwise(1, 0, prefill_elements(w / (d * f)))
+        for w in timeline.prefill_widths)
   else:
     comm_pre = prefill_comm(work.prefill_rows(rows, p))
+    pre_elems = prefill_elements(work.prefill_rows(rows, p))
     if work.response_lengths and p == 1:
       counts = (((1, 0), 1), ((0, 1), max(work.batch_lengths()) - 1))
     else:
@@ -454,11 +517,12 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
     for (prefilling, decoding), count in counts:
       ticks += count
       compute += count * tick_compute(prefilling, decoding)
+      elementwise += count * tick_elementwise(prefilling, decoding, pre_elems)
       comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
   # Two jitted calls: prefill and decode (or the pipelined decoder's one, or the engine's).
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=2 * m.eff.call_overhead_s, units=ticks,
-                    device_units=_device_units(m, ticks, n))
+                    device_units=_device_units(m, ticks, n), elementwise=elementwise)
 
 
 @functools.lru_cache(maxsize=256)
@@ -475,6 +539,24 @@ def _models(work: Workload, stage: str) -> list[TransformerConfig]:
 
 def infer_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
   return _priced_stage("infer", plan, mesh, work, m)
+
+
+def _replicated_elementwise(m: Machine, elements: float, devices: int, copies: int,
+                            dtype: str) -> float:
+  """One pass over `elements` that `copies` groups of `devices` devices each repeat
+  (as `_replicated_roofline`: a shared host runs every copy)."""
+  if m.hw.shared_host:
+    return m.elementwise(copies * elements, copies * devices, dtype)
+  return m.elementwise(elements, devices, dtype)
+
+
+def _forward_elementwise(cfg: TransformerConfig, mesh: dict, work: Workload, m: Machine
+                         ) -> float:
+  """Seconds of one pass over one forward's activation elements (the batch, on `mesh`)."""
+  d, f, t, p = _sizes(mesh)
+  elems = flops.forward_elements(cfg, work.batch_size, work.length,
+                                 head_positions=work.gen_len)
+  return _replicated_elementwise(m, elems, d * f * t, p, cfg.dtype)
 
 
 def _forward_terms(cfg: TransformerConfig, mesh: dict, work: Workload, m: Machine
@@ -503,14 +585,15 @@ def infer_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
   """Terms of one inference call: a forward pass of each model it runs."""
   d, f, t, p = _sizes(mesh)
   n = d * f * t * p
-  compute = comm = 0.0
+  compute = comm = elementwise = 0.0
   for cfg in _models(work, "infer"):
     c, k = _forward_terms(cfg, mesh, work, m)
     compute, comm = compute + c, comm + k
+    elementwise += _forward_elementwise(cfg, mesh, work, m)
   passes = len(_models(work, "infer"))
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=passes * m.eff.call_overhead_s, units=passes,
-                    device_units=_device_units(m, passes, n))
+                    device_units=_device_units(m, passes, n), elementwise=elementwise)
 
 
 def train_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
@@ -524,7 +607,7 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
   hosts = _axis_hosts(mesh, m)
   steps = work.epochs * (work.batch_size // work.minibatch_size)
   rows = work.minibatch_size / (d * f)
-  compute = memory = comm = 0.0
+  compute = memory = comm = elementwise = 0.0
   for cfg in _models(work, "train"):
     act = _BYTES[cfg.dtype]
     fl = flops.train_flops(cfg, work.minibatch_size, work.length, remat=plan.remat,
@@ -532,6 +615,11 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     w = param_bytes(cfg)
     adam_bytes = 7 * w * d  # every replica updates its copy
     compute += steps * _replicated_roofline(m, fl, 0.0, n // p, p, cfg.dtype, m.eff.train)
+    # The forward's activation elements of each step (a third more of the layers' with
+    # full remat: one more forward of three); the passes carry the backward's.
+    elementwise += steps * _replicated_elementwise(
+        m, flops.train_elements(cfg, work.minibatch_size, work.length, remat=plan.remat,
+                                head_positions=work.gen_len), n // p, p, cfg.dtype)
     memory += steps * adam_bytes / (m.bw_rate(n) * (m.eff.optimizer_bw or m.eff.decode_bw))
     shard = w / (t * p)
     gathers = weight_collectives(cfg, cfg.num_layers, m)
@@ -556,12 +644,17 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
                            head_positions=work.gen_len)
     compute += steps * _replicated_roofline(m, fl, 0.0, n // p, p, work.actor.dtype,
                                             m.eff.train)
+    elementwise += steps * _replicated_elementwise(
+        m, flops.train_elements(work.actor, work.ptx_rows, work.length, remat=plan.remat,
+                                head_positions=work.gen_len), n // p, p, work.actor.dtype)
   if work.proximal_pass:
     # The actor's forward over the whole batch before the first step, as in inference.
     c, k = _forward_terms(work.actor, mesh, work, m)
     compute, comm, units = compute + c, comm + k, units + 1
+    elementwise += _forward_elementwise(work.actor, mesh, work, m)
   return StageTerms(roofline=compute, memory=memory, comm=comm, fixed=m.eff.call_overhead_s,
-                    units=units, device_units=_device_units(m, units, n))
+                    units=units, device_units=_device_units(m, units, n),
+                    elementwise=elementwise)
 
 
 STAGE_COSTS = {"generate": generate_cost, "infer": infer_cost, "train": train_cost}
