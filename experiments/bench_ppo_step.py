@@ -63,6 +63,9 @@ SIZES = {
     1: (2, 64, 4, 2, 128, 256, 8, 16, 16),
     2: (4, 256, 8, 4, 512, 512, 16, 32, 32),
     3: (6, 512, 8, 4, 1024, 1024, 16, 64, 64),
+    # Wider and deeper, SmolLM2-135M's batch and lengths: the largest size the planner's
+    # non-matmul term is fitted on (`fit_elementwise.py`), in about 10 s a step.
+    4: (8, 768, 12, 4, 2048, 8192, 8, 64, 64),
 }
 
 
