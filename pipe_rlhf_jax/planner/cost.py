@@ -126,8 +126,8 @@ class Efficiency:
       layers' for the forward it re-runs). Defaults: fitted by
       `experiments/fit_elementwise.py` on the real stages at three toy sizes (d = 256,
       512, 768) against rates probed in the same process on a 2-core AMD EPYC (XLA:CPU,
-      f32), SmolLM2-135M held out: generate 50, infer 0 (the probed forward rate already
-      covered those sizes' inference), train 16; 0 switches the term off. Many passes
+      f32), SmolLM2-135M held out: generate 47, infer 0 (the probed forward rate covered
+      those sizes' inference in most runs), train 24; 0 switches the term off. Many passes
       per element (a fused op needs one or two) say that the work is launch- and
       latency-bound small ops as much as memory traffic; the term scales as that work
       does, with tokens x layers x width. Fitted on a busy shared host: the docs'
@@ -169,9 +169,9 @@ class Efficiency:
   train_step_s: float = 0.0
   train_exchange_s: float = 0.0
   # Fitted by experiments/fit_elementwise.py (see the docstring above).
-  generate_elementwise: float = 50.1
+  generate_elementwise: float = 47.0
   infer_elementwise: float = 0.0
-  train_elementwise: float = 15.7
+  train_elementwise: float = 23.8
   source: str = "assumed defaults (no calibration)"
 
   @classmethod
