@@ -176,7 +176,7 @@ def probed_machine(cfg, batch: int, prompt: int, gen: int, row: dict, limits,
       train=fraction(row["train_shapes_gflops"] * 1e9 / peak),
       decode_bw=fraction(row["decode_shapes_gbps"] * 1e9 / bw),
       optimizer_bw=fraction(7 * memory.param_bytes(cfg) / row["optimizer_s"] / bw),
-      host_peak_flops=peak, hbm_bw=bw,
+      host_peak_flops=peak, hbm_bw=bw, **cost.FITTED_ELEMENTWISE,
       source="probed in this run on the stage's own matmul shapes and optimizer step")
   return cost.Machine(hardware.get(hardware_name), eff)
 

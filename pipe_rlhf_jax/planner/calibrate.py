@@ -606,10 +606,10 @@ def fit(samples: dict) -> dict:
     fits["reshard_bw"] = (1 / per_byte if per_byte > 0 else 0.0, "the same fit's W")
   if samples.get("stages"):
     # Carried so that the file says which passes its stage constants were fitted beside.
-    from pipe_rlhf_jax.planner.cost import Efficiency
+    from pipe_rlhf_jax.planner.cost import FITTED_ELEMENTWISE
     for name in _elementwise_names().values():
-      fits[name] = (getattr(Efficiency(), name), "passes per activation element of the "
-                    "stage's non-matmul work: the default, fitted across model sizes "
+      fits[name] = (FITTED_ELEMENTWISE[name], "passes per activation element of the "
+                    "stage's non-matmul work, fitted across model sizes "
                     "(experiments/fit_elementwise.py); one model's stage points cannot "
                     "tell it from the scale")
     stage_fits = fit_stages(samples, fits)

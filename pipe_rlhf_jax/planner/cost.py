@@ -123,7 +123,11 @@ class Efficiency:
       for generate, each model's pass for infer, each trained model's forward per
       minibatch step for train, `flops.train_elements`: its backward, loss and
       log-softmax gradient are in the passes, and full remat adds a third of the
-      layers' for the forward it re-runs). Defaults: fitted by
+      layers' for the forward it re-runs). Default 0 (off): the assumed efficiencies
+      already price more than the matmuls' own rate (with them the held-out step was
+      40% slow, 55% with the term), so the term goes with measured rates: a calibration
+      file carries `FITTED_ELEMENTWISE`, and `bench_real_shapes`' probed pricing uses
+      it. `FITTED_ELEMENTWISE`: fitted by
       `experiments/fit_elementwise.py` on the real stages at three toy sizes (d = 256,
       512, 768) against rates probed in the same process on a 2-core AMD EPYC (XLA:CPU,
       f32), SmolLM2-135M held out: generate 47, infer 0 (the probed forward rate covered
@@ -168,10 +172,10 @@ class Efficiency:
   train_call_s: float = 0.0
   train_step_s: float = 0.0
   train_exchange_s: float = 0.0
-  # Fitted by experiments/fit_elementwise.py (see the docstring above).
-  generate_elementwise: float = 47.0
+  # Off unless the rates are measured (`FITTED_ELEMENTWISE`, see the docstring above).
+  generate_elementwise: float = 0.0
   infer_elementwise: float = 0.0
-  train_elementwise: float = 23.8
+  train_elementwise: float = 0.0
   source: str = "assumed defaults (no calibration)"
 
   @classmethod
@@ -323,6 +327,10 @@ STAGE_CONSTANTS = {
 # fitted across model sizes (`calibrate.fit_elementwise`) and the calibration carries it.
 ELEMENTWISE = {"generate": "generate_elementwise", "infer": "infer_elementwise",
                "train": "train_elementwise"}
+# The passes fitted by experiments/fit_elementwise.py (`Efficiency`'s docstring), for
+# pricing at measured rates (a calibration, a probe).
+FITTED_ELEMENTWISE = {"generate_elementwise": 47.0, "infer_elementwise": 0.0,
+                      "train_elementwise": 23.8}
 
 
 def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:

@@ -192,7 +192,10 @@ def _with_stages(constants):
   samples["model"] = dataclasses.asdict(cfg)
   samples["hardware"] = "cpu"
   base = calibrate.efficiency_dict(calibrate.fit(samples), "microbenchmarks")
-  m = cost.Machine(hardware.get("cpu"), cost.Efficiency(**{**base, **constants}))
+  # A calibration carries the non-matmul passes fitted across sizes and fits its stage
+  # constants beside them.
+  m = cost.Machine(hardware.get("cpu"),
+                   cost.Efficiency(**{**base, **cost.FITTED_ELEMENTWISE, **constants}))
   samples["stages"] = []
   for k, mode, gen, inf, trn, micro, (b, mb, lp, t) in calibrate.STAGE_POINTS:
     meshes = {"generate": gen, "infer": inf, "train": trn}

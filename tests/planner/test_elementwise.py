@@ -88,5 +88,6 @@ def test_a_calibration_file_without_the_term_keeps_it_off(tmp_path):
   new.write_text('{"efficiency": {"generate_elementwise": 12.0, "infer_elementwise": 0.0, '
                  '"train_elementwise": 3.0}}')
   assert cost.Efficiency.load(str(new)).generate_elementwise == 12.0
-  # No file: the defaults are the fit across sizes.
-  assert cost.Efficiency().generate_elementwise > 0
+  # No file (assumed efficiencies): off; the fit across sizes goes with measured rates.
+  assert all(getattr(cost.Efficiency(), n) == 0.0 for n in cost.ELEMENTWISE.values())
+  assert cost.FITTED_ELEMENTWISE["generate_elementwise"] > 0
