@@ -36,6 +36,7 @@ completions: the page counts how many are identical.
 
   python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
   python experiments/bench_rollout.py --parts packing --page infer_packing  # after the real part
+  python experiments/bench_rollout.py --parts step --page rollout_step     # whole PPO steps
   python experiments/bench_rollout.py --parts packing --packing-stages train --layers 1 \
       --real-max-new-tokens 64 --rounds 1 --page ''   # a quick look at packed training
   python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
@@ -65,12 +66,13 @@ from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
 PARTS = ("long_tail", "uniform", "real", "packing", "step")
+DEFAULT_PARTS = ("long_tail", "uniform", "real")  # the rollout_engine page
 DATA = os.path.join(_ROOT, "configs", "data")
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--parts", default=",".join(PARTS),
+  parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                       help=f"comma-separated distributions among {PARTS}")
   parser.add_argument("--slots", type=int, default=16, help="S, for both engines")
   parser.add_argument("--min-admit", type=int, default=0,
