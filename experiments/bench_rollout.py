@@ -28,7 +28,7 @@ alternating rounds of one process. Three length distributions:
 Per engine and distribution: decode steps, slot occupancy (tokens decoded over slot-steps
 run), seconds per queue, useful tokens/s (every completion token, over the seconds), the
 KV cache and the compiled program's temporary memory, and the cost model's prediction:
-decode steps from the pure schedule (`engine.simulate`, `engine.static_decode_steps`)
+decode steps from the pure schedule (`slot_schedule.simulate`, `slot_schedule.static_decode_steps`)
 times one decode step's seconds, plus the prefills, the step and prefill seconds
 measured once on a separate probe (uniform lengths, not the queues measured).
 Both engines draw token t of completion k with the same key, so they produce the same
@@ -61,7 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import results  # noqa: E402
-from pipe_rlhf_jax.generation import engine, sampler  # noqa: E402
+from pipe_rlhf_jax.generation import engine, sampler, slot_schedule  # noqa: E402
 from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
@@ -212,10 +212,10 @@ def predicted_seconds(kind: str, lengths, slots: int, n: int, costs, min_admit=N
                       ) -> tuple[float, int]:
   """The cost model: decode steps from the pure schedule x step seconds + prefills."""
   if kind == "static":
-    steps = engine.static_decode_steps(lengths, slots)
+    steps = slot_schedule.static_decode_steps(lengths, slots)
     prefill_prompts = len(lengths) // n
   else:
-    timeline = engine.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n,
+    timeline = slot_schedule.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n,
                                                           min_admit=min_admit))
     steps = timeline.decode_steps
     prefill_prompts = sum(timeline.prefill_widths)

@@ -53,7 +53,7 @@ import math
 
 import numpy as np
 
-from pipe_rlhf_jax.generation import engine
+from pipe_rlhf_jax.generation import engine, slot_schedule
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
@@ -429,7 +429,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   bounded by its measured concurrency). Idle ticks (bubbles, finished micro-batches)
   still pay the tick overhead and the ring's ppermute. With continuous batching
   (`plan.num_slots`, no pipe) the ticks are the engine's own schedule over the batch's
-  response lengths (`engine.simulate` on `Workload.batch_lengths`): its decode steps of
+  response lengths (`slot_schedule.simulate` on `Workload.batch_lengths`): its decode steps of
   S slots and its admissions, each a prefill of that many prompts.
   """
   cfg = work.actor
@@ -537,7 +537,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
 def engine_timeline(batch_lengths: tuple[int, ...], slots: int, group_size: int):
   """The continuous-batching engine's schedule over one batch (memoised: the search
   prices the same generation plan many times)."""
-  return engine.simulate(batch_lengths, engine.EngineSpec(num_slots=slots,
+  return slot_schedule.simulate(batch_lengths, engine.EngineSpec(num_slots=slots,
                                                           group_size=group_size))
 
 

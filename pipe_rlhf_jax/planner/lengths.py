@@ -107,7 +107,7 @@ def batch_lengths(fraction: float, max_len: int, count: int,
   else the constant-hazard model of mean `fraction` x T. The quantiles are put in a fixed
   random order, as a queue of prompts would meet them. The continuous-batching engine's
   cost depends on the whole distribution and on the order (its pure schedule,
-  `generation.engine.simulate`, runs over these lengths), not on the mean alone.
+  `generation.slot_schedule.simulate`, runs over these lengths), not on the mean alone.
   """
   u = (np.arange(count) + 0.5) / count
   if observed:

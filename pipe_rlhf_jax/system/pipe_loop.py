@@ -218,47 +218,35 @@ def run_pipe_workers(system, feed: DataFeed, start: int, end: int, on_step: OnSt
     group.register_queue(channel)
 
   def generate_worker(stop: threading.Event) -> None:
-    if cfg.partial_rollouts:
-      return partial_generate_worker(stop)
+    # Partial rollouts: one engine for the whole run; a batch is the first B completions
+    # to finish, the rest keep decoding, and every engine call takes the newest weights
+    # the bound allows.
+    stream = system.rollout_stream() if cfg.partial_rollouts else None
     for step in range(start, end):
-      batch = feed.next(step)
+      batch = feed.next(step) if stream is None else None
       waited = time.perf_counter()
       params, version = gate.acquire(step, stop_event=stop)
       began, began_wall = time.perf_counter(), time.time()
       with tracer.span("generate", batch=step, version=version, **span_args):
-        rollout, metrics = system.generate(params, batch, step, version)
+        if stream is None:
+          rollout, metrics = system.generate(params, batch, step, version)
+        else:
+          rollout, metrics = stream.next_batch(
+              step, feed, lambda v: channels.actor.wait_for(v, stop_event=stop))
+          # The batch's newest tokens name its policy (KL coefficient, critic version);
+          # `version/oldest_token` bounds its staleness.
+          version = int(metrics["version/newest_token"])
       metrics["generate_version"] = version
       metrics["time/weights_wait_s"] = began - waited
       # Wall clock: the step time is taken in the trainer's thread (or process).
       metrics[GENERATE_START] = began_wall
-      if channels.carry_data_state:
+      if stream is not None:
+        # The prompts held in flight travel with the batch to the trainer's checkpoint.
+        metrics[DATA_STATE] = stream.data_state(feed)
+      elif channels.carry_data_state:
         # The prompt position a checkpoint after this step resumes from (read here,
         # saved by the trainer).
         metrics[DATA_STATE] = feed.state_before(step + 1)
-      channels.rollouts.put((step, rollout, metrics), stop_event=stop)
-    channels.rollouts.close()
-
-  def partial_generate_worker(stop: threading.Event) -> None:
-    # One engine for the whole run: a batch is the first B completions to finish, the
-    # rest keep decoding; every call takes the newest weights the bound allows.
-    stream = system.rollout_stream()
-
-    def weights(min_version: int):
-      return channels.actor.wait_for(min_version, stop_event=stop)
-
-    for step in range(start, end):
-      waited = time.perf_counter()
-      _, version = gate.acquire(step, stop_event=stop)  # the bound, and the lag
-      began, began_wall = time.perf_counter(), time.time()
-      with tracer.span("generate", batch=step, version=version, **span_args):
-        rollout, metrics = stream.next_batch(step, feed, weights)
-      # The batch's newest tokens name its policy (KL coefficient, critic version);
-      # `version/oldest_token` bounds its staleness.
-      metrics["generate_version"] = int(metrics["version/newest_token"])
-      metrics["time/weights_wait_s"] = began - waited
-      metrics[GENERATE_START] = began_wall
-      # Prompts held in flight travel with the batch to the trainer's checkpoint.
-      metrics[DATA_STATE] = stream.data_state(feed)
       channels.rollouts.put((step, rollout, metrics), stop_event=stop)
     channels.rollouts.close()
 

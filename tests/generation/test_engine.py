@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipe_rlhf_jax.generation import engine
+from pipe_rlhf_jax.generation import engine, slot_schedule
 from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, param_axes
@@ -150,7 +150,7 @@ def test_the_pure_schedule_is_the_engines(model, min_admit):
                                           group_size=2, limits=limits, min_admit=min_admit)
   assert_same(out, static_reference(model, tokens, mask, 2, limits, None, rng, **SAMPLED),
               exact=False)
-  timeline = engine.simulate(limits, spec)
+  timeline = slot_schedule.simulate(limits, spec)
   assert timeline.decode_steps == int(stats.decode_steps)
   assert timeline.busy_slot_steps == int(stats.busy_slot_steps)
   assert len(timeline.prefill_widths) == int(stats.prefills)
@@ -159,7 +159,7 @@ def test_the_pure_schedule_is_the_engines(model, min_admit):
   for k, length in enumerate(limits):
     assert (timeline.rows == k).sum() == length - 1
   # The static sampler over batches of 4 rows waits on each batch's longest row.
-  static = engine.static_timeline(limits, 4)
+  static = slot_schedule.static_timeline(limits, 4)
   assert static.decode_steps == sum(int(limits[i:i + 4].max()) - 1 for i in range(0, 18, 4))
   assert static.busy_slot_steps == timeline.busy_slot_steps
   assert static.occupancy < timeline.occupancy
@@ -171,7 +171,7 @@ def test_static_timeline_is_the_static_samplers_steps(model):
   params = dict(rng=jax.random.key(0), eos_id=None, **SAMPLED)
   steps = [int(generate(model, tokens[i:i + 4], mask[i:i + 4], T, limits=limits[i:i + 4],
                         **params).num_steps) - 1 for i in (0, 4)]
-  assert engine.static_decode_steps(limits, 4) == sum(steps)
+  assert slot_schedule.static_decode_steps(limits, 4) == sum(steps)
 
 
 def test_admissions_wait_for_a_quarter_of_the_widest_by_default():
