@@ -40,6 +40,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.generation.pipeline_ticks import NOT_REACHED, PIPE, PipelinePlan, stage_program  # noqa: F401 (public names)
@@ -101,24 +102,25 @@ def _build(graphdef, plan: PipelinePlan, mesh, rules):
   """
   layout = _LAYOUTS[(graphdef, mesh, rules)]
   config = layout.config
-  cache_shape = (config.num_layers, plan.num_microbatches, plan.microbatch, plan.slots,
+  cache_shape = (config.num_layers, plan.num_microbatches, plan.microbatch, plan.cache_len,
                  config.num_kv_heads, config.head_dim)
   cache_sharding = logical_sharding(mesh, CACHE_AXES, rules)
   cache_spec = _pipe_only_spec(CACHE_AXES)
 
   mapped = jax.shard_map(
       functools.partial(stage_program, graphdef, plan), mesh=mesh,
-      in_specs=(layout.specs, P(), P(), P(), P(), cache_spec, cache_spec),
+      in_specs=(layout.specs, P(), P(), P(), P(), P(), cache_spec, cache_spec),
       out_specs=((P(PIPE), P(PIPE), P(PIPE)), P(None, PIPE)),
       axis_names=frozenset({PIPE}), check_vma=False)
 
-  def run(state, prompt_tokens, prompt_mask, sample_ids, rng):
+  def run(state, prompt_tokens, prompt_mask, sample_ids, limits, rng):
     # Created inside the jit, so the cache is never a host-visible buffer.
-    zeros = lambda: jax.lax.with_sharding_constraint(
-        jnp.zeros(cache_shape, config.compute_dtype), cache_sharding)
+    fill = jnp.nan if plan.poison_bubbles else 0.0
+    blank = lambda: jax.lax.with_sharding_constraint(
+        jnp.full(cache_shape, fill, config.compute_dtype), cache_sharding)
     (tokens, logprobs, mask), executed = mapped(
-        state, prompt_tokens, prompt_mask, sample_ids, rng, zeros(), zeros())
-    # Only the last stage's buffers hold results: [P, M, mb, T] -> [B, T].
+        state, prompt_tokens, prompt_mask, sample_ids, limits, rng, blank(), blank())
+    # Only the last stage's buffers hold results: [P, L, mb, T] -> [B, T].
     tokens, logprobs, mask = (x[-1].reshape(plan.batch, -1)
                               for x in (tokens, logprobs, mask))
     num_steps = jnp.max(jnp.sum(mask.astype(jnp.int32), axis=1))
@@ -161,7 +163,8 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                        eos_id: int | None = None, pad_id: int = 0,
                        sample_ids: jax.Array | None = None, rules=None,
-                       chunk_ticks: int | None = None, split_segments: bool = True,
+                       chunk_ticks: int | None = None, num_slots: int = 0,
+                       limits: jax.Array | None = None, split_segments: bool = True,
                        poison_bubbles: bool = False
                        ) -> tuple[GenerationOutput, jax.Array]:
   """Generates with the delayed inter-batch pipeline over the mesh's 'pipe' axis.
@@ -183,7 +186,14 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
     rules: logical axis rules for the parameter layout (default: the generate
       stage's); 'layers' must map to 'pipe'.
     chunk_ticks: ticks between early-exit checks (default W = max(M, P)).
-    split_segments: shrink ring messages to one token once all prefills are done.
+    num_slots: S, rows decoded at once (0: the whole batch). With S < B the batch is a
+      queue of loads of S / M rows, and a micro-batch whose rows are all done is
+      refilled with the next load (continuous batching at micro-batch grain); every
+      completion still equals the plain sampler's for its sample id. S must be a
+      multiple of M, and S / M must divide B.
+    limits: optional int [B] per-row length budgets (at most T), as for `generate`.
+    split_segments: shrink ring messages to one token once all prefills are done
+      (static batches).
     poison_bubbles: debug switch (see PipelinePlan).
 
   Returns:
@@ -193,13 +203,13 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
 
   Raises:
     ValueError: before compiling, for a mesh without 'pipe', a pipe size not dividing
-      num_layers, M < 1, M not dividing the batch, or other bad settings.
+      num_layers, M < 1, M not dividing the batch (or the slots), or other bad settings.
   """
   prepared = prepare_pipelined(
       model, *args, mesh=mesh, num_microbatches=num_microbatches, rng=rng,
       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
-      sample_ids=sample_ids, rules=rules, chunk_ticks=chunk_ticks,
-      split_segments=split_segments, poison_bubbles=poison_bubbles)
+      sample_ids=sample_ids, rules=rules, chunk_ticks=chunk_ticks, num_slots=num_slots,
+      limits=limits, split_segments=split_segments, poison_bubbles=poison_bubbles)
   return prepared.fn(*prepared.args)
 
 
@@ -207,7 +217,8 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                       eos_id: int | None = None, pad_id: int = 0,
                       sample_ids: jax.Array | None = None, rules=None,
-                      chunk_ticks: int | None = None, split_segments: bool = True,
+                      chunk_ticks: int | None = None, num_slots: int = 0,
+                      limits: jax.Array | None = None, split_segments: bool = True,
                       poison_bubbles: bool = False) -> PreparedPipeline:
   """Validates everything and places the parameters, without running.
 
@@ -257,6 +268,13 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
     raise ValueError("pipelined_generate needs a Transformer with head='lm'")
   sched.validate_pipeline_config(config.num_layers, num_stages, num_microbatches, batch,
                                  field_prefix="generate")
+  num_slots = _check_slots(num_slots, num_microbatches, batch)
+  if limits is None:
+    limits = jnp.full((batch,), params.max_new_tokens, jnp.int32)
+  limits = jnp.asarray(limits, jnp.int32)
+  if limits.shape != (batch,):
+    raise ValueError(f"limits must be an int array of shape ({batch},) (one length budget "
+                     f"per row), got shape {limits.shape}")
   check_divisible(state, layout.axes, mesh, rules)
   logical_to_spec(CACHE_AXES, rules, mesh)  # every cache axis has a rule
   width = sched.ring_width(num_stages, num_microbatches)
@@ -266,9 +284,33 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
 
   plan = PipelinePlan(num_stages=num_stages, num_microbatches=int(num_microbatches),
                       batch=batch, prompt_len=prompt_len, params=params,
-                      chunk_ticks=chunk, split_segments=bool(split_segments),
+                      chunk_ticks=chunk, num_slots=num_slots,
+                      split_segments=bool(split_segments),
                       poison_bubbles=bool(poison_bubbles))
   # A no-op when the parameters already live where the rules put them.
   state = jax.device_put(state, layout.shardings)
   fn = _build(graphdef, plan, mesh, rules)
-  return PreparedPipeline(fn, (state, prompt_tokens, prompt_mask, sample_ids, rng), plan)
+  return PreparedPipeline(fn, (state, prompt_tokens, prompt_mask, sample_ids, limits, rng),
+                          plan)
+
+
+def _check_slots(num_slots, num_microbatches: int, batch: int) -> int:
+  """`num_slots` resolved: 0 (or the batch) for one static load per micro-batch, else a
+  multiple of M whose micro-batch size divides the batch (ValueError naming the fix)."""
+  if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or (
+      num_slots < 0):
+    raise ValueError(f"generate.num_slots must be an int >= 0, got {num_slots!r}")
+  if num_slots == 0 or num_slots >= batch:
+    return 0
+  if num_slots % num_microbatches:
+    raise ValueError(
+        f"generate.num_slots = {num_slots} is not a multiple of generate.num_microbatches "
+        f"= {num_microbatches}: each micro-batch holds num_slots / num_microbatches rows")
+  rows = num_slots // num_microbatches
+  if batch % rows:
+    ok = [m * d for d in range(1, batch + 1) if batch % d == 0
+          for m in (num_microbatches,) if m * d < batch]
+    raise ValueError(
+        f"generate.num_slots = {num_slots} gives micro-batches of {rows} rows, which do "
+        f"not divide the batch of {batch} rows into loads; use num_slots in {ok}")
+  return int(num_slots)

@@ -165,6 +165,67 @@ def early_exit_schedule(num_stages: int, num_microbatches: int, num_passes: int,
   return table.astype(np.int32)  # [ticks, stages, 2]
 
 
+def refill_ticks_bound(num_stages: int, num_microbatches: int, num_loads: int,
+                       num_passes: int) -> int:
+  """Ticks within which the refilling decoder ends, whatever the lengths.
+
+  Every visit round (W ticks) each micro-batch runs a pass while the queue has loads,
+  so the queue is handed out within ceil(L * T / M) rounds and the last load ends at
+  most T rounds later (list scheduling's bound); P ticks drain the last pass.
+  """
+  _check_positive(num_stages=num_stages, num_microbatches=num_microbatches,
+                  num_loads=num_loads, num_passes=num_passes)
+  rounds = -(-num_loads * num_passes // num_microbatches) + num_passes + 1
+  return rounds * ring_width(num_stages, num_microbatches) + num_stages
+
+
+def refill_schedule(num_stages: int, num_microbatches: int, passes) -> np.ndarray:
+  """What the refilling pipelined decoder runs, for loads of known lengths.
+
+  Mirrors `pipeline_ticks.decide`: stage 0 visits micro-batch t % W; it runs the next
+  pass of the load the micro-batch holds while that load needs more passes, and
+  otherwise hands it the next load of the queue (its prefill, pass 0) if one is left;
+  stage s at tick t runs what stage 0 ran at t - s. With one load per micro-batch it is
+  `early_exit_schedule` up to its last work.
+
+  Args:
+    num_stages, num_microbatches: P, M.
+    passes: int [L] passes each load runs (1..T: its longest row's length), in queue
+      order.
+
+  Returns:
+    int32 [ticks, stages, 2] of (microbatch, pass) up to the last stage's last work;
+    (-1, -1) marks idle slots.
+  """
+  passes = np.asarray(passes, np.int64)
+  if passes.ndim != 1 or passes.size < 1 or passes.min() < 1:
+    raise ValueError(f"passes must give >= 1 passes per load, got {passes.tolist()}")
+  width = ring_width(num_stages, num_microbatches)
+  load_of = np.full(num_microbatches, -1)
+  ran = np.zeros(num_microbatches, np.int64)
+  next_load, actions, t = 0, [], 0
+  while next_load < passes.size or (
+      (load_of >= 0) & (ran < passes[np.maximum(load_of, 0)])).any():
+    m = t % width
+    action = (BUBBLE, BUBBLE)
+    if m < num_microbatches:
+      going = load_of[m] >= 0 and ran[m] < passes[load_of[m]]
+      if not going and next_load < passes.size:
+        load_of[m], ran[m], next_load = next_load, 0, next_load + 1
+        going = True
+      if going:
+        action = (m, ran[m])
+        ran[m] += 1
+    actions.append(action)
+    t += 1
+  last = max(i for i, a in enumerate(actions) if a[0] >= 0)
+  table = np.full((last + num_stages, num_stages, 2), BUBBLE, np.int32)
+  for tick, action in enumerate(actions[:last + 1]):
+    for stage in range(num_stages):
+      table[tick + stage, stage] = action
+  return table
+
+
 def tick_activity(schedule: np.ndarray) -> np.ndarray:
   """Per tick, how many stages run a prefill (pass 0) and how many a decode pass.
 

@@ -430,7 +430,9 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   still pay the tick overhead and the ring's ppermute. With continuous batching
   (`plan.num_slots`, no pipe) the ticks are the engine's own schedule over the batch's
   response lengths (`slot_schedule.simulate` on `Workload.batch_lengths`): its decode steps of
-  S slots and its admissions, each a prefill of that many prompts.
+  S slots and its admissions, each a prefill of that many prompts. A pipelined decoder
+  with S < B slots runs `schedule.refill_schedule` over the same lengths, micro-batches
+  of S / M rows refilled load by load, its ring carrying prompt-length messages.
   """
   cfg = work.actor
   d, f, t, p = _sizes(mesh)
@@ -439,8 +441,9 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   slots = plan.num_slots if p == 1 else 0
   if slots:
     slots = max(min(slots, work.batch_size), work.group_size)
+  pipe_slots = plan.num_slots if p > 1 and 0 < plan.num_slots < work.batch_size else 0
   # Rows of one micro-batch (or the engine's slots) per device group.
-  rows = (slots or work.batch_size / mb) / (d * f)
+  rows = (slots or (pipe_slots or work.batch_size) / mb) / (d * f)
   act = _BYTES[cfg.dtype]
   weights = param_bytes(cfg) / (t * p)  # stored per device after the fsdp all-gather
   w_read = flops.decode_step_bytes(cfg, 0, 0)  # matmul weights one token reads
@@ -491,7 +494,10 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   layers = cfg.num_layers / p
   gather = m.all_gather(weights, f, hosts["fsdp"],
                         count=weight_collectives(cfg, layers, m))
-  ring_tick = m.ppermute(rows * cfg.embed_dim * act, hosts["pipe"]) if p > 1 else 0.0
+  # A refilling pipeline's ring carries prompt-length messages on every tick.
+  ring_len = work.prompt_len if pipe_slots else 1
+  ring_tick = (m.ppermute(rows * ring_len * cfg.embed_dim * act, hosts["pipe"]) if p > 1
+               else 0.0)
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
 
@@ -520,6 +526,8 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
     pre_elems = prefill_elements(work.prefill_rows(rows, p))
     if work.response_lengths and p == 1:
       counts = (((1, 0), 1), ((0, 1), max(work.batch_lengths()) - 1))
+    elif pipe_slots:
+      counts = refill_counts(p, mb, work.batch_lengths(), int(pipe_slots // mb))
     else:
       counts = tick_counts(p, mb, work.gen_len, work.response_fraction, work.batch_size)
     for (prefilling, decoding), count in counts:
@@ -531,6 +539,17 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
                     fixed=2 * m.eff.call_overhead_s, units=ticks,
                     device_units=_device_units(m, ticks, n), elementwise=elementwise)
+
+
+@functools.lru_cache(maxsize=256)
+def refill_counts(num_stages: int, num_microbatches: int, batch_lengths: tuple[int, ...],
+                  rows_per_load: int) -> tuple[tuple[tuple[int, int], int], ...]:
+  """`tick_counts` of a refilling pipelined decoder: loads of `rows_per_load` consecutive
+  completions, each running its longest row's passes (`schedule.refill_schedule`)."""
+  loads = np.asarray(batch_lengths).reshape(-1, rows_per_load).max(axis=1)
+  activity = sched.tick_activity(sched.refill_schedule(num_stages, num_microbatches, loads))
+  pairs, counts = np.unique(activity, axis=0, return_counts=True)
+  return tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(pairs, counts))
 
 
 @functools.lru_cache(maxsize=256)

@@ -162,7 +162,9 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     engine_slots = plan.num_slots if p == 1 else 0
     if engine_slots:
       engine_slots = max(min(engine_slots, work.batch_size), work.group_size)
-    b = (engine_slots or work.batch_size) / batch_ways
+    # A refilling pipelined decoder keeps S rows' caches, not the batch's.
+    pipe_slots = plan.num_slots if p > 1 and 0 < plan.num_slots < work.batch_size else 0
+    b = (engine_slots or pipe_slots or work.batch_size) / batch_ways
     slots = L  # prompt + completion: the cache every step attends over
     impl = _attention_impl(cfg, plan, slots)
     kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \

@@ -100,7 +100,7 @@ class Workload:
                                  tuple(int(x) for x in self.response_lengths))
 
   def slot_counts(self, data_ways: int) -> tuple[int, ...]:
-    """Engine slot counts worth pricing for generation without pipe: 0 (static batches)
+    """Slot counts worth pricing for generation: 0 (static batches)
     and, when response lengths vary, half and a quarter of the batch (whole groups,
     split evenly over the `data_ways` batch shards). Fewer slots than that leave too
     little of the batch in flight at once to pay back their refills."""
@@ -281,14 +281,17 @@ def stage_plans(stage: str, num_devices: int, work: Workload,
 
   Generation: M = 1 without pipe, each slot count of `Workload.slot_counts` (static
   batches, or continuous batching when lengths vary); with pipe P > 1, M in {1, P, 2P,
-  4P} (those the runtime accepts). Training: each remat policy of `options`, pipe = 1.
+  4P} (those the runtime accepts), each with the slot counts M divides (refilled
+  micro-batches). Training: each remat policy of `options`, pipe = 1.
   """
   out = []
   for mesh in mesh_shapes(num_devices, pipe_allowed=(stage != "train" or sequential)):
     if stage == "generate":
       ms = sorted({1 if f == 0 else f * mesh.pipe for f in options.microbatch_factors}
                   ) if mesh.pipe > 1 else [1]
-      variants = ([dict(num_microbatches=m) for m in ms] if mesh.pipe > 1 else
+      variants = ([dict(num_microbatches=m, num_slots=s) for m in ms
+                   for s in work.slot_counts(1) if s % m == 0
+                   and work.batch_size % (s // m or 1) == 0] if mesh.pipe > 1 else
                   [dict(num_slots=s) for s in work.slot_counts(mesh.data * mesh.fsdp)])
     elif stage == "train":
       variants = [dict(remat=r) for r in options.train_remat]

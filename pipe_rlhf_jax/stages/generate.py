@@ -5,8 +5,10 @@ inter-batch pipeline (`generation/pipelined.py`) with `num_microbatches`; otherw
 plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules,
 either as one static batch or, with `num_slots` > 0, as a queue over that many slots
 with continuous batching (`generation/engine.py`: same completions, fewer idle
-slot-steps on long-tailed lengths). Either way the output is a `Rollout` in the shared
-`[prompt | completion]` layout.
+slot-steps on long-tailed lengths). The pipelined decoder takes `num_slots` too: its
+micro-batches of num_slots / num_microbatches rows are refilled from the batch as they
+finish. Either way the output is a `Rollout` in the shared `[prompt | completion]`
+layout.
 
 Group sampling (`ppo.group_size = n`): each prompt of the batch is repeated n times,
 consecutively, before decoding, so the n completions of one prompt are generated in the
@@ -56,10 +58,10 @@ class GenerateStage:
     self.num_microbatches = num_microbatches
     self.num_slots = num_slots
     self.pipe = layout.mesh.shape.get("pipe", 1)
-    if num_slots and self.pipe > 1:
-      raise ValueError(f"stages.generate.num_slots={num_slots} on a generation mesh with "
-                       f"pipe={self.pipe}: the pipelined decoder decodes static "
-                       "micro-batches; set num_slots=0, or pipe=1 for continuous batching.")
+    if num_slots and self.pipe > 1 and num_slots % num_microbatches:
+      raise ValueError(f"stages.generate.num_slots={num_slots} is not a multiple of "
+                       f"stages.generate.num_microbatches={num_microbatches}: the pipelined "
+                       "decoder refills micro-batches of num_slots / num_microbatches rows.")
     if self.pipe == 1 and not num_slots:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, params,
                                                               group_size=group_size)
@@ -90,19 +92,23 @@ class GenerateStage:
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
     limits = budgets(batch, len(tokens), self.params.max_new_tokens)
     metrics = {}
-    if self.num_slots:
+    if self.pipe > 1:
+      from pipe_rlhf_jax.generation import pipelined
+      slots = self._pipe_slots(len(tokens))
+      out, executed = pipelined.pipelined_generate(
+          self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
+          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
+          limits=self.layout.put_batch(limits), num_slots=slots, rules=self.layout.rules)
+      if self.num_slots:
+        # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
+        passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
+        rows = (slots or len(tokens)) // self.num_microbatches
+        metrics["generate/slot_occupancy"] = (
+            float(fetch(out.mask).sum()) / max(passes * rows, 1))
+    elif self.num_slots:
       out, stats = self._continuous(actor, queue, rng, sample_ids, limits)
       busy, steps = (int(x) for x in fetch((stats.busy_slot_steps, stats.decode_steps)))
       metrics["generate/slot_occupancy"] = busy / max(steps * self._slots(len(tokens)), 1)
-    elif self.pipe > 1:
-      if "max_new_tokens" in batch:
-        raise ValueError("per-prompt max_new_tokens: the pipelined decoder decodes every "
-                         "row to the sampling length; use a generation mesh with pipe=1.")
-      from pipe_rlhf_jax.generation import pipelined
-      out, _ = pipelined.pipelined_generate(
-          self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
-          num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
-          rules=self.layout.rules)
     else:
       with self.layout.rules_context():
         state = self._prefill(actor, tokens, mask, rng, sample_ids,
@@ -119,6 +125,11 @@ class GenerateStage:
     seconds = time.perf_counter() - start
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9), **metrics}
+
+  def _pipe_slots(self, rows: int) -> int:
+    """Slots the pipelined decoder runs: 0 (one static load per micro-batch) when the
+    setting is off or would hold the whole batch."""
+    return self.num_slots if 0 < self.num_slots < rows else 0
 
   def _slots(self, rows: int) -> int:
     """Slots the engine runs: more than the batch's rows would never fill."""

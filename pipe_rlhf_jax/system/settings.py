@@ -308,7 +308,9 @@ class StagePlan:
     num_slots: generation only: 0 decodes each batch as one static batch; S > 0 decodes
       the batch's prompts as a queue over S slots with continuous batching
       (`generation/engine.py`): a finished row's slot takes the next prompt at once.
-      Applies in every mode, to a stage without a pipe axis.
+      On a stage with a pipe axis the pipelined decoder runs S / num_microbatches rows
+      per micro-batch and refills a micro-batch once all its rows are done (S a
+      multiple of num_microbatches). Applies in every mode.
     pack_tokens: inference and training: 0 runs the stage's forward (and backward)
       passes over the padded `[batch, P + T]` layout; L > 0 packs the real tokens into
       rows of L (`stages/packing.py`; training packs each minibatch), the same outputs.
@@ -460,12 +462,18 @@ class Plan:
       raise ValueError(f"stages.generate.pack_tokens={self.generate.pack_tokens}: "
                        "generation decodes, it does not pack; set stages.infer.pack_tokens "
                        "or stages.train.pack_tokens instead (0 here).")
-    if self.generate.num_slots and self.mode != "sequential" and self.generate.mesh.pipe > 1:
-      raise ValueError(
-          f"stages.generate.num_slots={self.generate.num_slots} with "
-          f"stages.generate.mesh.pipe={self.generate.mesh.pipe}: the pipelined decoder "
-          "decodes static micro-batches; set num_slots=0, or pipe=1 for continuous "
-          "batching.")
+    pipelined = self.mode != "sequential" and self.generate.mesh.pipe > 1
+    if self.generate.num_slots and pipelined:
+      if self.partial_rollouts:
+        raise ValueError(
+            f"runtime.partial_rollouts=True with stages.generate.mesh.pipe="
+            f"{self.generate.mesh.pipe}: the engine kept across updates is the plain "
+            "decoder's; set stages.generate.mesh.pipe=1, or partial_rollouts=False.")
+      if self.generate.num_slots % self.generate.num_microbatches:
+        raise ValueError(
+            f"stages.generate.num_slots={self.generate.num_slots} is not a multiple of "
+            f"stages.generate.num_microbatches={self.generate.num_microbatches}: the "
+            "pipelined decoder refills micro-batches of num_slots / num_microbatches rows.")
     if self.mode != "sequential" and self.train.mesh.pipe not in (1,):
       raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
                        "whole; fold those devices into fsdp or data.")

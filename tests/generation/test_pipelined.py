@@ -155,6 +155,59 @@ def test_eos_with_unequal_rows_matches_plain(setup):
   np.testing.assert_array_equal(executed[reached], predicted[:reached.sum()])
 
 
+# Continuous batching at micro-batch grain: a queue of B rows over S < B slots, each
+# micro-batch refilled with the next load of S / M rows when its rows are all done.
+LIMITS = np.array([5, 1, 3, 2, 5, 1, 4, 2], np.int32)  # forced, varied lengths
+REFILL_CASES = [
+    # (pipe, microbatches, slots, tensor, sampling)
+    (2, 2, 4, 1, "sampled"),
+    pytest.param(4, 2, 2, 1, "greedy", marks=pytest.mark.slow),  # mb = 1, M < P
+    pytest.param(2, 2, 4, 2, "sampled", marks=pytest.mark.slow),  # tensor-parallel stages
+]
+
+
+@pytest.mark.parametrize("pipe, num_mb, slots, tensor, sampling", REFILL_CASES)
+def test_refilled_microbatches_match_plain_generate(setup, pipe, num_mb, slots, tensor,
+                                                    sampling):
+  # The cache, the ring and the bubbles start poisoned with NaN: a refilled
+  # micro-batch's region (and every idle slot) must not leak into a completion.
+  model, prompt, mask, ids, _ = setup
+  kw = GREEDY if sampling == "greedy" else SAMPLED
+  rng = jax.random.key(RNG_SEED)
+  want = generate(model, prompt, mask, STEPS, rng=rng, eos_id=None, sample_ids=ids,
+                  limits=LIMITS, **kw)
+  out, executed = pipelined_generate(
+      model, prompt, mask, STEPS, mesh=mesh_for(pipe, tensor), num_microbatches=num_mb,
+      num_slots=slots, limits=LIMITS, rng=rng, eos_id=None, sample_ids=ids,
+      poison_bubbles=True, **kw)
+  assert bool(jnp.isfinite(out.logprobs).all())
+  assert_same(out, want)
+  # What ran is the refill schedule of the loads' lengths, tick for tick; it ends
+  # before the static schedule's length would have.
+  rows = slots // num_mb
+  passes = LIMITS.reshape(-1, rows).max(axis=1)
+  predicted = sched.refill_schedule(pipe, num_mb, passes)
+  executed = np.asarray(executed)
+  reached = int((executed >= -1).all(axis=(1, 2)).sum())
+  assert reached >= len(predicted)
+  np.testing.assert_array_equal(executed[:len(predicted)], predicted)
+  assert (executed[len(predicted):, :, 0] < 0).all()
+  assert len(passes) > num_mb and (np.asarray(executed)[..., 1] == 0).sum() == (
+      len(passes) * pipe)  # every load prefilled once, on every stage
+
+
+@pytest.mark.parametrize("slots, match", [
+    (3, r"generate\.num_slots = 3 is not a multiple of generate\.num_microbatches = 2"),
+    (6, r"micro-batches of 3 rows, which do not divide the batch of 8 rows"),
+    (-1, r"generate\.num_slots must be an int >= 0"),
+])
+def test_bad_slot_counts_raise_before_compiling(setup, no_compile, slots, match):
+  model, prompt, mask, _, _ = setup
+  with pytest.raises(ValueError, match=match):
+    pipelined_generate(model, prompt, mask, STEPS, mesh=mesh_for(2), num_microbatches=2,
+                       num_slots=slots, rng=jax.random.key(0), eos_id=None)
+
+
 def test_stage_call_form_with_sampling_params(setup):
   # The generate stage calls (graphdef, state, tokens, mask, SamplingParams).
   from flax import nnx

@@ -189,6 +189,45 @@ def test_early_exit_schedule_runs_only_the_needed_passes(p, m, t):
   assert len(table) == sched.early_exit_ticks(p, m, t, passes) <= len(full) + max(m, p)
 
 
+def test_refill_schedule_by_hand():
+  # P=2, M=2 (W=2), loads needing 2, 1, 3 passes. Stage 0: tick 0 prefills load 0 into
+  # micro-batch 0, tick 1 load 1 into micro-batch 1, tick 2 runs load 0's pass 1, tick
+  # 3 refills micro-batch 1 (load 1 ended at its prefill) with load 2, whose passes
+  # 1 and 2 run at ticks 5 and 7; stage 1 runs each a tick later.
+  table = sched.refill_schedule(2, 2, [2, 1, 3])
+  stage0 = [tuple(x) for x in table[:, 0]]
+  assert stage0 == [(0, 0), (1, 0), (0, 1), (1, 0), (-1, -1), (1, 1), (-1, -1), (1, 2),
+                    (-1, -1)]
+  np.testing.assert_array_equal(table[1:, 1], table[:-1, 0])
+
+
+@pytest.mark.parametrize("p, m, t", [(1, 1, 4), (2, 2, 5), (4, 2, 3), (3, 6, 4)])
+def test_refill_schedule_without_refills_is_the_early_exit_schedule(p, m, t):
+  passes = [1 + (mb * 7) % t for mb in range(m)]
+  table = sched.refill_schedule(p, m, passes)
+  early = sched.early_exit_schedule(p, m, t, passes)
+  np.testing.assert_array_equal(early[:len(table)], table)
+  assert (early[len(table):] == sched.BUBBLE).all()
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 2), (2, 4)])
+def test_refill_schedule_runs_every_load_and_keeps_the_bound(p, m):
+  rs = np.random.RandomState(p * 10 + m)
+  t = 9
+  passes = rs.randint(1, t + 1, size=5 * m)
+  table = sched.refill_schedule(p, m, passes)
+  assert len(table) <= sched.refill_ticks_bound(p, m, len(passes), t)
+  stage0 = table[:, 0]
+  # Prefills hand out the loads in queue order, each to a micro-batch that is free.
+  prefills = np.flatnonzero(stage0[:, 1] == 0)
+  assert len(prefills) == len(passes)
+  assert int((stage0[:, 0] >= 0).sum()) == int(passes.sum())  # every pass, once
+  # Busy slots: fewer idle ticks than the static batches of the same loads in turn.
+  static = sum(len(sched.early_exit_schedule(p, m, t, passes[i:i + m]))
+               for i in range(0, len(passes), m))
+  assert len(table) < static
+
+
 def test_tick_activity_by_hand():
   # P=2, M=2, T=2 (see test_p2_m2_t2_by_hand): prefills at ticks 0-2, decodes 2-4.
   activity = sched.tick_activity(sched.delayed_schedule(2, 2, 2))

@@ -580,21 +580,30 @@ def test_ptx_batch_must_match_the_setting(layout, models):
     trainer.update(state, exp, jax.random.key(0), demo_batch((1, 1, 4)))
 
 
-def test_continuous_batching_stage_gives_the_static_stages_rollout(models):
-  # Groups of 2 over 3 slots, a frequent token as EOS: slots free and refill at different
-  # steps, on a tensor-parallel generation mesh. The rollout is the static stage's.
-  mesh = make_mesh({"data": 1, "tensor": 2}, jax.devices()[:2])
-  layout = StageLayout("generate", mesh, logical.DEFAULT_RULES)
+@pytest.mark.parametrize("decoder", ["engine", pytest.param("pipelined", marks=pytest.mark.slow)])
+def test_continuous_batching_stage_gives_the_static_stages_rollout(models, decoder):
+  # Groups of 2, a frequent token as EOS and per-prompt budgets: rows end at different
+  # steps. The engine runs 3 slots on a tensor-parallel mesh; the pipelined decoder 2
+  # stages x 2 micro-batches of 2 rows, refilled load by load. The rollout is the
+  # static stage's.
+  layout = StageLayout("generate", make_mesh({"data": 1, "tensor": 2}, jax.devices()[:2]),
+                       logical.DEFAULT_RULES)
   actor_gd, actor = models["actor"]
-  batch = prompts(seed=3)
+  batch = dict(prompts(seed=3), max_new_tokens=np.array([8, 2, 5, 1, 8, 3, 6, 4]))
   rng = jax.random.key(5)
   sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=None)
   probe, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 0)
   eos = int(np.bincount(np.asarray(probe.completion_tokens).ravel()).argmax())
   sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=eos)
   static, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 3)
-  engine, metrics = GenerateStage(layout, actor_gd, sampling, group_size=2, num_slots=3)(
-      actor, batch, rng, 3)
+  if decoder == "engine":
+    stage = GenerateStage(layout, actor_gd, sampling, group_size=2, num_slots=3)
+  else:
+    layout = StageLayout("generate", make_mesh({"pipe": 2}, jax.devices()[:2]),
+                         logical.STAGE_RULES["generate"])
+    stage = GenerateStage(layout, actor_gd, sampling, group_size=2, num_microbatches=2,
+                          num_slots=4)
+  engine, metrics = stage(actor, batch, rng, 3)
   lengths = np.asarray(static.completion_mask).sum(1)
   assert lengths.min() < COMPLETION < lengths.max() + 1  # EOS ends some rows early
   for field in ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask"):

@@ -284,8 +284,16 @@ def test_num_slots_is_a_generation_setting():
     StagePlan.from_config({"num_slots": -1}, "stages.generate")
   with pytest.raises(ValueError, match="stages.train.num_slots=4: only generation"):
     Plan(train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1), num_slots=4))
-  with pytest.raises(ValueError, match="pipelined decoder decodes static micro-batches"):
-    Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_slots=4))
+  # The pipelined decoder refills micro-batches of num_slots / num_microbatches rows.
+  Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_microbatches=2,
+                                            num_slots=4))
+  with pytest.raises(ValueError, match="num_slots=3 is not a multiple of "
+                                       "stages.generate.num_microbatches=2"):
+    Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_microbatches=2,
+                                              num_slots=3))
+  with pytest.raises(ValueError, match="the engine kept across updates is the plain"):
+    Plan(mode="pipe", placement=(2, 1, 1), partial_rollouts=True,
+         generate=StagePlan(mesh=MeshSpec(pipe=2), num_slots=4))
 
 
 def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
