@@ -18,6 +18,12 @@ alternating rounds of one process. Three length distributions:
              `sequential` and `pipe` with static batches, and `pipe` with partial
              rollouts (one engine of B slots kept across updates); inference and
              training packed in every variant, so the rollout engine is what differs
+  pipelined  the long tail's queue on the delayed inter-batch pipeline over 2 virtual CPU
+             devices (`generation/pipelined.py`, M micro-batches of S / M rows):
+             consecutive static batches of S rows against one call whose micro-batches
+             are refilled load by load (`num_slots=S`); ticks run against the pure
+             schedules (`schedule.refill_schedule`), slot occupancy over the row-passes
+             stage 0 ran
   packing    the inference stage (reference, critic and reward model) and the training
              stage (one PPO update of actor and critic over minibatches) on a batch of
              the real part's lengths (its lengths_real.json; prompts the shipped ones),
@@ -37,6 +43,8 @@ completions: the page counts how many are identical.
   python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
   python experiments/bench_rollout.py --parts packing --page infer_packing  # after the real part
   python experiments/bench_rollout.py --parts step --page rollout_step     # whole PPO steps
+  python experiments/bench_rollout.py --parts pipelined --page rollout_pipelined --layers 4 \
+      --queue 64                             # refilled pipeline micro-batches
   python experiments/bench_rollout.py --parts packing --packing-stages train --layers 1 \
       --real-max-new-tokens 64 --rounds 1 --page ''   # a quick look at packed training
   python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
@@ -65,7 +73,7 @@ from pipe_rlhf_jax.generation import engine, sampler, slot_schedule  # noqa: E40
 from pipe_rlhf_jax.models import shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
-PARTS = ("long_tail", "uniform", "real", "packing", "step")
+PARTS = ("long_tail", "uniform", "real", "pipelined", "packing", "step")
 DEFAULT_PARTS = ("long_tail", "uniform", "real")  # the rollout_engine page
 DATA = os.path.join(_ROOT, "configs", "data")
 
@@ -103,6 +111,8 @@ def parse_args(argv=None):
                       help="the step part's PPO steps per variant (the first 3 untimed)")
   parser.add_argument("--step-max-new-tokens", type=int, default=256,
                       help="T of the step part (its long tail's median is T / 8)")
+  parser.add_argument("--pipe-microbatches", type=int, default=8,
+                      help="M of the pipelined part (S must be a multiple)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--page", default="rollout_engine",
                       help="docs/results page name ('' = no page)")
@@ -446,6 +456,87 @@ def step_variants(prompts: int, group: int):
                                                    num_slots=prompts * group)}
 
 
+PIPE_STAGES = 2
+
+
+def measure_pipelined(args) -> tuple[list[str], list[str]]:
+  """The long-tail queue on the pipelined decoder: static batches against refills."""
+  from pipe_rlhf_jax.generation import pipelined
+  from pipe_rlhf_jax.generation import schedule as sched
+  from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
+  cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
+  graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
+  params = sampler.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                  eos_id=None)
+  mesh = make_mesh(MeshShape(pipe=PIPE_STAGES), jax.devices()[:PIPE_STAGES])
+  slots, num_mb = args.slots, args.pipe_microbatches
+  rows = slots // num_mb
+  tokens, mask = random_prompts(args.queue, args.prompt_len, cfg.vocab_size, args.seed)
+  limits = long_tail_lengths(args.queue, args.median, args.max_new_tokens, args.seed)
+  rng = jax.random.key(7)
+
+  def compiled(lo, hi, num_slots):
+    prepared = pipelined.prepare_pipelined(
+        (graphdef, state), tokens[lo:hi], mask[lo:hi], params, mesh=mesh,
+        num_microbatches=num_mb, rng=rng, sample_ids=np.arange(lo, hi, dtype=np.int32),
+        limits=limits[lo:hi], num_slots=num_slots)
+    fn = prepared.fn.lower(*prepared.args).compile()
+    return fn, prepared.args
+
+  static_calls = [compiled(lo, lo + slots, 0) for lo in range(0, args.queue, slots)]
+  refill_call = compiled(0, args.queue, slots)
+  loads = limits.reshape(-1, rows).max(axis=1)
+  predicted = {
+      "static": sum(len(sched.refill_schedule(PIPE_STAGES, num_mb, loads[i:i + num_mb]))
+                    for i in range(0, len(loads), num_mb)),
+      "refilled": len(sched.refill_schedule(PIPE_STAGES, num_mb, loads))}
+
+  def run(calls):
+    start = time.perf_counter()
+    outs = jax.block_until_ready([fn(*a) for fn, a in calls])
+    seconds = time.perf_counter() - start
+    ticks = passes = busy = 0
+    for _, executed in outs:
+      executed = np.asarray(executed)
+      ran = np.flatnonzero((executed[..., 0] >= 0).any(axis=1))
+      ticks += int(ran.max()) + 1
+      passes += int((executed[:, 0, 0] >= 0).sum())
+      busy += int((executed[..., 0] >= 0).sum())
+    out_tokens = np.concatenate([np.asarray(o.tokens) for o, _ in outs])
+    out_mask = np.concatenate([np.asarray(o.mask) for o, _ in outs])
+    return dict(seconds=seconds, ticks=ticks, passes=passes, busy=busy, tokens=out_tokens,
+                mask=out_mask)
+
+  variants = {"static": static_calls, "refilled": [refill_call]}
+  got = {k: [] for k in variants}
+  for _ in range(args.rounds):
+    for kind, calls in variants.items():
+      got[kind].append(run(calls))
+      print(f"  pipelined {kind}: {got[kind][-1]['seconds']:.2f} s", flush=True)
+  same = int(np.all(got["static"][0]["tokens"] == got["refilled"][0]["tokens"], axis=1).sum())
+  base = statistics.median(r["seconds"] for r in got["static"])
+  per_tick = base / got["static"][0]["ticks"]
+  lines = ["| engine | ticks (schedule's) | busy stage-ticks | slot occupancy | s per queue "
+           "(predicted, error) | useful tokens/s | speed-up | identical completions |",
+           "|---|---|---|---|---|---|---|---|"]
+  for kind, runs_ in got.items():
+    seconds = statistics.median(r["seconds"] for r in runs_)
+    r = runs_[0]
+    useful = int(r["mask"].sum())
+    guess = predicted[kind] * per_tick
+    lines.append(
+        f"| {kind} | {r['ticks']} ({predicted[kind]}) | "
+        f"{r['busy'] / (r['ticks'] * PIPE_STAGES):.2f} | {useful / (r['passes'] * rows):.2f} "
+        f"| {seconds:.2f} ({guess:.2f}, {100 * (guess - seconds) / seconds:+.0f}%) | "
+        f"{useful / seconds:.1f} | {base / seconds:.2f}x | {same}/{args.queue} |")
+  notes = [f"pipelined: SmolLM2-135M shape with {args.layers} layers, random weights, "
+           f"{PIPE_STAGES} stages x M={num_mb} micro-batches of {rows} rows (S={slots}), "
+           f"P={args.prompt_len}, T={args.max_new_tokens}, {args.rounds} alternating rounds "
+           f"(median seconds); "
+           f"{length_summary(got['static'][0]['mask'].sum(1), args.max_new_tokens)}"]
+  return ["\n".join(lines)], notes
+
+
 def measure_steps(args) -> tuple[list[str], list[str]]:
   """Whole PPO steps of each `step_variants` plan on one long-tailed prompt stream."""
   from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, run
@@ -528,9 +619,11 @@ def main(argv=None):
   args = parse_args(argv)
   results.git_commit()  # the commit measured, read before anything runs
   parts = [p for p in args.parts.split(",") if p]
-  if "step" in parts:  # pipe mode: one virtual CPU device per stage (before jax starts)
+  if "step" in parts or "pipelined" in parts:
+    # Pipe mode and the pipelined decoder: a virtual CPU device per stage, set before jax
+    # starts.
     from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
-    use_virtual_cpu_devices(3)
+    use_virtual_cpu_devices(3 if "step" in parts else PIPE_STAGES)
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:
     raise SystemExit(f"--parts: unknown {unknown}; choose among {PARTS}")
@@ -576,6 +669,10 @@ def main(argv=None):
                  f"{1e3 * costs['step_s']:.1f} ms per decode step, "
                  f"{1e3 * costs['prefill_prompt_s']:.1f} ms per prompt prefilled")
   tables, step_tables = [], []
+  if "pipelined" in parts:
+    got_tables, got_notes = measure_pipelined(args)
+    tables += got_tables
+    notes += got_notes
   if "step" in parts:
     step_tables, got_notes = measure_steps(args)
     notes += got_notes
@@ -592,12 +689,15 @@ def main(argv=None):
     json.dump(rows, f, indent=1)
   table = "\n\n".join(([render(rows)] if rows else []) + step_tables + tables)
   intro = (([ENGINE_INTRO] if rows else []) + ([STEP_INTRO] if step_tables else [])
-           + ([PACKING_INTRO] if tables else []))
+           + ([PIPELINED_INTRO] if "pipelined" in parts else [])
+           + ([PACKING_INTRO] if "packing" in parts else []))
   print(table)
   print("\n".join(notes))
   if args.page:
     title = ("Rollout engine: continuous batching against the static batch" if rows
              else "Whole PPO steps: partial rollouts against static batches" if step_tables
+             else "Pipelined decoder: refilled micro-batches against static batches"
+             if "pipelined" in parts
              else "Packed inference and training against the padded layout")
     path = results.write_page(args.page, title, body(intro, table, notes), None)
     print(f"wrote {path}")
@@ -635,6 +735,16 @@ STEP_INTRO = (
     "engine of as many slots as the batch has completions, kept across updates; a batch "
     "is the first completions to finish, the rest continue under the next weights). "
     "Trained tokens/s is the completion tokens per step over the seconds per step.")
+PIPELINED_INTRO = (
+    "The long tail's queue on the delayed inter-batch pipeline (2 stages, M micro-batches "
+    "of S / M rows), as consecutive static batches of S rows (every micro-batch runs "
+    "until its longest row ends, the batch until its last micro-batch does) and as one "
+    "call whose micro-batches are refilled with the next load of S / M rows once their "
+    "rows are all done (`num_slots=S`), at the same slot count and KV-cache memory. "
+    "Ticks: the last tick any stage worked, measured and from the pure schedule. Busy "
+    "stage-ticks: the share of (tick, stage) slots that ran a pass. Slot occupancy: "
+    "tokens drawn over the row-passes stage 0 ran. Predicted seconds: the "
+    "refill's ticks at the static run's seconds per tick.")
 PACKING_INTRO = (
     "The inference stage on one batch, its forward passes over the padded "
     "`[prompt | completion]` layout and over the batch's real tokens packed into rows "
