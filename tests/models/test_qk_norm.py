@@ -95,7 +95,10 @@ def test_cached_decode_equals_full_forward(model):
   np.testing.assert_allclose(np.asarray(stepped)[real], np.asarray(full)[real], atol=1e-5)
 
 
-@pytest.mark.parametrize("changes", [dict(attention="blockwise", attention_block_size=4),
+# Blockwise attention alone in the slow tier: the second case runs it with remat.
+@pytest.mark.parametrize("changes", [pytest.param(dict(attention="blockwise",
+                                                       attention_block_size=4),
+                                                  marks=pytest.mark.slow),
                                      dict(attention="blockwise", attention_block_size=3,
                                           remat="full"),
                                      dict(remat="save_matmuls", scan_unroll=2)])

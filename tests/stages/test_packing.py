@@ -100,13 +100,21 @@ def _models(**overrides):
           for seed, head in enumerate(("lm", "value", "score"))]
 
 
-@pytest.mark.parametrize("execution", [
-    dict(attention="dense"),
-    dict(attention="blockwise", attention_block_size=4, logits_chunk_size=3),
-    dict(attention="dense", sliding_window=3,
-         layer_types=("sliding_attention", "full_attention")),
-], ids=["dense", "blockwise", "sliding_window"])
-@pytest.mark.parametrize("budget", [PROMPT + COMPLETION, 24])
+_EXECUTIONS = {
+    "dense": dict(attention="dense"),
+    "blockwise": dict(attention="blockwise", attention_block_size=4, logits_chunk_size=3),
+    "sliding_window": dict(attention="dense", sliding_window=3,
+                           layer_types=("sliding_attention", "full_attention")),
+}
+
+
+# Each execution and each budget once in the default run; the other three pairs in the
+# slow tier.
+@pytest.mark.parametrize("execution,budget", [
+    pytest.param(execution, budget, id=f"{budget}-{name}",
+                 marks=[] if (name == "dense") == (budget == PROMPT + COMPLETION)
+                 else [pytest.mark.slow])
+    for name, execution in _EXECUTIONS.items() for budget in (PROMPT + COMPLETION, 24)])
 def test_packed_forwards_equal_the_padded_ones(execution, budget):
   (policy, policy_p), (critic, critic_p), (reward, reward_p) = _models(**execution)
   prompt_tokens, prompt_mask, completion_tokens, completion_mask = map(

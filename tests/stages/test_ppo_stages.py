@@ -476,7 +476,11 @@ def test_critic_free_infer_stage_groups_scores_and_keeps_kl_out_of_the_rewards(
                InferHyper.from_settings(ppo, ppo.temperature))
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+# The other aggregations in the slow tier: each is the same stage and test with another
+# formula, and tests/ppo/test_algorithms.py checks every formula in the default run.
+@pytest.mark.parametrize("loss_agg", ["token_mean", *(pytest.param(a, marks=pytest.mark.slow)
+                                                     for a in ("seq_mean_token_mean",
+                                                               "token_sum_norm"))])
 def test_critic_free_update_aggregates_and_adds_the_kl_loss(layout, models, loss_agg):
   ppo = ppo_section(advantage_estimator="grpo", group_size=4, whiten_advantages=False,
                     kl_in="loss", kl_estimator="k3", kl_coef=0.5, loss_agg=loss_agg,

@@ -184,16 +184,22 @@ class Budgeted(Prompts):
     return batch
 
 
-def test_a_prompts_own_length_budget_holds_in_every_engine(actor):
+# The stream (this module's subject) in the default run; the stage's static batches and
+# its slots, each its own compiled decoder, in the slow tier.
+@pytest.mark.parametrize("engine", ["stream", pytest.param("static", marks=pytest.mark.slow),
+                                    pytest.param("slots", marks=pytest.mark.slow)])
+def test_a_prompts_own_length_budget_holds_in_every_engine(actor, engine):
   layout = StageLayout("generate", make_mesh({"data": 1}, jax.devices()[:1]),
                        logical.DEFAULT_RULES)
   sampling = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=None)
   batch = next(Budgeted())
-  want = np.repeat(batch["max_new_tokens"], 2)
-  for slots in (0, 2):
-    stage = GenerateStage(layout, actor[0], sampling, group_size=2, num_slots=slots)
+  if engine != "stream":
+    stage = GenerateStage(layout, actor[0], sampling, group_size=2,
+                          num_slots=2 if engine == "slots" else 0)
     rollout, _ = stage(actor[1], batch, jax.random.key(0), 0)
-    np.testing.assert_array_equal(np.asarray(rollout.completion_mask).sum(1), want)
+    np.testing.assert_array_equal(np.asarray(rollout.completion_mask).sum(1),
+                                  np.repeat(batch["max_new_tokens"], 2))
+    return
   stream = make_stream(actor)
   rollout, _ = stream.next_batch(0, DataFeed(Budgeted()), lambda v: (actor[1], 0))
   lengths = np.asarray(rollout.completion_mask).sum(1)
