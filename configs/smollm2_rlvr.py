@@ -118,6 +118,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.ppo.update(steps=2, batch_size=8, minibatch_size=8, group_size=4, warmup_steps=1)
     config.log.update(eval_prompts=8, eval_samples_per_prompt=0, samples=2)
     config.checkpoint.every = 1
+    # Each stage loops over the 30 layers (scan_unroll=1) instead of unrolling them: a
+    # two-step run is mostly compiling, and the loop compiles one layer, not thirty.
+    for stage in ("generate", "infer", "train"):
+      config.stages[stage].scan_unroll = 1
   return config
 
 
