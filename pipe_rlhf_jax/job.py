@@ -76,8 +76,8 @@ from pipe_rlhf_jax.phases import warm_start as warm_lib
 from pipe_rlhf_jax.phases.run_state import (
   BuiltSystem,
   Experiment,
+  JobResult,
   ProcessRole,
-  RunResult,
   RunSetup,
 )
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
@@ -541,7 +541,7 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
 
 
 def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = False,
-        stop_after: int | None = None, progress: bool = True) -> RunResult:
+        stop_after: int | None = None, progress: bool = True) -> JobResult:
   """`train.train` on a built experiment (its arguments and result are documented
   there): the job under its signal handlers."""
   # SIGINT / SIGTERM: at once outside PPO's loop, at its next step boundary inside.
@@ -549,7 +549,7 @@ def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = Fa
     return _run(experiment, workdir, resume, stop_after, progress, signals)
 
 
-def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals) -> RunResult:
+def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals) -> JobResult:
   """`run` under its signal handlers."""
   start_time = time.perf_counter()
   settings = experiment.settings

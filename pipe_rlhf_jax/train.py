@@ -23,7 +23,7 @@ import ml_collections
 from pipe_rlhf_jax import job
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.roles import build_model_configs
-from pipe_rlhf_jax.phases.run_state import Experiment, RunResult
+from pipe_rlhf_jax.phases.run_state import Experiment, JobResult
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.sections import ExperimentSettings
 
@@ -54,8 +54,8 @@ def _experiment(config_or_experiment) -> Experiment:
 
 def train(config: Experiment | ml_collections.ConfigDict, workdir: str | None = None, *,
           resume: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> RunResult:
-  """Runs the whole RLHF pipeline; returns its `RunResult` (the summary, the PPO metrics,
+          progress: bool = True) -> JobResult:
+  """Runs the whole RLHF pipeline; returns its `JobResult` (the summary, the PPO metrics,
   the held-out scores before and after, the trace).
 
   Args:

@@ -92,30 +92,11 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Gemma 3 normalises around both sublayers: llama.cpp's `ffn_norm` is the pre-MLP norm there.
-_LAYER_TENSORS_BY_ARCH = {
-    "gemma3": {**_LAYER_TENSORS,
-               "post_attention_norm.weight": "post_attention_layernorm.weight",
-               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
-}
+# Per layer: `blk.N.<gguf>` <-> `model.layers.N.<hf>`, from the one table of per-layer
+# tensors (`hf.LAYER_TENSORS`); Gemma 3 normalises around both sublayers.
+_LAYER_TENSORS_BY_ARCH = {arch: hf.gguf_layer_names(gemma=arch == "gemma3")
+                          for arch in ("llama", "qwen2", "qwen3", "gemma3")}
+_LAYER_TENSORS = _LAYER_TENSORS_BY_ARCH["llama"]
 
 
 def gguf_tensor_name(hf_name: str, architecture: str) -> str | None:

@@ -78,6 +78,7 @@ are refused there, naming the file and the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -562,72 +563,114 @@ def config_to_hf(config: TransformerConfig, *, dtype: Any = None) -> dict[str, A
 # ------------------------------------------------------------------ tensor layouts
 
 
-def _hf_layer_shapes(c: TransformerConfig) -> dict[str, tuple[int, ...]]:
-  """HF per-layer tensor suffix -> its HF shape ([out, in] for Linear weights)."""
-  e, h, k, d, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
-  shapes = {
-      "input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
-      "self_attn.q_proj.weight": (h * d, e), "self_attn.k_proj.weight": (k * d, e),
-      "self_attn.v_proj.weight": (k * d, e), "self_attn.o_proj.weight": (e, h * d),
-      "mlp.gate_proj.weight": (f, e), "mlp.up_proj.weight": (f, e),
-      "mlp.down_proj.weight": (e, f),
-  }
-  if c.qkv_bias:
-    shapes.update({"self_attn.q_proj.bias": (h * d,), "self_attn.k_proj.bias": (k * d,),
-                   "self_attn.v_proj.bias": (k * d,)})
-  if c.out_bias:
-    shapes["self_attn.o_proj.bias"] = (e,)
-  if c.qk_norm:
-    shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-  if c.is_gemma:
-    shapes.update({"pre_feedforward_layernorm.weight": (e,),
-                   "post_feedforward_layernorm.weight": (e,)})
-  return shapes
+@dataclasses.dataclass(frozen=True)
+class LayerTensor:
+  """One per-layer tensor, under each of its names, and how its layouts relate.
+
+  Attributes:
+    ours: the stacked parameter of `Layers` (one slice per layer).
+    hf: the Hugging Face suffix (`model.layers.N.<hf>`).
+    gguf: the llama.cpp suffix (`blk.N.<gguf>`).
+    hf_shape / our_shape: its per-layer shape in each, as a function of the config.
+    transposed: a Linear weight: HF's [out, in] is our [in, out], split into heads;
+      otherwise the same values, reshaped.
+    needs: the config flag it exists under ("" always; "qkv_bias", "out_bias",
+      "qk_norm"); family: "gemma" / "llama" (every other family) / "" both.
+  """
+
+  ours: str
+  hf: str
+  gguf: str
+  hf_shape: Callable[[TransformerConfig], tuple[int, ...]]
+  our_shape: Callable[[TransformerConfig], tuple[int, ...]]
+  transposed: bool = False
+  needs: str = ""
+  family: str = ""
+
+  def applies(self, c: TransformerConfig) -> bool:
+    return ((not self.needs or getattr(c, self.needs))
+            and self.family in ("", "gemma" if c.is_gemma else "llama"))
+
+  def to_ours(self, w: np.ndarray, c: TransformerConfig) -> np.ndarray:
+    """HF layout -> ours, for one layer."""
+    return (w.T if self.transposed else w).reshape(self.our_shape(c))
+
+  def to_hf(self, w: np.ndarray, c: TransformerConfig) -> np.ndarray:
+    """Ours -> HF layout, for one layer."""
+    shape = self.hf_shape(c)
+    return w.reshape(shape[::-1]).T if self.transposed else w.reshape(shape)
 
 
-# Our stacked parameter <- (HF per-layer suffix, HF [..] -> our per-layer layout).
-def _layer_mapping(c: TransformerConfig):
-  e, h, k, d = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
-  mapping = {
-      "attn_norm": ("input_layernorm.weight", lambda w: w),
-      "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
-      "q_proj": ("self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
-      "k_proj": ("self_attn.k_proj.weight", lambda w: w.T.reshape(e, k, d)),
-      "v_proj": ("self_attn.v_proj.weight", lambda w: w.T.reshape(e, k, d)),
-      "o_proj": ("self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
-      "gate_proj": ("mlp.gate_proj.weight", lambda w: w.T),
-      "up_proj": ("mlp.up_proj.weight", lambda w: w.T),
-      "down_proj": ("mlp.down_proj.weight", lambda w: w.T),
-  }
-  if c.qkv_bias:
-    mapping.update(q_bias=("self_attn.q_proj.bias", lambda b: b.reshape(h, d)),
-                   k_bias=("self_attn.k_proj.bias", lambda b: b.reshape(k, d)),
-                   v_bias=("self_attn.v_proj.bias", lambda b: b.reshape(k, d)))
-  if c.out_bias:
-    mapping["o_bias"] = ("self_attn.o_proj.bias", lambda b: b)
-  if c.qk_norm:
-    mapping.update(q_norm=("self_attn.q_norm.weight", lambda w: w),
-                   k_norm=("self_attn.k_norm.weight", lambda w: w))
-  if c.is_gemma:
-    # Gemma's post_attention_layernorm normalises the attention output (LLaMA's is the
-    # norm before the MLP, which Gemma calls pre_feedforward_layernorm).
-    mapping.update(mlp_norm=("pre_feedforward_layernorm.weight", lambda w: w),
-                   post_attn_norm=("post_attention_layernorm.weight", lambda w: w),
-                   post_mlp_norm=("post_feedforward_layernorm.weight", lambda w: w))
-  return mapping
+def _vector(c: TransformerConfig) -> tuple[int, ...]:
+  return (c.embed_dim,)
 
 
-def _to_hf_layer(name: str, w: np.ndarray) -> np.ndarray:
-  """Inverse of `_layer_mapping` for one layer's slice of our parameter `name`."""
-  if name in ("q_proj", "k_proj", "v_proj"):
-    return w.reshape(w.shape[0], -1).T
-  if name == "o_proj":
-    return w.reshape(-1, w.shape[-1]).T
-  if name in ("gate_proj", "up_proj", "down_proj"):
-    return w.T
-  if name in ("q_bias", "k_bias", "v_bias"):
-    return w.reshape(-1)
-  return w
+def _head_vector(c: TransformerConfig) -> tuple[int, ...]:
+  return (c.head_dim,)
+
+
+# The one table of per-layer tensors: import (safetensors and GGUF), export and the
+# expected shapes all read it. Gemma's post_attention_layernorm normalises the attention
+# output (LLaMA's is the norm before the MLP, which Gemma calls pre_feedforward_layernorm;
+# llama.cpp's `ffn_norm` is that pre-MLP norm in both).
+LAYER_TENSORS = (
+    LayerTensor("attn_norm", "input_layernorm.weight", "attn_norm.weight", _vector, _vector),
+    LayerTensor("mlp_norm", "post_attention_layernorm.weight", "ffn_norm.weight", _vector,
+                _vector, family="llama"),
+    LayerTensor("mlp_norm", "pre_feedforward_layernorm.weight", "ffn_norm.weight", _vector,
+                _vector, family="gemma"),
+    LayerTensor("post_attn_norm", "post_attention_layernorm.weight",
+                "post_attention_norm.weight", _vector, _vector, family="gemma"),
+    LayerTensor("post_mlp_norm", "post_feedforward_layernorm.weight", "post_ffw_norm.weight",
+                _vector, _vector, family="gemma"),
+    LayerTensor("q_proj", "self_attn.q_proj.weight", "attn_q.weight",
+                lambda c: (c.num_heads * c.head_dim, c.embed_dim),
+                lambda c: (c.embed_dim, c.num_heads, c.head_dim), transposed=True),
+    LayerTensor("k_proj", "self_attn.k_proj.weight", "attn_k.weight",
+                lambda c: (c.num_kv_heads * c.head_dim, c.embed_dim),
+                lambda c: (c.embed_dim, c.num_kv_heads, c.head_dim), transposed=True),
+    LayerTensor("v_proj", "self_attn.v_proj.weight", "attn_v.weight",
+                lambda c: (c.num_kv_heads * c.head_dim, c.embed_dim),
+                lambda c: (c.embed_dim, c.num_kv_heads, c.head_dim), transposed=True),
+    LayerTensor("o_proj", "self_attn.o_proj.weight", "attn_output.weight",
+                lambda c: (c.embed_dim, c.num_heads * c.head_dim),
+                lambda c: (c.num_heads, c.head_dim, c.embed_dim), transposed=True),
+    LayerTensor("gate_proj", "mlp.gate_proj.weight", "ffn_gate.weight",
+                lambda c: (c.mlp_dim, c.embed_dim), lambda c: (c.embed_dim, c.mlp_dim),
+                transposed=True),
+    LayerTensor("up_proj", "mlp.up_proj.weight", "ffn_up.weight",
+                lambda c: (c.mlp_dim, c.embed_dim), lambda c: (c.embed_dim, c.mlp_dim),
+                transposed=True),
+    LayerTensor("down_proj", "mlp.down_proj.weight", "ffn_down.weight",
+                lambda c: (c.embed_dim, c.mlp_dim), lambda c: (c.mlp_dim, c.embed_dim),
+                transposed=True),
+    LayerTensor("q_bias", "self_attn.q_proj.bias", "attn_q.bias",
+                lambda c: (c.num_heads * c.head_dim,), lambda c: (c.num_heads, c.head_dim),
+                needs="qkv_bias"),
+    LayerTensor("k_bias", "self_attn.k_proj.bias", "attn_k.bias",
+                lambda c: (c.num_kv_heads * c.head_dim,),
+                lambda c: (c.num_kv_heads, c.head_dim), needs="qkv_bias"),
+    LayerTensor("v_bias", "self_attn.v_proj.bias", "attn_v.bias",
+                lambda c: (c.num_kv_heads * c.head_dim,),
+                lambda c: (c.num_kv_heads, c.head_dim), needs="qkv_bias"),
+    LayerTensor("o_bias", "self_attn.o_proj.bias", "attn_output.bias", _vector, _vector,
+                needs="out_bias"),
+    LayerTensor("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight", _head_vector,
+                _head_vector, needs="qk_norm"),
+    LayerTensor("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight", _head_vector,
+                _head_vector, needs="qk_norm"),
+)
+
+
+def layer_tensors(c: TransformerConfig) -> tuple[LayerTensor, ...]:
+  """The per-layer tensors a model of `c` has."""
+  return tuple(t for t in LAYER_TENSORS if t.applies(c))
+
+
+def gguf_layer_names(gemma: bool) -> dict[str, str]:
+  """llama.cpp per-layer suffix -> Hugging Face suffix, over every optional tensor."""
+  family = "gemma" if gemma else "llama"
+  return {t.gguf: t.hf for t in LAYER_TENSORS if t.family in ("", family)}
 
 
 def hf_tensor_shapes(c: TransformerConfig,
@@ -644,8 +687,8 @@ def hf_tensor_shapes(c: TransformerConfig,
   ckpt_head = c.head if ckpt_head is None else ckpt_head
   expected = {"model.embed_tokens.weight": (c.vocab_size, c.embed_dim)}
   for i in range(c.num_layers):
-    for suffix, shape in _hf_layer_shapes(c).items():
-      expected[f"model.layers.{i}.{suffix}"] = shape
+    for t in layer_tensors(c):
+      expected[f"model.layers.{i}.{t.hf}"] = t.hf_shape(c)
   expected["model.norm.weight"] = (c.embed_dim,)
   if ckpt_head == "lm" and not c.tie_embeddings:
     expected["lm_head.weight"] = (c.vocab_size, c.embed_dim)
@@ -759,10 +802,10 @@ def from_hf_tensors(hf: Mapping[str, Any],
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
   put(model.embedding, tensors["model.embed_tokens.weight"])
   put(model.final_norm, tensors["model.norm.weight"])
-  for name, (suffix, convert) in _layer_mapping(config).items():
-    stacked = np.stack([convert(tensors[f"model.layers.{i}.{suffix}"])
+  for t in layer_tensors(config):
+    stacked = np.stack([t.to_ours(tensors[f"model.layers.{i}.{t.hf}"], config)
                         for i in range(config.num_layers)])
-    put(getattr(model.layers, name), stacked)
+    put(getattr(model.layers, t.ours), stacked)
   if config.head == "lm":
     if not config.tie_embeddings:
       put(model.lm_head, tensors["lm_head.weight"].T)
@@ -805,10 +848,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
 
   tensors = {"model.embed_tokens.weight": host(model.embedding),
              "model.norm.weight": host(model.final_norm)}
-  for name, (suffix, _) in _layer_mapping(c).items():
-    stacked = host(getattr(model.layers, name))
+  for t in layer_tensors(c):
+    stacked = host(getattr(model.layers, t.ours))
     for i in range(c.num_layers):
-      tensors[f"model.layers.{i}.{suffix}"] = _to_hf_layer(name, stacked[i])
+      tensors[f"model.layers.{i}.{t.hf}"] = t.to_hf(stacked[i], c)
   if c.head == "lm":
     if not c.tie_embeddings:
       tensors["lm_head.weight"] = host(model.lm_head).T

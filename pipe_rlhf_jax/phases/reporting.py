@@ -1,7 +1,7 @@
 """The end of a run: the Hugging Face export, the reward plot, samples and the summary.
 
 `report` turns a finished PPO phase into the run's files (process 0 alone writes them)
-and `train`'s `RunResult`; `planned_vs_measured` and `reward_summary` are its summary
+and `train`'s `JobResult`; `planned_vs_measured` and `reward_summary` are its summary
 lines; `export_policy` writes the export so that it replaces the previous one whole.
 Split from job.py, which owns the phases' order.
 """
@@ -21,7 +21,7 @@ from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.phases import heldout
-from pipe_rlhf_jax.phases.run_state import BuiltSystem, RunResult, RunSetup
+from pipe_rlhf_jax.phases.run_state import BuiltSystem, JobResult, RunSetup
 from pipe_rlhf_jax.runtime.tracing import Tracer, steady_step_time
 from pipe_rlhf_jax.system.settings import PlannedRun
 
@@ -85,7 +85,7 @@ def export_policy(model, export_dir: str) -> None:
 def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tracer,
            writer: metrics_lib.MetricsWriter, before: dict[str, heldout.HeldoutEval],
            after: dict[str, heldout.HeldoutEval],
-           start_time: float) -> RunResult:
+           start_time: float) -> JobResult:
   """The Hugging Face export, the reward plot, samples.txt, summary.txt; the result.
 
   `before` / `after`: the held-out evaluations before and after PPO by decoding
@@ -102,7 +102,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
   # pipe mode across processes); then only the writing process writes.
   actor = distributed.fetch(system.state.actor) if setup.role.trains else None
   if not setup.role.writes:
-    return RunResult(workdir=workdir, wall_s=time.perf_counter() - start_time,
+    return JobResult(workdir=workdir, wall_s=time.perf_counter() - start_time,
                      summary=f"process {distributed.process_index()}: the run's files "
                              "and summary are written by process 0",
                      samples_after=samples_after, tracer=tracer)
@@ -136,7 +136,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
                "before": before["sampled"].scores, "after": after["sampled"].scores,
                "per_prompt": {"before": before["sampled"].per_prompt,
                               "after": after["sampled"].per_prompt}}
-  return RunResult(
+  return JobResult(
       workdir=workdir, summary=summary_text, wall_s=wall, ppo_metrics=ppo_records,
       rm_eval=warm["rm_eval"],
       reward_stats=(dataclasses.asdict(built.reward_stats)

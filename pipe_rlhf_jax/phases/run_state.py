@@ -1,6 +1,6 @@
 """What a run is asked to do (`Experiment`), what it decided before it trains
 (`RunSetup`), what this process does in the job (`ProcessRole`), the PPO system it built
-(`BuiltSystem`) and what it returns (`RunResult`).
+(`BuiltSystem`) and what it returns (`JobResult`).
 
 The state `job.py` passes between its phases, in a module of its own below both the
 phases that read it (`phases.reporting`) and `job.py`, which fills it in. `Experiment`
@@ -191,7 +191,7 @@ class BuiltSystem:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunResult:
+class JobResult:
   """What `train` returns.
 
   Attributes:

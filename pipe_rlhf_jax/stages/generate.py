@@ -42,19 +42,19 @@ class GenerateStage:
   Args:
     layout: the generation stage's mesh and rules.
     graphdef: the actor's structure.
-    params: static sampling settings (length, temperature, top-k/p, EOS, pad).
+    sampling: static sampling settings (length, temperature, top-k/p, EOS, pad).
     num_microbatches: micro-batches of the pipelined decoder (used when pipe > 1).
     group_size: completions sampled per prompt.
     num_slots: 0 for one static batch; S > 0 for continuous batching over S slots.
   """
 
   def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
-               params: sampler.SamplingParams, num_microbatches: int = 1,
+               sampling: sampler.SamplingParams, num_microbatches: int = 1,
                group_size: int = 1, num_slots: int = 0):
     self.layout = layout
     self.group_size = group_size
     self.graphdef = graphdef
-    self.params = params
+    self.sampling = sampling
     self.num_microbatches = num_microbatches
     self.num_slots = num_slots
     self.pipe = layout.mesh.shape.get("pipe", 1)
@@ -63,7 +63,7 @@ class GenerateStage:
                        f"stages.generate.num_microbatches={num_microbatches}: the pipelined "
                        "decoder refills micro-batches of num_slots / num_microbatches rows.")
     if self.pipe == 1 and not num_slots:
-      self._prefill, self._decode = sampler.make_generate_fns(graphdef, params,
+      self._prefill, self._decode = sampler.make_generate_fns(graphdef, sampling,
                                                               group_size=group_size)
     self._engines: dict[int, object] = {}
 
@@ -90,13 +90,13 @@ class GenerateStage:
     prompts = self.layout.put_batch({k: batch[k] for k in ("prompt_tokens", "prompt_mask")})
     tokens, mask = prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool)
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
-    limits = budgets(batch, len(tokens), self.params.max_new_tokens)
+    limits = budgets(batch, len(tokens), self.sampling.max_new_tokens)
     metrics = {}
     if self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
       slots = self._pipe_slots(len(tokens))
       out, executed = pipelined.pipelined_generate(
-          self.graphdef, actor, tokens, mask, self.params, mesh=self.layout.mesh,
+          self.graphdef, actor, tokens, mask, self.sampling, mesh=self.layout.mesh,
           num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
           limits=self.layout.put_batch(limits), num_slots=slots, rules=self.layout.rules)
       if self.num_slots:
@@ -143,7 +143,7 @@ class GenerateStage:
     slots = self._slots(rows)
     if slots not in self._engines:
       spec = engine.EngineSpec(num_slots=slots, group_size=self.group_size)
-      self._engines[slots] = engine.make_engine_fn(self.graphdef, self.params, spec)
+      self._engines[slots] = engine.make_engine_fn(self.graphdef, self.sampling, spec)
     # The queue is read by every slot wherever it sits: replicated, not split over batch.
     prompts = put_global({k: np.asarray(queue[k]) for k in ("prompt_tokens", "prompt_mask")},
                          self.layout.replicated)

@@ -124,7 +124,7 @@ class RolloutStream:
     self.state = None
     self.slot_rows = np.full((self.spec.num_slots,), engine_lib.FREE)
     self._release = np.zeros((self.spec.num_slots,), bool)
-    self._step = engine_lib.make_step_fn(stage.graphdef, stage.params, self.spec)
+    self._step = engine_lib.make_step_fn(stage.graphdef, stage.sampling, self.spec)
     self._source_state: dict | None = None
     self._fetches = 0
 
@@ -152,7 +152,7 @@ class RolloutStream:
 
     def init(state):
       config = nnx.merge(stage.graphdef, state).config
-      return engine_lib.init_state(config, spec, stage.params, prompt_len, self.num_rows)
+      return engine_lib.init_state(config, spec, stage.sampling, prompt_len, self.num_rows)
 
     with stage.layout.rules_context():
       self.state = jax.jit(init)(params)
@@ -174,7 +174,7 @@ class RolloutStream:
       assigned.append(group_rows)
       rows[i * n:(i + 1) * n] = group_rows
       ids[i * n:(i + 1) * n] = int(r["index"]) * n + np.arange(n)
-    limits = np.full_like(ids, self.stage.params.max_new_tokens)
+    limits = np.full_like(ids, self.stage.sampling.max_new_tokens)
     for i, r in enumerate(records):  # a prompt's own budget (`GenerateStage`)
       if "max_new_tokens" in r:
         limits[i * n:(i + 1) * n] = min(int(r["max_new_tokens"]), limits[0])

@@ -13,7 +13,7 @@ import pytest
 
 from configs import quickstart
 from experiments import learning_curves as lc
-from pipe_rlhf_jax.phases.run_state import RunResult
+from pipe_rlhf_jax.phases.run_state import JobResult
 from pipe_rlhf_jax.runtime.tracing import Tracer
 
 
@@ -123,7 +123,7 @@ def test_summarise_run_reads_the_heldout_scores_of_eval_fn():
   config.runtime.mode = "sequential"
   rows = [{"step": s, "rule_reward/mean": acc, "reward/mean": 1.0 + s, "kl/mean": 0.1 * s}
           for s, acc in enumerate([0.2, 0.3, 0.4, 0.5, 0.6])]
-  result = RunResult(workdir="", summary="", wall_s=1.0, ppo_metrics=rows,
+  result = JobResult(workdir="", summary="", wall_s=1.0, ppo_metrics=rows,
                      rm_eval={"eval_accuracy": 0.9}, tracer=Tracer(),
                      heldout_before={"reverse_accuracy": 0.25},
                      heldout_after={"reverse_accuracy": 0.75}, heldout_prompts=2,

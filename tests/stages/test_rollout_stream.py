@@ -98,7 +98,7 @@ def test_batches_are_whole_groups_of_finished_completions_under_one_policy(actor
   for _ in range(6):
     batch = repeat_for_groups(next(source), 2)
     out = generate(nnx.merge(*actor), batch["prompt_tokens"], batch["prompt_mask"], T,
-                   rng=jax.random.key(0), eos_id=stream.stage.params.eos,
+                   rng=jax.random.key(0), eos_id=stream.stage.sampling.eos,
                    sample_ids=batch["index"])
     for row in range(len(batch["index"])):
       key = (batch["prompt_tokens"][row].tobytes(), int(batch["index"][row]) % 2)
