@@ -1,6 +1,6 @@
-"""Metrics output of a run: JSON lines, TensorBoard, W&B, progress bar, plots.
+"""Metrics output of a run: JSON lines, TensorBoard, W&B, the progress bar.
 
-Owns everything that turns per-step scalars into something a person reads:
+Owns the writing and reading of per-step scalars:
 
 * `to_python`: pulls a (possibly nested) dict of device scalars to the host in
   ONE `jax.device_get`, so logging never issues a transfer per scalar.
@@ -9,9 +9,9 @@ Owns everything that turns per-step scalars into something a person reads:
   mirrors scalars to TensorBoard (tensorboardX) and, if asked and installed,
   to Weights & Biases. Non-finite values never crash a run: they are written
   as JSON `null` and listed under `NONFINITE_KEY`.
-* `read_metrics`, `plot_reward_curve`, `format_summary`: reading the log back,
-  the reward-vs-step PNG and the end-of-run text; `drop_metrics`: removing the
-  rows a resumed run is about to write again (atomically).
+* `read_metrics`: reading the log back (the run's report draws and summarises it:
+  `phases/reporting.py`); `drop_metrics`: removing the rows a resumed run is about to
+  write again (atomically).
 * `ProgressBar`: a thin tqdm wrapper that shows a few live values; `say`: a milestone
   line printed whatever the logging verbosity (tagged with the process in multi-process
   jobs).
@@ -23,7 +23,6 @@ write from different threads; `write` is thread-safe) stay apart.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
@@ -31,12 +30,11 @@ import os
 import pathlib
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.checks import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +42,7 @@ METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIRNAME = "tensorboard"
 # Key under which a record lists the metrics whose value was NaN/inf.
 NONFINITE_KEY = "nonfinite_metrics"
-_RESERVED_KEYS = frozenset({"step", "phase", "time", NONFINITE_KEY})
+RESERVED_KEYS = frozenset({"step", "phase", "time", NONFINITE_KEY})
 
 PathLike = str | os.PathLike
 
@@ -208,7 +206,7 @@ class MetricsWriter:
         NONFINITE_KEY), a non-scalar value, or after `close()`.
     """
     values = to_python(metrics)
-    clash = _RESERVED_KEYS.intersection(values)
+    clash = RESERVED_KEYS.intersection(values)
     if clash:
       raise ValueError(
           f"metric names {sorted(clash)} are reserved for the record itself; "
@@ -279,7 +277,7 @@ class MetricsWriter:
     self.close()
 
 
-def _resolve_metrics_path(path: PathLike) -> pathlib.Path:
+def resolve_metrics_path(path: PathLike) -> pathlib.Path:
   p = pathlib.Path(path)
   return p / METRICS_FILENAME if p.is_dir() else p
 
@@ -299,7 +297,7 @@ def read_metrics(path: PathLike) -> list[dict[str, Any]]:
     ValueError: if a line other than the last is not valid JSON. A broken
       last line (a crash in the middle of a write) is skipped with a warning.
   """
-  p = _resolve_metrics_path(path)
+  p = resolve_metrics_path(path)
   if not p.exists():
     raise FileNotFoundError(f"no metrics log at {p}")
   lines = p.read_text(encoding="utf-8").splitlines()
@@ -338,7 +336,7 @@ def drop_metrics(path: PathLike, drop: Callable[[Mapping[str, Any]], bool]) -> i
   Raises:
     ValueError: if a line other than the last is not valid JSON (nothing is changed).
   """
-  p = _resolve_metrics_path(path)
+  p = resolve_metrics_path(path)
   if not p.exists():
     return 0
   lines = p.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -364,99 +362,6 @@ def drop_metrics(path: PathLike, drop: Callable[[Mapping[str, Any]], bool]) -> i
       os.fsync(f.fileno())
     os.replace(tmp, p)
   return removed
-
-
-def _series(
-    records: Iterable[Mapping[str, Any]], key: str, phase: str | None
-) -> tuple[np.ndarray, np.ndarray]:
-  """Returns (steps, values) for `key`, skipping records without a value."""
-  steps, values = [], []
-  for r in records:
-    if phase is not None and r.get("phase") != phase:
-      continue
-    v = r.get(key)
-    if v is None:
-      continue
-    steps.append(r["step"])
-    values.append(float(v))
-  return np.asarray(steps, np.int64), np.asarray(values, np.float64)
-
-
-def moving_average(values: np.ndarray, window: int) -> np.ndarray:
-  """Trailing moving average; the first points average what exists so far.
-
-  Args:
-    values: 1-D series. # [n]
-    window: Number of points averaged (>= 1).
-
-  Returns:
-    Smoothed series of the same length. # [n]
-  """
-  check_int(window, "window")
-  values = np.asarray(values, np.float64)
-  csum = np.concatenate([[0.0], np.cumsum(values)])
-  idx = np.arange(1, len(values) + 1)
-  lo = np.maximum(idx - window, 0)
-  return (csum[idx] - csum[lo]) / (idx - lo)
-
-
-def plot_reward_curve(
-    metrics_jsonl: PathLike,
-    png_path: PathLike,
-    key: str = "reward/mean",
-    phase: str = "ppo",
-    smoothing_window: int | None = None,
-) -> pathlib.Path:
-  """Plots `key` against step (raw and smoothed) to a PNG.
-
-  Args:
-    metrics_jsonl: Metrics log file (or the workdir containing it).
-    png_path: Output image path; parent directories are created.
-    key: Metric to plot.
-    phase: Only records of this phase are used.
-    smoothing_window: Moving-average window; default ~1/10 of the points.
-
-  Returns:
-    The path of the written PNG.
-
-  Raises:
-    ValueError: if no record of `phase` has a finite value for `key` (the
-      message lists the keys that do exist).
-  """
-  # The Agg canvas directly, not pyplot: no global backend switch (a notebook keeps
-  # plotting inline after a run), no display needed, and safe from any thread.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-
-  records = read_metrics(metrics_jsonl)
-  steps, values = _series(records, key, phase)
-  if steps.size == 0:
-    available = sorted(
-        {k for r in records if r.get("phase") == phase for k in r}
-        - _RESERVED_KEYS
-    )
-    raise ValueError(
-        f"no finite values of {key!r} in phase {phase!r} of "
-        f"{_resolve_metrics_path(metrics_jsonl)}; keys present: {available}"
-    )
-  window = smoothing_window or max(1, len(values) // 10)
-  smooth = moving_average(values, window)
-
-  png_path = pathlib.Path(png_path)
-  png_path.parent.mkdir(parents=True, exist_ok=True)
-  fig = Figure(figsize=(7, 4))
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot(1, 1, 1)
-  ax.plot(steps, values, alpha=0.35, lw=1, label="raw")
-  ax.plot(steps, smooth, lw=2, label=f"moving average ({window})")
-  ax.set_xlabel("step")
-  ax.set_ylabel(key)
-  ax.set_title(f"{key} ({phase})")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(png_path, dpi=100)
-  return png_path
 
 
 class ProgressBar:
@@ -521,83 +426,6 @@ class ProgressBar:
     self.close()
 
 
-def _format_duration(seconds: float) -> str:
-  return str(datetime.timedelta(seconds=round(seconds)))
-
-
-def format_summary(
-    metrics: PathLike | Sequence[Mapping[str, Any]],
-    *,
-    key: str = "reward/mean",
-    phase: str = "ppo",
-    num_avg: int = 5,
-    wall_time_s: float | None = None,
-    metrics_path: PathLike | None = None,
-    tensorboard_dir: PathLike | None = None,
-    checkpoint_dir: PathLike | None = None,
-    plot_path: PathLike | None = None,
-    export_dir: PathLike | None = None,
-    extra: Mapping[str, Any] | None = None,
-) -> str:
-  """Builds the end-of-run text.
-
-  Args:
-    metrics: The metrics log path / workdir, or already-read records.
-    key: Metric compared at start and end.
-    phase: Phase whose records are used for `key`.
-    num_avg: Start/end values are means over the first/last `num_avg` points
-      (fewer if the run is short), so one noisy batch does not decide it.
-    wall_time_s: Run wall time; default is the time span of the records.
-    metrics_path: Where the metrics log is (default: `metrics` if a path).
-    tensorboard_dir: TensorBoard directory, if any.
-    checkpoint_dir: Checkpoint directory, if any.
-    plot_path: Reward plot PNG, if any.
-    export_dir: Exported model directory, if any.
-    extra: More "label: value" lines appended at the end.
-
-  Returns:
-    Multi-line human-readable summary.
-  """
-  check_int(num_avg, "num_avg")
-  if isinstance(metrics, (str, os.PathLike)):
-    if metrics_path is None:
-      metrics_path = _resolve_metrics_path(metrics)
-    records = read_metrics(metrics)
-  else:
-    records = list(metrics)
-
-  lines = ["Run summary"]
-  steps, values = _series(records, key, phase)
-  if values.size:
-    k = min(num_avg, values.size)
-    start, end = values[:k].mean(), values[-k:].mean()
-    lines.append(
-        f"  {key} ({phase}): start {start:.4f} -> end {end:.4f} "
-        f"(change {end - start:+.4f}; means of first/last {k} of "
-        f"{values.size} logged steps, steps {steps[0]}..{steps[-1]})"
-    )
-  else:
-    lines.append(f"  {key} ({phase}): not logged")
-  if wall_time_s is None and records:
-    times = [r["time"] for r in records if "time" in r]
-    wall_time_s = max(times) - min(times) if times else None
-  if wall_time_s is not None:
-    lines.append(f"  wall time: {_format_duration(wall_time_s)} "
-                 f"({wall_time_s:.1f} s)")
-  for label, where in (
-      ("metrics", metrics_path),
-      ("tensorboard", tensorboard_dir),
-      ("checkpoints", checkpoint_dir),
-      ("reward plot", plot_path),
-      ("exported model", export_dir),
-  ):
-    if where is not None:
-      lines.append(f"  {label}: {where}")
-  for label, value in (extra or {}).items():
-    lines.append(f"  {label}: {value}")
-  return "\n".join(lines)
-
-
 class SecondaryWriter:
   """The metrics writer of a process other than the primary in a multi-process job.
 
@@ -618,7 +446,7 @@ class SecondaryWriter:
   def write(self, step: int, metrics: Mapping[str, Any], phase: str = "ppo"
             ) -> dict[str, Any]:
     values = to_python(metrics)
-    clash = _RESERVED_KEYS.intersection(values)
+    clash = RESERVED_KEYS.intersection(values)
     if clash:
       raise ValueError(f"metric names {sorted(clash)} are reserved for the record itself; "
                        "rename them.")
