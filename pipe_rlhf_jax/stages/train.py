@@ -56,6 +56,7 @@ completion positions, whichever are fewer (`stages.common.packed_completion_logp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from flax import nnx, struct
@@ -211,6 +212,222 @@ def logprob_gap(logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Ar
   return {"logprob_gap/max": jnp.max(gap), "logprob_gap/mean": jnp.sum(gap) / count}
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+  """What one PPO update's pure functions close over: the settings, the models'
+  structures and the optimizers (static for the jitted update)."""
+
+  hyper: PPOHyper
+  actor_graphdef: nnx.GraphDef
+  critic_graphdef: nnx.GraphDef | None
+  actor_tx: optax.GradientTransformation
+  critic_tx: optax.GradientTransformation | None
+
+  @property
+  def has_critic(self) -> bool:
+    return self.critic_graphdef is not None
+
+
+def actor_loss(spec: UpdateSpec, mb: dict, actor: nnx.State) -> tuple[jax.Array, dict]:
+  """The actor's loss on one minibatch (`objective.actor_objective`) and its metrics.
+
+  `mb["rollout"]` is a Rollout of [minibatch, ...] arrays; `mb["plan"]` its PackPlan when
+  training packed (the same [minibatch, T] log-probs, computed over the packed rows).
+  """
+  h, gd, r = spec.hyper, spec.actor_graphdef, mb["rollout"]
+  mask, plan = r.completion_mask, mb.get("plan")
+  if plan is None:
+    logprobs, entropy = completion_logprobs(
+        gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens, mask,
+        temperature=h.temperature, return_entropy=True)
+  else:
+    logprobs, entropy = packed_completion_logprobs(
+        gd, actor, plan, r.prompt_tokens, r.completion_tokens, mask,
+        temperature=h.temperature, return_entropy=True)
+  ptx_nll = None
+  if h.ptx_coef:
+    d = mb["ptx"]
+    ptx_nll = completion_nll(gd, actor, d.prompt_tokens, d.prompt_mask, d.completion_tokens,
+                             d.completion_mask)
+  loss, aux = objective.actor_objective(
+      logprobs, entropy, mb["old_logprobs"], mb["advantages"], mask, h,
+      behaviour_logprobs=r.behaviour_logprobs, start_logprobs=mb.get("start_logprobs"),
+      ref_logprobs=mb.get("ref_logprobs"), ptx_nll=ptx_nll)
+  return loss, {**aux, **logprob_gap(logprobs, r.behaviour_logprobs, mask)}
+
+
+def critic_loss(spec: UpdateSpec, mb: dict, critic: nnx.State) -> tuple[jax.Array, dict]:
+  """The critic's value loss on one minibatch (`objective.critic_objective`)."""
+  gd, r, plan = spec.critic_graphdef, mb["rollout"], mb.get("plan")
+  mask = r.completion_mask
+  if plan is None:
+    values = completion_values(gd, critic, r.prompt_tokens, r.prompt_mask,
+                               r.completion_tokens, mask)
+  else:
+    values = packed_completion_values(gd, critic, plan, r.prompt_tokens,
+                                      r.completion_tokens, mask)
+  return objective.critic_objective(values, mb["values"], mb["returns"], mask, spec.hyper)
+
+
+def gradient_step(spec: UpdateSpec, state: ActorCriticState, mb: dict
+                  ) -> tuple[ActorCriticState, dict]:
+  """One optimizer step of the actor (and critic) on a minibatch, skipped (and counted
+  in `bad_update`) where the loss or gradients are not finite."""
+  (a_loss, a_aux), a_grads = jax.value_and_grad(
+      functools.partial(actor_loss, spec, mb), has_aux=True)(state.actor)
+  actor, actor_opt, ok, a_norm = apply_if_finite(
+      spec.actor_tx, state.actor, state.actor_opt, a_grads, a_loss)
+  metrics = {**a_aux, "actor_grad_norm": a_norm}
+  new = state.replace(actor=actor, actor_opt=actor_opt)
+  if spec.has_critic:
+    (c_loss, c_aux), c_grads = jax.value_and_grad(
+        functools.partial(critic_loss, spec, mb), has_aux=True)(state.critic)
+    critic, critic_opt, c_ok, c_norm = apply_if_finite(
+        spec.critic_tx, state.critic, state.critic_opt, c_grads, c_loss)
+    metrics.update(c_aux, critic_grad_norm=c_norm)
+    new = new.replace(critic=critic, critic_opt=critic_opt)
+    ok = ok & c_ok
+  metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
+  return new, metrics
+
+
+def minibatch_step(spec: UpdateSpec, carry, mb: dict):
+  """One gradient step, or none once the update has stopped early (`target_kl`).
+
+  The carry is (state, stopped); a stopped update skips the remaining steps' work
+  (`lax.cond`), and the step whose starting KL passes 1.5 x target_kl is measured but
+  not applied (the usual early stop). Metrics come with `ran`: 1 for the steps that were
+  computed, whose means are reported.
+  """
+  state, stopped = carry
+  target_kl = spec.hyper.target_kl
+  if not target_kl:
+    new, metrics = gradient_step(spec, state, mb)
+    return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
+
+  def run(state):
+    new, metrics = gradient_step(spec, state, mb)
+    over = objective.early_stop(metrics["kl_from_start"], target_kl)
+    new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
+    return new, metrics, over
+
+  shapes = jax.eval_shape(lambda s: run(s)[1], state)
+
+  def skip(state):
+    return (state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+            jnp.ones((), bool))
+
+  new, metrics, over = jax.lax.cond(stopped, skip, run, state)
+  ran = 1.0 - stopped.astype(jnp.float32)
+  return (new, stopped | over), {**metrics, "ran": ran}
+
+
+def proximal_pass(spec: UpdateSpec, state: ActorCriticState, exp: Experience,
+                  packed: dict | None) -> tuple[Experience, jax.Array, jax.Array, dict]:
+  """The update's starting actor over the whole batch (the proximal policy), when the
+  settings need it (`hyper.proximal_pass`).
+
+  Returns the experience (targets re-derived at the proximal policy under
+  `kl_policy="proximal"`), the log-probs the ratio divides by (the proximal ones for the
+  decoupled loss, else the behaviour ones), the proximal log-probs (None without the
+  pass) and extra metrics.
+  """
+  h, r = spec.hyper, exp.rollout
+  if not h.proximal_pass:
+    return exp, exp.old_logprobs, None, {}
+  # The proximal policy is the trainer's actor as the update starts, which may be several
+  # versions ahead of the behaviour policy that sampled the rollout.
+  if packed is None:
+    prox = completion_logprobs(spec.actor_graphdef, state.actor, r.prompt_tokens,
+                               r.prompt_mask, r.completion_tokens, r.completion_mask,
+                               temperature=h.temperature)
+  else:
+    prox = packed_completion_logprobs(spec.actor_graphdef, state.actor, packed["whole"],
+                                      r.prompt_tokens, r.completion_tokens,
+                                      r.completion_mask, temperature=h.temperature)
+  old_logprobs = prox if h.loss == "decoupled_ppo_clip" else exp.old_logprobs
+  extra = {}
+  if h.kl_policy == "proximal":
+    # The KL-regularised objective penalises the KL of the policy being optimised; the
+    # behaviour policy's lags it by the rollout's staleness, a delayed restoring force
+    # that lets full (decoupled) steps overshoot.
+    exp = derive_targets(h.targets, r, prox, exp.ref_logprobs, exp.values, exp.scores,
+                         exp.kl_coef)
+  if exp.ref_logprobs is not None:
+    # The rewards' KL term at the proximal policy, beside the behaviour policy's
+    # `kl/mean`: on behaviour-sampled tokens, with k1, their difference estimates
+    # KL(behaviour || proximal), how far the trainer has moved since sampling.
+    kl = kl_penalty(prox, exp.ref_logprobs, r.completion_mask, h.kl_estimator)
+    extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
+  return exp, old_logprobs, prox, extra
+
+
+def update_fn(spec: UpdateSpec, state: ActorCriticState, exp: Experience, rng: jax.Array,
+              ptx: PtxBatch | None = None, packed: dict | None = None):
+  """One PPO update: epochs x minibatches of `minibatch_step` as nested scans. Pure.
+
+  `packed` (packed training only): "index" int [epochs, minibatches, minibatch], the rows
+  of every minibatch (`epoch_rows` of this update's keys); "plans", their PackPlans with
+  leading [epochs, minibatches]; "whole", the whole batch's plan for the proximal pass
+  (None without one). None: the padded path.
+
+  Returns the new state and the update's metrics (means over the gradient steps run).
+  """
+  h, r = spec.hyper, exp.rollout
+  exp, old_logprobs, prox_logprobs, extra = proximal_pass(spec, state, exp, packed)
+  # Every leaf is [batch, ...] so minibatches can be gathered uniformly. (A batch of
+  # partial rollouts carries a version per token already.)
+  per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version,
+                                                         r.completion_tokens.shape))
+  data = {"rollout": per_sample, "old_logprobs": old_logprobs,
+          "advantages": exp.advantages}
+  if spec.has_critic:
+    data.update(values=exp.values, returns=exp.returns)
+  if h.kl_loss_coef:
+    data["ref_logprobs"] = exp.ref_logprobs
+  if h.target_kl:
+    data["start_logprobs"] = prox_logprobs
+  batch = r.prompt_tokens.shape[0]
+  index = plans = None
+  if packed is not None:
+    index, plans = packed["index"], packed["plans"]
+
+  def epoch(carry, xs):
+    epoch_rng, epoch_ptx, epoch_index, epoch_plans = xs
+    # [M, minibatch]: drawn here on the padded path, before the update when packed.
+    perm = epoch_rows(epoch_rng, batch, h) if epoch_index is None else epoch_index
+    mbs = jax.tree.map(lambda x: x[perm], data)
+    if epoch_ptx is not None:
+      mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
+    if epoch_plans is not None:
+      mbs["plan"] = epoch_plans  # leaves [M, rows, L] / [M, minibatch, ...]
+    return jax.lax.scan(functools.partial(minibatch_step, spec), carry, mbs)
+
+  (state, stopped), metrics = jax.lax.scan(
+      epoch, (state, jnp.zeros((), bool)),
+      (jax.random.split(rng, h.epochs), ptx, index, plans))
+  # The first gradient step's forward ran at the update's starting weights: its gap to
+  # the behaviour log-probs is the sampler-trainer mismatch (plus the policy's drift when
+  # the batch is stale), measured on one minibatch for free.
+  gap = {k: metrics.pop(k)[0, 0] for k in LOGPROB_GAP_KEYS}
+  if prox_logprobs is not None:  # the whole batch at the same weights, already computed
+    gap = logprob_gap(prox_logprobs, r.behaviour_logprobs, r.completion_mask)
+  # Means over the gradient steps that ran (all of them without target_kl).
+  ran = metrics.pop("ran")
+  metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
+  metrics["bad_updates"] = metrics.pop("bad_update") * jnp.sum(ran)
+  if h.target_kl:
+    # Gradient steps taken: the ones that ran, less the one that stopped.
+    metrics["early_stop"] = stopped.astype(jnp.float32)
+    metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
+  metrics.update(extra)
+  metrics.update(gap)
+  if plans is not None:
+    # Real tokens over packed slots, all the update's minibatches together.
+    metrics[PACK_FILL_KEY] = jnp.mean((plans.segment_ids != 0).astype(jnp.float32))
+  return state.replace(step=state.step + 1), metrics
+
+
 class TrainStage:
   """Builds and runs the jitted PPO update on the training mesh.
 
@@ -292,180 +509,14 @@ class TrainStage:
     return init(actor, critic)
 
   def _build_update(self, state: ActorCriticState):
-    h = self.hyper
-    actor_gd, critic_gd = self.actor_graphdef, self.critic_graphdef
-    decoupled = h.loss == "decoupled_ppo_clip"
-    has_critic = self.has_critic
+    spec = UpdateSpec(hyper=self.hyper, actor_graphdef=self.actor_graphdef,
+                      critic_graphdef=self.critic_graphdef, actor_tx=self.actor_tx,
+                      critic_tx=self.critic_tx)
     layout = self.layout
 
-    def gradient_step(state: ActorCriticState, mb: dict):
-      r = mb["rollout"]  # a Rollout whose arrays are [minibatch, ...]
-      mask = r.completion_mask
-      plan = mb.get("plan")  # the minibatch's PackPlan ([rows, L] ...), None: padded
-
-      def actor_loss(actor):
-        if plan is None:
-          logprobs, entropy = completion_logprobs(
-              actor_gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens,
-              mask, temperature=h.temperature, return_entropy=True)
-        else:  # the same [minibatch, T] arrays, computed over the packed rows
-          logprobs, entropy = packed_completion_logprobs(
-              actor_gd, actor, plan, r.prompt_tokens, r.completion_tokens, mask,
-              temperature=h.temperature, return_entropy=True)
-        ptx_nll = None
-        if h.ptx_coef:
-          d = mb["ptx"]
-          ptx_nll = completion_nll(actor_gd, actor, d.prompt_tokens, d.prompt_mask,
-                                   d.completion_tokens, d.completion_mask)
-        loss, aux = objective.actor_objective(
-            logprobs, entropy, mb["old_logprobs"], mb["advantages"], mask, h,
-            behaviour_logprobs=r.behaviour_logprobs, start_logprobs=mb.get("start_logprobs"),
-            ref_logprobs=mb.get("ref_logprobs"), ptx_nll=ptx_nll)
-        return loss, {**aux, **logprob_gap(logprobs, r.behaviour_logprobs, mask)}
-
-      def critic_loss(critic):
-        if plan is None:
-          values = completion_values(critic_gd, critic, r.prompt_tokens, r.prompt_mask,
-                                     r.completion_tokens, mask)
-        else:
-          values = packed_completion_values(critic_gd, critic, plan, r.prompt_tokens,
-                                            r.completion_tokens, mask)
-        return objective.critic_objective(values, mb["values"], mb["returns"], mask, h)
-
-      (a_loss, a_aux), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(state.actor)
-      actor, actor_opt, a_ok, a_norm = apply_if_finite(
-          self.actor_tx, state.actor, state.actor_opt, a_grads, a_loss)
-      metrics = {**a_aux, "actor_grad_norm": a_norm}
-      new = state.replace(actor=actor, actor_opt=actor_opt)
-      ok = a_ok
-      if has_critic:
-        (c_loss, c_aux), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(
-            state.critic)
-        critic, critic_opt, c_ok, c_norm = apply_if_finite(
-            self.critic_tx, state.critic, state.critic_opt, c_grads, c_loss)
-        metrics.update(c_aux, critic_grad_norm=c_norm)
-        new = new.replace(critic=critic, critic_opt=critic_opt)
-        ok = a_ok & c_ok
-      metrics["bad_update"] = 1.0 - ok.astype(jnp.float32)
-      return new, metrics
-
-    def minibatch_step(carry, mb: dict):
-      """One gradient step, or none once the update has stopped early (`target_kl`).
-
-      The carry is (state, stopped); a stopped update skips the remaining steps' work
-      (`lax.cond`), and the step whose starting KL passes 1.5 x target_kl is measured
-      but not applied (the usual early stop). Metrics come with `ran`: 1 for the steps
-      that were computed, whose means are reported.
-      """
-      state, stopped = carry
-      if not h.target_kl:
-        new, metrics = gradient_step(state, mb)
-        return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
-
-      def run(state):
-        new, metrics = gradient_step(state, mb)
-        over = objective.early_stop(metrics["kl_from_start"], h.target_kl)
-        new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
-        return new, metrics, over
-
-      shapes = jax.eval_shape(lambda s: run(s)[1], state)
-
-      def skip(state):
-        return (state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
-                jnp.ones((), bool))
-
-      new, metrics, over = jax.lax.cond(stopped, skip, run, state)
-      ran = 1.0 - stopped.astype(jnp.float32)
-      return (new, stopped | over), {**metrics, "ran": ran}
-
-    def update(state: ActorCriticState, exp: Experience, rng: jax.Array,
-               ptx: PtxBatch | None = None, packed: dict | None = None):
-      # `packed` (packed training only): "index" int [epochs, minibatches, minibatch],
-      # the rows of every minibatch (`epoch_rows` of this update's keys); "plans", their
-      # PackPlans with leading [epochs, minibatches]; "whole", the whole batch's plan
-      # for the proximal pass (None without one). None: the padded path.
+    def update(state, exp, rng, ptx, packed):
       with layout.rules_context():
-        r = exp.rollout
-        proximal = h.kl_policy == "proximal"
-        old_logprobs = exp.old_logprobs
-        extra = {}
-        if h.proximal_pass:
-          # The proximal policy is the trainer's actor as the update starts, which may be
-          # several versions ahead of the behaviour policy that sampled the rollout.
-          if packed is None:
-            prox_logprobs = completion_logprobs(
-                actor_gd, state.actor, r.prompt_tokens, r.prompt_mask,
-                r.completion_tokens, r.completion_mask, temperature=h.temperature)
-          else:
-            prox_logprobs = packed_completion_logprobs(
-                actor_gd, state.actor, packed["whole"], r.prompt_tokens,
-                r.completion_tokens, r.completion_mask, temperature=h.temperature)
-          if decoupled:
-            old_logprobs = prox_logprobs
-          if proximal:
-            # The KL-regularised objective penalises the KL of the policy being
-            # optimised; the behaviour policy's lags it by the rollout's staleness, a
-            # delayed restoring force that lets full (decoupled) steps overshoot.
-            exp = derive_targets(h.targets, r, prox_logprobs, exp.ref_logprobs,
-                                 exp.values, exp.scores, exp.kl_coef)
-          if exp.ref_logprobs is not None:
-            # The rewards' KL term at the proximal policy, beside the behaviour policy's
-            # `kl/mean`: on behaviour-sampled tokens, with k1, their difference estimates
-            # KL(behaviour || proximal), how far the trainer has moved since sampling.
-            kl = kl_penalty(prox_logprobs, exp.ref_logprobs, r.completion_mask,
-                            h.kl_estimator)
-            extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
-        # Every leaf is [batch, ...] so minibatches can be gathered uniformly.
-        # (A batch of partial rollouts carries a version per token already.)
-        per_sample = r.replace(policy_version=jnp.broadcast_to(
-            r.policy_version, r.completion_tokens.shape))
-        data = {"rollout": per_sample, "old_logprobs": old_logprobs,
-                "advantages": exp.advantages}
-        if has_critic:
-          data.update(values=exp.values, returns=exp.returns)
-        if h.kl_loss_coef:
-          data["ref_logprobs"] = exp.ref_logprobs
-        if h.target_kl:
-          data["start_logprobs"] = prox_logprobs
-        batch = r.prompt_tokens.shape[0]
-        index = plans = None
-        if packed is not None:
-          index, plans = packed["index"], packed["plans"]
-
-        def epoch(carry, xs):
-          epoch_rng, epoch_ptx, epoch_index, epoch_plans = xs
-          # [M, minibatch]: drawn here on the padded path, before the update when packed.
-          perm = epoch_rows(epoch_rng, batch, h) if epoch_index is None else epoch_index
-          mbs = jax.tree.map(lambda x: x[perm], data)
-          if epoch_ptx is not None:
-            mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
-          if epoch_plans is not None:
-            mbs["plan"] = epoch_plans  # leaves [M, rows, L] / [M, minibatch, ...]
-          return jax.lax.scan(minibatch_step, carry, mbs)
-
-        (state, stopped), metrics = jax.lax.scan(
-            epoch, (state, jnp.zeros((), bool)),
-            (jax.random.split(rng, h.epochs), ptx, index, plans))
-        # The first gradient step's forward ran at the update's starting weights: its
-        # gap to the behaviour log-probs is the sampler-trainer mismatch (plus the
-        # policy's drift when the batch is stale), measured on one minibatch for free.
-        gap = {k: metrics.pop(k)[0, 0] for k in LOGPROB_GAP_KEYS}
-        if h.proximal_pass:  # the whole batch at the same weights, already computed
-          gap = logprob_gap(prox_logprobs, r.behaviour_logprobs, r.completion_mask)
-        # Means over the gradient steps that ran (all of them without target_kl).
-        ran = metrics.pop("ran")
-        metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)
-        metrics["bad_updates"] = metrics.pop("bad_update") * jnp.sum(ran)
-        if h.target_kl:
-          # Gradient steps taken: the ones that ran, less the one that stopped.
-          metrics["early_stop"] = stopped.astype(jnp.float32)
-          metrics["gradient_steps"] = jnp.sum(ran) - metrics["early_stop"]
-        metrics.update(extra)
-        metrics.update(gap)
-        if plans is not None:
-          # Real tokens over packed slots, all the update's minibatches together.
-          metrics[PACK_FILL_KEY] = jnp.mean((plans.segment_ids != 0).astype(jnp.float32))
-        return state.replace(step=state.step + 1), metrics
+        return update_fn(spec, state, exp, rng, ptx, packed)
 
     shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(update, donate_argnums=(0,),
