@@ -16,7 +16,7 @@ export/ (the final policy in Hugging Face format) and summary.txt.
 `run` runs five phases: `set_up` (choose the devices, build and check the stage layouts
 on abstract parameters, read where a resume starts: all before any data are built),
 `open_metrics` + `build_data` + the warm start (`phases.warm_start`), `build_system` (the
-one place the PPO system is constructed), `phases.ppo_loop` (`restore_ppo` + `run_ppo`),
+one place the PPO system is constructed), `phases.ppo_loop` (`restore_ppo` + `PPOLoop`),
 and `phases.reporting.report` (with `phases.heldout`'s greedy answers before and after
 PPO).
 
@@ -610,8 +610,8 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
     before = evaluate(setup.start)
     end = settings.ppo.steps if stop_after is None else min(stop_after, settings.ppo.steps)
     set_activity(f"PPO step {setup.start}")
-    tracer = ppo_loop.run_ppo(setup, built.system, data["prompts"], writer, end, progress,
-                     signals)
+    tracer = ppo_loop.PPOLoop(setup, built.system, data["prompts"], writer, end, progress,
+                              signals).run()
     return reporting.report(setup, built, warm, tracer, writer, before, evaluate(end),
                             start_time)
   finally:

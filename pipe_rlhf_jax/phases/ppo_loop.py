@@ -1,6 +1,6 @@
 """PPO's loop inside the main job: steps, metrics rows, checkpoints and every way it stops.
 
-Owns `run_ppo` (the steps [start, end) of a run under a signal handler and a progress
+Owns `PPOLoop` (the steps [start, end) of a run under a signal handler and a progress
 watchdog: a metrics row every `log.every` steps, a checkpoint every `checkpoint.every`,
 the stop at a step boundary every checkpointing process agrees on, the final save of a
 stalled or interrupted run), `restore_ppo` (a resume's newest checkpoint into the
@@ -128,9 +128,7 @@ class WriteFence:
                   "the run's files anyway.", timeout_s)
 
 
-def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
-            writer: metrics_lib.MetricsWriter, end: int, progress: bool,
-            signals: SignalHandler) -> Tracer:
+class PPOLoop:
   """PPO steps [setup.start, end): metrics rows, progress, checkpoints, stops.
 
   A metrics row is written every `log.every` steps and at the last step of the schedule;
@@ -143,68 +141,92 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
   (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
   step is saved first when the trainer state is whole (the stuck stage is not the
   update) and only this process holds it.
-  """
-  settings = setup.experiment.settings
-  start, checkpointer = setup.start, setup.checkpointer
-  feed = DataFeed(prompts, vocab_size=system.vocab_size)
-  tracer = Tracer()
-  bar = metrics_lib.ProgressBar(end - start, desc=f"ppo[{system.mode}]",
-                                keys=("reward/mean", "rule_reward/mean", "kl/mean"),
-                                disable=not progress or not setup.role.writes)
-  plan = plan_of(setup.runtime, setup.devices)
-  fields = ckpt_lib.fingerprinted_fields(digests.with_content(settings.to_dict(),
-                                                               setup.data_files))
-  fence = WriteFence()
 
-  def save(step: int) -> None:
-    state = system.checkpoint_state()
+  Its steps, in the order a run meets them: `run` starts the watchdog and the modes'
+  loop; `on_step` records each finished step (row, bar, checkpoint, heartbeat); `save`
+  writes one checkpoint; on a stall `on_stall` hands the error to the main thread and,
+  if the process is about to end, `on_exit` saves what it may; `save_last` is the final
+  checkpoint of a stopped run.
+  """
+
+  def __init__(self, setup: RunSetup, system: PPOSystem, prompts,
+               writer: metrics_lib.MetricsWriter, end: int, progress: bool,
+               signals: SignalHandler):
+    self.setup, self.system, self.prompts, self.writer = setup, system, prompts, writer
+    self.start, self.end, self.progress, self.signals = setup.start, end, progress, signals
+    self.settings = setup.experiment.settings
+    self.feed = DataFeed(prompts, vocab_size=system.vocab_size)
+    self.tracer = Tracer()
+    self.bar = metrics_lib.ProgressBar(end - self.start, desc=f"ppo[{system.mode}]",
+                                       keys=("reward/mean", "rule_reward/mean", "kl/mean"),
+                                       disable=not progress or not setup.role.writes)
+    self.plan = plan_of(setup.runtime, setup.devices)
+    self.fields = ckpt_lib.fingerprinted_fields(digests.with_content(
+        self.settings.to_dict(), setup.data_files))
+    self.fence = WriteFence()
+    # The newest step on disk: a resumed run starts with its checkpoint already written.
+    self.last_saved = self.start - 1
+    self.stalled_in_update = False
+    self.watchdog = Watchdog(setup.deadline, lambda: describe_stall(self.tracer),
+                             self.on_stall, self.on_exit)
+
+  def save(self, step: int) -> None:
+    """The checkpoint of `step`: the trainer state, the plan and the data position."""
+    setup = self.setup
+    state = self.system.checkpoint_state()
     if setup.role.across:
       # Orbax refuses device arrays held by one process of a multi-process job; host
       # copies are written by process 0 and restored straight onto the devices.
       state = distributed.fetch(state)
-    checkpointer.save(step, state, metadata={
-        **system.checkpoint_metadata(), "step": step, "config_fingerprint": setup.fingerprint,
-        "config": fields, "plan": plan, "data_state": feed.state_before(step + 1),
-        "data_files": setup.data_files})
+    setup.checkpointer.save(step, state, metadata={
+        **self.system.checkpoint_metadata(), "step": step,
+        "config_fingerprint": setup.fingerprint, "config": self.fields, "plan": self.plan,
+        "data_state": self.feed.state_before(step + 1), "data_files": setup.data_files})
 
-  # The newest step on disk: a resumed run starts with its checkpoint already written.
-  last_saved = [start - 1]
-
-  def on_step(step: int, metrics: dict) -> None:
-    with fence.open():
-      metrics["data/" + "skipped"] = float(sum(v for k, v in prompts.stats().items()
+  def on_step(self, step: int, metrics: dict) -> None:
+    """A finished step: its metrics row, the bar, a checkpoint when due, a heartbeat."""
+    settings, end = self.settings, self.end
+    with self.fence.open():
+      metrics["data/" + "skipped"] = float(sum(v for k, v in self.prompts.stats().items()
                                                if k.startswith("skipped")))
       if (step + 1) % settings.log.every == 0 or step + 1 == settings.ppo.steps:
-        writer.write(step, metrics, phase="ppo")
-      bar.update(metrics)
+        self.writer.write(step, metrics, phase="ppo")
+      self.bar.update(metrics)
       set_activity(f"PPO step {step + 1}")
-      if not progress and (step + 1) % max((end - start) // 10, 1) == 0:
+      if not self.progress and (step + 1) % max((end - self.start) // 10, 1) == 0:
         kl = f"kl {metrics['kl/mean']:.4f}, " if "kl/mean" in metrics else ""
         say(f"ppo step {step + 1}/{end}: reward {metrics['reward/mean']:.4f}, {kl}"
             f"{metrics['time/step_s']:.2f}s/step")
       if (step + 1) % settings.checkpoint.every == 0 or step + 1 == end:
-        save(step)
-        last_saved[0] = step
-      watchdog.beat(step)
+        self.save(step)
+        self.last_saved = step
+      self.watchdog.beat(step)
 
-  def save_last(step: int | None) -> None:
+  def save_last(self, step: int | None) -> None:
     """The checkpoint of `step`, the last one finished, unless it is on disk already."""
-    if setup.role.trains and step is not None and step >= 0 and step != last_saved[0]:
+    if (self.setup.role.trains and step is not None and step >= 0
+        and step != self.last_saved):
       log.warning("Stopping: writing a final checkpoint at PPO step %d", step)
-      save(step)
-      last_saved[0] = step
-    checkpointer.wait()
+      self.save(step)
+      self.last_saved = step
+    self.setup.checkpointer.wait()
 
-  def on_stall(error: Stalled) -> bool:
-    stalled_in_update[0] = any(s[0] == "train" for s in tracer.open_spans())
-    return signals.raise_in_main(error)
+  def saves_on_stall(self) -> bool:
+    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
+    only this process holds."""
+    alone = distributed.process_count() == 1 or self.setup.role.trains_alone
+    return alone and not self.stalled_in_update
 
-  def on_exit(error: Stalled) -> None:
+  def on_stall(self, error: Stalled) -> bool:
+    self.stalled_in_update = any(s[0] == "train" for s in self.tracer.open_spans())
+    return self.signals.raise_in_main(error)
+
+  def on_exit(self, error: Stalled) -> None:
     # The main thread is blocked in a native call (a hung reward server, say) and the
     # process is about to end: a whole trainer state that only this process holds is
     # saved from here, within a bound, so that the finished steps are not lost.
-    if saves_on_stall():
-      saver = threading.Thread(target=save_last, args=(system.version - 1,),
+    if self.saves_on_stall():
+      saver = threading.Thread(target=self.save_last, args=(self.system.version - 1,),
                                name="stall-save", daemon=True)
       saver.start()
       saver.join(timeout=STALL_SAVE_TIMEOUT_S)
@@ -215,42 +237,37 @@ def run_ppo(setup: RunSetup, system: PPOSystem, prompts,
     if watch is not None:
       watch.report_failure(error)
 
-  def saves_on_stall() -> bool:
-    """Whether a stall may save: a whole trainer state (not stuck inside an update) that
-    only this process holds."""
-    alone = distributed.process_count() == 1 or setup.role.trains_alone
-    return alone and not stalled_in_update[0]
-
-  stalled_in_update = [False]
-  watchdog = Watchdog(setup.deadline, lambda: describe_stall(tracer), on_stall, on_exit)
-  voters = setup.role.trainers
-  with signals.deferred() as request:
-    boundary = StepBoundary(request, voters=voters, run=f"ppo-{start}-{end}",
-                            timeout_s=watchdog.current_deadline)
-    watchdog.start(start)
-    try:
-      stopped = modes.run(system, feed, start, end, on_step, tracer, boundary)
-      if stopped or request.is_set():
-        last = boundary.stop_step if not setup.role.trains else system.version - 1
-        save_last(last)
-        signum = request.signum or boundary.signum or signal.SIGINT
-        raise Interrupted(signum, last_saved[0], agreed=True,
-                          where=f"after PPO step {last}" if last is not None else "")
-    except Stalled:
-      watchdog.stop()
-      # A whole trainer state (not stuck inside an update) that only this process
-      # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
-      if saves_on_stall():
-        save_last(system.version - 1)
-      raise
-    finally:
-      watchdog.stop()
-      fence.close()
-      bar.close()
-      checkpointer.wait()
-      if tracer.spans() and setup.role.writes:
-        tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
-        tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
-                     title=f"PPO stages ({system.mode})")
-      writer.flush()
-  return tracer
+  def run(self) -> Tracer:
+    """Runs the steps; returns the trace. Raises `Interrupted` or `Stalled` on a stop."""
+    setup, system, start, end = self.setup, self.system, self.start, self.end
+    with self.signals.deferred() as request:
+      boundary = StepBoundary(request, voters=setup.role.trainers, run=f"ppo-{start}-{end}",
+                              timeout_s=self.watchdog.current_deadline)
+      self.watchdog.start(start)
+      try:
+        stopped = modes.run(system, self.feed, start, end, self.on_step, self.tracer,
+                            boundary)
+        if stopped or request.is_set():
+          last = boundary.stop_step if not setup.role.trains else system.version - 1
+          self.save_last(last)
+          signum = request.signum or boundary.signum or signal.SIGINT
+          raise Interrupted(signum, self.last_saved, agreed=True,
+                            where=f"after PPO step {last}" if last is not None else "")
+      except Stalled:
+        self.watchdog.stop()
+        # A whole trainer state (not stuck inside an update) that only this process
+        # holds is saved: nothing finished is lost. Otherwise the newest checkpoint stays.
+        if self.saves_on_stall():
+          self.save_last(system.version - 1)
+        raise
+      finally:
+        self.watchdog.stop()
+        self.fence.close()
+        self.bar.close()
+        setup.checkpointer.wait()
+        if self.tracer.spans() and setup.role.writes:
+          self.tracer.to_chrome_trace(os.path.join(setup.workdir, "trace.json"))
+          self.tracer.gantt(os.path.join(setup.workdir, "gantt.png"),
+                            title=f"PPO stages ({system.mode})")
+        self.writer.flush()
+    return self.tracer

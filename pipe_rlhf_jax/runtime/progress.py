@@ -12,7 +12,7 @@ it is legitimately open-ended. The step boundary is the one place where "no prog
 has a meaning that holds in every runtime mode.
 
 What the watchdog does when the deadline passes (`Watchdog.on_stall` decides, see
-`phases.ppo_loop.run_ppo`): it raises `interrupts.Stalled` in the main thread, whose loop stops
+`phases.ppo_loop.PPOLoop`): it raises `interrupts.Stalled` in the main thread, whose loop stops
 the stage workers (the stuck one is abandoned: it may no longer write metrics or
 checkpoints); if the main thread is itself stuck inside a native call and does not
 react within `grace_s`, the watchdog reports the failure to the other processes (in a

@@ -78,7 +78,7 @@ class WorkerGroup:
     self._started = False
     self.stopped = False  # join returned because `should_stop` asked
     # Set when the group gives up on workers that ignored a stop request: whatever they
-    # do afterwards, nobody waits for it (see `run_ppo`'s write fence).
+    # do afterwards, nobody waits for it (see `PPOLoop`'s write fence).
     self.abandoned = threading.Event()
 
   # --- setup -----------------------------------------------------------------
