@@ -14,11 +14,11 @@ tensorboard/, trace.json + gantt.png (stage spans), reward_curve.png, samples.tx
 export/ (the final policy in Hugging Face format) and summary.txt.
 
 `run` runs five phases: `set_up` (choose the devices, build and check the stage layouts
-on abstract parameters, read where a resume starts: all before any data are built),
-`open_metrics` + `build_data` + the warm start (`phases.warm_start`), `build_system` (the
-one place the PPO system is constructed), `phases.ppo_loop` (`restore_ppo` + `PPOLoop`),
-and `phases.reporting.report` (with `phases.heldout`'s greedy answers before and after
-PPO).
+on abstract parameters, read where a resume starts with `phases.resume`: all before any
+data are built), `open_metrics` + `phases.run_data.build_data` + the warm start
+(`phases.warm_start`), `build_system` (the one place the PPO system is constructed),
+`phases.ppo_loop` (`restore_ppo` + `PPOLoop`), and `phases.reporting.report` (with
+`phases.heldout`'s greedy answers before and after PPO).
 
 Warm start (`phases/warm_start.py`): SFT and the reward model train on a layout of their
 own, the same in every runtime mode; `warm_start.checkpoint` names another run's
@@ -64,14 +64,12 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
-from pipe_rlhf_jax.data import builders, digests, loaders
-from pipe_rlhf_jax.data.records import RecordValidator
+from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.distributed.faults import set_activity
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.models.load import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
-from pipe_rlhf_jax.phases import heldout, ppo_loop, reporting, reward_norm, supervised
+from pipe_rlhf_jax.phases import heldout, ppo_loop, reporting, reward_norm, run_data, supervised
+from pipe_rlhf_jax.phases import resume as resume_lib
 from pipe_rlhf_jax.phases import warm_start as warm_lib
 from pipe_rlhf_jax.phases.run_state import (
   BuiltSystem,
@@ -83,7 +81,7 @@ from pipe_rlhf_jax.phases.run_state import (
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.runtime.interrupts import SignalHandler
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
-from pipe_rlhf_jax.sections import ExperimentSettings, ModelSettings
+from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.steps import np_batch
 from pipe_rlhf_jax.system.system import (
   Models,
@@ -101,130 +99,6 @@ log = logging.getLogger(__name__)
 
 def default_workdir(settings: ExperimentSettings) -> str:
   return os.path.join("runs", f"{settings.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def run_tokenizer(m: ModelSettings):
-  """The run's tokenizer: `model.path`'s own when set (saying so when `model.tokenizer`
-  names another, which is then ignored), else `model.tokenizer`."""
-  if m.path and m.tokenizer not in ("", "byte"):
-    say(f"model.tokenizer={m.tokenizer!r} is ignored: model.path is set, and its own "
-        f"tokenizer (from {m.path}) is used")
-  return load_tokenizer(m.path or m.tokenizer)
-
-
-def check_vocab(m: ModelSettings, tokenizer, cfg: TransformerConfig) -> None:
-  """Raises when the tokenizer produces ids the model has no embedding row for.
-
-  An id at or past `vocab_size` (e.g. a token added to the tokenizer after the model was
-  saved) would embed as NaN (`jnp.take` fills rows out of range) and stop SFT far from
-  the cause.
-  """
-  if tokenizer.vocab_size <= cfg.vocab_size:
-    return
-  source = (f"model.path={m.path!r}: its tokenizer" if m.path
-            else f"model.tokenizer={m.tokenizer!r}")
-  raise ValueError(
-      f"{source} has {tokenizer.vocab_size} ids (added tokens included) but the model "
-      f"embeds {cfg.vocab_size} (vocab_size); ids from {cfg.vocab_size} on have no "
-      "embedding row. Use the tokenizer the model was saved with, or resize the model's "
-      f"embeddings to at least {tokenizer.vocab_size} rows (transformers: "
-      "model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and point "
-      "model.path at that directory.")
-
-
-def make_data(settings: ExperimentSettings, workdir: str, tokenizer
-              ) -> tuple[dict[str, float], dict[str, Any]]:
-  """Builds the TFDS datasets and their grain loaders.
-
-  Preference pipelines ("prefs", "prefs_eval") are made only when a reward model is
-  trained; the arith task has no preference pairs at all.
-
-  Returns:
-    (counts of records skipped or truncated while building, {role: loader}).
-  """
-  d = settings.data
-  import tensorflow_datasets as tfds
-  tfds.disable_progress_bar()  # TFDS's per-split bars would drown the run's own output
-  data_dir = d.dir or os.path.join(workdir, "data")
-  use_rm = settings.reward.uses_model
-  if d.task == "reverse":
-    built = builders.make_task_datasets(data_dir, seed=settings.seed, num_prompts=d.num_prompts,
-                                        num_demos=d.num_demos, num_pairs=d.num_pairs,
-                                        num_eval=d.num_eval, hard_pairs=d.hard_pairs)
-  elif d.task == "arith":
-    built = builders.make_arith_datasets(data_dir, seed=settings.seed,
-                                         spec=d.arith, num_prompts=d.num_prompts,
-                                         num_demos=d.num_demos, num_eval=d.num_eval)
-  elif d.task == "word_problems":
-    built = builders.make_word_problem_datasets(
-        data_dir, seed=settings.seed, spec=d.word_problems, num_prompts=d.num_prompts,
-        num_demos=d.num_demos, num_eval=d.num_eval)
-  else:  # "jsonl": the user's own files, one TFDS dataset per kind
-    files = d.jsonl
-    built = {
-        "prompts": builders.build_dataset(
-            "prompts", {"train": files.prompts, "eval": files.prompts_eval}, data_dir,
-            name="user_prompts", on_invalid=d.on_invalid, overwrite=True),
-    }
-    if settings.uses_demos:
-      built["demos"] = builders.build_dataset("demos", {"train": files.demos}, data_dir,
-                                              name="user_demos", on_invalid=d.on_invalid,
-                                              overwrite=True)
-    if use_rm:
-      built["prefs"] = builders.build_dataset(
-          "prefs", {"train": files.prefs, "eval": files.prefs_eval}, data_dir,
-          name="user_prefs", on_invalid=d.on_invalid, overwrite=True)
-
-  def validator(kind: str):
-    return RecordValidator.for_kind(kind, on_invalid=d.on_invalid, on_overlong=d.on_overlong)
-
-  seed = settings.seed
-  # Demonstrations are read only by SFT and PPO-ptx: a run with neither needs none, and
-  # is not refused for having too few to fill an SFT batch.
-  kinds = (("prompts",) + (("demos",) if settings.uses_demos else ())
-           + (("prefs",) if use_rm else ()))
-  # Records dropped while building the datasets (malformed JSONL lines), per kind and split.
-  build_stats = {f"build/{kind}/{split}/{key}": float(value)
-                 for kind in kinds
-                 for split, counts in built[kind].stats.items()
-                 for key, value in counts.items()}
-  data = {
-      "demos": (loaders.DemoLoader(built["demos"].source("train"), tokenizer,
-                                   settings.sft.batch_size, d.prompt_len, d.completion_len,
-                                   seed, validator=validator("demos"))
-                if settings.uses_demos else None),
-      # A PPO step takes batch_size / group_size prompts, each sampled group_size times.
-      "prompts": loaders.PromptLoader(built["prompts"].source("train"), tokenizer,
-                                         settings.ppo.batch_size // settings.ppo.group_size,
-                                         d.prompt_len, seed,
-                                         validator=validator("prompts")),
-      # One batch of held-out prompts, in file order: the samples shown and the prompts
-      # scored greedily before and after PPO (at most the whole eval split).
-      "prompts_eval": loaders.PromptLoader(
-          built["prompts"].source("eval"), tokenizer,
-          min(max(settings.log.samples, settings.log.eval_prompts, 1),
-              built["prompts"].splits["eval"]),
-          d.prompt_len, seed, shuffle=False, validator=validator("prompts")),
-  }
-  if use_rm and settings.reward.normalize_samples_per_prompt:
-    # The first training prompts, in file order: the answers the reward model's scale is
-    # measured on before PPO (`phases.reward_norm`), the same in every run of a seed.
-    data["prompts_norm"] = loaders.PromptLoader(
-        built["prompts"].source("train"), tokenizer,
-        min(REWARD_NORM_PROMPTS, built["prompts"].splits["train"]), d.prompt_len, seed,
-        shuffle=False, validator=validator("prompts"))
-  if use_rm:
-    data["prefs"] = loaders.PreferenceLoader(
-        built["prefs"].source("train"), tokenizer, settings.reward_model.batch_size,
-        d.prompt_len, d.completion_len, seed, validator=validator("prefs"))
-    data["prefs_eval"] = loaders.PreferenceLoader(
-        built["prefs"].source("eval"), tokenizer, settings.reward_model.batch_size,
-        d.prompt_len, d.completion_len, seed, shuffle=False, validator=validator("prefs"))
-  return build_stats, data
-
-
-# Prompts the reward model's scale is measured on (times reward.normalize_samples_per_prompt).
-REWARD_NORM_PROMPTS = 256
 
 
 def select_devices(settings: ExperimentSettings, mode: str) -> list:
@@ -249,37 +123,6 @@ def select_devices(settings: ExperimentSettings, mode: str) -> list:
     raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
                      f"at most {len(devices)} (0 = all).")
   return devices[:n] if n else devices
-
-
-def effective_staleness(plan: dict[str, Any]) -> int:
-  """How far a rollout may lag the policy: only `pipe` mode generates ahead."""
-  return plan["max_staleness"] if plan["mode"] == "pipe" else 0
-
-
-def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
-  """Logs how the resumed run's plan differs from the checkpoint's.
-
-  Meshes, placement, device count and mode change only how the same mathematics is laid
-  out (up to the order of floating-point reductions); the staleness bound changes which
-  policy generates each rollout, i.e. what is computed: that gets its own warning.
-  """
-  if saved is None:
-    log.warning("The checkpoint records no run plan (written by an older version); "
-                "resuming under mode=%s on %d devices.", current["mode"],
-                current["num_devices"])
-    return
-  changed = sorted(k for k in current if saved.get(k) != current[k])
-  if changed:
-    log.warning("Resuming under a different plan (%s): %s.", ", ".join(changed),
-                "; ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed))
-  before, after = effective_staleness(saved), effective_staleness(current)
-  if before != after:
-    log.warning(
-        "The resumed schedule changes what PPO computes: rollouts may now lag the policy "
-        "by up to %d update(s) instead of %d (mode %s -> %s, runtime.max_staleness %s -> "
-        "%s). Metrics after the resume are not those of an uninterrupted run.", after,
-        before, saved["mode"], current["mode"], saved["max_staleness"],
-        current["max_staleness"])
 
 
 def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetup:
@@ -313,11 +156,11 @@ def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetu
 def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -> RunSetup:
   """`set_up` once the workdir is agreed and locked."""
   settings, runtime = experiment.settings, experiment.runtime
-  tokenizer = run_tokenizer(settings.model)
+  tokenizer = run_data.run_tokenizer(settings.model)
   layouts = build_layouts(runtime, devices)
   role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
-  checkpointer = open_checkpoints(settings, workdir, role, resume)
+  checkpointer = resume_lib.open_checkpoints(settings, workdir, role, resume)
   warm_layout = check_fits_before_compiling(experiment, layouts, devices)
   warm_source = warm_lib.resolve_source(settings, workdir)
   # What changes the mathematics; the plan (runtime, meshes) is compared separately.
@@ -325,32 +168,12 @@ def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -
   data_files = digests.file_digests(settings)
   fingerprint = ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(),
                                                                  data_files))
-  start = resume_start(settings, checkpointer, fingerprint, data_files,
+  start = resume_lib.resume_start(settings, checkpointer, fingerprint, data_files,
                        ppo_loop.plan_of(runtime, devices)) if resume else 0
   deadline = ProgressDeadline(runtime.progress_timeout_s, experiment.plan.predicted_step_s)
   return RunSetup(experiment, workdir, devices, tokenizer, layouts, checkpointer,
                   fingerprint, start, warm_layout, warm_source, role=role, lock=lock,
                   deadline=deadline, data_files=data_files)
-
-
-def open_checkpoints(settings: ExperimentSettings, workdir: str, role: ProcessRole,
-                     resume: bool) -> ckpt_lib.Checkpointer:
-  """The PPO checkpoints of `workdir`, after removing what an interrupted write of an
-  earlier run left (by the processes that write them); refuses a workdir that holds
-  checkpoints unless resuming."""
-  ppo_dir = os.path.join(workdir, "checkpoints")
-  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=settings.checkpoint.keep,
-                                       processes=role.checkpoint_group,
-                                       cleanup=role.trains)
-  if checkpointer.unfinished:
-    say(f"{ppo_dir}: removed {len(checkpointer.unfinished)} unfinished checkpoint "
-        f"write(s) of an earlier run ({', '.join(checkpointer.unfinished)})")
-  latest = checkpointer.latest_step()
-  if latest is not None and not resume:
-    raise FileExistsError(
-        f"{ppo_dir} already holds PPO checkpoints (latest step {latest}); pass --resume "
-        f"to continue, or choose a new --workdir. Nothing was changed.")
-  return checkpointer
 
 
 def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any], devices):
@@ -369,63 +192,6 @@ def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any],
           if settings.reward.uses_model else {})})
   warm_layout.check_params(abstract["actor"], "warm_start.mesh")
   return warm_layout
-
-
-def resume_start(settings: ExperimentSettings, checkpointer: ckpt_lib.Checkpointer,
-                 fingerprint: str, data_files: dict[str, Any], plan: dict[str, Any]) -> int:
-  """The first PPO step a resumed run trains: the step after the newest checkpoint (0
-  when there is none). Refuses a checkpoint whose data or mathematics differ, and logs
-  how its plan differs from `plan`."""
-  latest = checkpointer.latest_step()
-  if latest is None:
-    return 0
-  meta = checkpointer.read_metadata(latest)
-  check_same_data(meta, data_files, checkpointer.step_dir(latest))
-  if meta.get("config_fingerprint") != fingerprint:
-    raise ckpt_lib.CheckpointError(
-        f"checkpoint {checkpointer.step_dir(latest)}: metadata 'config_fingerprint' is "
-        f"{meta.get('config_fingerprint')!r} but the current run expects "
-        f"{fingerprint!r}: the config changes the mathematics of the run that wrote it"
-        f"{_changed_fields(meta, settings, data_files)}. Resume with that run's config (see "
-        "config.json in the workdir), or use a new workdir.")
-  compare_plans(meta.get("plan"), plan)
-  return int(meta["step"]) + 1
-
-
-def _changed_fields(meta: dict[str, Any], settings: ExperimentSettings,
-                    data_files: dict[str, Any]) -> str:
-  """`; changed: field: old -> new, ...` from the fields stored with the checkpoint."""
-  saved = meta.get("config")
-  if not isinstance(saved, dict):
-    return " (the checkpoint predates the record of its fields: compare config.json)"
-  changes = ckpt_lib.config_changes(saved, ckpt_lib.fingerprinted_fields(
-      digests.with_content(settings.to_dict(), data_files)))
-  shown = "; ".join(changes[:12]) + ("; ..." if len(changes) > 12 else "")
-  return f"; changed: {shown}" if changes else ""
-
-
-def check_same_data(meta: dict[str, Any], data_files: dict[str, Any], step_dir) -> None:
-  """Refuses to resume from a checkpoint trained on data.jsonl files that have changed."""
-  changed = digests.changed_file(meta.get("data_files"), data_files)
-  if changed:
-    raise ckpt_lib.CheckpointError(
-        f"checkpoint {step_dir} was trained on other data: {changed}. A resumed run would "
-        "continue at the checkpoint's position in different records: restore the file, "
-        "or use a new workdir.")
-
-
-def build_data(setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
-  """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
-  set_activity("building datasets")
-  # Process 0 may take long (a large JSONL file): the others wait up to the one-off
-  # deadline (runtime.progress_timeout_s), not a fixed time.
-  timeout_s = setup.deadline.one_off()
-  if not distributed.is_primary():
-    distributed.barrier("datasets_built", timeout_s=timeout_s)
-  result = make_data(setup.experiment.settings, setup.workdir, setup.tokenizer)
-  if distributed.is_primary():
-    distributed.barrier("datasets_built", timeout_s=timeout_s)
-  return result
 
 
 def sampling_params(setup: RunSetup, system: PPOSystem):
@@ -556,7 +322,7 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
   setup = set_up(experiment, workdir, resume)
   writer = open_metrics(setup)
   try:
-    build_stats, data = build_data(setup)
+    build_stats, data = run_data.build_data(setup)
     # Malformed-record decisions of every data loader, counted once up front.
     writer.write(0, {**build_stats, **{f"{name}/{key}": float(value)
                                        for name, loader in data.items() if loader is not None
@@ -634,7 +400,7 @@ def _prepare_warm_start(experiment: Experiment, workdir, progress) -> dict[str, 
   setup = set_up(experiment, workdir, resume=False)
   writer = open_metrics(setup)
   try:
-    build_stats, data = build_data(setup)
+    build_stats, data = run_data.build_data(setup)
     writer.write(0, build_stats, phase="data")
     warm = warm_lib.fit_or_restore(settings, setup.workdir, setup.warm_source, data,
                                   setup.cfgs, writer, setup.warm_layout, progress,

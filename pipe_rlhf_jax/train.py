@@ -23,6 +23,7 @@ import ml_collections
 from pipe_rlhf_jax import job
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.roles import build_model_configs
+from pipe_rlhf_jax.phases import run_data
 from pipe_rlhf_jax.phases.run_state import Experiment, JobResult
 from pipe_rlhf_jax.planner import auto as auto_plan
 from pipe_rlhf_jax.sections import ExperimentSettings
@@ -36,9 +37,9 @@ def experiment_of(config) -> Experiment:
   """
   settings = ExperimentSettings.from_config(config)
   devices = job.select_devices(settings, settings.runtime.mode)
-  tokenizer = job.run_tokenizer(settings.model)
+  tokenizer = run_data.run_tokenizer(settings.model)
   models = build_model_configs(settings.model, tokenizer)
-  job.check_vocab(settings.model, tokenizer, models["actor"])
+  run_data.check_vocab(settings.model, tokenizer, models["actor"])
   planned = auto_plan.plan_run(settings, models["actor"], devices)
   say(planned.describe())
   record = auto_plan.as_run(ml_collections.FrozenConfigDict(config), planned)
