@@ -133,6 +133,10 @@ def provenance(limits: dict[str, Any] | None, command: str | None = None,
                    f"{jaxlib.__version__}, flax {flax.__version__}"),
       ("CPU", f"{cpu_model()}, {os.cpu_count()} cores, {cpu_flags()}"),
       ("devices", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"),
+      # What else ran: timings taken beside other work on a few cores are slower and
+      # noisier than the same run alone.
+      ("load average at writing", "{:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min)".format(
+          *os.getloadavg())),
   ]
   if limits:
     dtype = limits.get("matmul_dtype", "float32")
