@@ -61,18 +61,44 @@ Fits (each printed and saved with how it was obtained):
 The cost model loads the file (`cost.Efficiency.load`, `plan --calibration=FILE`).
 """
 
+import argparse
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
+import importlib.util
+import itertools
 import json
 import statistics
 import sys
 import time
 
+# Importing jax starts no backend (`jax.devices()` does), so `main` still sets the CPU
+# device count and scheduler flags before anything runs.
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ml_collections import config_flags  # noqa: F401 (experiment configs import it)
+import numpy as np
+import optax
+
+from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler, use_virtual_cpu_devices
+from pipe_rlhf_jax.models import flops
+from pipe_rlhf_jax.models.config import TransformerConfig
+from pipe_rlhf_jax.models.load import load_tokenizer
+from pipe_rlhf_jax.models.roles import build_model_configs
+from pipe_rlhf_jax.models.transformer import KVCache, init_model
+from pipe_rlhf_jax.planner import composition, cost, hardware, space
+from pipe_rlhf_jax.planner.auto import detect_hardware
+from pipe_rlhf_jax.planner.memory import param_bytes
+from pipe_rlhf_jax.stages.common import MeshMismatch
+from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
+from pipe_rlhf_jax.system.system import Models, PPOSystem
 
 
 def timeit(fn, *args, repeats: int = 5) -> float:
   """Median seconds of `fn(*args)` (blocked), after one warm-up (compile) call."""
-  import jax
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
@@ -92,8 +118,6 @@ def read_bandwidth(device, mib: int, timer=timeit) -> tuple[int, float]:
   weight reads are matrix products; read against the slowest probe, they would seem
   close to the memory when they are not.
   """
-  import jax
-  import jax.numpy as jnp
   width = 4096
   rows = max(1, mib * 2 ** 20 // 4 // width)
   matrix = jax.device_put(jnp.ones((rows, width), jnp.float32), device)  # [rows, width]
@@ -118,16 +142,6 @@ def fit_line(xs, ys) -> tuple[float, float]:
 
 def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   """Raw samples: lists of dicts with the sizes, analytic work and median seconds."""
-  from flax import nnx
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-  import numpy as np
-
-  from pipe_rlhf_jax.models import flops
-  from pipe_rlhf_jax.models.transformer import KVCache, init_model
-
   devices = jax.devices()
   dev0 = devices[0]
   out = {"backend": jax.default_backend(), "devices": len(devices),
@@ -135,53 +149,75 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
   if out["backend"] == "cpu":
     out["hardware"] = "cpu"
   else:
-    from pipe_rlhf_jax.planner.auto import detect_hardware
     out["hardware"] = detect_hardware(devices).name
-  sizes = (256, 512) if quick else (256, 512, 1024)
+  out["matmul"] = measure_matmul(devices, (256, 512) if quick else (256, 512, 1024))
+  read_bytes, seconds = read_bandwidth(dev0, 32 if quick else 128)
+  out["bandwidth"] = {"bytes": read_bytes, "seconds": seconds}
+  trivial = jax.device_put(jnp.ones((), jnp.float32), dev0)
+  out["dispatch"] = {"seconds": timeit(jax.jit(lambda s: s + 1), trivial, repeats=50)}
 
-  # Matmul peak: one device, then one matmul per device at once.
-  out["matmul"] = []
+  graphdef, params = nnx.split(init_model(cfg))
+  params = jax.device_put(params, dev0)
+  points = [(8, 24), (32, 24), (64, 24), (64, 48)] if not quick else [(8, 24), (64, 24)]
+  out["forward"], out["train"] = measure_forward(cfg, graphdef, params, points, dev0)
+  middle = points[len(points) // 2]
+  out["concurrency"] = measure_concurrency(graphdef, params, middle, devices)
+  out["split"] = measure_split(graphdef, params, middle, devices, out)
+  decode_points = ([(8, 32), (64, 32), (64, 128), (256, 128)] if not quick
+                   else [(8, 32), (64, 128)])
+  decode, split = measure_decode(cfg, graphdef, params, decode_points, devices)
+  out["decode"] = decode
+  out["split"] += split
+  out["optimizer"] = measure_optimizer(cfg, params, dev0)
+  out["all_gather"] = measure_all_gathers(
+      devices, (2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16))
+  if stages:
+    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
+  return out
+
+
+def measure_matmul(devices, sizes) -> list[dict]:
+  """f32 [n, n] @ [n, n] on one device, then one matmul per device at once."""
+  out = []
   mesh = jax.sharding.Mesh(np.array(devices), ("d",))
   for n in sizes:
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), dev0)
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), devices[0])
     t1 = timeit(jax.jit(lambda a: a @ a), a)
     batch = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32),
                            NamedSharding(mesh, P("d")))
     ta = timeit(jax.jit(lambda b: jnp.einsum("bij,bjk->bik", b, b)), batch)
-    out["matmul"].append({"n": n, "flops": 2 * n ** 3, "seconds_one": t1,
-                          "seconds_all": ta})
+    out.append({"n": n, "flops": 2 * n ** 3, "seconds_one": t1, "seconds_all": ta})
+  return out
 
-  # Memory bandwidth: the read probe over 128 MiB (32 MiB when quick).
-  read_bytes, tb = read_bandwidth(dev0, 32 if quick else 128)
-  out["bandwidth"] = {"bytes": read_bytes, "seconds": tb}
 
-  # Dispatch: a trivial call.
-  s = jax.device_put(jnp.ones((), jnp.float32), dev0)
-  out["dispatch"] = {"seconds": timeit(jax.jit(lambda s: s + 1), s, repeats=50)}
-
-  graphdef, params = nnx.split(init_model(cfg))
-  params = jax.device_put(params, dev0)
-
+def _forward_fn(graphdef):
+  """The model's forward to the last hidden state and the LM head, summed (a scalar)."""
   def forward(params, tokens):
     model = nnx.merge(graphdef, params)
     return model.head(model.hidden(tokens)).sum()
+  return forward
 
-  points = [(8, 24), (32, 24), (64, 24), (64, 48)] if not quick else [(8, 24), (64, 24)]
-  out["forward"], out["train"] = [], []
+
+def measure_forward(cfg, graphdef, params, points, device) -> tuple[list[dict], list[dict]]:
+  """Forward and forward+backward seconds at each (batch, length) point, on one device."""
+  forward = _forward_fn(graphdef)
+  fwd, train = [], []
   for b, length in points:
-    tokens = jax.device_put(jnp.ones((b, length), jnp.int32), dev0)
-    tf = timeit(jax.jit(forward), params, tokens)
-    tt = timeit(jax.jit(jax.value_and_grad(forward)), params, tokens)
-    out["forward"].append({"batch": b, "length": length, "seconds": tf,
-                           "flops": flops.forward_flops(cfg, b, length)})
-    out["train"].append({"batch": b, "length": length, "seconds": tt,
-                         "flops": flops.train_flops(cfg, b, length)})
+    tokens = jax.device_put(jnp.ones((b, length), jnp.int32), device)
+    fwd.append({"batch": b, "length": length, "seconds": timeit(jax.jit(forward), params,
+                                                                  tokens),
+                "flops": flops.forward_flops(cfg, b, length)})
+    train.append({"batch": b, "length": length,
+                  "seconds": timeit(jax.jit(jax.value_and_grad(forward)), params, tokens),
+                  "flops": flops.train_flops(cfg, b, length)})
+  return fwd, train
 
-  # Concurrency: k copies of the forward+backward, one per device, at once (threads).
-  from concurrent.futures import ThreadPoolExecutor
-  b, length = points[len(points) // 2]
-  step = jax.jit(jax.value_and_grad(forward))
-  out["concurrency"] = []
+
+def measure_concurrency(graphdef, params, point, devices) -> list[dict]:
+  """k copies of the forward+backward, one per device, run at once (threads)."""
+  b, length = point
+  step = jax.jit(jax.value_and_grad(_forward_fn(graphdef)))
+  out = []
   for k in sorted({1, 2, len(devices)}):
     args = [(jax.device_put(params, d), jax.device_put(jnp.ones((b, length), jnp.int32), d))
             for d in devices[:k]]
@@ -194,28 +230,41 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
         start = time.perf_counter()
         all_at_once()
         times.append(time.perf_counter() - start)
-    out["concurrency"].append({"copies": k, "seconds": statistics.median(times)})
+    out.append({"copies": k, "seconds": statistics.median(times)})
+  return out
 
-  # Per-device overhead: the same forward / forward+backward, batch split over all local
-  # devices (params replicated): the same FLOPs, run as one program per device.
+
+def measure_split(graphdef, params, point, devices, samples: dict) -> list[dict]:
+  """The same forward / forward+backward with the batch split over all local devices
+  (params replicated): the same FLOPs, run as one program per device, against the
+  one-device seconds already in `samples`."""
+  b, length = point
   k = len(devices)
-  out["split"] = []
-  if k > 1 and b % k == 0:
-    rep = NamedSharding(mesh, P())
-    split_params = jax.device_put(params, rep)
-    split_tokens = jax.device_put(jnp.ones((b, length), jnp.int32), NamedSharding(mesh, P("d")))
-    for kind, fn in (("forward", jax.jit(forward)),
-                     ("train", jax.jit(jax.value_and_grad(forward)))):
-      one = next(s["seconds"] for s in out[kind] if (s["batch"], s["length"]) == (b, length))
-      out["split"].append({"kind": kind, "devices": k, "seconds": timeit(
-          fn, split_params, split_tokens), "seconds_one": one})
+  if k < 2 or b % k:
+    return []
+  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+  split_params = jax.device_put(params, NamedSharding(mesh, P()))
+  split_tokens = jax.device_put(jnp.ones((b, length), jnp.int32), NamedSharding(mesh, P("d")))
+  forward = _forward_fn(graphdef)
+  out = []
+  for kind, fn in (("forward", jax.jit(forward)),
+                   ("train", jax.jit(jax.value_and_grad(forward)))):
+    one = next(s["seconds"] for s in samples[kind] if (s["batch"], s["length"]) == point)
+    out.append({"kind": kind, "devices": k, "seconds": timeit(fn, split_params, split_tokens),
+                "seconds_one": one})
+  return out
 
-  # Decode: K steps in one fori_loop, like the sampler's scan.
-  steps = 16
-  out["decode"] = []
-  split_point = (64, 128)
-  for b, slots in ([(8, 32), (64, 32), (64, 128), (256, 128)] if not quick
-                   else [(8, 32), (64, 128)]):
+
+def measure_decode(cfg, graphdef, params, points, devices, steps: int = 16,
+                   split_point=(64, 128)) -> tuple[list[dict], list[dict]]:
+  """Seconds per cached decode step, `steps` of them in one `fori_loop` (as the sampler
+  runs them), at each (batch, cache slots) point; and at `split_point` the same steps
+  with the batch split over all devices (what each extra device's program adds to a
+  decode step or pipeline tick on a shared host)."""
+  dev0, k = devices[0], len(devices)
+  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+  out, split = [], []
+  for b, slots in points:
     cache = jax.device_put(KVCache.zeros(cfg, b, slots), dev0)
     mask = jax.device_put(jnp.ones((b, slots), bool), dev0)
 
@@ -232,48 +281,34 @@ def measure(cfg, quick: bool = False, stages: bool = True) -> dict:
 
     t = timeit(jax.jit(run), params, cache, mask) / steps
     # Every step attends over all `slots` (unused ones masked), as the cost model prices.
-    out["decode"].append({"batch": b, "slots": slots, "seconds": t,
-                          "bytes": flops.decode_step_bytes(cfg, b, slots),
-                          "flops": flops.forward_flops(cfg, b, 1, context=slots)})
-    # The same steps with the batch split over all devices (params replicated): what
-    # each extra device's program adds to a decode step / pipeline tick on a shared host.
-    if k > 1 and b % k == 0 and (b, slots) == split_point:
-      batch_split = NamedSharding(mesh, P("d"))
+    out.append({"batch": b, "slots": slots, "seconds": t,
+                "bytes": flops.decode_step_bytes(cfg, b, slots),
+                "flops": flops.forward_flops(cfg, b, 1, context=slots)})
+    if k > 1 and b % k == 0 and (b, slots) == tuple(split_point):
       cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
       t_split = timeit(jax.jit(run), jax.device_put(params, NamedSharding(mesh, P())),
                        jax.device_put(cache, cache_split),
-                       jax.device_put(mask, batch_split)) / steps
-      out["split"].append({"kind": "tick", "devices": k, "seconds": t_split,
-                           "seconds_one": t})
+                       jax.device_put(mask, NamedSharding(mesh, P("d")))) / steps
+      split.append({"kind": "tick", "devices": k, "seconds": t_split, "seconds_one": t})
+  return out, split
 
-  # The Adam update alone: what every minibatch step of training pays per model.
-  import optax
+
+def measure_optimizer(cfg, params, device) -> dict:
+  """The Adam update alone (update + apply), what every minibatch step pays per model."""
   tx = optax.adam(1e-4)
-  opt_state = jax.device_put(tx.init(params), dev0)
+  opt_state = jax.device_put(tx.init(params), device)
 
   def adam(params, opt_state):
     updates, opt_state = tx.update(params, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
-  from pipe_rlhf_jax.planner.memory import param_bytes
-  out["optimizer"] = {"bytes": 7 * param_bytes(cfg),
-                      "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
-
-  out["all_gather"] = measure_all_gathers(
-      devices, (2 ** 6, 2 ** 14) if quick else (2 ** 6, 2 ** 12, 2 ** 14, 2 ** 16))
-  if stages:
-    out["stages"] = measure_stages(cfg, QUICK_STAGE_POINTS if quick else STAGE_POINTS)
-  return out
+  return {"bytes": 7 * param_bytes(cfg),
+          "seconds": timeit(jax.jit(adam), params, opt_state, repeats=10)}
 
 
 def measure_all_gathers(devices, per_device_sizes, count: int = 16) -> list[dict]:
   """Seconds per all-gather of f32 buffers of each size per device, on 2, 4 and all of
   `devices`: `count` independent ones in one program against one alone (the difference
   has no dispatch in it). Small buffers show the latency, larger ones the bandwidth."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-  import numpy as np
   out = []
   for k in sorted({min(2, len(devices)), min(4, len(devices)), len(devices)} - {1}):
     sub = jax.sharding.Mesh(np.array(devices[:k]), ("d",))
@@ -321,15 +356,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
   divide over (`stages.common.MeshMismatch`: a model with 9 heads on a tensor=2 point) is
   skipped with a note on stderr.
   """
-  import jax
-  import numpy as np
 
-  from pipe_rlhf_jax.generation.sampler import SamplingParams
-  from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.planner import composition
-  from pipe_rlhf_jax.stages.common import MeshMismatch
-  from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
-  from pipe_rlhf_jax.system.system import Models, PPOSystem
 
   devices = jax.devices()
   out = []
@@ -414,9 +441,7 @@ def nnls(columns: list[list[float]], target: list[float], weights: list[float]
          ) -> list[float]:
   """Non-negative least squares min sum (w (X c - y))^2, c >= 0, by trying every subset
   of the (few) columns: the best unconstrained fit among those with no negative entry."""
-  import itertools
 
-  import numpy as np
   x = np.asarray(columns, float).T * np.asarray(weights, float)[:, None]  # [samples, k]
   y = np.asarray(target, float) * np.asarray(weights, float)
   k = x.shape[1]
@@ -441,14 +466,9 @@ def fit_stages(samples: dict, fits: dict) -> dict:
   with the microbenchmark constants in `fits`, so the fitted constants mean exactly what
   the planner multiplies them by. Relative residuals: small stages count as much as big.
   """
-  import dataclasses as dc
-
-  from pipe_rlhf_jax.models.config import TransformerConfig
-  from pipe_rlhf_jax.planner import cost, hardware, space
-  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
   cfg = TransformerConfig(**samples["model"])
   hw = hardware.get(samples.get("hardware", "cpu"))
-  known = {f.name for f in dc.fields(cost.Efficiency)}
+  known = {f.name for f in dataclasses.fields(cost.Efficiency)}
   fitted_here = {name for names in cost.STAGE_CONSTANTS.values() for name in names}
   machine = cost.Machine(hw, cost.Efficiency(
       **{k: v for k, (v, _) in fits.items() if k in known and k not in fitted_here}))
@@ -524,7 +544,6 @@ def fit_elementwise(samples: list[dict]) -> dict[str, float]:
 
 
 def _elementwise_names() -> dict[str, str]:
-  from pipe_rlhf_jax.planner import cost
   return cost.ELEMENTWISE
 
 
@@ -569,7 +588,6 @@ def fit(samples: dict) -> dict:
   fits["decode_bw"] = (1 / (b * bw) if b > 0 else 1.0, "the same fit's slope vs hbm_bw")
   gathers = samples["all_gather"]
   if gathers and "count" in gathers[0]:
-    from pipe_rlhf_jax.planner import hardware
     serial = hardware.get(samples.get("hardware", "cpu")).serial_collectives
     hops = [(s["devices"] - 1) if serial else 1.0 for s in gathers]
     moved = [s["bytes"] * (s["devices"] - 1) / s["devices"] for s in gathers]
@@ -606,9 +624,8 @@ def fit(samples: dict) -> dict:
     fits["reshard_bw"] = (1 / per_byte if per_byte > 0 else 0.0, "the same fit's W")
   if samples.get("stages"):
     # Carried so that the file says which passes its stage constants were fitted beside.
-    from pipe_rlhf_jax.planner.cost import FITTED_ELEMENTWISE
     for name in _elementwise_names().values():
-      fits[name] = (FITTED_ELEMENTWISE[name], "passes per activation element of the "
+      fits[name] = (cost.FITTED_ELEMENTWISE[name], "passes per activation element of the "
                     "stage's non-matmul work, fitted across model sizes "
                     "(experiments/fit_elementwise.py); one model's stage points cannot "
                     "tell it from the scale")
@@ -621,10 +638,8 @@ def fit(samples: dict) -> dict:
 
 
 def efficiency_dict(fits: dict, source: str) -> dict:
-  import dataclasses
 
-  from pipe_rlhf_jax.planner.cost import Efficiency
-  known = {f.name for f in dataclasses.fields(Efficiency)}
+  known = {f.name for f in dataclasses.fields(cost.Efficiency)}
   values = {k: v for k, (v, _) in fits.items() if k in known}
   values["source"] = source
   return values
@@ -632,20 +647,15 @@ def efficiency_dict(fits: dict, source: str) -> dict:
 
 def _config_model(path: str):
   """The actor's TransformerConfig of the experiment config at `path`."""
-  import importlib.util
 
-  from ml_collections import config_flags  # noqa: F401 (config loading below)
   spec = importlib.util.spec_from_file_location("_calib_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
-  from pipe_rlhf_jax.models.load import load_tokenizer
-  from pipe_rlhf_jax.models.roles import build_model_configs
   return build_model_configs(config.model, load_tokenizer(config.model.tokenizer))["actor"]
 
 
 def main(argv=None) -> int:
-  import argparse
   parser = argparse.ArgumentParser(
       prog="python -m pipe_rlhf_jax.planner.calibrate",
       description="Time the matmul peak, memory bandwidth, collectives and the PPO stages "

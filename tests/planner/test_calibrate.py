@@ -303,3 +303,24 @@ def test_a_stage_with_few_points_fits_fewer_constants():
   fits = calibrate.fit(samples)
   assert "train_scale" in fits and "train_step_s" in fits
   assert not {"train_call_s", "train_device_overhead_s", "train_exchange_s"} & set(fits)
+
+
+@pytest.mark.slow
+def test_the_microbenchmarks_measure_and_fit_a_tiny_model():
+  # Every probe of `measure` but the stage points (timed by the tests above), on a tiny
+  # model: each sample is a positive time of the sizes asked for, and the fit takes them.
+  from pipe_rlhf_jax.models.config import tiny_config
+  cfg = tiny_config(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, mlp_dim=64)
+  samples = calibrate.measure(cfg, quick=True, stages=False)
+  assert [s["n"] for s in samples["matmul"]] == [256, 512]
+  assert [(s["batch"], s["length"]) for s in samples["forward"]] == [(8, 24), (64, 24)]
+  assert [(s["batch"], s["slots"]) for s in samples["decode"]] == [(8, 32), (64, 128)]
+  assert {s["kind"] for s in samples["split"]} == {"forward", "train", "tick"}
+  assert [s["copies"] for s in samples["concurrency"]] == [1, 2, 8]
+  times = [s["seconds"] for key in ("forward", "train", "decode", "split", "concurrency")
+           for s in samples[key]] + [samples["optimizer"]["seconds"]]
+  assert all(t > 0 for t in times)
+  fits = calibrate.fit(samples)
+  assert fits["device_peak_flops"][0] > 0 and fits["hbm_bw"][0] > 0
+  assert "forward_device_overhead_s" in fits and "tick_device_overhead_s" in fits
