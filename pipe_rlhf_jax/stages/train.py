@@ -514,7 +514,7 @@ class TrainStage:
                       critic_tx=self.critic_tx)
     layout = self.layout
 
-    def update(state, exp, rng, ptx, packed):
+    def update(state, exp, rng, ptx=None, packed=None):
       with layout.rules_context():
         return update_fn(spec, state, exp, rng, ptx, packed)
 

@@ -59,6 +59,9 @@ class _Watched(math_reward.AnswerChecker):
     return scores
 
 
+# Slow: the math rule itself is tested in tests/data/test_math_reward.py, and the main
+# job end to end by tests/test_train.py.
+@pytest.mark.slow
 def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
   model_dir = write_tiny_chat_llama(str(tmp_path / "tiny-chat"), _corpus())
   watched = _Watched()

@@ -78,6 +78,8 @@ def test_every_completion_equals_the_static_samplers(model, sampling, n):
   assert int(stats.busy_slot_steps) <= int(stats.decode_steps) * 4
 
 
+# The default tier's engine case of tests/stages/test_ppo_stages.py frees slots at EOS too.
+@pytest.mark.slow
 def test_eos_frees_the_slot_and_pads_like_the_static_sampler(model):
   tokens, mask = queue(6, seed=2)
   rng = jax.random.key(0)
@@ -104,8 +106,10 @@ def test_same_slot_count_as_the_batch_is_bit_identical(model):
   assert_same(out, static_reference(model, tokens, mask, 1, limits, None, rng, **SAMPLED))
 
 
-@pytest.mark.parametrize("name", ["tensor2", pytest.param("data2_tensor2",
-                                                          marks=pytest.mark.slow)])
+# Slow: the default tier's engine case of tests/stages/test_ppo_stages.py decodes on a
+# tensor-parallel mesh against the one-device static stage.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tensor2", "data2_tensor2"])
 def test_tensor_parallel_engine_equals_one_device(model, name):
   shape = {"tensor2": MeshShape(tensor=2), "data2_tensor2": MeshShape(data=2, tensor=2)}[name]
   mesh = make_mesh(shape, jax.devices()[:shape.size])
@@ -142,7 +146,7 @@ def test_admission_widths_are_powers_of_two_up_to_the_free_groups():
   assert engine.EngineSpec(num_slots=3, group_size=3).widths == (1,)
 
 
-@pytest.mark.parametrize("min_admit", [1, 2])
+@pytest.mark.parametrize("min_admit", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_pure_schedule_is_the_engines(model, min_admit):
   tokens, mask = queue(9, seed=5)
   rs = np.random.RandomState(6)
@@ -210,6 +214,9 @@ def _offer(q, start, n):
                    ids=shift(q.ids, start * n), limits=shift(q.limits, start * n))
 
 
+# Slow: tests/stages/test_rollout_stream.py holds the persistent engine, called in
+# pieces, to the static sampler in the default tier.
+@pytest.mark.slow
 def test_a_persistent_engine_called_in_pieces_equals_the_static_sampler(model):
   # The queue is decoded over many calls of at most 3 decode steps each, one completion
   # to finish per call: slots carry their caches from call to call unchanged.

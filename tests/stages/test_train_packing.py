@@ -101,10 +101,10 @@ def assert_same_update(padded, packed):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-# seq_mean_token_mean in the slow tier: the critic-free test below packs that aggregation
-# in the default run.
-@pytest.mark.parametrize("loss_agg", ["token_mean", pytest.param("seq_mean_token_mean",
-                                                                marks=pytest.mark.slow)])
+# Slow: the critic-free test below packs the update in the default run, and
+# tests/stages/test_packing.py the critic's packed values.
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
 def test_a_packed_update_with_a_critic_is_the_padded_one(layout, models, loss_agg):
   # GAE with its critic, two epochs of two minibatches, the entropy bonus on: 24 columns
   # hold one or two sequences of up to 16 tokens.

@@ -47,9 +47,12 @@ def test_pipe_with_zero_staleness_matches_sequential(tmp_path):
   # rewards are among the compared metrics).
   # The pipe run generates with the delayed pipelined decoder (P=2, M=4), the sequential
   # run with the plain sampler: the rollouts must still be the same tokens.
+  # The warm start is the same in every mode: the pipe run restores the sequential run's
+  # instead of training it again.
   seq = train(tiny("sequential"), str(tmp_path / "seq"), progress=False).ppo_metrics
-  pipe = train(tiny("pipe", pipelined=True, max_staleness=0), str(tmp_path / "pipe"),
-               progress=False).ppo_metrics
+  config = tiny("pipe", pipelined=True, max_staleness=0)
+  config.warm_start.checkpoint = str(tmp_path / "seq" / "warmstart")
+  pipe = train(config, str(tmp_path / "pipe"), progress=False).ppo_metrics
   assert len(seq) == len(pipe) == 4
   assert_same_math(seq, pipe)
 
