@@ -96,6 +96,8 @@ def test_eos_frees_the_slot_and_pads_like_the_static_sampler(model):
   assert int(stats.busy_slot_steps) == int(lengths.sum()) - 6
 
 
+# Slow: the default tier holds every completion to the static sampler's (above).
+@pytest.mark.slow
 def test_same_slot_count_as_the_batch_is_bit_identical(model):
   tokens, mask = queue(4, seed=3)
   limits = np.array([3, 12, 1, 7], np.int32)

@@ -152,10 +152,17 @@ XLA_CASES = [
 XLA_PEAK = {"train": xla_train_peak, "infer": xla_infer_peak, "generate": xla_generate_peak}
 
 
-@pytest.mark.parametrize("stage,cfg,batch,minibatch,mesh,remat,ptx_rows",
-                         [c + (0,) * (7 - len(c)) for c in XLA_CASES],
-                         ids=[f"{c[0]}-{'params' if c[1] is PARAMS else 'acts'}-{c[4]}-{c[5]}"
-                              + (f"-ptx{c[6]}" if len(c) > 6 else "") for c in XLA_CASES])
+# The default tier checks each (stage, parameters / activations) kind once; the variants of
+# a kind (the SFT rows, full remat, the decode's weight copies) run in the slow tier.
+SLOW_XLA_CASES = (XLA_CASES[2], XLA_CASES[3], XLA_CASES[8])
+
+
+@pytest.mark.parametrize("stage,cfg,batch,minibatch,mesh,remat,ptx_rows", [
+    pytest.param(*(c + (0,) * (7 - len(c))),
+                 id=f"{c[0]}-{'params' if c[1] is PARAMS else 'acts'}-{c[4]}-{c[5]}"
+                 + (f"-ptx{c[6]}" if len(c) > 6 else ""),
+                 marks=[pytest.mark.slow] if c in SLOW_XLA_CASES else [])
+    for c in XLA_CASES])
 def test_memory_model_matches_xla(stage, cfg, batch, minibatch, mesh, remat, ptx_rows):
   n = int(np.prod(list(mesh.as_dict().values())))
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=minibatch, epochs=1,
