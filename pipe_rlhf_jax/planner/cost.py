@@ -410,8 +410,13 @@ def tick_counts(num_stages: int, num_microbatches: int, gen_len: int, fraction: 
     return tuple(((pre, dec), n) for (pre, dec), n in (((1, 0), 1), ((0, 1), longest - 1))
                  if n)
   passes = lengths.passes_per_microbatch(fraction, gen_len, batch, num_microbatches)
-  activity = sched.tick_activity(sched.early_exit_schedule(
-      num_stages, num_microbatches, gen_len, passes))  # [ticks, 2]
+  return _activity_counts(sched.early_exit_schedule(num_stages, num_microbatches, gen_len,
+                                                   passes))
+
+
+def _activity_counts(schedule: np.ndarray) -> tuple[tuple[tuple[int, int], int], ...]:
+  """How many ticks of `schedule` have each (prefilling, decoding) count of stages."""
+  activity = sched.tick_activity(schedule)  # [ticks, 2]
   pairs, counts = np.unique(activity, axis=0, return_counts=True)
   return tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(pairs, counts))
 
@@ -547,9 +552,7 @@ def refill_counts(num_stages: int, num_microbatches: int, batch_lengths: tuple[i
   """`tick_counts` of a refilling pipelined decoder: loads of `rows_per_load` consecutive
   completions, each running its longest row's passes (`schedule.refill_schedule`)."""
   loads = np.asarray(batch_lengths).reshape(-1, rows_per_load).max(axis=1)
-  activity = sched.tick_activity(sched.refill_schedule(num_stages, num_microbatches, loads))
-  pairs, counts = np.unique(activity, axis=0, return_counts=True)
-  return tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(pairs, counts))
+  return _activity_counts(sched.refill_schedule(num_stages, num_microbatches, loads))
 
 
 @functools.lru_cache(maxsize=256)

@@ -92,6 +92,7 @@ class GenerateStage:
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
     limits = budgets(batch, len(tokens), self.sampling.max_new_tokens)
     metrics = {}
+    executed = None
     if self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
       slots = self._pipe_slots(len(tokens))
@@ -99,12 +100,6 @@ class GenerateStage:
           self.graphdef, actor, tokens, mask, self.sampling, mesh=self.layout.mesh,
           num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
           limits=self.layout.put_batch(limits), num_slots=slots, rules=self.layout.rules)
-      if self.num_slots:
-        # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
-        passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
-        rows = (slots or len(tokens)) // self.num_microbatches
-        metrics["generate/slot_occupancy"] = (
-            float(fetch(out.mask).sum()) / max(passes * rows, 1))
     elif self.num_slots:
       out, stats = self._continuous(actor, queue, rng, sample_ids, limits)
       busy, steps = (int(x) for x in fetch((stats.busy_slot_steps, stats.decode_steps)))
@@ -122,6 +117,11 @@ class GenerateStage:
     # Counted on the host: a device reduction here could queue behind another stage's
     # program and pollute the timing (seen on virtual CPU devices sharing cores).
     new_tokens = float(fetch(out.mask).sum())
+    if executed is not None and self.num_slots:
+      # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
+      passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
+      rows = (self._pipe_slots(len(tokens)) or len(tokens)) // self.num_microbatches
+      metrics["generate/slot_occupancy"] = new_tokens / max(passes * rows, 1)
     seconds = time.perf_counter() - start
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9), **metrics}
