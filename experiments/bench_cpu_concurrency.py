@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
 

@@ -24,11 +24,9 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402

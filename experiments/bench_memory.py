@@ -27,16 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from experiments import results  # noqa: E402
 from pipe_rlhf_jax.models import KVCache, init_model, tiny_config  # noqa: E402
 from pipe_rlhf_jax.stages import common  # noqa: E402
 
@@ -136,7 +135,7 @@ def main() -> None:
         ok = [r["length"] for r in rows if r["vocab"] == vocab and r["step"] == step
               and r[f"{name}_peak_mib"] <= budget_mib]
         fits[f"{vocab}/{step}/{name}"] = max(ok) if ok else None
-  command = "python " + " ".join([os.path.relpath(__file__, _ROOT)] + sys.argv[1:])
+  command = results.command_line()
   with open(os.path.join(args.out_dir, "memory.json"), "w", encoding="utf-8") as f:
     json.dump({"command": command, "backend": jax.default_backend(), "rows": rows,
                "budget_gib": args.budget_gib, "longest_that_fits": fits}, f, indent=2)
@@ -159,7 +158,6 @@ def main() -> None:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
   if args.page:
-    from experiments import results
     # XLA's compiled memory analysis does not depend on the machine's speed.
     what = __doc__.split("\nUsage:")[0].split("\n", 1)[1].strip()  # the settings compared
     path = results.write_page(args.page, "Memory at long lengths",

@@ -51,7 +51,6 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
 

@@ -35,7 +35,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 # pipe mode's devices of (generate, infer, train): in a 2 x 4 job generation is process
 # 0's, inference and training process 1's; in a 4 x 2 job generation spans processes
 # 0-1, inference is process 2's and training process 3's.
@@ -167,10 +166,13 @@ def _job(kind: str, extra: list[str], out: str, processes: int, devices: int,
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env.setdefault("JAX_PLATFORMS", "cpu")
+  # Each process runs this module as the driver does (`-m`), found from the repository
+  # root whatever the working directory.
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   result = launch([kind, f"--out={out}", *extra], num_processes=processes,
                   cpu_devices=devices, log_dir=os.path.join(out, "logs"),
-                  timeout_s=timeout_s, command=(sys.executable, "-u", __file__), echo=False,
-                  env=env)
+                  timeout_s=timeout_s, command=(sys.executable, "-u", "-m", __spec__.name),
+                  echo=False, env=env)
   if not result.ok:
     print(f"{kind} {extra} on {processes} x {devices} failed:\n{result.report()}")
     return None

@@ -2,8 +2,8 @@
 
 Owns one measurement: tunix's own PPO (`tunix.rl.ppo.ppo_learner.PPOLearner` on an
 `RLCluster` with its "vanilla" rollout engine, i.e. tunix's KV-cache `Sampler`) on one CPU
-device, f32, at the model sizes of `bench_ppo_step.py` (its SIZES dict is read from that
-file, so the two cannot drift apart). Actor, reference and critic are tunix `Qwen2`
+device, f32, at the model sizes of `bench_ppo_step` (`experiments.shapes.SIZES`, which
+both import, so the two cannot drift apart). Actor, reference and critic are tunix `Qwen2`
 models built by tunix's own random init (`create_dummy_model`) at those dims, untied LM
 head; the critic is the actor's copy with the LM head replaced by a 1-unit value head
 (`rl.utils.create_critic_model`), the reference a second model of the same seed. Each
@@ -57,12 +57,13 @@ Where it differs (read from tunix 0.1.7's source):
   there is no weight sync; the output records tunix's `should_sync_weights`.
 
 Usage (in its own virtual environment, not the project's .venv; `.venv-tunix/` is
-git-ignored):
+git-ignored; from the repository root, where `experiments.shapes`, which imports nothing,
+is found without this project's dependencies):
   python3 -m venv .venv-tunix
   .venv-tunix/bin/pip install google-tunix==0.1.7 chex
-  .venv-tunix/bin/python experiments/bench_peer_tunix.py --sizes 1,2 --steps 8
-  # SmolLM2-135M's shape, beside `bench_real_shapes.py --shapes smollm2-135m`:
-  .venv-tunix/bin/python experiments/bench_peer_tunix.py --dims 30,576,9,3,1536,49152,8,64,64 \
+  .venv-tunix/bin/python -m experiments.bench_peer_tunix --sizes 1,2 --steps 8
+  # SmolLM2-135M's shape, beside `python -m experiments.bench_real_shapes --shapes smollm2-135m`:
+  .venv-tunix/bin/python -m experiments.bench_peer_tunix --dims 30,576,9,3,1536,49152,8,64,64 \
       --tied --steps 3 --warmup 1
 
 Writes peer_step.json and peer_step.md to --out-dir (default
@@ -72,7 +73,6 @@ experiments/out/bench_peer_tunix/). Timings on a shared machine are noisy: run i
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.metadata
 import json
 import os
@@ -93,18 +93,7 @@ from tunix.rl import utils as rl_utils  # noqa: E402
 from tunix.rl.ppo import ppo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
-
-def read_sizes() -> dict[int, tuple[int, ...]]:
-  """bench_ppo_step.py's SIZES, parsed rather than imported: importing it would import
-  the project (and its jax), which this environment does not have."""
-  path = os.path.join(_ROOT, "experiments", "bench_ppo_step.py")
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read())
-  for node in tree.body:
-    if (isinstance(node, ast.Assign) and len(node.targets) == 1
-        and getattr(node.targets[0], "id", None) == "SIZES"):
-      return ast.literal_eval(node.value)
-  raise RuntimeError(f"no SIZES in {path}")
+from experiments.shapes import SIZES  # noqa: E402  (literals only: no project import)
 
 
 class IdTokenizer:
@@ -275,7 +264,7 @@ def main() -> None:
   args = parser.parse_args()
   if args.steps <= args.warmup:
     parser.error("--steps must exceed --warmup")
-  sizes = read_sizes()
+  sizes = dict(SIZES)
   if args.dims:
     dims = tuple(int(x) for x in args.dims.split(","))
     if len(dims) != 9:
@@ -292,8 +281,7 @@ def main() -> None:
                           [round(x, 4) for x in v] if k == "step_times_s" else v)
                       for k, v in row.items()}), flush=True)
   # The interpreter in full: the script runs in tunix's own environment.
-  command = " ".join([sys.executable,
-                      os.path.relpath(os.path.abspath(__file__), _ROOT)] + sys.argv[1:])
+  command = " ".join([sys.executable, "-m", __spec__.name, *sys.argv[1:]])
   with open(os.path.join(args.out_dir, "peer_step.json"), "w", encoding="utf-8") as f:
     json.dump({"command": command, "backend": jax.default_backend(),
                "devices": 1, "versions": versions, "rows": rows}, f, indent=2)

@@ -35,11 +35,9 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
 

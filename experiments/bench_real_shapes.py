@@ -17,14 +17,14 @@ faster of a sum and a matrix-vector product over 256 MiB, `results.machine_limit
 Beside each, what the stage's own matmuls reach run alone in one program: the update's
 GEMM shapes against the matmul peak, the decode step's [batch, K] x [K, N] products
 against the bandwidth (the backend's ceiling at that row count); and one model's optimizer
-step beside AdamW alone (`bench_ppo_step.optimizer_seconds`). The step's bound is the
+step beside AdamW alone (`common.optimizer_seconds`). The step's bound is the
 sum over stages of max(FLOPs / peak, bytes / bandwidth). Memory: XLA's
 `memory_analysis()` of the actor's completion log-probs (forward: infer; value_and_grad:
 train) and of one cached decode step, the process peak RSS, and the planner's memory model
 (`planner.memory.plan_memory`). The planner's predicted step time
 (`planner.search.price`, analytic cpu profile) is set beside the measured one twice: with
 the profile's assumed efficiencies, and with efficiencies probed in the same run on the
-stage's own matmul shapes and optimizer step (`probed_machine`; microbenchmarks, not the
+stage's own matmul shapes and optimizer step (`common.probed_machine`; microbenchmarks, not the
 stage timings, so the check stays held out).
 
 Usage:
@@ -42,322 +42,30 @@ Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-import resource
-import sys
-import tempfile
-import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
-from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler  # noqa: E402
+from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler
 
 # Before jax starts its backend; the planner's calibration and the main job use it too.
 use_memory_lean_scheduler()
 
-from flax import nnx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from experiments import bench_ppo_step, results  # noqa: E402
-from pipe_rlhf_jax.generation import SamplingParams  # noqa: E402
-from pipe_rlhf_jax.models import KVCache, flops, hf  # noqa: E402
-from pipe_rlhf_jax.models.random_checkpoint import write_random_checkpoint  # noqa: E402
-from pipe_rlhf_jax.planner import cost, hardware, memory, search, space  # noqa: E402
-from pipe_rlhf_jax.stages import common  # noqa: E402
-from pipe_rlhf_jax.system import (  # noqa: E402
-  MeshSpec,
-  Models,
-  Plan,
-  PPOConfig,
-  PPOSystem,
-  StagePlan,
-  run,
+from experiments import results
+from experiments.common import (
+  DEFAULTS,
+  LEAN,
+  MIB,
+  STAGES,
+  bench_shape,
+  runtime_for,
+  stage_plans,
+  xla_peaks,
 )
+from pipe_rlhf_jax.planner import hardware, memory, space
 
-STAGES = ("generate", "infer", "train")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(_ROOT, "experiments", "out", "real_shapes")
-MIB = 2**20
-
-
-DEFAULTS = StagePlan()
-# The memory-lean plan: blockwise attention everywhere, full remat in the update, the head
-# and log-softmax in chunks of completion positions, a rolled layer scan; what the shapes
-# too big for the defaults need (`device_check.py` runs it).
-LEAN = dict(attention="blockwise", remat="full", logits_chunk=32, scan_unroll=1)
-
-
-def stage_plans(logits_chunk: int = DEFAULTS.logits_chunk,
-                attention: str = DEFAULTS.attention, remat: str = DEFAULTS.remat,
-                scan_unroll: int = DEFAULTS.scan_unroll) -> dict[str, StagePlan]:
-  """The execution of real shapes; by default the library's (`StagePlan()`); `remat`
-  applies to the update, `logits_chunk` to inference and the update."""
-  common_ = dict(attention=attention, scan_unroll=scan_unroll)
-  return {"generate": StagePlan(**common_),
-          "infer": StagePlan(logits_chunk=logits_chunk, **common_),
-          "train": StagePlan(remat=remat, logits_chunk=logits_chunk, **common_)}
-
-
-def xla_peaks(cfg, batch: int, prompt: int, gen: int, plans) -> dict[str, float]:
-  """Peak MiB (arguments + outputs + temporaries - aliased) of the actor's stage functions,
-  compiled on abstract parameters (nothing runs)."""
-  def peak(compiled):
-    m = compiled.memory_analysis()
-    if m is None:
-      return math.nan
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - getattr(m, "alias_size_in_bytes", 0)) / MIB
-  length = prompt + gen
-  out = {}
-  for stage in ("infer", "train"):
-    c = cfg.replace(**plans[stage].execution())
-    graphdef, params = nnx.split(nnx.eval_shape(lambda c=c: __import__(
-        "pipe_rlhf_jax.models", fromlist=["init_model"]).init_model(c)))
-    ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
-    pmask = jax.ShapeDtypeStruct((batch, prompt), jnp.bool_)
-    tgt = jax.ShapeDtypeStruct((batch, gen), jnp.int32)
-    tmask = jax.ShapeDtypeStruct((batch, gen), jnp.bool_)
-    fn = lambda p, a, b, t, m, g=graphdef: common.completion_logprobs(g, p, a, b, t, m)
-    if stage == "train":
-      fwd = fn
-      fn = jax.value_and_grad(lambda *a: -jnp.mean(fwd(*a)))
-    out[stage] = peak(jax.jit(fn).lower(params, ids, pmask, tgt, tmask).compile())
-  c = cfg.replace(**plans["generate"].execution())
-  from pipe_rlhf_jax.models import init_model
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(c)))
-  cache = jax.eval_shape(lambda: KVCache.zeros(c, batch, length))
-
-  def decode(params, cache, token, key_mask):
-    positions = jnp.full((batch, 1), length - 1, jnp.int32)
-    return nnx.merge(graphdef, params).forward_cached(token, positions, key_mask, cache,
-                                                      length - 1)
-  out["generate"] = peak(jax.jit(decode).lower(
-      params, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
-      jax.ShapeDtypeStruct((batch, length), jnp.bool_)).compile())
-  return out
-
-
-def planner_machine(limits, calibration: str = "", hardware_name: str = "cpu"
-                    ) -> cost.Machine:
-  """The `hardware_name` profile with a `planner.calibrate` file's efficiencies (fitted on
-  the tiny model, so real shapes are held out), or the default efficiencies; either way the
-  bandwidth (and on the cpu the peak) is the one measured in this run unless the file has
-  its own."""
-  if calibration:
-    eff = cost.Efficiency.load(calibration)
-    eff = dataclasses.replace(eff, source=f"calibration {calibration}")
-  else:
-    eff = cost.Efficiency(source=f"{hardware_name} profile, assumed efficiencies")
-  eff = dataclasses.replace(eff, host_peak_flops=eff.host_peak_flops
-                            or limits["matmul_gflops"] * 1e9,
-                            hbm_bw=eff.hbm_bw or limits["mem_gbps"] * 1e9)
-  return cost.Machine(hardware.get(hardware_name), eff)
-
-
-def probed_machine(cfg, batch: int, prompt: int, gen: int, row: dict, limits,
-                   hardware_name: str = "cpu") -> cost.Machine:
-  """The `hardware_name` profile with efficiencies probed in this run on the stage's own
-  work, not on its timings: the forward's and the update's matmul shapes against the
-  matmul peak, the decode step's matmuls against the bandwidth, and one model's optimizer
-  step against the bandwidth as the cost model prices Adam (7 parameter-sized reads and
-  writes). `row` holds the update's, the decode's and the optimizer's probes
-  (`bench_shape`); the forward's is run here."""
-  peak, bw = limits["matmul_gflops"] * 1e9, limits["mem_gbps"] * 1e9
-  forward = bench_ppo_step.gemm_shapes(cfg, batch * (prompt + gen), batch * gen)[
-      :7 * cfg.num_layers + 1]
-  fraction = lambda v: min(1.0, v)
-  eff = cost.Efficiency(
-      matmul=fraction(bench_ppo_step.shape_rate(forward, cfg.dtype) * 1e9 / peak),
-      train=fraction(row["train_shapes_gflops"] * 1e9 / peak),
-      decode_bw=fraction(row["decode_shapes_gbps"] * 1e9 / bw),
-      optimizer_bw=fraction(7 * memory.param_bytes(cfg) / row["optimizer_s"] / bw),
-      host_peak_flops=peak, hbm_bw=bw, **cost.FITTED_ELEMENTWISE,
-      source="probed in this run on the stage's own matmul shapes and optimizer step")
-  return cost.Machine(hardware.get(hardware_name), eff)
-
-
-def runtime_for(mode: str, plans: dict[str, StagePlan]) -> Plan:
-  """The plan of `mode` with the stage plans `plans`, on the fewest devices it allows.
-
-  `sequential` and `per_stage` run on one device (one mesh, or each stage's own mesh over
-  the same device); `pipe` gives each stage a block of its own, so it needs three.
-  """
-  if mode == "sequential":
-    return Plan(mode="sequential", mesh=MeshSpec(data=1), **plans)
-  if mode == "per_stage":
-    return Plan(mode="per_stage", **plans)
-  if mode == "pipe":
-    return Plan(mode="pipe", placement=(1, 1, 1), **plans)
-  raise ValueError(f"mode={mode!r}; choose sequential, per_stage or pipe.")
-
-
-def devices_needed(runtime: Plan) -> int:
-  """Devices `runtime_for`'s plan runs on."""
-  return sum(runtime.placement) if runtime.mode == "pipe" else 1
-
-
-def planner_prediction(cfg, runtime, batch, prompt, gen, machine: cost.Machine
-                       ) -> dict[str, float]:
-  """The planner's step time, per-stage times and peak memory of `runtime` on `machine`."""
-  work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
-                        prompt_len=prompt, gen_len=gen, num_devices=devices_needed(runtime),
-                        reward_model=False)
-  cand = search.price(runtime, work, machine)
-  pred = {"planner_step_s": cand.step_time}
-  if cand.cost is not None:
-    pred.update({f"planner_{s}_s": cand.cost.stage(s) for s in STAGES})
-  pred["planner_memory_mib"] = max(memory.plan_memory(runtime, work).values()) / MIB
-  return pred
-
-
-def write_checkpoint(shape: str, directory: str, layers: int = 0, dtype: str = "float32",
-                     untied: bool = False) -> None:
-  """A random-weight Hugging Face directory of `shape` (`layers` > 0 overrides the layer
-  count; `untied` gives it an LM head of its own), tensors stored in `dtype`."""
-  overrides = {"num_hidden_layers": layers} if layers else {}
-  if untied:
-    overrides["tie_word_embeddings"] = False
-  write_random_checkpoint(shape, directory, seed=0, dtype=dtype, overrides=overrides,
-                          overwrite=True)
-
-
-def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str = "float32",
-                hardware_name: str = "cpu", checkpoint: str | None = None) -> dict:
-  """One row: `args.steps` timed PPO steps of `shape` against `limits` and the planner.
-
-  Args:
-    shape: a name of `models.shapes.SHAPES`.
-    args: `layers`, `batch`, `prompt_len`, `new_tokens`, `steps`, `logits_chunk`.
-    limits: `results.machine_limits()` of this process, measured in `dtype`.
-    mode: the runtime mode (`runtime_for`); `pipe` needs three devices.
-    dtype: the models' compute and parameter dtype.
-    hardware_name: the planner's hardware profile for the prediction.
-    checkpoint: a directory `write_checkpoint` wrote for this shape, layers and dtype;
-      None writes one to a temporary directory.
-  """
-  batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
-  if checkpoint is None:
-    with tempfile.TemporaryDirectory() as tmp:
-      write_checkpoint(shape, tmp, args.layers, dtype, getattr(args, "untied", False))
-      policy = hf.from_pretrained(tmp, dtype=dtype)
-  else:
-    policy = hf.from_pretrained(checkpoint, dtype=dtype)
-  cfg = policy.config
-  vocab = cfg.vocab_size
-  plans = stage_plans(args.logits_chunk, getattr(args, "attention", DEFAULTS.attention),
-                      getattr(args, "remat", DEFAULTS.remat),
-                      getattr(args, "scan_unroll", DEFAULTS.scan_unroll))
-  runtime = runtime_for(mode, plans)
-  devices = jax.devices()[:devices_needed(runtime)]
-  if len(devices) < devices_needed(runtime):
-    raise ValueError(f"mode {mode} needs {devices_needed(runtime)} devices; "
-                     f"{len(jax.devices())} exist.")
-  system = PPOSystem(
-      Models.from_policy(policy),
-      ppo=PPOConfig(steps=args.steps + 1, batch_size=batch, minibatch_size=batch, epochs=1,
-                    actor_lr=1e-6, critic_lr=1e-6),
-      sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
-      runtime=runtime,
-      reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
-      decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
-  rng = np.random.default_rng(0)
-
-  def prompts():
-    index = 0
-    while True:
-      yield {"prompt_tokens": rng.integers(3, min(vocab, 30000), (batch, prompt)
-                                           ).astype(np.int32),
-             "prompt_mask": np.ones((batch, prompt), bool),
-             "index": np.arange(index, index + batch)}
-      index += batch
-
-  t0 = time.perf_counter()
-  metrics = run(system, prompts(), args.steps + 1).metrics
-  wall = time.perf_counter() - t0
-  steady = metrics[1:]
-  mean = lambda key: float(np.mean([m[key] for m in steady]))
-  length = prompt + gen
-  critic = cfg.replace(head="value")
-  work = {
-      "generate": (flops.forward_flops(cfg, batch, prompt, head_positions=1)
-                   + sum(flops.forward_flops(cfg, batch, 1, context=prompt + t)
-                         for t in range(gen - 1))),
-      "infer": (flops.forward_flops(cfg, batch, length, head_positions=gen)
-                + flops.forward_flops(critic, batch, length, head_positions=gen)),
-      # The model's FLOPs (forward + backward, no recompute), as MFU counts them: a remat
-      # policy's extra forward is time the plan spends, not work the step needs.
-      "train": (flops.train_flops(cfg, batch, length, remat="none", head_positions=gen)
-                + flops.train_flops(critic, batch, length, remat="none", head_positions=gen)),
-  }
-  decode_bytes = sum(flops.decode_step_bytes(cfg, batch, prompt + t) for t in range(gen))
-  peak, bw = limits["matmul_gflops"] * 1e9, limits["mem_gbps"] * 1e9
-  times = {s: mean(f"time/{s}_s") for s in STAGES}
-  step_s = mean("time/step_s")
-  bound = {s: work[s] / peak for s in STAGES}
-  bound["generate"] = max(bound["generate"], decode_bytes / bw)
-  row = {"shape": shape, "layers": cfg.num_layers, "params": cfg.num_params(),
-         "batch": batch, "prompt_len": prompt, "new_tokens": gen, "steps": args.steps,
-         "wall_s": wall, "step_s": step_s, "bound_s": sum(bound.values()),
-         "decode_bytes_per_token_step": decode_bytes / gen,
-         "decode_gbps": decode_bytes / times["generate"] / 1e9,
-         "decode_bandwidth_fraction": decode_bytes / times["generate"] / bw}
-  row["measured_over_bound"] = step_s / row["bound_s"]
-  for s in STAGES:
-    row[f"{s}_s"] = times[s]
-    row[f"{s}_flops"] = work[s]
-    row[f"{s}_gflops"] = work[s] / times[s] / 1e9
-    row[f"{s}_peak_fraction"] = work[s] / times[s] / peak
-    row[f"{s}_bound_s"] = bound[s]
-  row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
-  row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  # What the update's matmuls reach alone (every projection and the head, forward and
-  # backward, one program): how much of its gap to the peak is the shapes themselves.
-  row["train_shapes_gflops"] = bench_ppo_step.shape_rate(
-      bench_ppo_step.gemm_shapes(cfg, batch * length, batch * gen), cfg.dtype)
-  # Likewise the decode step's matmuls at its row count: how fast the backend streams
-  # their weights when nothing else runs.
-  row["decode_shapes_gbps"] = bench_ppo_step.weight_rate(
-      bench_ppo_step.decode_shapes(cfg, batch), cfg.dtype)
-  # One model's optimizer step (norm, finiteness test, clipping, AdamW) beside AdamW alone.
-  row.update(bench_ppo_step.optimizer_seconds(cfg))
-  machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
-  row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
-  row["planner_efficiency"] = machine.eff.source
-  row["plans"] = {s: dataclasses.asdict(p) for s, p in plans.items()}
-  row["planner_step_error"] = abs(row["planner_step_s"] - step_s) / step_s
-  # The same model with the machine's rates at this shape (`probed_machine`): what is
-  # left of its error is work its FLOP and byte counts leave out.
-  probed = probed_machine(cfg, batch, prompt, gen, row, limits, hardware_name)
-  row["planner_probed_efficiency"] = {k: getattr(probed.eff, k) for k in (
-      "matmul", "train", "decode_bw", "optimizer_bw")}
-  row.update({k.replace("planner_", "planner_probed_"): v for k, v in planner_prediction(
-      cfg, runtime, batch, prompt, gen, probed).items() if k != "planner_memory_mib"})
-  row["planner_probed_step_error"] = abs(row["planner_probed_step_s"] - step_s) / step_s
-  # The held-out check of the non-matmul term (`cost.ELEMENTWISE`, fitted across toy sizes
-  # by fit_elementwise.py, never on these shapes): the probed prediction with it switched
-  # off, beside the one above.
-  row["planner_elementwise"] = {n: getattr(probed.eff, n) for n in cost.ELEMENTWISE.values()}
-  off = cost.Machine(probed.hw, dataclasses.replace(
-      probed.eff, **{n: 0.0 for n in cost.ELEMENTWISE.values()}))
-  row["planner_probed_noterm_step_s"] = planner_prediction(
-      cfg, runtime, batch, prompt, gen, off)["planner_step_s"]
-  row["planner_probed_noterm_step_error"] = abs(
-      row["planner_probed_noterm_step_s"] - step_s) / step_s
-  print(f"{shape}: measured step {step_s:.3f} s; planner, probed efficiencies: "
-        f"{row['planner_probed_noterm_step_s']:.3f} s without the non-matmul term "
-        f"({row['planner_probed_noterm_step_error']:.0%}), "
-        f"{row['planner_probed_step_s']:.3f} s with it "
-        f"({row['planner_probed_step_error']:.0%})", flush=True)
-  # The planner's peak is of all stages' state together (params, Adam, cache); what the
-  # process held at its peak is the measured counterpart.
-  row["memory_model_error"] = abs(row["planner_memory_mib"] - row["peak_rss_mib"]) / (
-      row["peak_rss_mib"])
-  return row
 
 
 def memory_row(shape: str, args, limits) -> dict:

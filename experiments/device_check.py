@@ -1,6 +1,6 @@
 """The prepared accelerator check: one run against the chip's measured limits and the planner.
 
-Owns one run of `bench_real_shapes.bench_shape` per shape and runtime mode, on one
+Owns one run of `common.bench_shape` per shape and runtime mode, on one
 device, in the run's dtype (bf16 on an accelerator): it measures the chip's matmul peak in
 that dtype and its memory bandwidth (`results.machine_limits`), then for each shape of
 `--shapes` writes one random-weight Hugging Face directory and runs one compile step and
@@ -41,15 +41,18 @@ import tempfile
 import time
 import traceback
 
+from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler
+
+# Before jax starts its backend, as in bench_real_shapes, whose measurement this runs.
+use_memory_lean_scheduler()
+
+import jax
+
+from experiments import common, results
+from pipe_rlhf_jax.planner import hardware
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
-import jax  # noqa: E402
-
-from experiments import bench_real_shapes, results  # noqa: E402
-from pipe_rlhf_jax.planner import hardware  # noqa: E402
-
-STAGES = bench_real_shapes.STAGES
+STAGES = common.STAGES
 MODES = ("sequential", "per_stage", "pipe")
 OUT_DIR = os.path.join(_ROOT, "experiments", "out", "device_check")
 MIB = 2**20
@@ -78,9 +81,9 @@ def default_hardware(device) -> str:
 def fitting_modes(num_devices: int) -> tuple[list[str], dict[str, str]]:
   """The modes that fit `num_devices`, and why each other one does not."""
   fit, skipped = [], {}
-  plans = bench_real_shapes.stage_plans(1)
+  plans = common.stage_plans(1)
   for mode in MODES:
-    needed = bench_real_shapes.devices_needed(bench_real_shapes.runtime_for(mode, plans))
+    needed = common.devices_needed(common.runtime_for(mode, plans))
     if needed <= num_devices:
       fit.append(mode)
     else:
@@ -139,7 +142,7 @@ def check_shape(shape: str, modes: list[str], args, limits, budget: Budget,
     return
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    bench_real_shapes.write_checkpoint(shape, tmp, args.layers, args.dtype)
+    common.write_checkpoint(shape, tmp, args.layers, args.dtype)
     written = time.perf_counter() - t0
     for mode in modes:
       if not budget.fits():
@@ -150,7 +153,7 @@ def check_shape(shape: str, modes: list[str], args, limits, budget: Budget,
       print(f"{shape} {mode}: running", flush=True)
       t0 = time.perf_counter()
       try:
-        row = bench_real_shapes.bench_shape(shape, args, limits, mode=mode, dtype=args.dtype,
+        row = common.bench_shape(shape, args, limits, mode=mode, dtype=args.dtype,
                                             hardware_name=args.hardware, checkpoint=tmp)
         row.update(derived(row, limits))
         row["device_peak_mib"] = device_peak_mib()
@@ -239,9 +242,9 @@ def parse_args(argv=None):
   parser.add_argument("--batch", type=int)
   parser.add_argument("--prompt-len", type=int)
   parser.add_argument("--new-tokens", type=int)
-  # The memory-lean plan (`bench_real_shapes.LEAN`): the bf16 shapes on one device, their
+  # The memory-lean plan (`common.LEAN`): the bf16 shapes on one device, their
   # page comparable from run to run.
-  lean = bench_real_shapes.LEAN
+  lean = common.LEAN
   parser.add_argument("--logits-chunk", type=int, default=lean["logits_chunk"])
   parser.add_argument("--attention", default=lean["attention"])
   parser.add_argument("--remat", default=lean["remat"], help="the update's remat policy")

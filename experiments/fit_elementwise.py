@@ -1,18 +1,18 @@
 """Experiment: fit the planner's non-matmul term across model sizes, SmolLM2-135M held out.
 
 Owns one fit: the passes per activation element of each stage (`cost.ELEMENTWISE`, the
-defaults of `cost.Efficiency`). At each toy size of `bench_ppo_step.SIZES` (`--sizes`)
-the real PPO stages run (`bench_ppo_step.bench_size`: `PPOSystem`, sequential, one
+defaults of `cost.Efficiency`). At each toy size of `experiments.shapes.SIZES`
+(`--sizes`) the real PPO stages run (`common.bench_size`: `PPOSystem`, sequential, one
 device, f32, the library's stage plans) and the machine's rates are probed in the same
-process on the stage's own matmul shapes and optimizer step (`bench_real_shapes.
-probed_machine`), so what the cost model misses at those rates is work its FLOP and byte
+process on the stage's own matmul shapes and optimizer step (`common.probed_machine`),
+so what the cost model misses at those rates is work its FLOP and byte
 counts leave out (a size whose probes ran on a busier host than its stages is dropped:
 `consistent`). Per stage the measured seconds are set against the cost model with the
 term off and the term's seconds at one pass (`cost.StageTerms.elementwise`), and
 `calibrate.fit_elementwise` fits the passes (relative least squares, one number per
 stage). The held-out check prices SmolLM2-135M (never in the fit,
 `calibrate.heldout_split`) with and without the fitted term against its measured step:
-the row `bench_real_shapes.py` recorded (`--heldout-row`, a line of its JSONL), or by
+the row `bench_real_shapes` recorded (`--heldout-row`, a line of its JSONL), or by
 default the measurement on docs/results/real_shapes.md (commit c11a6394dbd0; its stage
 seconds, matmul peak, bandwidth and probed efficiencies as printed there).
 
@@ -32,23 +32,20 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
-from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler  # noqa: E402
+from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler
 
 # Before jax starts its backend, as in the held-out measurement (bench_real_shapes).
 use_memory_lean_scheduler()
 
-from experiments import bench_ppo_step, results  # noqa: E402
-from experiments import bench_real_shapes as brs  # noqa: E402
-from pipe_rlhf_jax.models import tiny_config  # noqa: E402
-from pipe_rlhf_jax.models.shapes import config as shape_config  # noqa: E402
-from pipe_rlhf_jax.planner import calibrate, cost, hardware  # noqa: E402
+from experiments import common, results
+from experiments.shapes import SIZES
+from pipe_rlhf_jax.models import tiny_config
+from pipe_rlhf_jax.models.shapes import config as shape_config
+from pipe_rlhf_jax.planner import calibrate, cost, hardware
 
-STAGES = brs.STAGES
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = common.STAGES
 HELD_OUT = "smollm2-135m"
 # SmolLM2-135M as docs/results/real_shapes.md recorded it (commit c11a6394dbd0, AMD EPYC
 # 2 cores, batch 8, prompt 64, new tokens 64): measured stage seconds, the machine's
@@ -70,9 +67,9 @@ def stage_samples(shape: str, cfg, runtime, batch, prompt, gen, measured: dict,
                   machine: cost.Machine) -> list[dict]:
   """One sample per stage: measured seconds, the cost model's with the term off, and the
   term's seconds at one pass (the difference of the model at one pass and at none)."""
-  off = brs.planner_prediction(cfg, runtime, batch, prompt, gen,
+  off = common.planner_prediction(cfg, runtime, batch, prompt, gen,
                                cost.Machine(machine.hw, without_term(machine.eff)))
-  one = brs.planner_prediction(cfg, runtime, batch, prompt, gen,
+  one = common.planner_prediction(cfg, runtime, batch, prompt, gen,
                                cost.Machine(machine.hw, without_term(machine.eff, 1.0)))
   return [{"shape": shape, "stage": s, "seconds": measured[s],
            "predicted": off[f"planner_{s}_s"],
@@ -80,15 +77,15 @@ def stage_samples(shape: str, cfg, runtime, batch, prompt, gen, measured: dict,
 
 
 def measure_size(size: int, steps: int, limits: dict) -> list[dict]:
-  layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = bench_ppo_step.SIZES[size]
+  layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = SIZES[size]
   cfg = tiny_config(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads,
                     num_kv_heads=kv, head_dim=embed // heads, mlp_dim=mlp)
-  row = bench_ppo_step.bench_size(size, steps + 1, 1, 0)
-  row["decode_shapes_gbps"] = bench_ppo_step.weight_rate(
-      bench_ppo_step.decode_shapes(cfg, batch), cfg.dtype)
-  row.update(bench_ppo_step.optimizer_seconds(cfg))
-  machine = brs.probed_machine(cfg, batch, prompt, gen, row, limits)
-  runtime = brs.runtime_for("sequential", brs.stage_plans())
+  row = common.bench_size(size, steps + 1, 1, 0)
+  row["decode_shapes_gbps"] = common.weight_rate(
+      common.decode_shapes(cfg, batch), cfg.dtype)
+  row.update(common.optimizer_seconds(cfg))
+  machine = common.probed_machine(cfg, batch, prompt, gen, row, limits)
+  runtime = common.runtime_for("sequential", common.stage_plans())
   out = stage_samples(f"size{size}", cfg, runtime, batch, prompt, gen,
                       {s: row[f"{s}_s"] for s in STAGES}, machine)
   for o in out:
@@ -129,14 +126,14 @@ def held_out_check(row: dict, passes: dict[str, float]) -> dict:
   """Predicted against measured step of the held-out row, with and without the term,
   with probed and with assumed efficiencies."""
   cfg = shape_config(row["shape"], dtype="float32")
-  runtime = brs.runtime_for("sequential", brs.stage_plans())
+  runtime = common.runtime_for("sequential", common.stage_plans())
   out = {"measured_step_s": row["step_s"],
          "measured": {s: row[f"{s}_s"] for s in STAGES}}
   for name, eff in (("probed", row["planner_probed_efficiency"]), ("assumed", None)):
     machine = held_out_machine(row, eff)
     for term, e in (("without", without_term(machine.eff)),
                     ("with", dataclasses.replace(without_term(machine.eff), **passes))):
-      pred = brs.planner_prediction(cfg, runtime, row["batch"], row["prompt_len"],
+      pred = common.planner_prediction(cfg, runtime, row["batch"], row["prompt_len"],
                                     row["new_tokens"], cost.Machine(machine.hw, e))
       key = f"{name}_{term}"
       out[key] = {s: pred[f"planner_{s}_s"] for s in STAGES}

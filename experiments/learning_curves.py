@@ -60,11 +60,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import csv
 import fcntl
-import importlib.util
 import json
 import os
 import re
@@ -73,14 +71,15 @@ import shutil
 import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
-
-from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices  # noqa: E402
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
 
 use_virtual_cpu_devices()
 
-import numpy as np  # noqa: E402
+import numpy as np
+
+from experiments.common import apply_overrides, config_module, parse_value
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CELLS = ("sequential", "pipe_s0", "pipe_s1", "pipe_s2", "pipe_s4", "decoupled_s2",
                  "decoupled_s4")
@@ -111,46 +110,6 @@ def cell_overrides(cell: str) -> dict:
   if cell.startswith("partial"):
     out.update(_PARTIAL)
   return out
-
-
-def parse_value(text: str):
-  """A --set value: a Python literal (1e-3, 4, True, 'x', {...}) or else a plain string."""
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def apply_overrides(config, overrides: dict) -> None:
-  """Sets dotted config paths, naming the path when it does not exist."""
-  for path, value in overrides.items():
-    node = config
-    for part in path.split(".")[:-1]:
-      if part not in node:
-        raise ValueError(f"--set {path}: the config has no field {part!r} on that path.")
-      node = node[part]
-    leaf = path.split(".")[-1]
-    if leaf not in node:
-      raise ValueError(f"--set {path}: the config has no field {leaf!r}.")
-    if isinstance(node[leaf], float) and isinstance(value, int):
-      value = float(value)
-    node[leaf] = value
-
-
-def config_module(spec: str):
-  """The config module of `path/to/config.py[:variant]`."""
-  path = spec.partition(":")[0]
-  module_spec = importlib.util.spec_from_file_location("lc_config", path)
-  if module_spec is None or not os.path.isfile(path):
-    raise ValueError(f"--config {spec!r}: no config module at {path!r}.")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module
-
-
-def load_config(spec: str):
-  """`path/to/config.py[:variant]` -> its `get_config(variant)`."""
-  return config_module(spec).get_config(spec.partition(":")[2])
 
 
 def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
@@ -759,7 +718,7 @@ def main(argv=None) -> int:
   # The command that makes the table: the same without the flags that only select what
   # this invocation does of it.
   words = sys.argv[1:] if argv is None else list(argv)
-  command = shlex.join(["python", "experiments/learning_curves.py",
+  command = shlex.join(["python", "-m", "experiments.learning_curves",
                         *(w for w in words if w not in ("--report-only", "--warm-starts-only"))])
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)

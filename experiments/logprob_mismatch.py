@@ -36,20 +36,25 @@ import shlex
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before jax)
-import numpy as np  # noqa: E402
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
 
-from experiments import results  # noqa: E402
+# Before jax starts its backend: the cells' meshes need 8 devices on a CPU.
+use_virtual_cpu_devices()
 
-CONFIG = os.path.join(lc._ROOT, "configs", "smollm2_rlvr.py")
+import numpy as np
+
+from experiments import common, results
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFIG = os.path.join(_ROOT, "configs", "smollm2_rlvr.py")
 CELLS = ("sequential", "per_stage-pipe2", "pipe", "pipe-pipe2")
 DTYPES = ("float32", "bfloat16")
 
 
 def cell_config(cell: str, dtype: str, steps: int):
   """The smollm2_rlvr config of one cell: few steps, small batches, no evaluation."""
-  config = lc.load_config(CONFIG)
+  config = common.load_config(CONFIG)
   config.name = f"logprob_mismatch-{dtype}-{cell}"
   config.model.dtype = dtype
   config.model.param_dtype = "float32"
@@ -157,13 +162,13 @@ def main(argv=None) -> int:
   parser.add_argument("--cells", default=",".join(CELLS))
   parser.add_argument("--dtypes", default=",".join(DTYPES))
   parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--out", default=os.path.join(lc._ROOT, "experiments", "out",
+  parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
                                                     "logprob_mismatch"))
   parser.add_argument("--page", default="logprob_mismatch",
                       help="docs/results/<PAGE>.md ('' = no page)")
   args = parser.parse_args(argv)
   words = sys.argv[1:] if argv is None else list(argv)
-  command = shlex.join(["python", "experiments/logprob_mismatch.py", *words])
+  command = shlex.join(["python", "-m", "experiments.logprob_mismatch", *words])
   os.makedirs(args.out, exist_ok=True)
   records = []
   for dtype in [d for d in args.dtypes.split(",") if d]:

@@ -35,11 +35,9 @@ import csv
 import dataclasses
 import json
 import os
-import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from pipe_rlhf_jax.host_devices import (  # noqa: E402
   use_memory_lean_scheduler,

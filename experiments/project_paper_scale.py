@@ -35,11 +35,9 @@ import csv
 import dataclasses
 import math
 import os
-import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 MODES = ("sequential", "per_stage", "pipe")
 DEFAULT_MODELS = ("llama2-7b", "llama2-13b", "llama2-34b", "llama2-70b")

@@ -113,9 +113,16 @@ def git_commit() -> str:
 
 
 def command_line() -> str:
-  """The command that is running, as a user would type it from the repository root."""
-  script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
-  return "python " + " ".join(shlex.quote(a) for a in [script, *sys.argv[1:]])
+  """The command that is running, as a user would type it from the repository root:
+  `python -m experiments.NAME ARGS` for a module run with `-m` (`sys.argv[0]` is then its
+  file's full path, so the module's name is read from `__main__`'s spec), otherwise
+  `python PATH ARGS`."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if spec is not None and spec.name.startswith("experiments."):
+    head = ["-m", spec.name]
+  else:
+    head = [os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
+  return "python " + " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
 
 
 def provenance(limits: dict[str, Any] | None, command: str | None = None,

@@ -30,21 +30,27 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from flax import nnx  # noqa: E402
-import jax  # noqa: E402
-import learning_curves as lc  # noqa: E402  (sets 8 virtual CPU devices before jax)
-import numpy as np  # noqa: E402
+from pipe_rlhf_jax.host_devices import use_virtual_cpu_devices
 
-from pipe_rlhf_jax import job  # noqa: E402
-from pipe_rlhf_jax.data.loaders import PreferenceLoader, pad_left  # noqa: E402
-from pipe_rlhf_jax.data.rewards import reverse_accuracy, reverse_target  # noqa: E402
-from pipe_rlhf_jax.generation.sampler import generate  # noqa: E402
-from pipe_rlhf_jax.models import hf  # noqa: E402
-from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
-from pipe_rlhf_jax.phases import supervised  # noqa: E402
-from pipe_rlhf_jax.phases import warm_start as warm_lib  # noqa: E402
-from pipe_rlhf_jax.train import experiment_of  # noqa: E402
+# Before jax starts its backend: the runs' meshes need 8 devices on a CPU.
+use_virtual_cpu_devices()
+
+from flax import nnx
+import jax
+import numpy as np
+
+from experiments import common
+from pipe_rlhf_jax import job
+from pipe_rlhf_jax.data.loaders import PreferenceLoader, pad_left
+from pipe_rlhf_jax.data.rewards import reverse_accuracy, reverse_target
+from pipe_rlhf_jax.generation.sampler import generate
+from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models.transformer import init_model
+from pipe_rlhf_jax.phases import supervised
+from pipe_rlhf_jax.phases import warm_start as warm_lib
+from pipe_rlhf_jax.train import experiment_of
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BATCH = 64
 
@@ -119,15 +125,15 @@ class Probe:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--warm", required=True, help="a warm-start run directory")
-  parser.add_argument("--config", default=os.path.join(lc._ROOT, "configs", "quickstart.py"))
+  parser.add_argument("--config", default=os.path.join(_ROOT, "configs", "quickstart.py"))
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
   parser.add_argument("--policy", action="append", default=[], metavar="EXPORT_DIR",
                       help="an exported PPO policy (a run's export/); repeatable")
-  parser.add_argument("--out", default=os.path.join(lc._ROOT, "experiments", "out",
+  parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
                                                     "rm_probe"))
   args = parser.parse_args(argv)
-  config = lc.load_config(args.config)
+  config = common.load_config(args.config)
   if config.data.task != "reverse" or config.reward.fn != "model":
     raise SystemExit(f"--config {args.config}: the probe needs the reverse task with a "
                      "reward model (data.task='reverse', reward.fn='model').")
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     path, sep, value = item.partition("=")
     if not sep:
       raise SystemExit(f"--set {item!r}: write PATH=VALUE, e.g. --set data.hard_pairs=0.5")
-    lc.apply_overrides(config, {path.strip(): lc.parse_value(value.strip())})
+    common.apply_overrides(config, {path.strip(): common.parse_value(value.strip())})
   config.warm_start.checkpoint = os.path.join(args.warm, "warmstart")
   config.data.dir = os.path.join(args.warm, "data")
   probe = Probe(config, tempfile.mkdtemp(prefix="rm_probe_"))

@@ -38,7 +38,6 @@ import sys
 import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
 
 from experiments import results  # noqa: E402
 from pipe_rlhf_jax.models import shapes  # noqa: E402
@@ -63,7 +62,9 @@ PEER, PEER_FLAGGED, OURS, TUNED = ("tunix", "tunix + flags", "pipe_rlhf_jax",
 
 
 def peer_command(args, dims, out_dir: str) -> list[str]:
-  return [args.peer_python, os.path.join("experiments", "bench_peer_tunix.py"),
+  # Run from the repository root (`cwd`): the peer's environment lacks this project's
+  # package, and `experiments.bench_peer_tunix` imports only `experiments.shapes` of it.
+  return [args.peer_python, "-m", "experiments.bench_peer_tunix",
           "--dims", ",".join(map(str, dims)), "--steps", str(args.steps + 1), "--warmup",
           "1", "--out-dir", out_dir]
 
@@ -71,7 +72,7 @@ def peer_command(args, dims, out_dir: str) -> list[str]:
 def ours_command(args, out_dir: str, flags: str) -> list[str]:
   """`bench_real_shapes.py` at the comparison's shape; `flags` its plan flags (empty: the
   library's defaults)."""
-  return [sys.executable, os.path.join("experiments", "bench_real_shapes.py"),
+  return [sys.executable, "-m", "experiments.bench_real_shapes",
           "--shapes", args.shape, "--steps", str(args.steps), "--batch", str(args.batch),
           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
           "--untied", "--out-dir", out_dir, *flags.split()]
@@ -188,7 +189,7 @@ def main(argv=None) -> None:
     return
   if not os.path.exists(args.peer_python):
     parser.error(f"--peer-python={args.peer_python} does not exist; make tunix's "
-                 "environment first (see experiments/bench_peer_tunix.py's docstring).")
+                 "environment first (see the docstring of experiments/bench_peer_tunix.py).")
   os.makedirs(args.out_dir, exist_ok=True)
   rounds = []
   for _ in range(args.rounds):

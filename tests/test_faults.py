@@ -373,9 +373,9 @@ def test_the_bad_step_guard_continues_across_a_checkpoint():
 def test_the_fault_matrix_experiment_writes_its_row(tmp_path):
   # One case of experiments/fault_matrix.py (the critic-free job: no warm start to
   # train), into a scratch directory: the published page's machinery stays working.
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "fault_matrix.py"),
+  out = subprocess.run([sys.executable, "-m", "experiments.fault_matrix",
                         "--only", "arith:sequential:sigterm@train", "--out-dir",
-                        str(tmp_path)], capture_output=True, text=True, timeout=900)
+                        str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   row = json.loads(open(tmp_path / "cases.jsonl").read().splitlines()[0])
   assert row["clean"] and row["equal"] and row["lost"] == 0 and row["status"] == 143

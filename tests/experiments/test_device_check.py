@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_device_check_smoke_writes_finite_rows_per_mode_and_its_page(tmp_path):
   env = child_env()
   out = subprocess.run(
-      [sys.executable, str(ROOT / "experiments" / "device_check.py"), "--smoke",
+      [sys.executable, "-m", "experiments.device_check", "--smoke",
        "--out-dir", str(tmp_path / "out"), "--page", "--page-dir", str(tmp_path / "page")],
       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
