@@ -138,8 +138,7 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
                                                     "bench_decode_weights.json"))
-  parser.add_argument("--page", action="store_true",
-                      help="write docs/results/decode_weights.md")
+  results.add_page_flag(parser, "decode_weights")
   args = parser.parse_args(argv)
   limits = results.machine_limits()
   layouts, mlp_bytes = mlp_variants(args.layers, args.embed, args.mlp, args.batch)
@@ -165,7 +164,7 @@ def main(argv=None) -> None:
             "|---|---|---|---|---|"]
     body += [f"| {r['what']} | {r['case']} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.1f} | "
              f"{r['bandwidth_fraction']:.0%} |" for r in rows]
-    path = results.write_page("decode_weights", "How a decode step reads its weights",
+    path = results.write_page(args.page, "How a decode step reads its weights",
                               "\n".join(body), limits)
     print(f"wrote {path}")
 

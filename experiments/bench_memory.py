@@ -104,8 +104,7 @@ def main() -> None:
   parser.add_argument("--budget-gib", type=float, default=1.0)
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "bench_memory"))
-  parser.add_argument("--page", default="",
-                      help="also write the tables as docs/results/<PAGE>.md (e.g. memory)")
+  results.add_page_flag(parser, "memory")
   args = parser.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   vocabs = [int(x) for x in args.vocabs.split(",")]

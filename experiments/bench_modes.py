@@ -86,8 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   # Under the repository's git-ignored experiments/out/, wherever the script is run from.
   parser.add_argument("--out-dir",
                       default=os.path.join(_ROOT, "experiments", "out", "bench_modes"))
-  parser.add_argument("--page", default="",
-                      help="also write the table as docs/results/<PAGE>.md (e.g. modes)")
+  results.add_page_flag(parser, "modes")
   parser.add_argument("--no-share-warmstart", action="store_true",
                       help="train SFT + reward model in every workdir instead of once")
   args = parser.parse_args(argv)

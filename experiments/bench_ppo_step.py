@@ -52,7 +52,7 @@ def main() -> None:
                       help="layers per iteration of the layer scan (0: all of them)")
   parser.add_argument("--out-dir", default=os.path.join(_ROOT, "experiments", "out",
                                                         "bench_ppo_step"))
-  parser.add_argument("--page", action="store_true", help="write docs/results/ppo_step.md")
+  results.add_page_flag(parser, "ppo_step")
   args = parser.parse_args()
   os.makedirs(args.out_dir, exist_ok=True)
   limits = results.machine_limits()
@@ -91,7 +91,7 @@ def main() -> None:
     body = [__doc__.split("\nUsage:")[0].split("\n", 1)[1].strip(), "",
             f"Mean over steps {args.warmup + 1}..{args.steps}; `--scan-unroll "
             f"{args.scan_unroll}`.", ""] + lines[2:]
-    path = results.write_page("ppo_step", "Seconds per PPO step at toy sizes",
+    path = results.write_page(args.page, "Seconds per PPO step at toy sizes",
                               "\n".join(body), limits)
     print(f"wrote {path}")
 

@@ -214,7 +214,7 @@ def main(argv=None) -> None:
   parser.add_argument("--calibration", default="",
                       help="a planner.calibrate JSON file for the planner's prediction")
   parser.add_argument("--out-dir", default=OUT_DIR)
-  parser.add_argument("--page", action="store_true", help="write docs/results/real_shapes.md")
+  results.add_page_flag(parser, "real_shapes")
   parser.add_argument("--page-dir", default=results.RESULTS_DIR, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   os.makedirs(args.out_dir, exist_ok=True)
@@ -231,7 +231,7 @@ def main(argv=None) -> None:
       f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
   if args.page:
-    path = results.write_page("real_shapes", "PPO steps at real model shapes",
+    path = results.write_page(args.page, "PPO steps at real model shapes",
                               page_body(rows), limits, directory=args.page_dir)
     print(f"wrote {path}")
 

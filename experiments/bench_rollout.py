@@ -112,8 +112,7 @@ def parse_args(argv=None):
   parser.add_argument("--pipe-microbatches", type=int, default=8,
                       help="M of the pipelined part (S must be a multiple)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--page", default="rollout_engine",
-                      help="docs/results page name ('' = no page)")
+  results.add_page_flag(parser, "rollout_engine")
   parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
                                                     "bench_rollout"))
   return parser.parse_args(argv)

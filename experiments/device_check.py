@@ -258,7 +258,7 @@ def parse_args(argv=None):
   parser.add_argument("--budget-s", type=float, default=420.0,
                       help="seconds the run may take: a mode that would pass it is left out")
   parser.add_argument("--out-dir", default=OUT_DIR)
-  parser.add_argument("--page", action="store_true", help="write docs/results/device_check.md")
+  results.add_page_flag(parser, "device_check")
   parser.add_argument("--page-dir", default=results.RESULTS_DIR, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   device = jax.devices()[0]
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
   print(f"total {total:.1f} s", flush=True)
   if args.page:
     path = results.write_page(
-        "device_check", "PPO steps on one device against its limits and the planner",
+        args.page, "PPO steps on one device against its limits and the planner",
         page_body(rows, limits, args, skipped, total), limits, directory=args.page_dir,
         extra={"planner profile": args.hardware, "dtype": args.dtype})
     print(f"wrote {path}")

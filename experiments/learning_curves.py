@@ -77,6 +77,7 @@ use_virtual_cpu_devices()
 
 import numpy as np
 
+from experiments import results
 from experiments.common import apply_overrides, config_module, parse_value
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -647,9 +648,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="a config override, e.g. ppo.kl_coef=0.1 (repeatable)")
   parser.add_argument("--tag", default="", help="suffix of the default --out directory")
   parser.add_argument("--out", default="", help="output directory")
-  parser.add_argument("--page", default="",
-                      help="also write the table as docs/results/<PAGE>.md (with its "
-                           "provenance) and its plot beside it, replacing that page")
+  # The page's plot goes beside it, as docs/results/<NAME>.png.
+  results.add_page_flag(parser, "learning_curves")
   parser.add_argument("--greedy-goal", type=float, default=None,
                       help="also check that every seed's held-out greedy score rose by at "
                            "least this much with a 95%% interval above zero")
@@ -776,7 +776,6 @@ def main(argv=None) -> int:
   print(text)
   print(f"wrote {args.out}/table.md, runs.csv, runs.json, curves.png")
   if args.page:
-    from experiments import results
     figure = os.path.join(results.RESULTS_DIR, f"{args.page}.png")
     os.makedirs(results.RESULTS_DIR, exist_ok=True)
     shutil.copyfile(os.path.join(args.out, "curves.png"), figure)

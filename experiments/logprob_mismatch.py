@@ -164,8 +164,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--out", default=os.path.join(_ROOT, "experiments", "out",
                                                     "logprob_mismatch"))
-  parser.add_argument("--page", default="logprob_mismatch",
-                      help="docs/results/<PAGE>.md ('' = no page)")
+  results.add_page_flag(parser, "logprob_mismatch")
   args = parser.parse_args(argv)
   words = sys.argv[1:] if argv is None else list(argv)
   command = shlex.join(["python", "-m", "experiments.logprob_mismatch", *words])

@@ -49,6 +49,8 @@ use_memory_lean_scheduler()
 
 import numpy as np  # noqa: E402
 
+from experiments import results  # noqa: E402
+
 
 def spearman(a, b) -> float:
   ra = np.argsort(np.argsort(a))
@@ -163,8 +165,7 @@ def reprice(plans, work, machine, measured_csv: str, out_dir: str) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--plans", type=int, default=20)
-  parser.add_argument("--page", default="",
-                      help="also write docs/results/<PAGE>.md (e.g. planner_accuracy)")
+  results.add_page_flag(parser, "planner_accuracy")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--window", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=5)
@@ -326,7 +327,6 @@ def write_results_page(name: str, rows: list[dict], summary: dict, scatter: str)
   seconds, the scatter plot beside it, and the run's provenance."""
   import shutil
 
-  from experiments import results
   os.makedirs(results.RESULTS_DIR, exist_ok=True)
   shutil.copyfile(scatter, os.path.join(results.RESULTS_DIR, f"{name}.png"))
   lo, hi = summary["host_gflops_range"]

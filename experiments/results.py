@@ -4,15 +4,19 @@ Owns `machine_limits` (the matmul peak, f32 unless asked for another dtype, and 
 memory bandwidth of this machine, measured in the calling process, so a page's rates are
 read against the machine that produced them), `provenance` (the block every results page
 starts with: the exact command, the git commit, the date, the versions, the CPU model and
-cores, the devices and those two limits) and `write_page` (a page under docs/results/,
-replaced whole by a newer run; the git log keeps the older ones).
+cores, the devices and those two limits), `write_page` (a page under docs/results/,
+replaced whole by a newer run; the git log keeps the older ones) and `add_page_flag` (the
+one `--page` flag every script that writes a page takes).
 
 Usage, from an experiment script:
 
   from experiments import results
+  results.add_page_flag(parser, "modes")
+  args = parser.parse_args()
   limits = results.machine_limits()
   ...
-  results.write_page("fault_matrix", "Fault matrix", body_markdown, limits)
+  if args.page:
+    results.write_page(args.page, "Runtime modes side by side", body_markdown, limits)
 """
 
 from __future__ import annotations
@@ -154,6 +158,16 @@ def provenance(limits: dict[str, Any] | None, command: str | None = None,
   for key, value in (extra or {}).items():
     rows.append((key, str(value)))
   return "\n".join(["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
+
+
+def add_page_flag(parser, default_name: str) -> None:
+  """Gives an argparse `parser` the `--page [NAME]` flag: without it no page is written,
+  `--page` alone writes docs/results/<default_name>.md, `--page NAME` writes
+  docs/results/NAME.md (and `--page ''` none). `args.page` is then the page's name, or
+  None (or '') for no page."""
+  parser.add_argument("--page", nargs="?", const=default_name, default=None, metavar="NAME",
+                      help=f"write docs/results/NAME.md (alone: {default_name}); without "
+                           "it, no page")
 
 
 def write_page(name: str, title: str, body: str, limits: dict[str, Any] | None,

@@ -175,7 +175,7 @@ def main(argv=None) -> None:
                       "scheduler flag this project's scripts set); empty: skip")
   parser.add_argument("--timeout-s", type=int, default=1800, help="per benchmark process")
   parser.add_argument("--out-dir", default=OUT_DIR)
-  parser.add_argument("--page", action="store_true", help="write docs/results/peer_tunix.md")
+  results.add_page_flag(parser, "peer_tunix")
   args = parser.parse_args(argv)
   dims = peer_dims(args.shape, args.batch, args.prompt_len, args.new_tokens)
   if args.dry_run:
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
   if args.page:
     # Measured after the rounds, so the benchmarks ran on an idle machine.
     limits = results.machine_limits()
-    path = results.write_page("peer_tunix", "Side by side with tunix",
+    path = results.write_page(args.page, "Side by side with tunix",
                               page_body(args, dims, rounds), limits)
     print(f"wrote {path}")
 
