@@ -20,8 +20,9 @@ groups without a single one to learn from. The k3 KL to the starting policy ente
 loss. The summary scores the 64 held-out problems greedily and twice sampled, before and
 after RL, with paired 95% intervals.
 
-`python experiments/real_model_rl.py` runs it over seeds in both modes and writes
-docs/results/real_model_rl.md (curves, intervals, wall time, answers).
+`python -m experiments.learning_curves --config configs/smollm2_rlvr.py --page
+real_model_rl` runs it over seeds in both modes and writes docs/results/real_model_rl.md
+(curves, intervals, wall time, answers).
 
 Plan: `sequential` on one CPU device (a 135M model trains fastest unsharded on 2 cores);
 `--config.runtime.mode=pipe` runs generation, inference and training concurrently on

@@ -16,7 +16,7 @@ Cases (long / short):
 
 Writes experiments/out/cpu_concurrency/results.json and prints a table.
 
-  python experiments/bench_cpu_concurrency.py
+  python -m experiments.bench_cpu_concurrency
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ measured in the same run. Defaults: SmolLM2-135M's widths (d576, ffn 1536, 9 / 3
 64), 8 layers, batch 8, f32, one device; best of 20 calls.
 
 Usage:
-  python experiments/bench_decode_weights.py
-  python experiments/bench_decode_weights.py --layers 30 --page
+  python -m experiments.bench_decode_weights
+  python -m experiments.bench_decode_weights --layers 30 --page
 
 Writes experiments/out/bench_decode_weights.json and, with --page,
 docs/results/decode_weights.md.

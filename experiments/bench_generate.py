@@ -12,9 +12,9 @@ each (a GRPO / RLOO group), which the sampler prefills once per prompt: prefill 
 fall by about n while tokens/s counts every row.
 
 Usage:
-  python experiments/bench_generate.py --batch-sizes 1,8,32 --prompt-len 32 \
+  python -m experiments.bench_generate --batch-sizes 1,8,32 --prompt-len 32 \
       --new-tokens 32   # writes experiments/out/bench_generate.csv (git-ignored)
-  python experiments/bench_generate.py --shape smollm2-135m --layers 4 --batch-sizes 8 \
+  python -m experiments.bench_generate --shape smollm2-135m --layers 4 --batch-sizes 8 \
       --group-sizes 1,4 --prompt-len 256 --new-tokens 8
 """
 

@@ -16,8 +16,8 @@ Peak = arguments + outputs + XLA temporaries - aliased bytes. It also reports, f
 memory budget (--budget-gib), the longest length of the sweep that fits.
 
 Usage:
-  python experiments/bench_memory.py
-  python experiments/bench_memory.py --lengths 512,2048 --vocabs 32768 --budget-gib 0.5
+  python -m experiments.bench_memory
+  python -m experiments.bench_memory --lengths 512,2048 --vocabs 32768 --budget-gib 0.5
 
 Writes memory.json and memory.md to --out-dir (default experiments/out/bench_memory/).
 """

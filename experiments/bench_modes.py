@@ -34,9 +34,9 @@ every mode starts PPO from the same policy and the benchmark time goes to PPO; p
 step count, so the only PPO checkpoint is written after the last measured step.
 
 Usage:
-  python experiments/bench_modes.py
-  python experiments/bench_modes.py --config-variant tiny --ppo-steps 8
-  python experiments/bench_modes.py --modes pipe --max-staleness 0,1
+  python -m experiments.bench_modes
+  python -m experiments.bench_modes --config-variant tiny --ppo-steps 8
+  python -m experiments.bench_modes --modes pipe --max-staleness 0,1
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ the multi-process machinery costs (collectives through gloo, transfer servers, t
 key-value store), not what a cluster's network would give.
 
 Usage:
-  python experiments/bench_multihost.py
-  python experiments/bench_multihost.py --sync-sizes 64,256 --layouts 1x8,2x4 --steps 6
+  python -m experiments.bench_multihost
+  python -m experiments.bench_multihost --sync-sizes 64,256 --layouts 1x8,2x4 --steps 6
 Writes `multihost.json` and prints the tables (default --out-dir experiments/out/multihost).
 """
 

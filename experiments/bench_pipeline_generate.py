@@ -25,8 +25,8 @@ columns. Writes a CSV and one schedule PNG per pipelined variant under --out-dir
 is started from).
 
 Usage:
-  python experiments/bench_pipeline_generate.py
-  python experiments/bench_pipeline_generate.py --variants "single,delayed P4 M4"
+  python -m experiments.bench_pipeline_generate
+  python -m experiments.bench_pipeline_generate --variants "single,delayed P4 M4"
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ so this says how much of the gap is the shapes and how much the rest of the upda
 count, i.e. the layer scan unrolled; 1: a loop over the stacked layers).
 
 Usage:
-  python experiments/bench_ppo_step.py
-  python experiments/bench_ppo_step.py --sizes 2 --steps 12 --scan-unroll 1
+  python -m experiments.bench_ppo_step
+  python -m experiments.bench_ppo_step --sizes 2 --steps 12 --scan-unroll 1
 
 Writes ppo_step.json and ppo_step.md to --out-dir (default experiments/out/bench_ppo_step/)
 and, with --page, docs/results/ppo_step.md.

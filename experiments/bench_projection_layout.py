@@ -10,8 +10,8 @@ The variants alternate within one process (best of --repeats each), so machine l
 hits both alike; the compiled HLO's transpose count is printed beside the times.
 
 Usage:
-  python experiments/bench_projection_layout.py
-  python experiments/bench_projection_layout.py --batch 16 --length 64 --embed 256 --mlp 512
+  python -m experiments.bench_projection_layout
+  python -m experiments.bench_projection_layout --batch 16 --length 64 --embed 256 --mlp 512
 
 Writes projection_layout.json to --out-dir (default experiments/out/bench_projection_layout/).
 """

@@ -28,11 +28,11 @@ stage's own matmul shapes and optimizer step (`common.probed_machine`; microbenc
 stage timings, so the check stays held out).
 
 Usage:
-  python experiments/bench_real_shapes.py --shapes smollm2-135m --steps 2
-  python experiments/bench_real_shapes.py --shapes smollm2-135m --layers 4 --steps 1 --page
-  python experiments/bench_real_shapes.py --shapes smollm2-135m,qwen2.5-0.5b,qwen3-0.6b \
+  python -m experiments.bench_real_shapes --shapes smollm2-135m --steps 2
+  python -m experiments.bench_real_shapes --shapes smollm2-135m --layers 4 --steps 1 --page
+  python -m experiments.bench_real_shapes --shapes smollm2-135m,qwen2.5-0.5b,qwen3-0.6b \
       --memory-only qwen2.5-0.5b,qwen3-0.6b --page
-  python experiments/bench_real_shapes.py --shapes smollm2-135m --attention blockwise \
+  python -m experiments.bench_real_shapes --shapes smollm2-135m --attention blockwise \
       --remat full --logits-chunk 32 --scan-unroll 1
 
 Writes experiments/out/real_shapes/<shape>.jsonl (one row per shape and run) and, with

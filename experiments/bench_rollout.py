@@ -40,15 +40,15 @@ measured once on a separate probe (uniform lengths, not the queues measured).
 Both engines draw token t of completion k with the same key, so they produce the same
 completions: the page counts how many are identical.
 
-  python experiments/bench_rollout.py        # writes docs/results/rollout_engine.md
-  python experiments/bench_rollout.py --parts packing --page infer_packing  # after the real part
-  python experiments/bench_rollout.py --parts step --page rollout_step     # whole PPO steps
-  python experiments/bench_rollout.py --parts pipelined --page rollout_pipelined --layers 4 \
+  python -m experiments.bench_rollout --page  # writes docs/results/rollout_engine.md
+  python -m experiments.bench_rollout --parts packing --page infer_packing  # after the real part
+  python -m experiments.bench_rollout --parts step --page rollout_step     # whole PPO steps
+  python -m experiments.bench_rollout --parts pipelined --page rollout_pipelined --layers 4 \
       --queue 64                             # refilled pipeline micro-batches
-  python experiments/bench_rollout.py --parts packing --packing-stages train --layers 1 \
-      --real-max-new-tokens 64 --rounds 1 --page ''   # a quick look at packed training
-  python experiments/bench_rollout.py --parts long_tail,uniform --layers 4 --queue 32 \
-      --page ''                              # a quick look, no page
+  python -m experiments.bench_rollout --parts packing --packing-stages train --layers 1 \
+      --real-max-new-tokens 64 --rounds 1   # a quick look at packed training
+  python -m experiments.bench_rollout --parts long_tail,uniform --layers 4 \
+      --queue 32                             # a quick look (no --page: no page)
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ profile's datasheet figures.
 smollm2-135m, batch 2, 8 prompt and 4 new tokens, f32, the `cpu` profile.
 
 Usage:
-  python experiments/device_check.py --page
-  python experiments/device_check.py --smoke --page
+  python -m experiments.device_check --page
+  python -m experiments.device_check --smoke --page
 
 Writes experiments/out/device_check/<shape>.jsonl (one row per shape, mode and run, each
 as soon as it is measured) and, with --page, docs/results/device_check.md. A mode that

@@ -23,10 +23,10 @@ run's (every float within rtol 1e-5; the queue counters excluded, they count ite
 a run's start).
 
 Usage:
-  python experiments/fault_matrix.py            # the whole matrix (about 40 min on 2 cores)
-  python experiments/fault_matrix.py --quick    # one case of each fault kind
-  python experiments/fault_matrix.py --only sequential:sigterm@train
-  python experiments/fault_matrix.py --only arith:pipe:sigkill@save
+  python -m experiments.fault_matrix            # the whole matrix (about 40 min on 2 cores)
+  python -m experiments.fault_matrix --quick    # one case of each fault kind
+  python -m experiments.fault_matrix --only sequential:sigterm@train
+  python -m experiments.fault_matrix --only arith:pipe:sigkill@save
 
 Writes experiments/out/fault_matrix/cases.jsonl and docs/results/fault_matrix.md (with
 `--only`, the page goes to experiments/out/fault_matrix/ instead).

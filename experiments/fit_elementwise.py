@@ -17,8 +17,8 @@ default the measurement on docs/results/real_shapes.md (commit c11a6394dbd0; its
 seconds, matmul peak, bandwidth and probed efficiencies as printed there).
 
 Usage:
-  python experiments/fit_elementwise.py --sizes 2,3,4 --steps 2
-  python experiments/fit_elementwise.py --samples experiments/out/fit_elementwise/samples.jsonl
+  python -m experiments.fit_elementwise --sizes 2,3,4 --steps 2
+  python -m experiments.fit_elementwise --samples experiments/out/fit_elementwise/samples.jsonl
 
 Each size's samples are appended to samples.jsonl as it finishes (a run cut short keeps
 them; `--samples` refits from that file without measuring); the fit and the check go to

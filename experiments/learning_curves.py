@@ -48,13 +48,13 @@ share the work: each run is locked (seed<k>/<cell>.lock) by the process running 
 the others pass over it.
 
 Usage:
-  python experiments/learning_curves.py                                 # 3 seeds x 7 cells
-  python experiments/learning_curves.py --seeds 0,1,2 --cells sequential,pipe_s1
-  python experiments/learning_curves.py --cells sequential,partial_s1,partial_s2 \
+  python -m experiments.learning_curves                                 # 3 seeds x 7 cells
+  python -m experiments.learning_curves --seeds 0,1,2 --cells sequential,pipe_s1
+  python -m experiments.learning_curves --cells sequential,partial_s1,partial_s2 \
       --tag partial --page learning_partial      # partial rollouts (decoupled loss)
-  python experiments/learning_curves.py --set ppo.kl_coef=0.1 --tag kl0.1
-  python experiments/learning_curves.py --config configs/grpo_arith.py
-  python experiments/learning_curves.py --report-only                   # table from run.json
+  python -m experiments.learning_curves --set ppo.kl_coef=0.1 --tag kl0.1
+  python -m experiments.learning_curves --config configs/grpo_arith.py
+  python -m experiments.learning_curves --report-only                   # table from run.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ how it runs:
   pipe              the three stages concurrently on devices 0 / 1 / 2, plain sampler
   pipe-pipe2        concurrently, generation pipelined over devices 0-1
 
-  python experiments/logprob_mismatch.py            # writes docs/results/logprob_mismatch.md
-  python experiments/logprob_mismatch.py --steps 2 --cells sequential --dtypes float32
+  python -m experiments.logprob_mismatch --page     # writes docs/results/logprob_mismatch.md
+  python -m experiments.logprob_mismatch --steps 2 --cells sequential --dtypes float32
 
 Outputs: experiments/out/logprob_mismatch/<dtype>-<cell>/ (each run's workdir and
 gap.json) and the page.

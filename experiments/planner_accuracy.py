@@ -22,9 +22,9 @@ Reports mean / max absolute percentage error, Spearman rank correlation, and how
 the planner ranks first measures against the best measured plan. Writes
 experiments/out/planner_accuracy/{accuracy.csv, summary.json, scatter.png}.
 
-  python experiments/planner_accuracy.py [--plans 20] [--window 3] [--warmup 2] [--repeats 5]
+  python -m experiments.planner_accuracy [--plans 20] [--window 3] [--warmup 2] [--repeats 5]
   # the current model against an earlier run's measurements, measuring nothing:
-  python experiments/planner_accuracy.py --calibration OUT/calibration_samples.json \
+  python -m experiments.planner_accuracy --calibration OUT/calibration_samples.json \
       --measured OUT/accuracy.csv
 """
 

@@ -19,7 +19,7 @@ most s + 1 batches, so 2 is what lets all three stages run at once). For each po
 each mode the search (per-stage Pareto sets over placements, then the simulator) returns
 that mode's best plan that fits in memory; "-" where none fits.
 
-  python experiments/project_paper_scale.py [--models llama2-7b,llama2-70b]
+  python -m experiments.project_paper_scale [--models llama2-7b,llama2-70b]
       [--targets h100:8,h100:64,tpu-v5p:128] [--gen_lens 128,512,1024]
       [--calibration FILE] [--response_fraction 1.0]
       [--out-dir experiments/out/project_paper_scale]

@@ -13,7 +13,7 @@ the held-out prompts of a warm start:
   start's policy and of that policy, how many changed, how many got worse or better by
   the rule, and how often the reward model scores the worse answer higher.
 
-  python experiments/rm_probe.py --warm DIR [--seed 1] [--set PATH=VALUE ...] \
+  python -m experiments.rm_probe --warm DIR [--seed 1] [--set PATH=VALUE ...] \
       [--policy RUN/export ...]
 
 DIR is a warm-start run directory, holding `warmstart/` and `data/` (the learning

@@ -20,9 +20,9 @@ default that same scheduler flag) each round also runs the peer under those flag
 page separates what the flag gives from what the framework does.
 
 Usage (the peer's environment first: see bench_peer_tunix.py):
-  python experiments/side_by_side_tunix.py --rounds 2 --page
-  python experiments/side_by_side_tunix.py --rounds 2 --tuned-flags "--logits-chunk 32" --page
-  python experiments/side_by_side_tunix.py --dry-run   # the commands of one round
+  python -m experiments.side_by_side_tunix --rounds 2 --page
+  python -m experiments.side_by_side_tunix --rounds 2 --tuned-flags "--logits-chunk 32" --page
+  python -m experiments.side_by_side_tunix --dry-run   # the commands of one round
 
 Writes experiments/out/side_by_side_tunix/rounds.jsonl and, with --page,
 docs/results/peer_tunix.md.

@@ -9,10 +9,12 @@ strings of every Python file of the project):
   and an anchor to a heading of that file by GitHub's slug rules; a results page that an
   experiment writes and has not written yet may be linked only when it is listed in
   `PAGES_WRITTEN_BY_EXPERIMENTS` with the script that writes it;
-* every quoted `python -m pipe_rlhf_jax.<module> ...` and `python experiments/<script>.py
+* every quoted `python -m pipe_rlhf_jax.<module> ...` and `python -m experiments.<script>
   ...` names an entry point that exists, and every `--flag` it passes is one that entry
   point defines: its `--helpfull` (absl) or `--help` (argparse) output, run once per
-  entry point (the argparse ones in one interpreter, so that jax is imported once);
+  entry point (the argparse ones in one interpreter, so that jax is imported once); a
+  script quoted by its path (`python experiments/<script>.py`) is a mistake, since the
+  scripts are modules of the `experiments` package;
   `--config.<field>` overrides name a field of configs/quickstart.py's `get_config()`,
   which every shipped config starts from.
 """
@@ -133,15 +135,15 @@ def test_the_history_check_flags_what_it_should_and_nothing_else():
 # docs/results/ pages that experiment scripts write (`experiments/results.py`'s
 # `write_page`): a guide may link one before its first run has written it.
 PAGES_WRITTEN_BY_EXPERIMENTS = {
-    "docs/results/fault_matrix.md": "experiments/fault_matrix.py",
-    "docs/results/learning_curves.md": "experiments/learning_curves.py",
-    "docs/results/planner_accuracy.md": "experiments/planner_accuracy.py",
-    "docs/results/ppo_step.md": "experiments/bench_ppo_step.py",
-    "docs/results/modes.md": "experiments/bench_modes.py",
-    "docs/results/memory.md": "experiments/bench_memory.py",
-    "docs/results/peer_tunix.md": "experiments/side_by_side_tunix.py",
-    "docs/results/decode_weights.md": "experiments/bench_decode_weights.py",
-    "docs/results/real_shapes.md": "experiments/bench_real_shapes.py",
+    "docs/results/fault_matrix.md": "experiments.fault_matrix",
+    "docs/results/learning_curves.md": "experiments.learning_curves",
+    "docs/results/planner_accuracy.md": "experiments.planner_accuracy",
+    "docs/results/ppo_step.md": "experiments.bench_ppo_step",
+    "docs/results/modes.md": "experiments.bench_modes",
+    "docs/results/memory.md": "experiments.bench_memory",
+    "docs/results/peer_tunix.md": "experiments.side_by_side_tunix",
+    "docs/results/decode_weights.md": "experiments.bench_decode_weights",
+    "docs/results/real_shapes.md": "experiments.bench_real_shapes",
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
@@ -212,8 +214,8 @@ def test_relative_links_resolve_to_files_and_headings():
 
 def test_pages_written_by_experiments_have_their_script():
   for page, script in PAGES_WRITTEN_BY_EXPERIMENTS.items():
-    path = ROOT / script
-    assert path.is_file(), f"{page}: its script {script} does not exist"
+    path = entry_point_file(script)
+    assert path is not None, f"{page}: its script {script} does not exist"
     stem = pathlib.Path(page).stem
     assert re.search(rf"(?<![A-Za-z0-9]){re.escape(stem)}(?![A-Za-z0-9])",
                      path.read_text(encoding="utf-8")), (
@@ -250,7 +252,8 @@ def test_github_slugs():
 
 # ---- 3. Quoted commands ---------------------------------------------------------------
 
-COMMAND = re.compile(r"python3?\s+(?:-m\s+(pipe_rlhf_jax(?:\.\w+)+)|(experiments/\w+\.py))")
+COMMAND = re.compile(
+    r"python3?\s+(?:-m\s+((?:pipe_rlhf_jax|experiments)(?:\.\w+)+)|(experiments/\w+\.py))")
 # Where a quoted command ends: a shell operator, a comment, a closing quote or bracket.
 END_OF_COMMAND = re.compile(r"\s(?:&&|\|\||;|\||#)|[\"`]|$")
 
@@ -290,9 +293,11 @@ def quoted_commands(path: pathlib.Path) -> list[tuple[int, str, list[str]]]:
 
 
 def entry_point_file(entry: str) -> pathlib.Path | None:
-  if entry.startswith("experiments/"):
-    path = ROOT / entry
-    return path if path.is_file() else None
+  """The file of module `entry` (`pipe_rlhf_jax.main`, `experiments.bench_modes`); None for
+  a module that does not exist and for a script's path (`experiments/x.py`), which is not
+  how an entry point runs."""
+  if "/" in entry:
+    return None
   base = ROOT.joinpath(*entry.split("."))
   for path in (base.with_suffix(".py"), base / "__main__.py"):
     if path.is_file():
@@ -317,20 +322,17 @@ def _is_absl(source: str) -> bool:
 
 
 # Runs `--help` of several argparse entry points in one interpreter, so that jax, which
-# most of them import first, is imported once: argv[1] is a JSON list of (entry, script
-# path or ""), argv[2] where the help texts go (JSON).
+# most of them import first, is imported once: argv[1] is a JSON list of module names,
+# argv[2] where the help texts go (JSON).
 _HELP_RUNNER = r"""
 import contextlib, io, json, runpy, sys
 todo, where, out = json.loads(sys.argv[1]), sys.argv[2], {}
-for entry, path in todo:
+for entry in todo:
   buf = io.StringIO()
-  sys.argv = [path or entry, "--help"]
+  sys.argv = [entry, "--help"]
   try:
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-      if path:
-        runpy.run_path(path, run_name="__main__")
-      else:
-        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+      runpy.run_module(entry, run_name="__main__", alter_sys=True)
     out[entry] = [False, buf.getvalue(), "it printed no help and did not exit"]
   except SystemExit as e:
     out[entry] = [e.code in (0, None), buf.getvalue(), f"exit status {e.code}"]
@@ -378,11 +380,11 @@ def prefetch_flags(entries) -> None:
     _FLAGS[entry] = frozenset(re.findall(r"^\s+--(?:\[no\])?([\w.-]+)", text, re.M))
   if not argparse_entries:
     return
-  todo = [(e, str(ROOT / e) if e.startswith("experiments/") else "") for e in argparse_entries]
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "help.json"
-    result = subprocess.run([sys.executable, "-c", _HELP_RUNNER, json.dumps(todo), str(out)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", _HELP_RUNNER, json.dumps(argparse_entries),
+                             str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
     if not out.is_file():
       raise AssertionError(f"reading the entry points' help failed:\n{result.stderr[-2000:]}")
     texts = json.loads(out.read_text(encoding="utf-8"))
@@ -419,6 +421,11 @@ def command_problems(paths: list[pathlib.Path]) -> list[str]:
   problems = []
   for rel, line, entry, args in commands:
     where = f"{rel}:{line}: `python {'-m ' if '/' not in entry else ''}{entry}`"
+    if "/" in entry:
+      module = entry.removesuffix(".py").replace("/", ".")
+      problems.append(f"{where}: a script's path; run it as `python -m {module}` (the "
+                      "scripts are modules of the experiments package)")
+      continue
     if entry_point_file(entry) is None:
       problems.append(f"{where}: no such module or script")
       continue
@@ -461,7 +468,8 @@ def test_the_command_check_names_each_kind_of_mistake(tmp_path):
       "python -m pipe_rlhf_jax.main --config=configs/quickstart.py --no_such_flag\n"
       "python -m pipe_rlhf_jax.main --config=configs/missing.py --config.no_such_part.x=1\n"
       "python -m pipe_rlhf_jax.no_such_module --x\n"
-      "python experiments/bench_cpu_concurrency.py --repeats 3\n"
+      "python -m experiments.bench_cpu_concurrency --repeats 3\n"
+      "python experiments/bench_modes.py --page\n"
       "python -m pipe_rlhf_jax.launch --num_processes=2 -- --workdir=w --no_such_main_flag\n"
       "python -m pipe_rlhf_jax.main --config=configs/quickstart.py:tiny --noresume --workdir=w\n"
       "```\n")
@@ -470,10 +478,11 @@ def test_the_command_check_names_each_kind_of_mistake(tmp_path):
                    "--config=configs/missing.py: no such config file",
                    "configs/quickstart.py has no field 'no_such_part'",
                    "no such module or script",
-                   "passes --repeats, but experiments/bench_cpu_concurrency.py takes no flags",
+                   "passes --repeats, but experiments.bench_cpu_concurrency takes no flags",
+                   "run it as `python -m experiments.bench_modes`",
                    "--no_such_main_flag is not a flag of pipe_rlhf_jax.main"):
     assert expected in problems, (expected, problems)
-  assert problems.count("\n") == 5, problems  # the last line is right
+  assert problems.count("\n") == 6, problems  # the last line is right
 
 
 def test_the_link_check_names_missing_files_and_anchors(tmp_path):
@@ -491,11 +500,11 @@ def test_the_link_check_names_missing_files_and_anchors(tmp_path):
 def test_quoted_commands_are_found_with_their_arguments(tmp_path):
   doc = tmp_path / "x.md"
   doc.write_text("```bash\npython -m pipe_rlhf_jax.main --config=c.py \\\n  --resume  "
-                 "# go on\n```\nthen `python experiments/learning_curves.py --seeds 0\n"
+                 "# go on\n```\nthen `python -m experiments.learning_curves --seeds 0\n"
                  "--tag x` and `.venv/bin/python -m pipe_rlhf_jax.plan --top=3`.\n")
   found = [(entry, args) for _, entry, args in quoted_commands(doc)]
   assert found == [("pipe_rlhf_jax.main", ["--config=c.py", "--resume"]),
-                   ("experiments/learning_curves.py", ["--seeds", "0", "--tag", "x"]),
+                   ("experiments.learning_curves", ["--seeds", "0", "--tag", "x"]),
                    ("pipe_rlhf_jax.plan", ["--top=3"])]
 
 

@@ -102,7 +102,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
   argmax's reduction over (value, index) pairs, which XLA's CPU backend runs several
   times slower over a large vocabulary: a decode step at SmolLM2-135M's shape with 4 of
   its layers, batch 8, takes 11.6-12.0 ms with `jnp.argmax` and 9.6-10.1 ms with this
-  (`python experiments/bench_generate.py --shape smollm2-135m --layers 4 --batch-sizes 8
+  (`python -m experiments.bench_generate --shape smollm2-135m --layers 4 --batch-sizes 8
   --prompt-len 64 --new-tokens 64 --repeats 5`, two alternating runs).
   """
   top = jnp.max(x, axis=-1, keepdims=True)

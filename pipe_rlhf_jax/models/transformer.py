@@ -260,7 +260,7 @@ class Layers(nnx.Module):
     Inside a loop that runs the layers many times (the decode loop), slicing one layer
     out of the stacked `[layers, ...]` arrays copies its weights at every step; XLA:CPU
     streams a layer scan's weights at about 0.6x the rate of arrays of their own
-    (`python experiments/bench_decode_weights.py`: 8 layers of SmolLM2-135M's MLP, batch
+    (`python -m experiments.bench_decode_weights`: 8 layers of SmolLM2-135M's MLP, batch
     8). Taken once before the loop, these copies cost one read of the weights per call
     and the loop reads them in place.
     """
