@@ -493,5 +493,6 @@ def test_real_packaged_model_matches_transformers(name):
     expected_logits = ref(torch.tensor(tokens)).logits.numpy()
   got = np.asarray(ours(jnp.asarray(tokens)))
   # Dequantised weights are identical; what remains is float32 summation order over 30 layers.
+  # (Greedy continuations are compared on the synthetic files above: here each new token
+  # would recompile the real model for one more position, a third of this test's time.)
   assert float(np.abs(got - expected_logits).max()) <= 1e-3
-  _greedy(ours, ref, tokens, new=8)
