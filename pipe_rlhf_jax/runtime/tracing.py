@@ -7,6 +7,11 @@ seconds per PPO step (`steady_step_time`, from when each batch's update ended). 
 and overlap views are how the asynchronous runtime proves that stages really ran at the
 same time rather than taking turns.
 
+A stage may also record *lanes* inside its spans (`Tracer.add_lane`): rows under the
+stage's own in the Chrome trace, such as the generation engine's slots, each bar one
+completion decoding. Lanes are drawn only in the trace: the stage accounting (busy
+fractions, overlaps, the summary, the Gantt chart) reads spans alone.
+
 Times are `time.perf_counter()` seconds measured from the tracer's origin, so
 spans from different threads share one clock.
 """
@@ -126,6 +131,7 @@ class Tracer:
     # Spans entered and not yet left: what each stage is working on right now (the
     # progress watchdog names the one that has held its item longest).
     self._open: dict[int, tuple[str, int | None, float, str]] = {}
+    self._lanes: list[tuple[str, str, Span]] = []  # (stage, lane, bar)
 
   def now(self) -> float:
     """Current time in tracer coordinates (seconds since origin)."""
@@ -227,6 +233,35 @@ class Tracer:
       self._spans.append(span)
     return span
 
+  def add_lane(self, stage: str, lane: str, start: float, end: float,
+               batch: int | None = None, **args: Any) -> None:
+    """Records one bar of `lane`, a row under `stage`'s in the Chrome trace.
+
+    Args:
+      stage: The stage the lane belongs to (its spans enclose the bars).
+      lane: The lane's name within the stage, e.g. "slot 3".
+      start, end: Tracer-relative seconds, end >= start.
+      batch: Rollout batch index, if any.
+      **args: Annotations shown in trace viewers.
+    """
+    if not self.enabled:
+      return
+    if end < start:
+      raise ValueError(f"Tracer.add_lane: {stage} {lane} ends before it starts "
+                       f"(start={start}, end={end}).")
+    bar = Span(stage=f"{stage} {lane}", start=float(start), end=float(end),
+               batch=None if batch is None else int(batch),
+               thread=threading.current_thread().name, args=dict(args))
+    with self._lock:
+      self._lanes.append((stage, lane, bar))
+
+  def lanes(self, stage: str | None = None) -> list[tuple[str, str, Span]]:
+    """(stage, lane, bar) of every recorded lane bar, sorted by start."""
+    with self._lock:
+      out = list(self._lanes)
+    return sorted((x for x in out if stage is None or x[0] == stage),
+                  key=lambda x: (x[2].start, x[1]))
+
   def spans(self, stage: str | None = None) -> list[Span]:
     """Snapshot of recorded spans sorted by start, optionally of one stage."""
     with self._lock:
@@ -239,6 +274,7 @@ class Tracer:
     """Drops all recorded spans (origin is kept)."""
     with self._lock:
       self._spans.clear()
+      self._lanes.clear()
 
   def stages(self) -> list[str]:
     """Stage names ordered by their first span's start."""
@@ -311,8 +347,8 @@ class Tracer:
     """Writes Chrome / Perfetto trace-event JSON (open in ui.perfetto.dev).
 
     Each stage gets its own tid (named via thread_name metadata) so every
-    stage is one timeline row; spans are complete ("X") events in
-    microseconds.
+    stage is one timeline row, and each of its lanes a row just below it; spans are
+    complete ("X") events in microseconds.
 
     Args:
       path: Output file; parent directories are created.
@@ -320,22 +356,30 @@ class Tracer:
     Returns:
       The path written, as a string.
     """
-    stages = self.stages()
-    tids = {stage: i + 1 for i, stage in enumerate(stages)}
+    lanes = self.lanes()
+    rows: list[tuple[str, str]] = []  # (row name, category), a stage before its lanes
+    for stage in self.stages():
+      rows.append((stage, stage))
+      names = sorted({lane for st, lane, _ in lanes if st == stage},
+                     key=lambda n: (len(n), n))  # "slot 2" before "slot 10"
+      rows += [(f"{stage} {lane}", stage) for lane in names]
+    tids = {name: i + 1 for i, (name, _) in enumerate(rows)}
     events: list[dict[str, Any]] = [{
         "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
         "args": {"name": "pipe_rlhf_jax"},
     }]
-    for stage, tid in tids.items():
+    for name, tid in tids.items():
       events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
-                     "args": {"name": stage}})
+                     "args": {"name": name}})
       events.append({"name": "thread_sort_index", "ph": "M", "pid": 0,
                      "tid": tid, "args": {"sort_index": tid}})
-    for s in self.spans():
+    bars = [(s.stage, s) for s in self.spans()]
+    bars += [(stage, bar) for stage, _, bar in lanes if bar.stage in tids]
+    for category, s in bars:
       label = s.stage if s.batch is None else f"{s.stage} b{s.batch}"
       events.append({
           "name": label,
-          "cat": s.stage,
+          "cat": category,
           "ph": "X",
           "pid": 0,
           "tid": tids[s.stage],

@@ -10,6 +10,12 @@ micro-batches of num_slots / num_microbatches rows are refilled from the batch a
 finish. Either way the output is a `Rollout` in the shared `[prompt | completion]`
 layout.
 
+With the engine, the stage also keeps the call's slot timeline (`slot_timeline`: which
+completion every slot decoded at every decode step, the engine's pure schedule
+`slot_schedule.simulate` of the lengths it produced, checked against the engine's own
+step count) and draws it into a run's trace (`trace_slots`): a row per slot under the
+generate stage's, each bar one completion.
+
 Group sampling (`ppo.group_size = n`): each prompt of the batch is repeated n times,
 consecutively, before decoding, so the n completions of one prompt are generated in the
 same call (by the same pipelined schedule) and sit in rows [g * n, (g + 1) * n) of the
@@ -31,8 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
-from pipe_rlhf_jax.generation import sampler
+from pipe_rlhf_jax.generation import sampler, slot_schedule
+from pipe_rlhf_jax.generation.engine import FREE, EngineSpec
 from pipe_rlhf_jax.ppo.types import Rollout
+from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.stages.common import StageLayout
 
 
@@ -65,7 +73,9 @@ class GenerateStage:
     if self.pipe == 1 and not num_slots:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, sampling,
                                                               group_size=group_size)
-    self._engines: dict[int, object] = {}
+    self._engines: dict[int, tuple[EngineSpec, object]] = {}
+    # The last engine call's schedule (None after a static batch or the pipelined decoder).
+    self.slot_timeline: slot_schedule.SlotTimeline | None = None
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:
@@ -92,7 +102,8 @@ class GenerateStage:
     sample_ids = self.layout.put_batch(np.asarray(batch["index"], np.int32))
     limits = budgets(batch, len(tokens), self.sampling.max_new_tokens)
     metrics = {}
-    executed = None
+    executed = spec = None
+    self.slot_timeline = None
     if self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
       slots = self._pipe_slots(len(tokens))
@@ -101,7 +112,7 @@ class GenerateStage:
           num_microbatches=self.num_microbatches, rng=rng, sample_ids=sample_ids,
           limits=self.layout.put_batch(limits), num_slots=slots, rules=self.layout.rules)
     elif self.num_slots:
-      out, stats = self._continuous(actor, queue, rng, sample_ids, limits)
+      spec, out, stats = self._continuous(actor, queue, rng, sample_ids, limits)
       busy, steps = (int(x) for x in fetch((stats.busy_slot_steps, stats.decode_steps)))
       metrics["generate/slot_occupancy"] = busy / max(steps * self._slots(len(tokens)), 1)
     else:
@@ -116,7 +127,12 @@ class GenerateStage:
                       policy_version=jnp.asarray(version, jnp.int32), answer_bytes=answers)
     # Counted on the host: a device reduction here could queue behind another stage's
     # program and pollute the timing (seen on virtual CPU devices sharing cores).
-    new_tokens = float(fetch(out.mask).sum())
+    completion_mask = fetch(out.mask)  # [B, T] on the host
+    new_tokens = float(completion_mask.sum())
+    if spec is not None:
+      timeline = slot_schedule.simulate(completion_mask.sum(-1), spec)
+      if timeline.decode_steps == steps:  # the engine ran the schedule it mirrors
+        self.slot_timeline = timeline
     if executed is not None and self.num_slots:
       # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
       passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
@@ -125,6 +141,32 @@ class GenerateStage:
     seconds = time.perf_counter() - start
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9), **metrics}
+
+  def trace_slots(self, tracer: Tracer, batch: int | None = None) -> None:
+    """Draws the last call's slots under its generate span (the tracer's latest).
+
+    One lane per slot, one bar per completion it decoded (annotated with the completion's
+    row and decode steps). The engine runs on device without per-step timestamps, so a
+    bar's times place its decode steps evenly over the span: the picture of who used
+    which slot when, not a per-step measurement. Nothing is drawn without an engine call.
+    """
+    timeline = self.slot_timeline
+    spans = tracer.spans("generate") if tracer.enabled and timeline is not None else []
+    if not spans or not timeline.decode_steps:
+      return
+    span = spans[-1]
+    per_step = span.duration / timeline.decode_steps
+    rows = timeline.rows  # [decode_steps, S]
+    for slot in range(rows.shape[1]):
+      column = rows[:, slot]
+      # Runs of one completion: where the row held changes, a bar ends.
+      edges = np.flatnonzero(np.diff(column)) + 1
+      for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(column)]):
+        if column[lo] == FREE:
+          continue
+        tracer.add_lane("generate", f"slot {slot}", span.start + lo * per_step,
+                        span.start + hi * per_step, batch=batch, completion=int(column[lo]),
+                        decode_steps=[int(lo), int(hi)])
 
   def _pipe_slots(self, rows: int) -> int:
     """Slots the pipelined decoder runs: 0 (one static load per micro-batch) when the
@@ -143,15 +185,16 @@ class GenerateStage:
     slots = self._slots(rows)
     if slots not in self._engines:
       spec = engine.EngineSpec(num_slots=slots, group_size=self.group_size)
-      self._engines[slots] = engine.make_engine_fn(self.graphdef, self.sampling, spec)
+      self._engines[slots] = spec, engine.make_engine_fn(self.graphdef, self.sampling, spec)
+    spec, run = self._engines[slots]
     # The queue is read by every slot wherever it sits: replicated, not split over batch.
     prompts = put_global({k: np.asarray(queue[k]) for k in ("prompt_tokens", "prompt_mask")},
                          self.layout.replicated)
     limits = put_global(limits, self.layout.replicated)
     with self.layout.rules_context():
-      return self._engines[slots](actor, prompts["prompt_tokens"],
-                                  prompts["prompt_mask"].astype(bool), rng, sample_ids,
-                                  limits)
+      out, stats = run(actor, prompts["prompt_tokens"], prompts["prompt_mask"].astype(bool),
+                       rng, sample_ids, limits)
+    return spec, out, stats
 
 
 def budgets(batch: dict, rows: int, steps: int) -> np.ndarray:

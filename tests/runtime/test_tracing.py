@@ -155,3 +155,26 @@ def test_overlap_restricted_to_a_window():
   assert tracer.overlap("generate", "train") == pytest.approx(2.0)
   assert tracer.overlap("generate", "train", (2.5, 10.0)) == pytest.approx(0.5)
   assert tracer.busy_fraction((4.0, 6.0))["train"] == pytest.approx(0.5)
+
+
+def test_lanes_are_rows_of_the_trace_and_stay_out_of_the_stage_accounting(tmp_path):
+  tracer = Tracer()
+  tracer.add("generate", 0.0, 4.0, batch=0)
+  tracer.add("train", 4.0, 6.0, batch=0)
+  for slot, (lo, hi) in ((10, (0.0, 1.0)), (2, (0.5, 3.0)), (2, (3.0, 4.0))):
+    tracer.add_lane("generate", f"slot {slot}", lo, hi, batch=0, completion=slot)
+  assert tracer.stages() == ["generate", "train"]
+  assert tracer.summary()["stages"]["generate"]["count"] == 1
+  with pytest.raises(ValueError, match="slot 1 ends before it starts"):
+    tracer.add_lane("generate", "slot 1", 2.0, 1.0)
+  events = json.load(open(tracer.to_chrome_trace(tmp_path / "t.json")))["traceEvents"]
+  rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+  # Each stage's lanes sit just below it, in lane order ("slot 2" before "slot 10").
+  assert [rows[t] for t in sorted(rows)] == ["generate", "generate slot 2",
+                                              "generate slot 10", "train"]
+  bars = [e for e in events if e.get("ph") == "X" and rows[e["tid"]] == "generate slot 2"]
+  assert [(b["ts"], b["dur"]) for b in bars] == [(0.5e6, 2.5e6), (3.0e6, 1.0e6)]
+  assert all(b["cat"] == "generate" and b["args"]["completion"] == 2 for b in bars)
+  disabled = Tracer(enabled=False)
+  disabled.add_lane("generate", "slot 0", 0.0, 1.0)
+  assert disabled.lanes() == []

@@ -23,6 +23,7 @@ from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import make_mesh
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
+from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
@@ -616,3 +617,27 @@ def test_continuous_batching_stage_gives_the_static_stages_rollout(models, decod
   np.testing.assert_allclose(np.asarray(engine.behaviour_logprobs),
                              np.asarray(static.behaviour_logprobs), atol=2e-5)
   assert 0 < metrics["generate/slot_occupancy"] <= 1
+  if decoder == "engine":
+    # The trace's slot lanes: every completion that decoded past its prefill's token is
+    # one bar, on one slot, as long as its decode steps; bars of a slot never overlap;
+    # their busy slot-steps are the occupancy's.
+    tracer = Tracer()
+    tracer.add("generate", 10.0, 12.0, batch=3)
+    stage.trace_slots(tracer, batch=3)
+    bars = [bar for _, _, bar in tracer.lanes("generate")]
+    decoded = sorted(int(k) for k in np.flatnonzero(lengths > 1))
+    assert sorted(b.args["completion"] for b in bars) == decoded
+    for k in decoded:
+      bar = next(b for b in bars if b.args["completion"] == k)
+      lo, hi = bar.args["decode_steps"]
+      assert hi - lo == lengths[k] - 1
+    per_lane = {}
+    for stage_name, lane, bar in tracer.lanes("generate"):
+      per_lane.setdefault(lane, []).append(bar)
+    assert len(per_lane) <= 3
+    for lane_bars in per_lane.values():
+      assert all(a.end <= b.start + 1e-9 for a, b in zip(lane_bars, lane_bars[1:]))
+    steps = stage.slot_timeline.decode_steps
+    busy = sum(b.args["decode_steps"][1] - b.args["decode_steps"][0] for b in bars)
+    assert busy / (steps * 3) == pytest.approx(metrics["generate/slot_occupancy"])
+    assert all(10.0 <= b.start <= b.end <= 12.0 + 1e-9 for b in bars)
