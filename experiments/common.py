@@ -4,11 +4,11 @@ Owns what the benchmarks share, so that no script imports another:
 
 - toy-size PPO steps and their matmul probes (`bench_size`, `gemm_shapes`,
   `decode_shapes`, `shape_rate`, `weight_rate`, `optimizer_seconds`), measured by
-  `bench_ppo_step` and fitted on by `fit_elementwise`, at the sizes of
+  `bench_ppo_step --sizes` and fitted on by `fit_elementwise`, at the sizes of
   `experiments.shapes.SIZES`;
 - PPO steps at published model shapes against the machine's limits and the planner
   (`bench_shape`, `stage_plans`, `runtime_for`, `planner_prediction`, `probed_machine`,
-  `write_checkpoint`), measured by `bench_real_shapes` and `device_check`;
+  `write_checkpoint`), measured by `bench_ppo_step --shapes` and `device_check`;
 - config files with dotted overrides (`load_config`, `apply_overrides`, `parse_value`),
   read by `learning_curves`, `logprob_mismatch` and `rm_probe`.
 
@@ -130,7 +130,7 @@ def optimizer_seconds(cfg, repeats: int = 5) -> dict[str, float]:
 
 
 def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
-  """One row of `bench_ppo_step`: `steps` PPO steps at `SIZES[size]` (sequential, one
+  """One row of `bench_ppo_step --sizes`: `steps` PPO steps at `SIZES[size]` (sequential, one
   device, f32), the first `warmup` left out of the means."""
   layers, embed, heads, kv, mlp, vocab, batch, prompt, gen = SIZES[size]
   cfg = tiny_config(vocab_size=vocab, embed_dim=embed, num_layers=layers, num_heads=heads,
@@ -338,11 +338,13 @@ def write_checkpoint(shape: str, directory: str, layers: int = 0, dtype: str = "
 
 def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str = "float32",
                 hardware_name: str = "cpu", checkpoint: str | None = None) -> dict:
-  """One row: `args.steps` timed PPO steps of `shape` against `limits` and the planner.
+  """One row: `args.steps` timed PPO steps of `shape` against `limits` and the planner,
+  after `args.warmup` steps (1 where `args` has none: the compile step) left out.
 
   Args:
     shape: a name of `models.shapes.SHAPES`.
-    args: `layers`, `batch`, `prompt_len`, `new_tokens`, `steps`, `logits_chunk`.
+    args: `layers`, `batch`, `prompt_len`, `new_tokens`, `steps`, `logits_chunk`; optionally
+      `warmup`, `attention`, `remat`, `scan_unroll`, `untied`, `calibration`.
     limits: `results.machine_limits()` of this process, measured in `dtype`.
     mode: the runtime mode (`runtime_for`); `pipe` needs three devices.
     dtype: the models' compute and parameter dtype.
@@ -363,14 +365,15 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
                       getattr(args, "remat", DEFAULTS.remat),
                       getattr(args, "scan_unroll", DEFAULTS.scan_unroll))
   runtime = runtime_for(mode, plans)
+  warmup = getattr(args, "warmup", 1)
   devices = jax.devices()[:devices_needed(runtime)]
   if len(devices) < devices_needed(runtime):
     raise ValueError(f"mode {mode} needs {devices_needed(runtime)} devices; "
                      f"{len(jax.devices())} exist.")
   system = PPOSystem(
       Models.from_policy(policy),
-      ppo=PPOConfig(steps=args.steps + 1, batch_size=batch, minibatch_size=batch, epochs=1,
-                    actor_lr=1e-6, critic_lr=1e-6),
+      ppo=PPOConfig(steps=args.steps + warmup, batch_size=batch, minibatch_size=batch,
+                    epochs=1, actor_lr=1e-6, critic_lr=1e-6),
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
       runtime=runtime,
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
@@ -387,9 +390,9 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
       index += batch
 
   t0 = time.perf_counter()
-  metrics = run(system, prompts(), args.steps + 1).metrics
+  metrics = run(system, prompts(), args.steps + warmup).metrics
   wall = time.perf_counter() - t0
-  steady = metrics[1:]
+  steady = metrics[warmup:]
   mean = lambda key: float(np.mean([m[key] for m in steady]))
   length = prompt + gen
   critic = cfg.replace(head="value")

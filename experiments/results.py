@@ -160,14 +160,16 @@ def provenance(limits: dict[str, Any] | None, command: str | None = None,
   return "\n".join(["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
 
 
-def add_page_flag(parser, default_name: str) -> None:
+def add_page_flag(parser, default_name: str, shown: str | None = None) -> None:
   """Gives an argparse `parser` the `--page [NAME]` flag: without it no page is written,
   `--page` alone writes docs/results/<default_name>.md, `--page NAME` writes
   docs/results/NAME.md (and `--page ''` none). `args.page` is then the page's name, or
-  None (or '') for no page."""
+  None (or '') for no page. `shown` names the default in the help instead, for a script
+  that writes one of several pages and resolves `default_name` (then a placeholder) to
+  its page after parsing."""
   parser.add_argument("--page", nargs="?", const=default_name, default=None, metavar="NAME",
-                      help=f"write docs/results/NAME.md (alone: {default_name}); without "
-                           "it, no page")
+                      help=f"write docs/results/NAME.md (alone: {shown or default_name}); "
+                           "without it, no page")
 
 
 def write_page(name: str, title: str, body: str, limits: dict[str, Any] | None,
