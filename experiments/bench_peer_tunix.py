@@ -62,7 +62,7 @@ is found without this project's dependencies):
   python3 -m venv .venv-tunix
   .venv-tunix/bin/pip install google-tunix==0.1.7 chex
   .venv-tunix/bin/python -m experiments.bench_peer_tunix --sizes 1,2 --steps 8
-  # SmolLM2-135M's shape, beside `python -m experiments.bench_real_shapes --shapes smollm2-135m`:
+  # SmolLM2-135M's shape, beside `python -m experiments.bench_ppo_step --shapes smollm2-135m`:
   .venv-tunix/bin/python -m experiments.bench_peer_tunix --dims 30,576,9,3,1536,49152,8,64,64 \
       --tied --steps 3 --warmup 1
 

@@ -43,7 +43,7 @@ import traceback
 
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler
 
-# Before jax starts its backend, as in bench_real_shapes, whose measurement this runs.
+# Before jax starts its backend, as in bench_ppo_step --shapes, whose measurement this runs.
 use_memory_lean_scheduler()
 
 import jax

@@ -12,7 +12,7 @@ term off and the term's seconds at one pass (`cost.StageTerms.elementwise`), and
 `calibrate.fit_elementwise` fits the passes (relative least squares, one number per
 stage). The held-out check prices SmolLM2-135M (never in the fit,
 `calibrate.heldout_split`) with and without the fitted term against its measured step:
-the row `bench_real_shapes` recorded (`--heldout-row`, a line of its JSONL), or by
+the row `bench_ppo_step --shapes` recorded (`--heldout-row`, a line of its JSONL), or by
 default the measurement on docs/results/real_shapes.md (commit c11a6394dbd0; its stage
 seconds, matmul peak, bandwidth and probed efficiencies as printed there).
 
@@ -35,7 +35,7 @@ import os
 
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler
 
-# Before jax starts its backend, as in the held-out measurement (bench_real_shapes).
+# Before jax starts its backend, as in the held-out measurement (bench_ppo_step --shapes).
 use_memory_lean_scheduler()
 
 from experiments import common, results
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
   parser.add_argument("--sizes", default="2,3,4")
   parser.add_argument("--steps", type=int, default=2, help="timed steps (after a compile)")
   parser.add_argument("--heldout-row", default="",
-                      help="a bench_real_shapes JSONL file; its last smollm2-135m row is "
+                      help="a bench_ppo_step --shapes JSONL file; its last smollm2-135m row is "
                       "the held-out measurement (default: the recorded one)")
   parser.add_argument("--samples", default="",
                       help="refit from a samples.jsonl this script wrote, measuring nothing")

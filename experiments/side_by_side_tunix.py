@@ -2,14 +2,14 @@
 
 Owns one comparison: alternating rounds of the peer's benchmark
 (`bench_peer_tunix.py`, tunix's own `PPOLearner`, in tunix's virtual environment) and this
-project's (`bench_real_shapes.py`, `PPOSystem` in `sequential` mode), at the same model
+project's (`bench_ppo_step --shapes`, `PPOSystem` in `sequential` mode), at the same model
 shape, batch and token counts, one CPU device, f32, each in a fresh process so neither
 inherits the other's caches. Rounds alternate (peer, ours, peer, ours, ...) so that a
 change in the machine's speed during the comparison reaches both sides alike. Both leave
 out their compilation step and report the mean of the timed steps; the page lists every
 round and the ratio of the means (peer seconds / ours: above 1, this project is faster).
 What each side computes, and where the two differ, is in the two scripts' docstrings.
-This project's side runs the library's defaults (`StagePlan()`, `bench_real_shapes.py`
+This project's side runs the library's defaults (`StagePlan()`, `bench_ppo_step --shapes`
 without plan flags): what a user gets without tuning. `--ours-flags` changes that side's
 plan; `--tuned-flags`, where they differ from it, add a side of their own each round, so
 that a tuned plan is reported beside the defaults, never in their place. This project
@@ -70,9 +70,9 @@ def peer_command(args, dims, out_dir: str) -> list[str]:
 
 
 def ours_command(args, out_dir: str, flags: str) -> list[str]:
-  """`bench_real_shapes.py` at the comparison's shape; `flags` its plan flags (empty: the
+  """`bench_ppo_step --shapes` at the comparison's shape; `flags` its plan flags (empty: the
   library's defaults)."""
-  return [sys.executable, "-m", "experiments.bench_real_shapes",
+  return [sys.executable, "-m", "experiments.bench_ppo_step",
           "--shapes", args.shape, "--steps", str(args.steps), "--batch", str(args.batch),
           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
           "--untied", "--out-dir", out_dir, *flags.split()]
@@ -160,10 +160,10 @@ def main(argv=None) -> None:
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--ours-flags", default="",
-                      help="bench_real_shapes.py plan flags for this project's side "
+                      help="bench_ppo_step --shapes plan flags for this project's side "
                       "(default none: the library's defaults)")
   parser.add_argument("--tuned-flags", default="",
-                      help="bench_real_shapes.py plan flags of a tuned side, run each round "
+                      help="bench_ppo_step --shapes plan flags of a tuned side, run each round "
                       "beside the defaults where they differ from --ours-flags")
   parser.add_argument("--dry-run", action="store_true",
                       help="print one round's commands and run nothing")

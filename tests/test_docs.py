@@ -143,7 +143,7 @@ PAGES_WRITTEN_BY_EXPERIMENTS = {
     "docs/results/memory.md": "experiments.bench_memory",
     "docs/results/peer_tunix.md": "experiments.side_by_side_tunix",
     "docs/results/decode_weights.md": "experiments.bench_decode_weights",
-    "docs/results/real_shapes.md": "experiments.bench_real_shapes",
+    "docs/results/real_shapes.md": "experiments.bench_ppo_step",
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)

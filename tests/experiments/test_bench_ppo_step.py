@@ -1,5 +1,5 @@
-"""The real-shapes benchmark at a smoke size: every field of its rows is finite, and its
-page carries the provenance block and the goals table."""
+"""The PPO-step benchmark at a published shape (`--shapes`), at a smoke size: every field of
+its rows is finite, and its page carries the provenance block and the goals table."""
 
 import json
 import math
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_real_shapes_benchmark_writes_finite_rows_and_its_page(tmp_path):
   env = child_env()
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.bench_real_shapes",
+      [sys.executable, "-m", "experiments.bench_ppo_step",
        "--shapes", "smollm2-135m", "--layers", "2", "--steps", "1", "--batch", "2",
        "--prompt-len", "8", "--new-tokens", "4", "--out-dir", str(tmp_path / "out"),
        "--page", "--page-dir", str(tmp_path / "page")],
