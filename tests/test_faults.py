@@ -18,7 +18,6 @@ import time
 import numpy as np
 import pytest
 
-from configs import quickstart
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.data import rewards
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
@@ -29,6 +28,7 @@ from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.steps import BadStepGuard
 from pipe_rlhf_jax.train import train
 from pipe_rlhf_jax.workdir import WorkdirBusy, WorkdirLock
+from tests.helpers.configs import tiny_quickstart
 from tests.helpers.xla_env import xla_flags
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -58,8 +58,7 @@ def _reverse_with_signals(prompts, completions):
 
 def config_for(mode="sequential", steps=4):
   """The tiny quickstart against a rule (no reward model: the fastest whole run)."""
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = mode
+  config = tiny_quickstart(mode)
   config.reward.fn = "test_reverse_with_signals"
   config.ppo.critic_init = "sft"
   config.ppo.steps = steps
@@ -246,10 +245,10 @@ _HANG = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    from configs import quickstart
     from pipe_rlhf_jax.data import rewards
     from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
     from pipe_rlhf_jax.train import train
+    from tests.helpers.configs import tiny_quickstart
     calls = [0]
 
     @REWARD_FUNCTIONS.register("hangs_at_step_2")
@@ -260,8 +259,7 @@ _HANG = textwrap.dedent("""
         {hang}
       return rewards.reverse_accuracy(prompts, completions)
 
-    config = quickstart.get_config("tiny")
-    config.runtime.mode = {mode!r}
+    config = tiny_quickstart({mode!r})
     config.reward.fn = "hangs_at_step_2"
     config.ppo.critic_init = "sft"
     config.ppo.steps = 4

@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from configs import quickstart
 from pipe_rlhf_jax.checkpoint import CheckpointError  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.train import experiment_of, train  # noqa: E402
+from tests.helpers.configs import tiny_quickstart  # noqa: E402
 from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 from tests.helpers.xla_env import child_env  # noqa: E402
 
@@ -25,10 +25,8 @@ TIMING = ("time/", "tokens_per_s", "seconds", "bytes_per_second", "blocked_s", "
 
 
 def tiny(mode="sequential", **ppo):
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = mode
-  config.ppo.update(ppo)
-  return config
+  """The tiny quickstart, sequential unless told (this file's baseline), with `ppo` fields."""
+  return tiny_quickstart(mode, {f"ppo.{key}": value for key, value in ppo.items()})
 
 
 def comparable(records):
@@ -201,9 +199,9 @@ import os, signal, sys, time
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-from configs import quickstart
 from pipe_rlhf_jax import metrics
 from pipe_rlhf_jax.train import train
+from tests.helpers.configs import tiny_quickstart
 
 write = metrics.MetricsWriter.write
 
@@ -220,8 +218,7 @@ def write_then_die(self, step, values, phase="ppo"):
   return record
 
 metrics.MetricsWriter.write = write_then_die
-config = quickstart.get_config("tiny")
-config.runtime.mode = "sequential"
+config = tiny_quickstart("sequential")
 assert config.checkpoint.every == 2
 train(config, {workdir!r}, progress=False)
 """

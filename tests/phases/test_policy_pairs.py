@@ -6,7 +6,6 @@ from flax import nnx
 import numpy as np
 import pytest
 
-from configs import quickstart
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
@@ -16,6 +15,7 @@ from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
 from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
 from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.train import prepare_warm_start, train
+from tests.helpers.configs import tiny_quickstart
 
 TOKENIZER = load_tokenizer("byte")
 B, P, T = 8, 10, 5
@@ -97,13 +97,6 @@ def test_ties_keep_the_dataset_pair_and_share_zero_changes_nothing():
     pairs(k=1)
 
 
-def tiny(**overrides):
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = "sequential"
-  config.update_from_flattened_dict(overrides)
-  return config
-
-
 def test_warm_start_trains_the_reward_model_on_policy_pairs(tmp_path, monkeypatch):
   seen = []
   real_fit = supervised.fit
@@ -114,7 +107,7 @@ def test_warm_start_trains_the_reward_model_on_policy_pairs(tmp_path, monkeypatc
     return real_fit(loss_fn, params, layout, batches, **kw)
 
   monkeypatch.setattr(supervised, "fit", recording_fit)
-  config = tiny(**{"reward_model.policy_pairs": 0.5})
+  config = tiny_quickstart("sequential", {"reward_model.policy_pairs": 0.5})
   result = prepare_warm_start(config, str(tmp_path / "run"), progress=False)
   assert seen == ["PolicyPairs"]
   rm_eval = result["rm_eval"]
@@ -122,8 +115,8 @@ def test_warm_start_trains_the_reward_model_on_policy_pairs(tmp_path, monkeypatc
   assert rm_eval["policy_pairs"] + rm_eval["policy_pairs_tied"] == 4 * 8
   assert rm_eval["policy_chosen_label"] >= rm_eval["policy_rejected_label"]
   # Off, the settings leave the fingerprint as it was before they existed.
-  off = tiny()
-  before = tiny()
+  off = tiny_quickstart("sequential")
+  before = tiny_quickstart("sequential")
   for key in ("policy_pairs", "policy_samples", "label_fn"):
     del before.reward_model[key]
   fingerprint = lambda c: warm_start_fingerprint(ExperimentSettings.from_config(c))
@@ -142,5 +135,5 @@ def test_warm_start_trains_the_reward_model_on_policy_pairs(tmp_path, monkeypatc
 ])
 def test_bad_policy_pair_settings_name_the_field(tmp_path, overrides, match):
   with pytest.raises(ValueError, match=match):
-    train(tiny(**overrides), str(tmp_path), progress=False)
+    train(tiny_quickstart("sequential", overrides), str(tmp_path), progress=False)
   assert not (tmp_path / "data").exists()

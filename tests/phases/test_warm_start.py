@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 
-from configs import quickstart
 from pipe_rlhf_jax.checkpoint import (
   Checkpointer,  # noqa: E402
   CheckpointError,  # noqa: E402
@@ -18,15 +17,13 @@ from pipe_rlhf_jax.models.roles import build_model_configs  # noqa: E402
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 from pipe_rlhf_jax.train import prepare_warm_start, train  # noqa: E402
+from tests.helpers.configs import tiny_quickstart  # noqa: E402
 
 
 def tiny(mode: str, **overrides):
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = mode
-  config.stages.generate.mesh = dict(data=-1)  # the plain sampler: less to compile
-  config.ppo.steps = 2
-  config.update_from_flattened_dict(overrides)
-  return config
+  """The tiny quickstart on the plain sampler (less to compile) for 2 PPO steps."""
+  return tiny_quickstart(mode, {"stages.generate.mesh": dict(data=-1), "ppo.steps": 2,
+                                **overrides})
 
 
 def read_warm_start(directory):

@@ -17,12 +17,7 @@ from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.train import train
-
-
-def tiny(**runtime):
-  config = quickstart.get_config("tiny")
-  config.runtime.update(runtime)
-  return config
+from tests.helpers.configs import tiny_quickstart
 
 
 def test_steady_step_time_skips_the_compiling_steps():
@@ -54,14 +49,15 @@ def test_hardware_is_detected_or_named():
 
 def test_bad_plan_fields_name_the_field(tmp_path):
   with pytest.raises(ValueError, match=r"runtime.plan='best'; choose one of"):
-    train(tiny(plan="best"), str(tmp_path), progress=False)
+    train(tiny_quickstart(overrides={"runtime.plan": "best"}), str(tmp_path), progress=False)
   with pytest.raises(ValueError, match=r"runtime.calibration='nope.json' is not a file"):
-    train(tiny(plan="auto", calibration="nope.json"), str(tmp_path), progress=False)
+    config = tiny_quickstart(overrides={"runtime.plan": "auto", "runtime.calibration": "nope.json"})
+    train(config, str(tmp_path), progress=False)
 
 
 @pytest.mark.slow
 def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
-  config = tiny(plan="auto")
+  config = tiny_quickstart(overrides={"runtime.plan": "auto"})
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)
   # The plan that ran is the search's first, with staleness at most the config's bound.
@@ -94,16 +90,15 @@ def _rejected_before_building(config, tmp_path, match):
 def test_hand_written_plan_that_splits_the_batch_unevenly_fails_first(tmp_path):
   # Training on fsdp=4 cannot split a batch of 10 rollouts: the runtime's own check fires
   # in set_up, before SFT and the reward model, with the planner's wording around it.
-  config = tiny()
-  config.ppo.update(batch_size=10, minibatch_size=5)
-  config.stages.generate.num_microbatches = 2
+  config = tiny_quickstart(overrides={"ppo.batch_size": 10, "ppo.minibatch_size": 5,
+                                     "stages.generate.num_microbatches": 2})
   _rejected_before_building(config, tmp_path, r"hand-written plan pipe\[2\+2\+4 devices.*"
                             r"ppo.batch_size=10 does not split over the 4 batch shards of "
                             r"the train stage")
 
 
 def test_hand_written_plan_over_memory_fails_with_the_memory_models_reason(tmp_path):
-  config = tiny()
+  config = tiny_quickstart()
   # ~2.2e9 parameters per model: far over any host's RAM share of one virtual device.
   config.model.update(embed_dim=8192, mlp_dim=32768, num_heads=64, num_kv_heads=8,
                       head_dim=128)

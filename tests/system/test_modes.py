@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from configs import quickstart  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
 from pipe_rlhf_jax.runtime.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
+from tests.helpers.configs import tiny_quickstart  # noqa: E402
 from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 
 # Quantities whose value depends on wall time or on the schedule, not on the mathematics.
@@ -20,9 +20,7 @@ NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "stalenes
 
 
 def tiny(mode, pipelined=False, **runtime):
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = mode
-  config.runtime.update(runtime)
+  config = tiny_quickstart(mode, {f"runtime.{key}": value for key, value in runtime.items()})
   if not pipelined:
     # A data-parallel generate stage; `pipelined=True` keeps the tiny variant's 2-stage
     # pipelined decoder on devices 0-1.
