@@ -321,10 +321,10 @@ def test_config_fingerprint_ignores_the_run_plan():
 def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
   # A file edited in place changes both fingerprints; the same bytes under another path
   # change neither; a generated task's config keeps the fingerprint it always had.
-  from configs import quickstart
   from pipe_rlhf_jax.data import digests
   from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
   from pipe_rlhf_jax.sections import ExperimentSettings
+  from tests.helpers.configs import tiny_quickstart
 
   def fingerprints(config):
     settings = ExperimentSettings.from_config(config)
@@ -333,10 +333,10 @@ def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
             warm_start_fingerprint(settings))
 
   file_digests = lambda config: digests.file_digests(ExperimentSettings.from_config(config))
-  generated = quickstart.get_config("tiny")
+  generated = tiny_quickstart()
   assert file_digests(generated) == {}
   assert digests.with_content(generated.to_dict(), {}) == generated.to_dict()
-  config = quickstart.get_config("tiny")
+  config = tiny_quickstart()
   config.data.task = "jsonl"
   config.reward.eval_fn = ""  # the reverse task's rule cannot score the user's prompts
   for role in digests.JSONL_ROLES:

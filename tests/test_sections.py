@@ -17,6 +17,7 @@ from pipe_rlhf_jax.sections import (  # noqa: E402
   DataSettings,
   ExperimentSettings,
 )
+from tests.helpers.configs import tiny_quickstart  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -41,12 +42,7 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
     ("ppo.ptx_batch_size", -1),
 ])
 def test_integer_fields_name_field_and_value(path, value):
-  config = quickstart.get_config("tiny")
-  section, name = path.rsplit(".", 1)
-  config_section = config
-  for part in section.split("."):
-    config_section = config_section[part]
-  config_section[name] = value
+  config = tiny_quickstart(overrides={path: value})
   with pytest.raises(ValueError, match=rf"{path}={value!r} must be an integer >= "):
     ExperimentSettings.from_config(config)
 
@@ -66,9 +62,7 @@ NAN, INF = float("nan"), float("inf")
     ("ppo.actor_lr", NAN, "a number > 0"),  # the typed settings' check, the same words
 ])
 def test_float_fields_refuse_nan_and_inf(path, value, allowed):
-  config = quickstart.get_config("tiny")
-  section, name = path.rsplit(".", 1)
-  config[section][name] = value
+  config = tiny_quickstart(overrides={path: value})
   with pytest.raises(ValueError, match=rf"{path}={value!r} must be {allowed}"):
     ExperimentSettings.from_config(config)
 
@@ -127,17 +121,14 @@ def test_arith_settings_and_rule_rewards_name_their_field():
   with pytest.raises(ValueError, match=r"critic_init='reward_model'.*critic_init=sft"):
     ExperimentSettings.from_config(config)
   # The reverse task scored by an arith rule is refused the same way.
-  config = quickstart.get_config("tiny")
-  config.reward.fn = "arith_exact_match"
-  config.ppo.critic_init = "sft"
+  config = tiny_quickstart(overrides={"reward.fn": "arith_exact_match", "ppo.critic_init": "sft"})
   with pytest.raises(ValueError, match=r"reward.fn='arith_exact_match' scores the embedded "
                                        r"arith task only, but data.task='reverse'"):
     ExperimentSettings.from_config(config)
 
 
 def test_hard_pairs_is_a_probability_of_the_reverse_task():
-  config = quickstart.get_config("tiny")
-  config.data.hard_pairs = 1.5
+  config = tiny_quickstart(overrides={"data.hard_pairs": 1.5})
   with pytest.raises(ValueError, match=r"data.hard_pairs=1.5 must be a probability"):
     ExperimentSettings.from_config(config)
   from configs import grpo_arith
@@ -147,8 +138,7 @@ def test_hard_pairs_is_a_probability_of_the_reverse_task():
 
 
 def test_ptx_coef_must_be_a_non_negative_number():
-  config = quickstart.get_config("tiny")
-  config.ppo.ptx_coef = -0.5
+  config = tiny_quickstart(overrides={"ppo.ptx_coef": -0.5})
   with pytest.raises(ValueError, match=r"ppo.ptx_coef=-0.5 must be a number >= 0"):
     ExperimentSettings.from_config(config)
 
@@ -157,9 +147,7 @@ def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
   # The tiny PPO minibatch (8) on the 8 data shards of sequential mode: an explicit 4
   # demonstrations per gradient step cannot be split, found at set-up.
   from pipe_rlhf_jax.train import train
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = "sequential"
-  config.ppo.ptx_batch_size = 4
+  config = tiny_quickstart("sequential", {"ppo.ptx_batch_size": 4})
   with pytest.raises(ValueError, match=r"ppo.ptx_batch_size: 4 demonstrations .* 8 batch "
                                        r"shards of the train stage .* multiple of 8"):
     train(config, str(tmp_path), progress=False)
@@ -199,7 +187,7 @@ def test_optional_fields_read_their_one_default_when_left_out():
 ])
 def test_an_unknown_key_is_refused_with_the_nearest_known_one(section, typo, nearest):
   # A key a section does not know would otherwise leave the default silently in force.
-  config = quickstart.get_config("tiny")
+  config = tiny_quickstart()
   node = config
   for part in (section.split(".") if section else ()):
     node = node[part]

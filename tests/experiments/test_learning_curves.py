@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from configs import quickstart
 from experiments import learning_curves as lc
 from pipe_rlhf_jax.phases.run_state import JobResult
 from pipe_rlhf_jax.runtime.tracing import Tracer
+from tests.helpers.configs import tiny_quickstart
 
 
 def test_cells_set_mode_staleness_and_objective():
@@ -29,7 +29,7 @@ def test_cells_set_mode_staleness_and_objective():
 
 
 def test_overrides_keep_types_and_name_bad_paths():
-  config = quickstart.get_config("tiny")
+  config = tiny_quickstart()
   lc.apply_overrides(config, {"ppo.kl_coef": 1, "ppo.steps": 7, "runtime.mode": "pipe"})
   assert config.ppo.kl_coef == 1.0 and isinstance(config.ppo.kl_coef, float)
   assert config.ppo.steps == 7 and config.runtime.mode == "pipe"
@@ -119,8 +119,7 @@ def test_greedy_worse_beyond_the_interval_needs_a_drop_the_prompts_do_not_explai
 
 
 def test_summarise_run_reads_the_heldout_scores_of_eval_fn():
-  config = quickstart.get_config("tiny")
-  config.runtime.mode = "sequential"
+  config = tiny_quickstart("sequential")
   rows = [{"step": s, "rule_reward/mean": acc, "reward/mean": 1.0 + s, "kl/mean": 0.1 * s}
           for s, acc in enumerate([0.2, 0.3, 0.4, 0.5, 0.6])]
   result = JobResult(workdir="", summary="", wall_s=1.0, ppo_metrics=rows,

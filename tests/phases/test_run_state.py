@@ -6,10 +6,10 @@ process), as in tests/system/test_stage_groups.py.
 
 import pytest
 
-from configs import quickstart
 from pipe_rlhf_jax.phases.run_state import ProcessRole
 from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.system.system import build_layouts, stage_mesh_shapes
+from tests.helpers.configs import tiny_quickstart
 
 QUADS = lambda d: d.id // 4  # 2 processes x 4 devices
 
@@ -67,7 +67,7 @@ def test_a_placement_written_for_fewer_devices_keeps_training_on_the_last_ones()
   # The quickstart's tiny placement, 2 + 2 + 4 written for 8 devices, on the 16 of a
   # launch of 2 processes x 8: generation and inference keep the first devices, training
   # takes the last 4 (process 0's in that order) and the 8 between are unused.
-  runtime = Plan.from_config(quickstart.get_config("tiny"))
+  runtime = Plan.from_config(tiny_quickstart())
   assert runtime.mode == "pipe" and runtime.placement == (2, 2, 4)
   blocks = {s: v[2] for s, v in stage_mesh_shapes(runtime, 16).items()}
   assert blocks == {"generate": [0, 1], "infer": [2, 3], "train": [12, 13, 14, 15]}

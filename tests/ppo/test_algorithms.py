@@ -229,10 +229,9 @@ def test_settings_say_which_models_the_algorithm_needs():
 
 
 def test_experiment_config_validation_names_the_new_fields():
-  from configs import quickstart
   from pipe_rlhf_jax.sections import ExperimentSettings
-  config = quickstart.get_config("tiny")
-  config.ppo.group_size = 3
+  from tests.helpers.configs import tiny_quickstart
+  config = tiny_quickstart(overrides={"ppo.group_size": 3})
   with pytest.raises(ValueError, match=r"ppo.batch_size=16 must be a multiple of "
                                        r"ppo.group_size=3"):
     ExperimentSettings.from_config(config)

@@ -28,6 +28,7 @@ from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
+from tests.helpers.configs import tiny_quickstart
 
 VOCAB = 64
 BATCH, PROMPT, COMPLETION = 8, 5, 8
@@ -258,14 +259,9 @@ def test_standardised_scores_shape_the_rewards_and_stay_raw_in_the_experience(la
 
 
 def test_unknown_advantage_estimator_names_the_field():
-  import os
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
-  import quickstart
-
   import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
   from pipe_rlhf_jax.sections import ExperimentSettings
-  config = quickstart.get_config("tiny")
+  config = tiny_quickstart()
   ExperimentSettings.from_config(config)
   config.ppo.advantage_estimator = "vtrace"
   with pytest.raises(ValueError, match=r"ppo.advantage_estimator='vtrace'.*gae"):
