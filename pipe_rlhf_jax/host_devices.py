@@ -18,7 +18,7 @@ imported):
   decode step's 432 MB either way (the compiled modules' buffer assignments,
   `--xla_dump_to`); the update took 13.3-15.4 s per step (mean 14.5 s) against
   9.5-11.5 s (mean 10.5 s), three runs each of two steps of
-  `python -m experiments.bench_real_shapes --shapes smollm2-135m` on 2 cores of an AMD EPYC.
+  `python -m experiments.bench_ppo_step --shapes smollm2-135m` on 2 cores of an AMD EPYC.
   XLA reads the flag for the whole process: `jax.jit`'s per-program `compiler_options`
   did not change the buffer assignment.
 

@@ -46,7 +46,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
   shape the whole step (norm, finiteness, clipping, AdamW) takes 0.08-0.12 s per model
   this way, AdamW alone 0.07-0.10 s; with optax's clipping and a per-leaf finiteness test
   it took 0.28-0.33 s (donated state, 2-core AMD EPYC; `optimizer_seconds` in
-  `experiments/bench_ppo_step.py`, reported by `experiments/bench_real_shapes.py`).
+  `experiments/common.py`, reported by `python -m experiments.bench_ppo_step --shapes`).
   """
 
   def init(params):

@@ -49,7 +49,7 @@ segment whose ring messages are `[mb, P_len, embed]` (a decode step inside it us
 0 only and `lax.cond` picks the prefill or decode compute); every later tick is
 decode-only and runs in a second segment with `[mb, 1, embed]` messages
 (`split_segments=False` keeps the padded buffer for every tick, for comparison in
-`experiments/bench_pipeline_generate.py`). With refills a prefill can come at any
+`python -m experiments.bench_generate --variants`). With refills a prefill can come at any
 tick, so every tick carries the prompt-length buffer; only the message grows, not the
 decode's compute.
 

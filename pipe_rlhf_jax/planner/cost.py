@@ -126,7 +126,7 @@ class Efficiency:
       layers' for the forward it re-runs). Default 0 (off): the assumed efficiencies
       already price more than the matmuls' own rate (with them the held-out step was
       40% slow, 55% with the term), so the term goes with measured rates: a calibration
-      file carries `FITTED_ELEMENTWISE`, and `bench_real_shapes`' probed pricing uses
+      file carries `FITTED_ELEMENTWISE`, and `bench_ppo_step --shapes`' probed pricing uses
       it. `FITTED_ELEMENTWISE`: fitted by
       `experiments/fit_elementwise.py` on the real stages at three toy sizes (d = 256,
       512, 768) against rates probed in the same process on a 2-core AMD EPYC (XLA:CPU,
