@@ -41,7 +41,7 @@ Both engines draw token t of completion k with the same key, so they produce the
 completions: the page counts how many are identical.
 
   python -m experiments.bench_rollout --page  # writes docs/results/rollout_engine.md
-  python -m experiments.bench_rollout --parts packing --page infer_packing  # after the real part
+  python -m experiments.bench_rollout --parts packing --page packing --rounds 1  # after "real"
   python -m experiments.bench_rollout --parts step --page rollout_step     # whole PPO steps
   python -m experiments.bench_rollout --parts pipelined --page rollout_pipelined --layers 4 \
       --queue 64                             # refilled pipeline micro-batches
@@ -347,7 +347,7 @@ def measure_packing(args, lengths) -> tuple[list[str], list[str]]:
   shape = (f"{batch} rows of the real part's lengths, P={width}, T={steps}, SmolLM2-135M "
            f"shape with {args.layers} layers, random weights; packed into rows of {budget} "
            "tokens")
-  tables, notes = [], []
+  tables, notes, seconds = [], [], []  # per stage: {"padded": s, "packed": s}
   if "infer" in stages_measured:
     got, out = {k: [] for k in stages}, {}
     for round_ in range(1 + args.rounds):  # round 0 compiles
@@ -363,15 +363,21 @@ def measure_packing(args, lengths) -> tuple[list[str], list[str]]:
                                    - np.asarray(getattr(out["packed"], f)))))
                for f in ("ref_logprobs", "values"))
     tables.append(speed_table("inference stage", "s per batch", got, real, batch * budget))
+    seconds.append({k: statistics.median(v) for k, v in got.items()})
     notes.append(f"packing: the inference stage (reference log-probs, critic values, "
                  f"reward-model scores, then advantages) on {shape}; largest difference "
                  f"of the log-probs and values {diff:.1e}; median of {args.rounds} rounds "
                  "after a compiling one")
   if "train" in stages_measured:
-    table, note = measure_train_packing(args, layout, models, stages["padded"], params,
-                                        rollout, budget)
+    table, note, got = measure_train_packing(args, layout, models, stages["padded"], params,
+                                             rollout, budget)
     tables.append(table)
     notes.append(f"{note}; {shape}")
+    seconds.append({k: statistics.median(v) for k, v in got.items()})
+  if len(seconds) == 2:
+    padded, packed = (sum(s[k] for s in seconds) for k in ("padded", "packed"))
+    notes.append(f"inference + training on the batch: padded {padded:.2f} s, packed "
+                 f"{packed:.2f} s: {padded / packed:.2f}x")
   return tables, notes
 
 
@@ -428,7 +434,7 @@ def measure_train_packing(args, layout, models, infer, params, rollout, budget):
           f"packed slots filled {fill:.2f}; largest relative difference of the first "
           f"update's metrics {diff:.1e}; median of {args.rounds} rounds after a compiling "
           "one")
-  return table, note
+  return table, note, got
 
 
 STEP_WARMUP = 3  # compilation, and partial rollouts' engine filling up
