@@ -138,6 +138,7 @@ PAGES_WRITTEN_BY_EXPERIMENTS = {
     "docs/results/fault_matrix.md": "experiments.fault_matrix",
     "docs/results/learning_curves.md": "experiments.learning_curves",
     "docs/results/planner_accuracy.md": "experiments.planner_accuracy",
+    "docs/results/planner_user_path.md": "experiments.planner_user_path",
     "docs/results/ppo_step.md": "experiments.bench_ppo_step",
     "docs/results/modes.md": "experiments.bench_modes",
     "docs/results/memory.md": "experiments.bench_memory",
