@@ -184,19 +184,9 @@ def run_batch_sizes(args) -> None:
   graphdef, state = nnx.split(model)
   rows = [bench_one(graphdef, state, model.config.vocab_size, int(b), args, int(n))
           for b in args.batch_sizes.split(",") for n in args.group_sizes.split(",")]
-  columns = list(rows[0])
   print(f"{name} ({model.config.num_params():,} params) on "
         f"{jax.default_backend()} x{jax.device_count()}")
-  widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
-  print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-  for row in rows:
-    print("  ".join(str(row[c]).rjust(w) for c, w in zip(columns, widths)))
-  path = os.path.join(args.out_dir, "batch_sizes.csv")
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-  print(f"wrote {path}")
+  print(f"wrote {show_and_write(rows, os.path.join(args.out_dir, 'batch_sizes.csv'))}")
 
 
 # ---- the plain sampler beside the pipelined decoders -----------------------------------
@@ -325,18 +315,24 @@ def run_variants(args) -> None:
   single = next((r["tokens_per_s"] for r in rows if r["variant"] == "single"), None)
   for row in rows:  # throughput relative to the plain sampler on one device
     row["vs_single"] = round(row["tokens_per_s"] / single, 3) if single else ""
+  path = show_and_write(rows, os.path.join(args.out_dir, "variants.csv"))
+  print(f"wrote {path} and schedule_*.png")
+
+
+
+def show_and_write(rows: list[dict], path: str) -> str:
+  """Prints `rows` as an aligned table and writes them to the CSV `path` (a column per
+  key any row has, blank where a row lacks it); returns the path."""
   columns = list(dict.fromkeys(k for row in rows for k in row))
   widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
   print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
   for row in rows:
     print("  ".join(str(row.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
-  path = os.path.join(args.out_dir, "variants.csv")
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=columns)
     writer.writeheader()
     writer.writerows(rows)
-  print(f"wrote {path} and schedule_*.png")
-
+  return path
 
 def main(argv=None) -> None:
   args = parse_args(argv)

@@ -129,6 +129,18 @@ def optimizer_seconds(cfg, repeats: int = 5) -> dict[str, float]:
   return out
 
 
+
+def random_prompts(vocab: int, batch: int, prompt: int, seed: int = 0):
+  """An endless stream of prompt batches of random token ids in [3, vocab), every
+  position real, with consecutive sample indices (what `system.run` reads)."""
+  rng = np.random.default_rng(seed)
+  index = 0
+  while True:
+    yield {"prompt_tokens": rng.integers(3, vocab, (batch, prompt)).astype(np.int32),
+           "prompt_mask": np.ones((batch, prompt), bool),
+           "index": np.arange(index, index + batch)}
+    index += batch
+
 def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
   """One row of `bench_ppo_step --sizes`: `steps` PPO steps at `SIZES[size]` (sequential, one
   device, f32), the first `warmup` left out of the means."""
@@ -146,18 +158,8 @@ def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
                                for stage in ("generate", "infer", "train")}),
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
       decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
-  rng = np.random.default_rng(0)
-
-  def prompts():
-    index = 0
-    while True:
-      yield {"prompt_tokens": rng.integers(3, vocab, (batch, prompt)).astype(np.int32),
-             "prompt_mask": np.ones((batch, prompt), bool),
-             "index": np.arange(index, index + batch)}
-      index += batch
-
   t0 = time.perf_counter()
-  metrics = run(system, prompts(), steps).metrics
+  metrics = run(system, random_prompts(vocab, batch, prompt), steps).metrics
   wall = time.perf_counter() - t0
   steady = metrics[warmup:]
   mean = lambda key: float(np.mean([m[key] for m in steady]))
@@ -378,19 +380,9 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
       runtime=runtime,
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
       decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
-  rng = np.random.default_rng(0)
-
-  def prompts():
-    index = 0
-    while True:
-      yield {"prompt_tokens": rng.integers(3, min(vocab, 30000), (batch, prompt)
-                                           ).astype(np.int32),
-             "prompt_mask": np.ones((batch, prompt), bool),
-             "index": np.arange(index, index + batch)}
-      index += batch
-
   t0 = time.perf_counter()
-  metrics = run(system, prompts(), args.steps + warmup).metrics
+  metrics = run(system, random_prompts(min(vocab, 30000), batch, prompt),
+                args.steps + warmup).metrics
   wall = time.perf_counter() - t0
   steady = metrics[warmup:]
   mean = lambda key: float(np.mean([m[key] for m in steady]))
