@@ -19,8 +19,8 @@ Other work on the machine is measured around every run: the CPU time all process
 (`/proc/stat`) less the run's own (its process's), as a share of the cores over the run's
 wall time. The calibration and the jobs must see the same machine: a job that shares
 the cores with other work measures slower than the calibration predicts (with a test
-suite running beside them, the same jobs measured 29% slower than their calibrated
-prediction in `sequential` mode, against 13% faster alone). The load average cannot
+suite running beside it, a `sequential` job's calibrated prediction was 29% fast,
+where alone the same prediction was 13% slow). The load average cannot
 tell: a job's own threads raise it past the core count. The page flags a run during
 which other work took more than a tenth of the cores.
 
