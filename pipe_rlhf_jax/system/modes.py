@@ -75,7 +75,7 @@ def run_serial(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step:
       critic, critic_stats = system.critic_for_inference()
     with tracer.span("generate", batch=step, version=system.version):
       rollout, gen_m = system.generate(actor, batch, step, system.version)
-    system.generate_stage.trace_slots(tracer, batch=step)
+    system.trace_generation(tracer, step)
     with tracer.span("infer", batch=step, version=system.version):
       exp, inf_m = system.infer(rollout, critic, actor_version=system.version,
                                 critic_version=system.version)

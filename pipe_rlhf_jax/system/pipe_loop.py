@@ -237,7 +237,7 @@ def run_pipe_workers(system, feed: DataFeed, start: int, end: int, on_step: OnSt
           # `version/oldest_token` bounds its staleness.
           version = int(metrics["version/newest_token"])
       if stream is None:
-        system.generate_stage.trace_slots(tracer, batch=step)
+        system.trace_generation(tracer, step)
       metrics["generate_version"] = version
       metrics["time/weights_wait_s"] = began - waited
       # Wall clock: the step time is taken in the trainer's thread (or process).

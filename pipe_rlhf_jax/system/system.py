@@ -461,6 +461,11 @@ class PPOSystem:
     rng = jax.random.fold_in(self.gen_key, step)
     return self.generate_stage(actor, batch, rng, version)
 
+  def trace_generation(self, tracer, step: int) -> None:
+    """Draws the last `generate` call's engine slots under its span in `tracer` (nothing
+    for a static batch or the pipelined decoder; `GenerateStage.trace_slots`)."""
+    self.generate_stage.trace_slots(tracer, batch=step)
+
   def rollout_stream(self) -> RolloutStream:
     """The generation stage's engine kept across steps (`runtime.partial_rollouts`),
     holding first the prompts a restored checkpoint had in flight. One per system: a

@@ -49,6 +49,9 @@ class FakeSystem:
     self.generated_with.append((step, params, version))
     return {"prompts": batch["index"]}, {"gen": 1.0}
 
+  def trace_generation(self, tracer, step):
+    del tracer, step  # names, not an engine: no slots to draw
+
   def infer(self, rollout, critic, *, actor_version, critic_version):
     return {"rollout": rollout, "critic": critic}, {
         "version/actor": float(actor_version), "version/critic": float(critic_version),
