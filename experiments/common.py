@@ -130,6 +130,23 @@ def optimizer_seconds(cfg, repeats: int = 5) -> dict[str, float]:
 
 
 
+
+def stage_flops(cfg, batch: int, prompt: int, gen: int) -> dict[str, float]:
+  """The model FLOPs of one PPO step's stages with actor `cfg` and its critic: generate
+  (the prompt's prefill, then gen - 1 decode steps), infer (actor and critic forwards over
+  prompt + gen) and train (their forward + backward, no recompute, as MFU counts them: a
+  remat policy's extra forward is time the plan spends, not work the step needs)."""
+  length, critic = prompt + gen, cfg.replace(head="value")
+  return {
+      "generate": (flops.forward_flops(cfg, batch, prompt, head_positions=1)
+                   + sum(flops.forward_flops(cfg, batch, 1, context=prompt + t)
+                         for t in range(gen - 1))),
+      "infer": (flops.forward_flops(cfg, batch, length, head_positions=gen)
+                + flops.forward_flops(critic, batch, length, head_positions=gen)),
+      "train": (flops.train_flops(cfg, batch, length, head_positions=gen)
+                + flops.train_flops(critic, batch, length, head_positions=gen)),
+  }
+
 def random_prompts(vocab: int, batch: int, prompt: int, seed: int = 0):
   """An endless stream of prompt batches of random token ids in [3, vocab), every
   position real, with consecutive sample indices (what `system.run` reads)."""
@@ -164,16 +181,8 @@ def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
   steady = metrics[warmup:]
   mean = lambda key: float(np.mean([m[key] for m in steady]))
   length = prompt + gen
-  actor, critic = cfg, cfg.replace(head="value")
-  work = {
-      "generate": (flops.forward_flops(actor, batch, prompt, head_positions=1)
-                   + sum(flops.forward_flops(actor, batch, 1, context=prompt + t)
-                         for t in range(gen - 1))),
-      "infer": (flops.forward_flops(actor, batch, length, head_positions=gen)
-                + flops.forward_flops(critic, batch, length, head_positions=gen)),
-      "train": (flops.train_flops(actor, batch, length, head_positions=gen)
-                + flops.train_flops(critic, batch, length, head_positions=gen)),
-  }
+  actor = cfg
+  work = stage_flops(cfg, batch, prompt, gen)
   times = {"generate": mean("time/generate_s"), "infer": mean("time/infer_s"),
            "train": mean("time/train_s")}
   step_s = mean("time/step_s")
@@ -386,19 +395,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   wall = time.perf_counter() - t0
   steady = metrics[warmup:]
   mean = lambda key: float(np.mean([m[key] for m in steady]))
-  length = prompt + gen
-  critic = cfg.replace(head="value")
-  work = {
-      "generate": (flops.forward_flops(cfg, batch, prompt, head_positions=1)
-                   + sum(flops.forward_flops(cfg, batch, 1, context=prompt + t)
-                         for t in range(gen - 1))),
-      "infer": (flops.forward_flops(cfg, batch, length, head_positions=gen)
-                + flops.forward_flops(critic, batch, length, head_positions=gen)),
-      # The model's FLOPs (forward + backward, no recompute), as MFU counts them: a remat
-      # policy's extra forward is time the plan spends, not work the step needs.
-      "train": (flops.train_flops(cfg, batch, length, remat="none", head_positions=gen)
-                + flops.train_flops(critic, batch, length, remat="none", head_positions=gen)),
-  }
+  work = stage_flops(cfg, batch, prompt, gen)
   decode_bytes = sum(flops.decode_step_bytes(cfg, batch, prompt + t) for t in range(gen))
   peak, bw = limits["matmul_gflops"] * 1e9, limits["mem_gbps"] * 1e9
   times = {s: mean(f"time/{s}_s") for s in STAGES}
@@ -423,7 +420,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   # What the update's matmuls reach alone (every projection and the head, forward and
   # backward, one program): how much of its gap to the peak is the shapes themselves.
   row["train_shapes_gflops"] = shape_rate(
-      gemm_shapes(cfg, batch * length, batch * gen), cfg.dtype)
+      gemm_shapes(cfg, batch * (prompt + gen), batch * gen), cfg.dtype)
   # Likewise the decode step's matmuls at its row count: how fast the backend streams
   # their weights when nothing else runs.
   row["decode_shapes_gbps"] = weight_rate(

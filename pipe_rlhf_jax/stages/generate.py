@@ -10,11 +10,11 @@ micro-batches of num_slots / num_microbatches rows are refilled from the batch a
 finish. Either way the output is a `Rollout` in the shared `[prompt | completion]`
 layout.
 
-With the engine, the stage also keeps the call's slot timeline (`slot_timeline`: which
+With the engine, the stage also gives the call's slot timeline (`slot_timeline`: which
 completion every slot decoded at every decode step, the engine's pure schedule
 `slot_schedule.simulate` of the lengths it produced, checked against the engine's own
-step count) and draws it into a run's trace (`trace_slots`): a row per slot under the
-generate stage's, each bar one completion.
+step count, simulated only when asked) and draws it into a run's trace (`trace_slots`):
+a row per slot under the generate stage's, each bar one completion.
 
 Group sampling (`ppo.group_size = n`): each prompt of the batch is repeated n times,
 consecutively, before decoding, so the n completions of one prompt are generated in the
@@ -74,8 +74,10 @@ class GenerateStage:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, sampling,
                                                               group_size=group_size)
     self._engines: dict[int, tuple[EngineSpec, object]] = {}
-    # The last engine call's schedule (None after a static batch or the pipelined decoder).
-    self.slot_timeline: slot_schedule.SlotTimeline | None = None
+    # The last engine call's (completion lengths, spec, decode steps): what its slot
+    # timeline is simulated from when a trace asks (None after a static batch or the
+    # pipelined decoder), so that a run without a trace does no host work for it.
+    self._last_engine_call: tuple[np.ndarray, EngineSpec, int] | None = None
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:
@@ -103,7 +105,7 @@ class GenerateStage:
     limits = budgets(batch, len(tokens), self.sampling.max_new_tokens)
     metrics = {}
     executed = spec = None
-    self.slot_timeline = None
+    self._last_engine_call = None
     if self.pipe > 1:
       from pipe_rlhf_jax.generation import pipelined
       slots = self._pipe_slots(len(tokens))
@@ -130,9 +132,7 @@ class GenerateStage:
     completion_mask = fetch(out.mask)  # [B, T] on the host
     new_tokens = float(completion_mask.sum())
     if spec is not None:
-      timeline = slot_schedule.simulate(completion_mask.sum(-1), spec)
-      if timeline.decode_steps == steps:  # the engine ran the schedule it mirrors
-        self.slot_timeline = timeline
+      self._last_engine_call = completion_mask.sum(-1), spec, steps
     if executed is not None and self.num_slots:
       # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
       passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
@@ -142,6 +142,17 @@ class GenerateStage:
     return rollout, {"time/generate_s": seconds,
                      "generate/tokens_per_s": new_tokens / max(seconds, 1e-9), **metrics}
 
+  @property
+  def slot_timeline(self) -> slot_schedule.SlotTimeline | None:
+    """The last engine call's schedule (the engine's pure schedule of the lengths it
+    produced), or None: after a static batch or the pipelined decoder, or when the
+    simulated schedule's step count is not the engine's."""
+    if self._last_engine_call is None:
+      return None
+    lengths, spec, steps = self._last_engine_call
+    timeline = slot_schedule.simulate(lengths, spec)
+    return timeline if timeline.decode_steps == steps else None
+
   def trace_slots(self, tracer: Tracer, batch: int | None = None) -> None:
     """Draws the last call's slots under its generate span (the tracer's latest).
 
@@ -150,9 +161,9 @@ class GenerateStage:
     bar's times place its decode steps evenly over the span: the picture of who used
     which slot when, not a per-step measurement. Nothing is drawn without an engine call.
     """
-    timeline = self.slot_timeline
-    spans = tracer.spans("generate") if tracer.enabled and timeline is not None else []
-    if not spans or not timeline.decode_steps:
+    spans = tracer.spans("generate") if tracer.enabled else []
+    timeline = self.slot_timeline if spans else None
+    if timeline is None or not timeline.decode_steps:
       return
     span = spans[-1]
     per_step = span.duration / timeline.decode_steps
