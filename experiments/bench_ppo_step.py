@@ -352,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "sizes fix their model, batch and lengths")
     args.sizes = args.sizes or "1,2,3"
   for key, value in {**SHAPE_DEFAULTS, **MODES[args.mode]}.items():
-    if getattr(args, key) is None:
+    # The page is written only when asked (--page): its name is not a default to fill.
+    if key != "page" and getattr(args, key) is None:
       setattr(args, key, value)
   if args.page == _OWN_PAGE:
     args.page = MODES[args.mode]["page"]

@@ -40,3 +40,11 @@ def test_real_shapes_benchmark_writes_finite_rows_and_its_page(tmp_path):
   assert all(0 < v <= 1 for v in row["planner_probed_efficiency"].values())
   page = (tmp_path / "page" / "real_shapes.md").read_text()
   assert "matmul peak" in page and "commit" in page and "smollm2-135m" in page
+
+
+def test_a_page_is_written_only_when_asked():
+  from experiments.bench_ppo_step import parse_args
+  assert parse_args([]).page is None
+  assert parse_args(["--shapes", "smollm2-135m"]).page is None
+  assert parse_args(["--page"]).page == "ppo_step"
+  assert parse_args(["--shapes", "smollm2-135m", "--page"]).page == "real_shapes"
