@@ -35,6 +35,7 @@ from pathlib import Path
 import tempfile
 from typing import Any, Mapping
 import warnings
+import weakref
 
 import numpy as np
 
@@ -171,9 +172,28 @@ class GGUFCheckpoint:
     self.architecture = self.metadata.get("general.architecture")
 
 
+# Open checkpoints by (file, size, mtime), held weakly: a caller that keeps one open (a
+# loader reading a file's config, weights and tokenizer) makes every `read_gguf` of the
+# same unchanged file return it, where the reader would parse the metadata again (a
+# 262,144-token vocabulary takes seconds). Nothing is kept once its holders drop it: an
+# open reader holds about 0.7 GB for such a file.
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-  """Opens the GGUF file `path` names (see `resolve_gguf`); raises naming the file."""
-  return GGUFCheckpoint(resolve_gguf(path))
+  """Opens the GGUF file `path` names (see `resolve_gguf`); raises naming the file.
+
+  While a checkpoint of the same unchanged file is still held, it is returned again
+  instead of parsed a second time.
+  """
+  p = resolve_gguf(path)
+  stat = p.stat()
+  key = (str(p.resolve()), stat.st_size, stat.st_mtime_ns)
+  ckpt = _OPEN.get(key)
+  if ckpt is None:
+    ckpt = GGUFCheckpoint(p)
+    _OPEN[key] = ckpt
+  return ckpt
 
 
 def _check_architecture(ckpt: GGUFCheckpoint) -> str:

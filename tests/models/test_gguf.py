@@ -435,6 +435,18 @@ def test_unsupported_architecture_or_field(tmp_path, arch, kv, match):
     models.from_pretrained(path)
 
 
+def test_a_file_held_open_is_parsed_once_and_a_changed_file_again(tmp_path):
+  path = tmp_path / "m.gguf"
+  write_gguf(path, "qwen2", "F32", layers=1)
+  held = gguf_import.read_gguf(path)
+  assert gguf_import.read_gguf(tmp_path) is held  # the directory names the same file
+  write_gguf(path, "qwen2", "F32", layers=2)
+  changed = gguf_import.read_gguf(path)
+  assert changed is not held and changed.metadata["qwen2.block_count"] == 2
+  del held, changed
+  assert gguf_import.read_gguf(path).metadata["qwen2.block_count"] == 2
+
+
 def test_directory_with_two_gguf_files_is_refused(tmp_path):
   write_gguf(tmp_path / "a.gguf", "qwen2", "F32", layers=1)
   shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
@@ -468,6 +480,8 @@ def _packaged_or_skip(name):
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_packaged_model_matches_transformers(name):
   path = _packaged_or_skip(name)
+  # Held open, the file's metadata is parsed once for our tokenizer and our model.
+  opened = gguf_import.read_gguf(path)
   tok = models.load_tokenizer(str(path))
   ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   if tok.chat_template is not None:  # the Gemma file carries none
@@ -492,6 +506,7 @@ def test_real_packaged_model_matches_transformers(name):
   with torch.no_grad():
     expected_logits = ref(torch.tensor(tokens)).logits.numpy()
   got = np.asarray(ours(jnp.asarray(tokens)))
+  del opened
   # Dequantised weights are identical; what remains is float32 summation order over 30 layers.
   # (Greedy continuations are compared on the synthetic files above: here each new token
   # would recompile the real model for one more position, a third of this test's time.)
