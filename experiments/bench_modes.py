@@ -61,7 +61,7 @@ import jax  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments import results  # noqa: E402
-from pipe_rlhf_jax.system.settings import MODES, STAGES, Plan  # noqa: E402
+from pipe_rlhf_jax.config.experiment import MODES, STAGES, Plan  # noqa: E402
 from pipe_rlhf_jax.system.system import build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 

@@ -176,8 +176,8 @@ def shared_warm_start(config, store: str, prepare) -> dict:
     store: the warm-start store directory.
     prepare: `train.prepare_warm_start`.
   """
+  from pipe_rlhf_jax.config import ExperimentSettings
   from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
-  from pipe_rlhf_jax.sections import ExperimentSettings
   directory = os.path.join(store,
                            warm_start_fingerprint(ExperimentSettings.from_config(config)))
   with locked(os.path.join(directory, ".lock")):

@@ -92,10 +92,10 @@ def choose_plans(work, count: int):
 
 def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
   """The plan's system and prompt source, compiled and warmed up by `warmup` steps."""
+  from pipe_rlhf_jax.config import PPOConfig
   from pipe_rlhf_jax.generation.sampler import SamplingParams
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.system.api import prompts_from_texts, run
-  from pipe_rlhf_jax.system.settings import PPOConfig
   from pipe_rlhf_jax.system.system import Models, PPOSystem
   system = PPOSystem(
       Models.from_policy(init_model(cfg)),

@@ -7,9 +7,10 @@ Importing the package does no device work.
 
 The package is built in layers (`LAYERS`, lowest first): a module imports its own layer or
 lower ones, never a higher one (tests/test_layers.py reads the imports and holds this).
-The foundation knows nothing of PPO; the algorithms know no devices' placement; the stages
-run one algorithm step on a mesh; the system composes stages into runtime modes (and
-the experiment config's sections are typed and checked there, `sections`); the
+The foundation knows nothing of PPO; the algorithms know no devices' placement; every
+typed setting lives in `config`, directly above the algorithms whose registered names it
+checks and below everything that reads it; the stages run one algorithm step on a mesh;
+the system composes stages into runtime modes; the
 phases are the main job's parts (the warm start, PPO's loop, the report) and the typed
 experiment they read; `job` runs an experiment whose plan is already chosen; the planner
 prices and chooses plans, above everything that runs one, so nothing that runs an
@@ -23,8 +24,9 @@ LAYERS = (
     ("foundation", ("checks", "host_devices", "metrics", "optim", "checkpoint", "workdir",
                     "parallel", "models", "runtime", "distributed")),
     ("algorithms", ("ppo", "generation", "data")),
+    ("config", ("config",)),
     ("stages", ("stages",)),
-    ("system", ("system", "sections")),
+    ("system", ("system",)),
     ("phases", ("phases",)),
     ("job", ("job",)),
     ("planner", ("planner",)),

@@ -121,3 +121,8 @@ def from_section(cls, section: Mapping[str, Any], field: str, prefix: str):
     if str(e).startswith(prefix + "."):
       raise ValueError(field + str(e)[len(prefix):]) from None
     raise
+
+
+def plain(node: Any) -> dict:
+  """A config section (a ConfigDict or any mapping) as a plain dict; leaves untouched."""
+  return node.to_dict() if hasattr(node, "to_dict") else dict(node)

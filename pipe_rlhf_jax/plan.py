@@ -51,8 +51,8 @@ def workload_from_flags(config):
   """The hardware profile and the workload: the config's, with the flags' overrides."""
   import dataclasses
 
+  from pipe_rlhf_jax.config import ExperimentSettings
   from pipe_rlhf_jax.planner import auto, hardware, lengths, presets
-  from pipe_rlhf_jax.sections import ExperimentSettings
   settings = ExperimentSettings.from_config(config)
   hw = hardware.get(_HARDWARE.value)
   if _MODEL.value:

@@ -1,7 +1,7 @@
 """The main job as a library function: `train(config, workdir)` runs SFT -> RM -> PPO.
 
 The library's edge, as `main.py` is the command line's: the ConfigDict is checked and
-converted here once (`experiment_of`: its typed settings, `sections.ExperimentSettings`,
+converted here once (`experiment_of`: its typed settings, `config.ExperimentSettings`,
 the model configs at the tokenizer's vocabulary, then the plan: `runtime.plan='auto'`
 asks the planner to choose one, 'manual' has the hand-written plan checked by it, before
 anything is built or compiled), and the typed `Experiment` runs in `job.run`, where
@@ -21,12 +21,12 @@ from typing import Any
 import ml_collections
 
 from pipe_rlhf_jax import job
+from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.phases import run_data
 from pipe_rlhf_jax.phases.run_state import Experiment, JobResult
 from pipe_rlhf_jax.planner import auto as auto_plan
-from pipe_rlhf_jax.sections import ExperimentSettings
 
 
 def experiment_of(config) -> Experiment:

@@ -321,9 +321,9 @@ def test_config_fingerprint_ignores_the_run_plan():
 def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
   # A file edited in place changes both fingerprints; the same bytes under another path
   # change neither; a generated task's config keeps the fingerprint it always had.
+  from pipe_rlhf_jax.config import ExperimentSettings
   from pipe_rlhf_jax.data import digests
   from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
-  from pipe_rlhf_jax.sections import ExperimentSettings
   from tests.helpers.configs import tiny_quickstart
 
   def fingerprints(config):

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import quickstart  # noqa: E402
 
-from pipe_rlhf_jax.sections import (  # noqa: E402
+from pipe_rlhf_jax.config.experiment import (  # noqa: E402
   SECTION_TYPES,
   TOP_LEVEL,
   DataSettings,
@@ -26,7 +26,7 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
   # The reward names are checked against a registry that the rule modules fill on import;
   # a process that imports only the validation must still know the built-in rules.
   code = ("import sys; sys.path.insert(0, 'configs'); import quickstart\n"
-          "from pipe_rlhf_jax.sections import ExperimentSettings\n"
+          "from pipe_rlhf_jax.config import ExperimentSettings\n"
           "config = quickstart.get_config('tiny')\n"
           "config.reward.fn = 'reverse_accuracy'\n"
           "config.ppo.critic_init = 'sft'\n"

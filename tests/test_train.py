@@ -125,7 +125,7 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_run):
 def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(tmp_path):
   import ml_collections
 
-  from pipe_rlhf_jax.system.settings import Plan, PPOConfig
+  from pipe_rlhf_jax.config import Plan, PPOConfig
   config = tiny()
   experiment = experiment_of(config)
   assert experiment.ppo == PPOConfig.from_config(config.ppo, seed=config.seed)

@@ -40,7 +40,7 @@ def file_digests(settings, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
   """{"data.jsonl.<role>": {"path", "sha256"}} of the files among `roles` the run reads.
 
   Args:
-    settings: the experiment's settings (`sections.ExperimentSettings`).
+    settings: the experiment's settings (`config.ExperimentSettings`).
     roles: the data.jsonl roles to digest.
 
   Empty unless `data.task == 'jsonl'`; the preference files count only when a reward

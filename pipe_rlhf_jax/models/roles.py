@@ -22,7 +22,7 @@ def build_model_configs(m, tokenizer) -> dict[str, TransformerConfig]:
   """Actor/critic/reward configs: the embedded tiny model, or a local HF checkpoint.
 
   Args:
-    m: the experiment's model settings (`sections.ModelSettings`, or any object with its
+    m: the experiment's model settings (`config.ModelSettings`, or any object with its
       fields: path, dtype, param_dtype and the embedded model's sizes).
     tokenizer: the run's tokenizer (the embedded model's vocabulary and special ids).
   """

@@ -27,7 +27,7 @@ from pipe_rlhf_jax.ppo.types import decode_answers
 
 def rule_rewards_to_report(settings) -> dict[str, Any]:
   """The rules scored on the held-out prompts (name -> function) of the experiment's
-  settings (`sections.ExperimentSettings`): none when `log.eval_prompts` is 0; else
+  settings (`config.ExperimentSettings`): none when `log.eval_prompts` is 0; else
   `reward.fn` when it is a rule, and `reward.eval_fn` when set."""
   if not settings.log.eval_prompts:
     return {}

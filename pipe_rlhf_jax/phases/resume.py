@@ -14,10 +14,10 @@ import os
 from typing import Any
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.phases.run_state import ProcessRole
-from pipe_rlhf_jax.sections import ExperimentSettings
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax.config.experiment import ExperimentSettings, ModelSettings
 from pipe_rlhf_jax.data import builders, loaders
 from pipe_rlhf_jax.data.records import RecordValidator
 from pipe_rlhf_jax.distributed.faults import set_activity
@@ -19,7 +20,6 @@ from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.load import load_tokenizer
 from pipe_rlhf_jax.phases.run_state import RunSetup
-from pipe_rlhf_jax.sections import ExperimentSettings, ModelSettings
 
 # Prompts the reward model's scale is measured on (times reward.normalize_samples_per_prompt).
 REWARD_NORM_PROMPTS = 256

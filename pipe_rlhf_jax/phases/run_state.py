@@ -17,15 +17,14 @@ from typing import Any
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.config import ExperimentSettings, Plan, PlannedRun, PPOConfig
 from pipe_rlhf_jax.distributed.transfer import process_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.runtime.progress import ProgressDeadline
 from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.settings import Plan, PlannedRun, PPOConfig
 from pipe_rlhf_jax.system.system import PPOSystem
 from pipe_rlhf_jax.workdir import WorkdirLock
 
@@ -34,7 +33,7 @@ from pipe_rlhf_jax.workdir import WorkdirLock
 class Experiment:
   """One run's settings, checked and converted once, with its plan already chosen.
 
-  Built by `train.experiment_of(config)` (`sections.ExperimentSettings.from_config`, the
+  Built by `train.experiment_of(config)` (`config.ExperimentSettings.from_config`, the
   model configs, the planner); `job.run` and everything below it read only this, never a
   ConfigDict. A researcher with an experiment at hand passes it to `train.train` as it
   is; the ConfigDict stays at the edge.

@@ -24,6 +24,7 @@ from flax import nnx
 import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import load
@@ -31,7 +32,6 @@ from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import Transformer, init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
-from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.system.system import with_backbone
 
 # The metrics phases the warm start writes (rewritten when its checkpoint is missing).

@@ -16,8 +16,8 @@ Owns what `train.experiment_of` asks of the planner before anything is built or 
   * the predicted steady seconds per step of the plan that runs, and the measured one
     from the run's trace (`runtime.tracing.steady_step_time`), for the summary and metrics.
 
-It reads the experiment's typed settings (`sections.ExperimentSettings`): the plan's
-choice and inputs are `settings.choice` (`sections.PlanChoice`: runtime.plan, hardware,
+It reads the experiment's typed settings (`config.ExperimentSettings`): the plan's
+choice and inputs are `settings.choice` (`config.PlanChoice`: runtime.plan, hardware,
 calibration, response_fraction), the hand-written plan `settings.runtime`.
 """
 
@@ -26,11 +26,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from pipe_rlhf_jax.config import STAGES, ExperimentSettings, Plan, PlannedRun
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
-from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.stages.train import PPOHyper
-from pipe_rlhf_jax.system.settings import STAGES, Plan, PlannedRun
 
 # device_kind substrings (lower case) -> profile; the first match wins, so the more
 # specific names come first ("tpu v5 lite" is a v5e, a bare "tpu v5" a v5p).

@@ -82,6 +82,7 @@ from ml_collections import config_flags  # noqa: F401 (experiment configs import
 import numpy as np
 import optax
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler, use_virtual_cpu_devices
 from pipe_rlhf_jax.models import flops
@@ -93,7 +94,6 @@ from pipe_rlhf_jax.planner import composition, cost, hardware, space
 from pipe_rlhf_jax.planner.auto import detect_hardware
 from pipe_rlhf_jax.planner.memory import param_bytes
 from pipe_rlhf_jax.stages.common import MeshMismatch
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.system.system import Models, PPOSystem
 
 

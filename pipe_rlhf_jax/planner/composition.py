@@ -16,10 +16,10 @@ import dataclasses
 import math
 from typing import Any
 
+from pipe_rlhf_jax.config import STAGES, Plan
 from pipe_rlhf_jax.planner.cost import Machine, StageCost, stage_cost
 from pipe_rlhf_jax.planner.memory import param_bytes
 from pipe_rlhf_jax.planner.space import Workload
-from pipe_rlhf_jax.system.settings import STAGES, Plan
 
 
 def weight_replicas(mesh: dict) -> float:

@@ -53,6 +53,7 @@ import math
 
 import numpy as np
 
+from pipe_rlhf_jax.config import StagePlan
 from pipe_rlhf_jax.generation import engine, slot_schedule
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models import flops
@@ -61,7 +62,6 @@ from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.planner.hardware import Hardware
 from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes
 from pipe_rlhf_jax.planner.space import Workload
-from pipe_rlhf_jax.system.settings import StagePlan
 
 
 @dataclasses.dataclass(frozen=True)

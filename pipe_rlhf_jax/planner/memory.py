@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipe_rlhf_jax.config import STAGES, Plan, StagePlan
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner.hardware import GIB, Hardware
 from pipe_rlhf_jax.planner.space import Workload
-from pipe_rlhf_jax.system.settings import STAGES, Plan, StagePlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Headroom XLA needs beyond what is modelled (fragmentation, small temporaries): the

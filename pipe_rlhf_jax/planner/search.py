@@ -25,11 +25,11 @@ import itertools
 import math
 import time
 
+from pipe_rlhf_jax.config import STAGES, Plan, StagePlan
 from pipe_rlhf_jax.planner import composition, simulator, space
 from pipe_rlhf_jax.planner import cost as cost_mod
 from pipe_rlhf_jax.planner import memory as mem_mod
 from pipe_rlhf_jax.planner.space import SpaceOptions, Workload
-from pipe_rlhf_jax.system.settings import STAGES, Plan, StagePlan
 
 
 @dataclasses.dataclass(frozen=True)

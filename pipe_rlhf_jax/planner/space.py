@@ -27,6 +27,7 @@ from flax import nnx
 import jax
 
 from pipe_rlhf_jax import checks
+from pipe_rlhf_jax.config import STAGES, MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.parallel import logical
@@ -34,7 +35,6 @@ from pipe_rlhf_jax.parallel.mesh import MESH_AXES, describe
 from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, Plan, StagePlan
 
 MODES = ("sequential", "per_stage", "pipe")
 

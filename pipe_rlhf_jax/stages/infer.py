@@ -71,7 +71,7 @@ class InferHyper:
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "InferHyper":
-    """From a `system.settings.PPOConfig` (or any object with its fields)."""
+    """From a `config.PPOConfig` (or any object with its fields)."""
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
     ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
     return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,

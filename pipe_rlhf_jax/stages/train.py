@@ -155,7 +155,7 @@ class PPOHyper:
 
   @classmethod
   def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
-    """From a `system.settings.PPOConfig` (or any object with its fields).
+    """From a `config.PPOConfig` (or any object with its fields).
 
     `kl_policy="proximal"` is kept only where the rewards hold a KL penalty: without
     one the re-derived targets would equal the inference stage's.

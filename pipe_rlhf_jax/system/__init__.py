@@ -7,8 +7,8 @@ weight sync); `modes.py` owns the *when* (`sequential`, `per_stage`, `pipe`), an
 versioned weights, tracing) lives in `pipe_rlhf_jax.runtime`.
 """
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.system.api import PromptSource, RunResult, prompts_from_texts, run
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.system.system import Models, PPOSystem
 
 __all__ = ["MeshSpec", "Models", "PPOConfig", "PPOSystem", "PromptSource", "RunResult",

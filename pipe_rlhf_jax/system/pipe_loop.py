@@ -31,12 +31,12 @@ import threading
 import time
 from typing import Any, Protocol
 
+from pipe_rlhf_jax.config import STAGES
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.weights import StalenessGate
 from pipe_rlhf_jax.runtime.workers import WorkerGroup
-from pipe_rlhf_jax.system.settings import STAGES
 from pipe_rlhf_jax.system.steps import DataFeed, OnStep, StopHere, finish_step
 
 # Keys of what travels with a batch's metrics from its generation to its update, where

@@ -47,6 +47,7 @@ from typing import Any, Callable
 import jax
 
 from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax.config import STAGES
 from pipe_rlhf_jax.distributed import transfer as tr
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.parallel.mesh import describe
@@ -55,7 +56,6 @@ from pipe_rlhf_jax.runtime.queues import BoundedQueue
 from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.runtime.weights import VersionedWeights
 from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
-from pipe_rlhf_jax.system.settings import STAGES
 
 
 def stage_processes(layouts, owner: Callable[[Any], int] = tr.process_of

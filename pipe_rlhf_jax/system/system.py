@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipe_rlhf_jax.config import STAGES, Plan, PPOConfig
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
@@ -44,7 +45,6 @@ from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.rollout_stream import RolloutStream, split_data_state
 from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
-from pipe_rlhf_jax.system.settings import STAGES, Plan, PPOConfig
 from pipe_rlhf_jax.system.steps import BadStepGuard
 
 

@@ -103,7 +103,7 @@ def test_tiny_rlvr_math_trains_against_the_math_rule(tmp_path, monkeypatch):
 
 def test_config_errors_name_the_fields():
   from configs import grpo_arith
-  from pipe_rlhf_jax.sections import ExperimentSettings
+  from pipe_rlhf_jax.config import ExperimentSettings
   with pytest.raises(ValueError, match="model.path is required"):
     ExperimentSettings.from_config(rlvr_math.get_config())
   config = grpo_arith.get_config("tiny")

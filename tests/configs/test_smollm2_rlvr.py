@@ -7,8 +7,8 @@ notebook: tests/test_colab.py.)"""
 import pytest
 
 from configs import smollm2_rlvr
+from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.models import packaged
-from pipe_rlhf_jax.sections import ExperimentSettings
 
 
 def _installed():

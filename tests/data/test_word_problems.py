@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pipe_rlhf_jax import sections
+from pipe_rlhf_jax.config.experiment import DataSettings
 from pipe_rlhf_jax.data import math_reward
 from pipe_rlhf_jax.data.builders import make_word_problem_datasets
 from pipe_rlhf_jax.data.word_problems import (
@@ -98,10 +98,10 @@ def test_data_settings_take_the_task_and_refuse_too_many_held_out(tmp_path):
               num_prompts=10, num_demos=0, num_pairs=0, on_invalid="skip",
               on_overlong="truncate", num_eval=8,
               word_problems=dict(operations="+", max_operand=20))
-  settings = sections.DataSettings.from_config(base)
+  settings = DataSettings.from_config(base)
   assert settings.word_problems == WordProblemSpec(operations="+", max_operand=20)
   with pytest.raises(ValueError, match=r"data.num_eval=5000 .* data.word_problems"):
-    sections.DataSettings.from_config({**base, "num_eval": 5000,
+    DataSettings.from_config({**base, "num_eval": 5000,
                                        "word_problems": dict(operations="+", max_operand=4)})
 
 

@@ -257,7 +257,7 @@ def test_a_configs_own_pipe_mode_is_applied_to_pipe_cells(tmp_path):
 def test_partial_cells_run_the_slot_engine_across_updates(tmp_path):
   # partial_s<k>: pipe mode, partial rollouts, the decoupled loss, a generation mesh
   # without a pipeline axis and one slot per completion of a batch; the plan is valid.
-  from pipe_rlhf_jax.system.settings import Plan
+  from pipe_rlhf_jax.config import Plan
   args = lc.parse_args(["--config", "configs/quickstart.py", "--out", str(tmp_path)])
   config = lc.run_config(args, 0, "partial_s1", str(tmp_path))
   assert config.runtime.partial_rollouts and config.ppo.loss == "decoupled_ppo_clip"

@@ -6,6 +6,7 @@ from flax import nnx
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
@@ -13,7 +14,6 @@ from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.phases.policy_pairs import PolicyPairs
 from pipe_rlhf_jax.phases.warm_start import warm_start_fingerprint
-from pipe_rlhf_jax.sections import ExperimentSettings
 from pipe_rlhf_jax.train import prepare_warm_start, train
 from tests.helpers.configs import tiny_quickstart
 

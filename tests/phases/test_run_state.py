@@ -6,8 +6,8 @@ process), as in tests/system/test_stage_groups.py.
 
 import pytest
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.phases.run_state import ProcessRole
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.system.system import build_layouts, stage_mesh_shapes
 from tests.helpers.configs import tiny_quickstart
 

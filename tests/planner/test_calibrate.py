@@ -94,8 +94,8 @@ def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
   fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
   assert fits["reshard_array_s"] == pytest.approx(2e-4)
   assert fits["reshard_bw"] == pytest.approx(1e9)
+  from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
   from pipe_rlhf_jax.planner import space
-  from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
   work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
                         prompt_len=8, gen_len=4, num_devices=8)
   m = cost.Machine(hardware.get("cpu"), cost.Efficiency(reshard_array_s=2e-4,
@@ -125,9 +125,9 @@ def test_device_overhead_is_fitted_and_charged_on_shared_hosts_only():
   samples["split"] = [{"kind": "train", "devices": 8, "seconds": 1.7, "seconds_one": 1.0}]
   fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
   assert fits["train_device_overhead_s"] == pytest.approx(0.1)
+  from pipe_rlhf_jax.config import MeshSpec, StagePlan
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.planner import space
-  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
   work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
                         prompt_len=8, gen_len=4, num_devices=8)
   mesh = dict(data=8, fsdp=1, tensor=1, pipe=1)
@@ -146,10 +146,10 @@ def test_tick_device_overhead_is_charged_per_generation_tick():
                        "seconds_one": 1e-3}]
   fits = {k: v for k, (v, _) in calibrate.fit(samples).items()}
   assert fits["tick_device_overhead_s"] == pytest.approx(5e-5)
+  from pipe_rlhf_jax.config import MeshSpec, StagePlan
   from pipe_rlhf_jax.generation import schedule
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.planner import space
-  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
   work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
                         prompt_len=8, gen_len=4, num_devices=4)
   eff = cost.Efficiency(tick_device_overhead_s=5e-5, tick_overhead_s=0.0,
@@ -183,9 +183,9 @@ def _with_stages(constants):
   as the cost model prices them with `constants` on top of the microbenchmark fits."""
   import dataclasses
 
+  from pipe_rlhf_jax.config import MeshSpec, StagePlan
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.planner import space
-  from pipe_rlhf_jax.system.settings import MeshSpec, StagePlan
   samples = _synthetic()
   samples["optimizer"] = {"bytes": 7e6, "seconds": 1e-5 + 7e6 / (5e9 * 0.9)}
   cfg = tiny_config()

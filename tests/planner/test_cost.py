@@ -6,11 +6,11 @@ import random
 
 import pytest
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.planner import composition, cost, hardware, lengths, presets, simulator, space
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=8)
@@ -252,8 +252,8 @@ def test_the_sft_term_is_priced_as_more_rows_of_the_actors_training():
   assert terms(ptx) == pytest.approx(terms(larger), rel=1e-9)
   assert terms(ptx) > terms(actor_only)
   import configs.quickstart as quickstart
+  from pipe_rlhf_jax.config import ExperimentSettings
   from pipe_rlhf_jax.planner import auto
-  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config()
   work = lambda: auto.workload(ExperimentSettings.from_config(config), tiny_config(), 8, 8)
   config.ppo.ptx_coef = 0.0
@@ -266,8 +266,8 @@ def test_the_sft_term_is_priced_as_more_rows_of_the_actors_training():
 
 def test_the_workload_knows_when_the_update_runs_a_proximal_pass():
   import configs.quickstart as quickstart
+  from pipe_rlhf_jax.config import ExperimentSettings
   from pipe_rlhf_jax.planner import auto
-  from pipe_rlhf_jax.sections import ExperimentSettings
   config = quickstart.get_config()
   work = lambda: auto.workload(ExperimentSettings.from_config(config), tiny_config(), 8, 8)
   assert work().proximal_pass  # kl_policy=proximal

@@ -4,10 +4,10 @@ sizes, and the held-out split of that fit."""
 
 import pytest
 
+from pipe_rlhf_jax.config import StagePlan
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.planner import calibrate, cost, hardware, space
-from pipe_rlhf_jax.system.settings import StagePlan
 
 WORK = space.Workload(actor=tiny_config(), batch_size=8, minibatch_size=8, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=1, reward_model=False)

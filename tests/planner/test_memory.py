@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
@@ -37,7 +38,6 @@ from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, PPOConfig, StagePlan
 
 
 def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:

@@ -8,11 +8,11 @@ import jax
 import pytest
 
 from configs import quickstart
+from pipe_rlhf_jax.config import STAGES, MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.planner import space
 from pipe_rlhf_jax.system import system
-from pipe_rlhf_jax.system.settings import STAGES, MeshSpec, Plan, StagePlan
 
 # 2 layers, 2 heads, 1 kv head: tensor > 1 never fits, pipe only 1 or 2.
 SMALL = space.Workload(actor=tiny_config(embed_dim=32, num_layers=2, num_heads=2,

@@ -12,12 +12,12 @@ import numpy as np
 from numpy.testing import assert_allclose
 import pytest
 
+from pipe_rlhf_jax.config import PPOConfig
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.losses import policy_loss
 from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 from pipe_rlhf_jax.stages.generate import repeat_for_groups
-from pipe_rlhf_jax.system.settings import PPOConfig
 
 GARBAGE = 1e6
 
@@ -229,7 +229,7 @@ def test_settings_say_which_models_the_algorithm_needs():
 
 
 def test_experiment_config_validation_names_the_new_fields():
-  from pipe_rlhf_jax.sections import ExperimentSettings
+  from pipe_rlhf_jax.config import ExperimentSettings
   from tests.helpers.configs import tiny_quickstart
   config = tiny_quickstart(overrides={"ppo.group_size": 3})
   with pytest.raises(ValueError, match=r"ppo.batch_size=16 must be a multiple of "

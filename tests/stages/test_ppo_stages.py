@@ -259,8 +259,8 @@ def test_standardised_scores_shape_the_rewards_and_stay_raw_in_the_experience(la
 
 
 def test_unknown_advantage_estimator_names_the_field():
+  from pipe_rlhf_jax.config import ExperimentSettings
   import pipe_rlhf_jax.data.rewards  # noqa: F401  (fills REWARD_FUNCTIONS)
-  from pipe_rlhf_jax.sections import ExperimentSettings
   config = tiny_quickstart()
   ExperimentSettings.from_config(config)
   config.ppo.advantage_estimator = "vtrace"

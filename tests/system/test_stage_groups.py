@@ -15,10 +15,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.distributed import transfer as tr
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
-from pipe_rlhf_jax.system.settings import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.system.system import build_layouts
 
 PAIRS = lambda d: d.id // 2  # 4 processes x 2 devices

@@ -3,8 +3,8 @@
 Owns `ExperimentSettings.from_config(config)`, the one conversion of an experiment config
 (an `ml_collections.ConfigDict`, `configs/*.py`) into frozen dataclasses, before anything
 is built or compiled: the model, data, sft, reward_model, reward, warm_start, checkpoint
-and log sections here; the algorithm (`PPOConfig`) and the hand-written plan
-(`Plan`, from the runtime, mesh and stages sections) in `system.settings`; how the
+and log sections here; the algorithm (`PPOConfig`) in `config.algorithm` and the
+hand-written plan (`Plan`, from the runtime, mesh and stages sections) in `config.plan`; how the
 plan is chosen (`PlanChoice`: runtime.plan, hardware, calibration, ...) here.
 
 - Every default is a dataclass field's default, stated once; a field without one must be
@@ -15,7 +15,7 @@ plan is chosen (`PlanChoice`: runtime.plan, hardware, calibration, ...) here.
 - Each check names the field, the value it got and what is allowed, so a typo on the
   command line (`--config.ppo.kl_estimator=k4`) fails in a second with a readable message
   instead of deep inside a jitted function. Numbers go through `checks.check_int` /
-  `check_number` (NaN and inf refused), as in the typed settings of `system.settings`.
+  `check_number` (NaN and inf refused), as in `config.algorithm` and `config.plan`.
   Checks of one field live in its section's `from_config`; checks across sections (the
   data task against the rewards, the batch against the micro-batches) in
   `ExperimentSettings.from_config`. Checks that need the devices (mesh sizes,
@@ -38,6 +38,8 @@ from pipe_rlhf_jax.checks import (
   check_known,
   check_number,
 )
+from pipe_rlhf_jax.config.algorithm import PPOConfig
+from pipe_rlhf_jax.config.plan import Plan
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
@@ -48,7 +50,6 @@ from pipe_rlhf_jax.data.word_problems import WordProblemSpec
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
-from pipe_rlhf_jax.system.settings import Plan, PPOConfig
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
                      "mesh", "stages", "checkpoint", "log")
@@ -515,8 +516,8 @@ class ExperimentSettings:
     """The settings of `config`; raises ValueError naming the first bad field.
 
     The algorithm (`ppo`) and the plan (`runtime`, `mesh`, `stages`) are checked by
-    their typed settings (`system.settings`), which the library's own users construct
-    directly: one set of checks for both ways in.
+    their typed settings (`config.algorithm`, `config.plan`), which the library's own
+    users construct directly: one set of checks for both ways in.
     """
     for section in REQUIRED_SECTIONS:
       _get(config, section)

@@ -1,0 +1,36 @@
+"""Every typed setting of the package, in one place to import from.
+
+An experiment config (`configs/*.py`, an `ml_collections.ConfigDict`) is converted once,
+at the edge, into the frozen dataclasses of this package; below that edge no code reads a
+ConfigDict. Each setting checks itself when constructed, and its errors name the config
+path (`ppo.clip_eps`) and what is allowed.
+
+- `algorithm`: `PPOConfig`, the `ppo` section (the algorithm: estimators, losses, KL,
+  batch sizes, learning rates).
+- `plan`: `Plan` (the `runtime`, `mesh` and `stages` sections: where and when the
+  mathematics runs), its `StagePlan` and `MeshSpec`, and `PlannedRun` (a plan with the
+  planner's prediction).
+- `experiment`: `ExperimentSettings`, every section of one experiment config, and the
+  sections that are not the algorithm's or the plan's (model, data, sft, reward_model,
+  reward, warm_start, checkpoint, log, PPO's sampling, how the plan is chosen).
+
+The package sits directly above the algorithms (`ppo`, `generation`, `data`): the names
+of estimators, losses and rewards are checked against the algorithms' registries, so the
+settings come after what they name. Three settings are the algorithms' own static
+arguments and are defined with them, re-exported here so that every setting is imported
+from one place: `SamplingParams` (`generation.sampler`), `AdvantageSettings`
+(`ppo.advantages`) and the generated tasks' `ArithSpec` / `WordProblemSpec` (`data`).
+Everything above (stages, system, phases, job, planner) imports settings from here.
+"""
+
+from pipe_rlhf_jax.config.algorithm import KL_PLACEMENTS, PPOConfig
+from pipe_rlhf_jax.config.experiment import ExperimentSettings
+from pipe_rlhf_jax.config.plan import MODES, STAGES, MeshSpec, Plan, PlannedRun, StagePlan
+from pipe_rlhf_jax.data.arith import ArithSpec
+from pipe_rlhf_jax.data.word_problems import WordProblemSpec
+from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
+
+__all__ = ["AdvantageSettings", "ArithSpec", "ExperimentSettings", "KL_PLACEMENTS", "MODES",
+           "MeshSpec", "PPOConfig", "Plan", "PlannedRun", "STAGES", "SamplingParams",
+           "StagePlan", "WordProblemSpec"]
