@@ -112,7 +112,7 @@ def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
 
 def measure_window(system, prompts, window: int) -> tuple[float, dict[str, list[float]]]:
   """Steady seconds per step over `window` steps, and every stage span's duration."""
-  from pipe_rlhf_jax.runtime import tracing
+  from pipe_rlhf_jax.concurrency import tracing
   from pipe_rlhf_jax.system.api import run
   tracer = run(system, prompts, steps=window).tracer
   done = tracing.completion_times(tracer)

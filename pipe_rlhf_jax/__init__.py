@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 LAYERS = (
     ("foundation", ("checks", "host_devices", "metrics", "optim", "checkpoint", "workdir",
-                    "parallel", "models", "runtime", "distributed")),
+                    "parallel", "models", "concurrency", "distributed")),
     ("algorithms", ("ppo", "generation", "data")),
     ("config", ("config",)),
     ("stages", ("stages",)),

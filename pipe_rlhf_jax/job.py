@@ -64,6 +64,8 @@ import jax
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.concurrency.interrupts import SignalHandler
+from pipe_rlhf_jax.concurrency.progress import ProgressDeadline
 from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.distributed.faults import set_activity
@@ -80,8 +82,6 @@ from pipe_rlhf_jax.phases.run_state import (
   RunSetup,
 )
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.runtime.interrupts import SignalHandler
-from pipe_rlhf_jax.runtime.progress import ProgressDeadline
 from pipe_rlhf_jax.system.steps import np_batch
 from pipe_rlhf_jax.system.system import (
   Models,

@@ -107,7 +107,7 @@ def main(argv):
   from pipe_rlhf_jax.train import prepare_warm_start, train  # after flags: jax sees XLA_FLAGS
   if _WARM_START_ONLY.value and _RESUME.value:
     raise app.UsageError("--warm_start_only and --resume: choose one.")
-  from pipe_rlhf_jax.runtime.interrupts import Interrupted, Stalled, exit_status
+  from pipe_rlhf_jax.concurrency.interrupts import Interrupted, Stalled, exit_status
   try:
     if _WARM_START_ONLY.value:
       result = prepare_warm_start(_CONFIG.value, _WORKDIR.value,

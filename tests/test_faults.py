@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.concurrency.interrupts import EXIT_STALLED, Interrupted, SignalHandler, Stalled
+from pipe_rlhf_jax.concurrency.progress import ProgressDeadline, Watchdog
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 from pipe_rlhf_jax.data import rewards
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.runtime.interrupts import EXIT_STALLED, Interrupted, SignalHandler, Stalled
-from pipe_rlhf_jax.runtime.progress import ProgressDeadline, Watchdog
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.steps import BadStepGuard
 from pipe_rlhf_jax.train import train
 from pipe_rlhf_jax.workdir import WorkdirBusy, WorkdirLock
@@ -266,7 +266,7 @@ _HANG = textwrap.dedent("""
     config.checkpoint.every = 100  # only a stop writes a checkpoint before the last step
     config.runtime.progress_timeout_s = {timeout}
     config.runtime.shutdown_timeout_s = 2.0
-    from pipe_rlhf_jax.runtime.interrupts import Stalled
+    from pipe_rlhf_jax.concurrency.interrupts import Stalled
     try:
       train(config, {workdir!r}, progress=False)
     except Stalled as e:

@@ -173,7 +173,7 @@ class Plan:
     progress_timeout_s: how long a PPO step (and a one-off wait between processes, such
       as another process building the datasets) may make no progress before the job
       stops, naming the stage and process that held it up
-      (`runtime/progress.py`); 0 sizes it from the slowest step seen and the planner's
+      (`concurrency/progress.py`); 0 sizes it from the slowest step seen and the planner's
       prediction.
     placement: `pipe` only: devices of (generate, infer, train), contiguous blocks in
       device order: generation and inference from the first device on, training on the

@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from pipe_rlhf_jax.concurrency.interrupts import Stalled, StopRequest
 from pipe_rlhf_jax.distributed import cluster
-from pipe_rlhf_jax.runtime.interrupts import Stalled, StopRequest
 
 _PREFIX = "pipe_rlhf_jax/stop"
 _ACTIVITY = "pipe_rlhf_jax/activity"

@@ -62,8 +62,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
+from pipe_rlhf_jax.concurrency.queues import PipelineShutdown
 from pipe_rlhf_jax.distributed import arrays, cluster
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
 
 _PREFIX = "pipe_rlhf_jax/transfer"
 DEFAULT_POLL_S = 0.005

@@ -22,16 +22,16 @@ from typing import Any
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
+from pipe_rlhf_jax.concurrency.interrupts import Interrupted, SignalHandler, Stalled
+from pipe_rlhf_jax.concurrency.progress import Watchdog
+from pipe_rlhf_jax.concurrency.queues import PipelineShutdown
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.config import Plan
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.distributed.faults import FaultWatch, set_activity
 from pipe_rlhf_jax.distributed.stopping import StepBoundary, activity_of
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.phases.run_state import RunSetup
-from pipe_rlhf_jax.runtime.interrupts import Interrupted, SignalHandler, Stalled
-from pipe_rlhf_jax.runtime.progress import Watchdog
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.stages.rollout_stream import split_data_state
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.steps import DataFeed

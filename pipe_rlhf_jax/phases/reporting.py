@@ -25,11 +25,11 @@ import numpy as np
 from pipe_rlhf_jax import distributed
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.checks import check_int
+from pipe_rlhf_jax.concurrency.tracing import Tracer, steady_step_time
 from pipe_rlhf_jax.config import PlannedRun
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.phases import heldout
 from pipe_rlhf_jax.phases.run_state import BuiltSystem, JobResult, RunSetup
-from pipe_rlhf_jax.runtime.tracing import Tracer, steady_step_time
 
 
 def planned_vs_measured(planned: PlannedRun | None, tracer: Tracer,

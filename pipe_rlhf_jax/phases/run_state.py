@@ -17,13 +17,13 @@ from typing import Any
 from flax import nnx
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
+from pipe_rlhf_jax.concurrency.progress import ProgressDeadline
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.config import ExperimentSettings, Plan, PlannedRun, PPOConfig
 from pipe_rlhf_jax.distributed.transfer import process_of
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.phases import reward_norm
-from pipe_rlhf_jax.runtime.progress import ProgressDeadline
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
 from pipe_rlhf_jax.system.system import PPOSystem
 from pipe_rlhf_jax.workdir import WorkdirLock

@@ -14,7 +14,7 @@ Owns what `train.experiment_of` asks of the planner before anything is built or 
     (the runtime's own, on abstract meshes, and the memory model) run on it, and a plan
     they reject fails here with their reason, before data are built or SFT compiles;
   * the predicted steady seconds per step of the plan that runs, and the measured one
-    from the run's trace (`runtime.tracing.steady_step_time`), for the summary and metrics.
+    from the run's trace (`concurrency.tracing.steady_step_time`), for the summary and metrics.
 
 It reads the experiment's typed settings (`config.ExperimentSettings`): the plan's
 choice and inputs are `settings.choice` (`config.PlanChoice`: runtime.plan, hardware,

@@ -19,7 +19,7 @@ one that started first runs, the others wait inside their spans (as a stage call
 for its program in the runtime), first come first served.
 
 Outputs steady-state seconds per step (mean step period after a warm-up), per-stage busy
-fractions, mean staleness, and one span per stage per batch in a `runtime.tracing.Tracer`,
+fractions, mean staleness, and one span per stage per batch in a `concurrency.tracing.Tracer`,
 so `tracer.gantt(path)` draws the predicted run like the runtime draws a measured one.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 
 _EPS = 1e-12
 TASKS = ("generate", "infer", "train", "sync")  # what a worker runs, in this order

@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation import sampler, slot_schedule
 from pipe_rlhf_jax.generation.engine import FREE, EngineSpec
 from pipe_rlhf_jax.ppo.types import Rollout
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.stages.common import StageLayout
 
 

@@ -4,7 +4,7 @@
 weight sync); `modes.py` owns the *when* (`sequential`, `per_stage`, `pipe`), and
 `pipe_loop.py` the `pipe` workers over channels of one process or of several
 (`pipe_processes.py`). The generic, model-free machinery they run on (queues, workers,
-versioned weights, tracing) lives in `pipe_rlhf_jax.runtime`.
+versioned weights, tracing) lives in `pipe_rlhf_jax.concurrency`.
 """
 
 from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan

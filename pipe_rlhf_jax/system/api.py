@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from pipe_rlhf_jax import host_devices
-from pipe_rlhf_jax.runtime.tracing import Tracer
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.system import modes
 from pipe_rlhf_jax.system.steps import DataFeed
 from pipe_rlhf_jax.system.system import PPOSystem

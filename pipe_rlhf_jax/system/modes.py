@@ -15,7 +15,7 @@ checkpoints are written: a checkpoint holds the trainer state after update k and
 data position of batch k + 1. Rollouts in flight are not saved; on resume they are
 re-generated from the restored policy (so no rollout is lost or trained on twice).
 
-Stopping (a signal, `runtime/interrupts.py`): after every finished step the schedule asks
+Stopping (a signal, `concurrency/interrupts.py`): after every finished step the schedule asks
 its `StepBoundary` whether the job stops there (`pipe` mode's join loop also polls it, so
 workers blocked in a wait leave at once). `run` then returns True; the caller writes the
 checkpoint of the last finished step (`system.version - 1`), which is whole: an update
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import time
 
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.weights import VersionedWeights
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import VersionedWeights
 from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
 from pipe_rlhf_jax.system.steps import DataFeed, OnStep, finish_step
 from pipe_rlhf_jax.system.system import PPOSystem

@@ -20,7 +20,7 @@ Where the two cases do differ, on purpose, the difference is a property of the c
 `in_process` (a channel, see `Stream` / `Weights`), and `sync_in_step`, `span_args`,
 `carry_data_state` and `kl_coefs` (the run, see `PipeChannels`).
 
-Version convention and staleness: `runtime/weights.py`. Checkpoints, metrics and the
+Version convention and staleness: `concurrency/weights.py`. Checkpoints, metrics and the
 bad-step guard: `system/steps.py`.
 """
 
@@ -31,12 +31,12 @@ import threading
 import time
 from typing import Any, Protocol
 
+from pipe_rlhf_jax.concurrency.queues import PipelineShutdown
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.weights import StalenessGate
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 from pipe_rlhf_jax.config import STAGES
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import StalenessGate
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
 from pipe_rlhf_jax.system.steps import DataFeed, OnStep, StopHere, finish_step
 
 # Keys of what travels with a batch's metrics from its generation to its update, where
@@ -50,7 +50,7 @@ DATA_STATE = "_data_state"
 class Stream(Protocol):
   """An ordered stream of (step, pytree, metrics) items from one stage to the next.
 
-  Implementations: `runtime.queues.BoundedQueue` (in one process) and
+  Implementations: `concurrency.queues.BoundedQueue` (in one process) and
   `pipe_processes._Link` (between two groups of processes).
   """
 
@@ -79,7 +79,7 @@ class Stream(Protocol):
 class Weights(Protocol):
   """The newest published version of the actor or the critic, from the trainer to a stage.
 
-  Implementations: `runtime.weights.VersionedWeights` (in one process) and
+  Implementations: `concurrency.weights.VersionedWeights` (in one process) and
   `pipe_processes._Weights` (between two groups of processes).
   """
 

@@ -47,14 +47,14 @@ from typing import Any, Callable
 import jax
 
 from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.weights import VersionedWeights
 from pipe_rlhf_jax.config import STAGES
 from pipe_rlhf_jax.distributed import transfer as tr
 from pipe_rlhf_jax.distributed.stopping import StepBoundary
 from pipe_rlhf_jax.parallel.mesh import describe
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import VersionedWeights
 from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
 
 

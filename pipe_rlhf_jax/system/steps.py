@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
+from pipe_rlhf_jax.concurrency.queues import PipelineShutdown
 
 OnStep = Callable[[int, dict], None]
 

@@ -208,12 +208,12 @@ def transfer(args) -> None:
   import jax
   import numpy as np
 
+  from pipe_rlhf_jax.concurrency.weights import required_version
   from pipe_rlhf_jax.distributed import transfer as tr
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.parallel import logical
   from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
-  from pipe_rlhf_jax.runtime.weights import required_version
   from pipe_rlhf_jax.stages.common import StageLayout
 
   steps, staleness, me = 5, 1, distributed.process_index()
@@ -297,12 +297,12 @@ def groups(args) -> None:
   import jax
   import numpy as np
 
+  from pipe_rlhf_jax.concurrency.weights import required_version
   from pipe_rlhf_jax.distributed import transfer as tr
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.parallel import logical
   from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
-  from pipe_rlhf_jax.runtime.weights import required_version
   from pipe_rlhf_jax.stages.common import StageLayout
 
   steps, staleness, me = 5, 1, distributed.process_index()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from experiments import learning_curves as lc
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.phases.run_state import JobResult
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from tests.helpers.configs import tiny_quickstart
 
 

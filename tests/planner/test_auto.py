@@ -9,12 +9,12 @@ import jax
 import pytest
 
 from configs import quickstart
+from pipe_rlhf_jax.concurrency import tracing
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.config import ExperimentSettings, MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.planner import auto, hardware, search
-from pipe_rlhf_jax.runtime import tracing
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.train import train
 from tests.helpers.configs import tiny_quickstart
 

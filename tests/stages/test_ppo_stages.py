@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
@@ -23,7 +24,6 @@ from pipe_rlhf_jax.parallel import logical
 from pipe_rlhf_jax.parallel.mesh import make_mesh
 from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
-from pipe_rlhf_jax.runtime.tracing import Tracer
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage

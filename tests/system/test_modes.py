@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.concurrency.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS  # noqa: E402
-from pipe_rlhf_jax.runtime.weights import StalenessGate  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 from tests.helpers.configs import tiny_quickstart  # noqa: E402
 from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402

@@ -11,10 +11,10 @@ import types
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.weights import VersionedWeights
 from pipe_rlhf_jax.parallel.reshard import TransferStats
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.weights import VersionedWeights
 from pipe_rlhf_jax.system.modes import NeverStop
 from pipe_rlhf_jax.system.pipe_loop import PipeChannels, run_pipe_workers
 from pipe_rlhf_jax.system.steps import BadStepGuard, DataFeed

@@ -1,4 +1,4 @@
-"""Host-side runtime for running PPO stages concurrently.
+"""Host-side concurrency for running PPO stages at once: threads, queues, weights, traces.
 
 Owns the generic, model-free pieces: bounded queues between stages, the
 worker thread group, versioned weight hand-off with the staleness bound, the
@@ -6,15 +6,15 @@ one interruptible deadline wait they share (waiting.py), and
 timeline tracing. Importing this package does not import jax or matplotlib.
 """
 
-from pipe_rlhf_jax.runtime.queues import BoundedQueue, PipelineShutdown, QueueClosed
-from pipe_rlhf_jax.runtime.tracing import Span, Tracer
-from pipe_rlhf_jax.runtime.weights import (
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue, PipelineShutdown, QueueClosed
+from pipe_rlhf_jax.concurrency.tracing import Span, Tracer
+from pipe_rlhf_jax.concurrency.weights import (
     StalenessGate,
     VersionedWeights,
     WeightsClosed,
     required_version,
 )
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 
 __all__ = [
     "BoundedQueue",

@@ -1,4 +1,4 @@
-"""Tests for runtime.tracing: span bookkeeping, overlap maths, Chrome JSON and Gantt output."""
+"""Tests for concurrency.tracing: span bookkeeping, overlap maths, Chrome JSON and Gantt output."""
 
 import json
 import threading
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.tracing import Tracer
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.tracing import Tracer
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 
 
 def test_busy_fraction_and_overlap_exact():
@@ -147,7 +147,7 @@ def test_serial_stages_do_not_overlap():
 
 
 def test_overlap_restricted_to_a_window():
-  from pipe_rlhf_jax.runtime.tracing import Tracer
+  from pipe_rlhf_jax.concurrency.tracing import Tracer
   tracer = Tracer()
   tracer.add("generate", 0.0, 4.0, batch=0)
   tracer.add("train", 1.0, 3.0, batch=0)

@@ -1,4 +1,4 @@
-"""Tests for runtime.workers.WorkerGroup: fail-fast, clean end, Ctrl-C, stuck workers."""
+"""Tests for concurrency.workers.WorkerGroup: fail-fast, clean end, Ctrl-C, stuck workers."""
 
 import _thread
 import threading
@@ -7,9 +7,9 @@ import traceback
 
 import pytest
 
-from pipe_rlhf_jax.runtime.interrupts import SignalHandler
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.concurrency.interrupts import SignalHandler
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 
 
 def _idle_until_stop(stop):

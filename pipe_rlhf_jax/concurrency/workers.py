@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from pipe_rlhf_jax.runtime.queues import BoundedQueue, PipelineShutdown
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue, PipelineShutdown
 
 DEFAULT_POLL_S = 0.05
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from pipe_rlhf_jax.runtime.queues import PipelineShutdown
-from pipe_rlhf_jax.runtime.waiting import deadline_after, wait_until
+from pipe_rlhf_jax.concurrency.queues import PipelineShutdown
+from pipe_rlhf_jax.concurrency.waiting import deadline_after, wait_until
 
 DEFAULT_POLL_S = 0.05
 

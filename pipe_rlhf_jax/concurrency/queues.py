@@ -15,7 +15,7 @@ import threading
 from typing import Any, Iterator
 
 from pipe_rlhf_jax.checks import check_int
-from pipe_rlhf_jax.runtime.waiting import deadline_after, wait_until
+from pipe_rlhf_jax.concurrency.waiting import deadline_after, wait_until
 
 DEFAULT_POLL_S = 0.05
 

@@ -1,4 +1,4 @@
-"""Tests for runtime.queues.BoundedQueue: ordering, close/stop semantics, back-pressure."""
+"""Tests for concurrency.queues.BoundedQueue: ordering, close/stop semantics, back-pressure."""
 
 import queue
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pipe_rlhf_jax.runtime.queues import BoundedQueue, PipelineShutdown, QueueClosed
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue, PipelineShutdown, QueueClosed
 
 
 def _in_thread(fn):

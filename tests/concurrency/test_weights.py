@@ -1,18 +1,18 @@
-"""Tests for runtime.weights: versioned publish/wait and the staleness bound."""
+"""Tests for concurrency.weights: versioned publish/wait and the staleness bound."""
 
 import threading
 import time
 
 import pytest
 
-from pipe_rlhf_jax.runtime.queues import BoundedQueue
-from pipe_rlhf_jax.runtime.weights import (
+from pipe_rlhf_jax.concurrency.queues import BoundedQueue
+from pipe_rlhf_jax.concurrency.weights import (
     StalenessGate,
     VersionedWeights,
     WeightsClosed,
     required_version,
 )
-from pipe_rlhf_jax.runtime.workers import WorkerGroup
+from pipe_rlhf_jax.concurrency.workers import WorkerGroup
 
 
 def test_required_version():

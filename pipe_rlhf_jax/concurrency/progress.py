@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable
 
-from pipe_rlhf_jax.runtime.interrupts import EXIT_STALLED, Stalled
+from pipe_rlhf_jax.concurrency.interrupts import EXIT_STALLED, Stalled
 
 # Auto deadlines (runtime.progress_timeout_s = 0). The first step compiles every program
 # of the step (minutes for a large model on an accelerator); later steps repeat them.
