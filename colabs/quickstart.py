@@ -52,7 +52,7 @@ print(jax.devices())
 # %%
 SCALE = os.environ.get("NOTEBOOK_SCALE", "small")
 config = quickstart.get_config("tiny" if SCALE == "tiny" else "")
-config.runtime.mode = "sequential"
+config.plan.mode = "sequential"
 if SCALE != "tiny":
   config.sft.steps = 150
   config.reward_model.steps = 150

@@ -11,7 +11,7 @@ partial-credit `arith_digit_accuracy`; the summary compares greedy answers to 64
 held-out problems before and after RL.
 
   python -m pipe_rlhf_jax.main --config=configs/grpo_arith.py
-  python -m pipe_rlhf_jax.main --config=configs/grpo_arith.py --config.runtime.mode=sequential
+  python -m pipe_rlhf_jax.main --config=configs/grpo_arith.py --config.plan.mode=sequential
   python -m pipe_rlhf_jax.main --config=configs/grpo_arith.py --config.ppo.advantage_estimator=gae \
       --config.ppo.group_size=1 --config.ppo.whiten_advantages=True --config.ppo.kl_in=reward
   python -m pipe_rlhf_jax.main --config=configs/grpo_arith.py:tiny   # seconds-long smoke run

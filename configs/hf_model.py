@@ -9,9 +9,9 @@ critic start from the policy's backbone.
       --config.model.path=/models/Qwen2.5-0.5B --workdir=runs/qwen
 
 On one accelerator every stage shares it (`sequential`); on a pod slice set
-`runtime.mode=pipe` with `runtime.placement` and per-stage meshes, e.g. on 8 chips:
-  --config.runtime.mode=pipe --config.runtime.placement.generate=4 \
-  --config.runtime.placement.infer=2 --config.runtime.placement.train=2
+`plan.mode=pipe` with `plan.placement` and per-stage meshes, e.g. on 8 chips:
+  --config.plan.mode=pipe --config.plan.placement.generate=4 \
+  --config.plan.placement.infer=2 --config.plan.placement.train=2
 """
 
 import ml_collections
@@ -35,7 +35,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.critic_lr = 5e-6
   config.ppo.kl_coef = 0.05
   config.ppo.critic_init = "sft"
-  config.runtime.mode = "sequential"
+  config.plan.mode = "sequential"
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, pipe=1))
   config.stages.generate = ml_collections.ConfigDict(
       dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=1), num_microbatches=1, num_slots=0))

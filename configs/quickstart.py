@@ -15,7 +15,7 @@ Runtime mode: `pipe` — generation, inference and training run concurrently on 
 device subsets (4 + 2 + 2 of the 8 virtual devices), with rollouts allowed to lag the
 policy by one version. It is the project's point, so it is the default; on 8 virtual CPU
 devices sharing 2 cores it shows the overlap (trace.json / gantt.png in the workdir)
-rather than a speed-up. `--config.runtime.mode=sequential` runs the classic baseline.
+rather than a speed-up. `--config.plan.mode=sequential` runs the classic baseline.
 """
 
 import ml_collections
@@ -88,7 +88,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.reward_model.policy_samples = 4
   config.reward_model.label_fn = ""
 
-  # Where the warm start (SFT, reward model) runs, the same whatever runtime.mode: so all
+  # Where the warm start (SFT, reward model) runs, the same whatever plan.mode: so all
   # the modes of a seed start PPO from the same weights. Explicit sizes use the first
   # devices (here 0-1); a -1 spans all of them. Two devices: on a few CPU cores shared by
   # 8 virtual devices, a small model trains faster than data-parallel over all 8.
@@ -168,40 +168,40 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.max_bad_steps = 3
   config.ppo.critic_init = "reward_model"  # or "sft"
 
-  config.runtime = ml_collections.ConfigDict()
+  config.plan = ml_collections.ConfigDict()
   # "manual": the plan below (checked by the planner before anything compiles); "auto":
   # the planner chooses mode, placement, meshes, M and remat for the devices it sees
-  # (staleness at most runtime.max_staleness) and the summary prints predicted vs
+  # (staleness at most plan.max_staleness) and the summary prints predicted vs
   # measured seconds per step.
-  config.runtime.plan = "manual"
+  config.plan.choose = "manual"
   # Planner inputs: a hardware profile ("" = detected from the devices) and a calibration
   # file (`python -m pipe_rlhf_jax.planner.calibrate --out FILE`; "" = analytic).
-  config.runtime.hardware = ""
-  config.runtime.calibration = ""
+  config.plan.hardware = ""
+  config.plan.calibration = ""
   # Mean response length / data.completion_len the planner prices generation with (rows
   # stop at EOS); 1 = every row runs to the end. A run logs it as response_length/mean.
-  config.runtime.response_fraction = 1.0
-  config.runtime.mode = "pipe"
-  config.runtime.max_staleness = 1
+  config.plan.response_fraction = 1.0
+  config.plan.mode = "pipe"
+  config.plan.max_staleness = 1
   # Partial rollouts (pipe mode, stages.generate.num_slots > 0): the engine keeps
   # unfinished rows across updates; a completion older than max_staleness at its oldest
   # token is kept ("finish") or re-queued ("drop").
-  config.runtime.partial_rollouts = False
-  config.runtime.past_staleness = "finish"
-  config.runtime.queue_size = 2
+  config.plan.partial_rollouts = False
+  config.plan.past_staleness = "finish"
+  config.plan.queue_size = 2
   # How long the other workers may take to finish their current item after one fails.
-  config.runtime.shutdown_timeout_s = 120.0
+  config.plan.shutdown_timeout_s = 120.0
   # A PPO step (or a wait for another process) that makes no progress this long stops the
   # job naming the stage and process that held it up; 0 = 10x the slowest step seen or
   # predicted (at least 300 s; 1800 s for the first, compiling step).
-  config.runtime.progress_timeout_s = 0.0
+  config.plan.progress_timeout_s = 0.0
   # Use the first N of jax.devices() (0 = all): e.g. resume a run on a smaller slice.
-  config.runtime.num_devices = 0
+  config.plan.num_devices = 0
   # Devices of each stage in `pipe` mode (disjoint, in device order): generation and
   # inference from the first device on, training on the last ones, so that on more
   # devices (e.g. 2 launched processes of 8) the ones between are unused and training
   # stays on process 0, which writes the run's files.
-  config.runtime.placement = ml_collections.ConfigDict(
+  config.plan.placement = ml_collections.ConfigDict(
       dict(generate=4, infer=2, train=2))
 
   # The one strategy of `sequential` mode (all devices, every stage).
@@ -258,7 +258,7 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
   # (In per_stage mode every stage spans all 8 devices, where a 2-layer, 1-kv-head model
   # has no pipe x tensor layout: give generation e.g. --config.stages.generate.mesh.data=-1
   # --config.stages.generate.mesh.pipe=1 there.)
-  config.runtime.placement.update(generate=2, infer=2, train=4)
+  config.plan.placement.update(generate=2, infer=2, train=4)
   # Every axis given, so a command line can change any of them
   # (--config.stages.generate.mesh.data=-1).
   config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)

@@ -43,9 +43,9 @@ run; it needs a small model directory too, which tests/configs/test_rlvr_math.py
 took 87 s (28 s of CPU time; 39 s of it the first PPO step, mostly compilation) on 2
 CPU cores that other jobs were loading.
 
-Plan: `runtime.plan=auto`, the planner's choice for the devices the job sees (mode,
+Plan: `plan.choose=auto`, the planner's choice for the devices the job sees (mode,
 placement, meshes, micro-batches, remat), checked against their memory; the hand-written
-plan below (`--config.runtime.plan=manual`: one accelerator shared by every stage,
+plan below (`--config.plan.choose=manual`: one accelerator shared by every stage,
 parameters sharded over fsdp) is what it falls back to. This config is sized for an
 accelerator: on a CPU the planner prices a step of 64 rollouts of up to 448 tokens of
 the converted SmolLM2-135M-Instruct in bfloat16 at about 1,700 s. For RL of a real model
@@ -110,8 +110,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.log.eval_prompts = 8  # the held-out split, greedy before and after RL
   config.log.eval_samples_per_prompt = 4
 
-  config.runtime.plan = "auto"
-  config.runtime.mode = "sequential"
+  config.plan.choose = "auto"
+  config.plan.mode = "sequential"
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, pipe=1))
   config.stages.generate = ml_collections.ConfigDict(
       dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=1), num_microbatches=1, num_slots=0))
@@ -128,8 +128,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
                       actor_lr=1e-3, warmup_steps=1)
     config.log.update(eval_prompts=8, eval_samples_per_prompt=0)
     # shrink_to_tiny's pipe plan, undone: this config shares the devices, by hand.
-    config.runtime.plan = "manual"
-    config.runtime.mode = "sequential"
+    config.plan.choose = "manual"
+    config.plan.mode = "sequential"
     config.stages.generate = ml_collections.ConfigDict(
         dict(mesh=dict(data=-1), num_microbatches=1, num_slots=0))
   return config

@@ -25,8 +25,8 @@ real_model_rl` runs it over seeds in both modes and writes docs/results/real_mod
 (curves, intervals, wall time, answers).
 
 Plan: `sequential` on one CPU device (a 135M model trains fastest unsharded on 2 cores);
-`--config.runtime.mode=pipe` runs generation, inference and training concurrently on
-three devices with rollouts one version stale (set `runtime.num_devices=3` there, as
+`--config.plan.mode=pipe` runs generation, inference and training concurrently on
+three devices with rollouts one version stale (set `plan.num_devices=3` there, as
 `:pipe` does). The `:tiny` variant is the CI smoke run of the same pipeline (2 steps of
 a few prompts, short answers).
 """
@@ -101,8 +101,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.log.eval_samples_per_prompt = 2
   config.checkpoint.every = 10
 
-  config.runtime.mode = "sequential"
-  config.runtime.num_devices = 1
+  config.plan.mode = "sequential"
+  config.plan.num_devices = 1
   config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipe=1))
   config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipe=1))
   config.stages.generate = ml_collections.ConfigDict(
@@ -128,7 +128,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
 def use_pipe_mode(config: ml_collections.ConfigDict, max_staleness: int = 1) -> None:
   """The three stages concurrently on devices 0 / 1 / 2, rollouts `max_staleness` stale."""
-  config.runtime.mode = "pipe"
-  config.runtime.max_staleness = max_staleness
-  config.runtime.num_devices = 3
-  config.runtime.placement = ml_collections.ConfigDict(dict(generate=1, infer=1, train=1))
+  config.plan.mode = "pipe"
+  config.plan.max_staleness = max_staleness
+  config.plan.num_devices = 3
+  config.plan.placement = ml_collections.ConfigDict(dict(generate=1, infer=1, train=1))

@@ -2,7 +2,7 @@
 
 `pipe` mode overlaps stages on disjoint devices; on this backend (8 virtual devices of
 one host) the planner's simulator assumes that concurrent stages share the host's cores
-(processor sharing). This measures what the runtime does instead: a long program is
+(processor sharing). This measures what the system does instead: a long program is
 started on devices 6-7 from a thread, and 20 ms later a short program on other devices
 is timed, alone and meanwhile. If the short one's time jumps to about the long one's
 remaining time, it waited for the long one to finish: the two did not overlap.

@@ -1,4 +1,4 @@
-"""Benchmark of the three PPO runtime modes: sequential, per_stage and pipe.
+"""Benchmark of the three PPO modes: sequential, per_stage and pipe.
 
 Owns one comparison: the quickstart config (configs/quickstart.py, optionally its "tiny"
 variant) run end to end by `pipe_rlhf_jax.train.train` once per mode, same seed and
@@ -61,7 +61,7 @@ import jax  # noqa: E402
 
 from configs import quickstart  # noqa: E402
 from experiments import results  # noqa: E402
-from pipe_rlhf_jax.config.experiment import MODES, STAGES, Plan  # noqa: E402
+from pipe_rlhf_jax.config import MODES, STAGES, Plan  # noqa: E402
 from pipe_rlhf_jax.system.system import build_layouts  # noqa: E402
 from pipe_rlhf_jax.train import train  # noqa: E402
 
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--modes", default=",".join(MODES),
                       help=f"comma-separated subset of {','.join(MODES)}")
   parser.add_argument("--max-staleness", default="1",
-                      help="pipe mode's runtime.max_staleness; a comma-separated list "
+                      help="pipe mode's plan.max_staleness; a comma-separated list "
                            "(e.g. 0,1) runs pipe once per value")
   parser.add_argument("--sft-steps", type=int, default=20)
   parser.add_argument("--rm-steps", type=int, default=20)
@@ -113,8 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_config(args, mode: str, staleness: int):
   config = quickstart.get_config(args.config_variant)
   config.seed = args.seed
-  config.runtime.mode = mode
-  config.runtime.max_staleness = staleness
+  config.plan.mode = mode
+  config.plan.max_staleness = staleness
   config.ppo.steps = args.ppo_steps
   config.sft.steps = args.sft_steps
   config.reward_model.steps = args.rm_steps

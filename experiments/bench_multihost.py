@@ -13,7 +13,7 @@ Owns two measurements, each a job of several local processes started with
   each process layout (1 x 8, 2 x 4, 4 x 2 processes x devices, the same 8 devices and
   meshes) and each mode (`pipe` on 4 x 2 runs generation's 4-stage pipeline over two
   whole processes, SPMD in that group). The first --warmup steps (compilation) are
-  excluded; a layout the runtime cannot run is reported as such.
+  excluded; a layout the plan cannot run is reported as such.
 
 On virtual CPU devices every process shares the host's cores, so these figures say what
 the multi-process machinery costs (collectives through gloo, transfer servers, the
@@ -107,7 +107,7 @@ def sync_worker(args) -> None:
       json.dump(rows, f)
 
 
-def _runtime(mode: str):
+def _plan(mode: str):
   """The plan of the PPO measurement in `mode` (the same meshes in every layout)."""
   from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan
   pipe = mode == "pipe"
@@ -132,13 +132,13 @@ def ppo_worker(args) -> None:
   del jax
   tokenizer = load_tokenizer("byte")
   policy = init_model(tiny_config(), seed=0)  # the quickstart's model
-  runtime = _runtime(args.mode)
+  plan = _plan(args.mode)
   system = PPOSystem(
       Models.from_policy(policy),
       ppo=PPOConfig(steps=args.steps, batch_size=32, minibatch_size=16, actor_lr=1e-4),
       sampling=SamplingParams(max_new_tokens=8, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
-      runtime=runtime, reward_fn=lambda p, c: [float(x.count("a")) for x in c],
+      plan=plan, reward_fn=lambda p, c: [float(x.count("a")) for x in c],
       decode=tokenizer.decode)
   words = [a + b + c for a in "abcd" for b in "efgh" for c in "ij"]
   prompts = prompts_from_texts([f"rev {w}=" for w in words], tokenizer, batch_size=32,
@@ -222,7 +222,7 @@ def main() -> None:
   for mode in [m for m in args.modes.split(",") if m]:
     for layout in [x for x in args.layouts.split(",") if x]:
       processes, devices = (int(x) for x in layout.split("x"))
-      if not runnable_across_processes(_runtime(mode), processes, devices):
+      if not runnable_across_processes(_plan(mode), processes, devices):
         print(f"  {mode:<11} {layout:>4}: not runnable (the placement does not cut at "
               f"process boundaries of {devices} devices)")
         continue

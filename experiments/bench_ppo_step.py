@@ -52,7 +52,7 @@ from experiments.common import (  # noqa: E402
   STAGES,
   bench_shape,
   bench_size,
-  runtime_for,
+  plan_for,
   stage_plans,
   xla_peaks,
 )
@@ -196,17 +196,17 @@ def memory_row(shape: str, args) -> dict:
   batch, prompt, gen = args.batch, args.prompt_len, args.new_tokens
   plans = stage_plans(args.logits_chunk, LEAN["attention"], LEAN["remat"],
                       LEAN["scan_unroll"])
-  runtime = runtime_for("sequential", plans)
+  plan = plan_for("sequential", plans)
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
                         prompt_len=prompt, gen_len=gen, num_devices=1, reward_model=False)
-  need = max(memory.plan_memory(runtime, work).values())
+  need = max(memory.plan_memory(plan, work).values())
   usable = memory.capacity(hardware.get("cpu"), 1)
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   row = {"shape": shape, "layers": cfg.num_layers, "params": cfg.num_params(),
          "batch": batch, "prompt_len": prompt, "new_tokens": gen, "memory_only": True,
          "planner_memory_mib": need / MIB, "usable_mib": usable / MIB,
          "host_ram_mib": host / MIB, "fits": bool(need <= min(usable, host)),
-         "planner_terms": {s: memory.stage_memory(s, runtime.stage(s),
+         "planner_terms": {s: memory.stage_memory(s, plan.stage(s),
                                                   dict(data=1, fsdp=1, tensor=1, pipe=1),
                                                   work).describe() for s in STAGES}}
   row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})

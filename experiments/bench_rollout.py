@@ -571,7 +571,7 @@ def measure_steps(args) -> tuple[list[str], list[str]]:
                       loss="decoupled_ppo_clip", actor_lr=1e-6, kl_coef=0.0),
         sampling=sampler.SamplingParams(max_new_tokens=steps_t, temperature=1.0,
                                         eos_id=None, pad_id=0),
-        runtime=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
+        plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
         decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
     ends = []  # when each update finished: in pipe mode steps overlap, so the time per
     # step is the interval between updates, not one step's own span
@@ -734,7 +734,7 @@ ENGINE_INTRO = (
 STEP_INTRO = (
     "Whole PPO steps on one stream of prompts whose completions have long-tailed lengths: "
     "static batches (each decoded until its longest completion ends) in `sequential` and "
-    "`pipe` mode, and partial rollouts in `pipe` mode (`runtime.partial_rollouts`: one "
+    "`pipe` mode, and partial rollouts in `pipe` mode (`plan.partial_rollouts`: one "
     "engine of as many slots as the batch has completions, kept across updates; a batch "
     "is the first completions to finish, the rest continue under the next weights). "
     "Trained tokens/s is the completion tokens per step over the seconds per step.")

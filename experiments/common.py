@@ -7,7 +7,7 @@ Owns what the benchmarks share, so that no script imports another:
   `bench_ppo_step --sizes` and fitted on by `fit_elementwise`, at the sizes of
   `experiments.shapes.SIZES`;
 - PPO steps at published model shapes against the machine's limits and the planner
-  (`bench_shape`, `stage_plans`, `runtime_for`, `planner_prediction`, `probed_machine`,
+  (`bench_shape`, `stage_plans`, `plan_for`, `planner_prediction`, `probed_machine`,
   `write_checkpoint`), measured by `bench_ppo_step --shapes` and `device_check`;
 - config files with dotted overrides (`load_config`, `apply_overrides`, `parse_value`),
   read by `learning_curves`, `logprob_mismatch` and `rm_probe`.
@@ -170,7 +170,7 @@ def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
       ppo=PPOConfig(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
                     actor_lr=1e-5, critic_lr=1e-5),
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
-      runtime=Plan(mode="sequential", mesh=MeshSpec(data=1),
+      plan=Plan(mode="sequential", mesh=MeshSpec(data=1),
                             **{stage: StagePlan(scan_unroll=scan_unroll or layers)
                                for stage in ("generate", "infer", "train")}),
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
@@ -302,7 +302,7 @@ def probed_machine(cfg, batch: int, prompt: int, gen: int, row: dict, limits,
   return cost.Machine(hardware.get(hardware_name), eff)
 
 
-def runtime_for(mode: str, plans: dict[str, StagePlan]) -> Plan:
+def plan_for(mode: str, plans: dict[str, StagePlan]) -> Plan:
   """The plan of `mode` with the stage plans `plans`, on the fewest devices it allows.
 
   `sequential` and `per_stage` run on one device (one mesh, or each stage's own mesh over
@@ -317,22 +317,22 @@ def runtime_for(mode: str, plans: dict[str, StagePlan]) -> Plan:
   raise ValueError(f"mode={mode!r}; choose sequential, per_stage or pipe.")
 
 
-def devices_needed(runtime: Plan) -> int:
-  """Devices `runtime_for`'s plan runs on."""
-  return sum(runtime.placement) if runtime.mode == "pipe" else 1
+def devices_needed(plan: Plan) -> int:
+  """Devices `plan_for`'s plan runs on."""
+  return sum(plan.placement) if plan.mode == "pipe" else 1
 
 
-def planner_prediction(cfg, runtime, batch, prompt, gen, machine: cost.Machine
+def planner_prediction(cfg, plan, batch, prompt, gen, machine: cost.Machine
                        ) -> dict[str, float]:
-  """The planner's step time, per-stage times and peak memory of `runtime` on `machine`."""
+  """The planner's step time, per-stage times and peak memory of `plan` on `machine`."""
   work = space.Workload(actor=cfg, batch_size=batch, minibatch_size=batch, epochs=1,
-                        prompt_len=prompt, gen_len=gen, num_devices=devices_needed(runtime),
+                        prompt_len=prompt, gen_len=gen, num_devices=devices_needed(plan),
                         reward_model=False)
-  cand = search.price(runtime, work, machine)
+  cand = search.price(plan, work, machine)
   pred = {"planner_step_s": cand.step_time}
   if cand.cost is not None:
     pred.update({f"planner_{s}_s": cand.cost.stage(s) for s in STAGES})
-  pred["planner_memory_mib"] = max(memory.plan_memory(runtime, work).values()) / MIB
+  pred["planner_memory_mib"] = max(memory.plan_memory(plan, work).values()) / MIB
   return pred
 
 
@@ -357,7 +357,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
     args: `layers`, `batch`, `prompt_len`, `new_tokens`, `steps`, `logits_chunk`; optionally
       `warmup`, `attention`, `remat`, `scan_unroll`, `untied`, `calibration`.
     limits: `results.machine_limits()` of this process, measured in `dtype`.
-    mode: the runtime mode (`runtime_for`); `pipe` needs three devices.
+    mode: the mode (`plan_for`); `pipe` needs three devices.
     dtype: the models' compute and parameter dtype.
     hardware_name: the planner's hardware profile for the prediction.
     checkpoint: a directory `write_checkpoint` wrote for this shape, layers and dtype;
@@ -375,18 +375,18 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   plans = stage_plans(args.logits_chunk, getattr(args, "attention", DEFAULTS.attention),
                       getattr(args, "remat", DEFAULTS.remat),
                       getattr(args, "scan_unroll", DEFAULTS.scan_unroll))
-  runtime = runtime_for(mode, plans)
+  plan = plan_for(mode, plans)
   warmup = getattr(args, "warmup", 1)
-  devices = jax.devices()[:devices_needed(runtime)]
-  if len(devices) < devices_needed(runtime):
-    raise ValueError(f"mode {mode} needs {devices_needed(runtime)} devices; "
+  devices = jax.devices()[:devices_needed(plan)]
+  if len(devices) < devices_needed(plan):
+    raise ValueError(f"mode {mode} needs {devices_needed(plan)} devices; "
                      f"{len(jax.devices())} exist.")
   system = PPOSystem(
       Models.from_policy(policy),
       ppo=PPOConfig(steps=args.steps + warmup, batch_size=batch, minibatch_size=batch,
                     epochs=1, actor_lr=1e-6, critic_lr=1e-6),
       sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
-      runtime=runtime,
+      plan=plan,
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
       decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
   t0 = time.perf_counter()
@@ -428,7 +428,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   # One model's optimizer step (norm, finiteness test, clipping, AdamW) beside AdamW alone.
   row.update(optimizer_seconds(cfg))
   machine = planner_machine(limits, getattr(args, "calibration", ""), hardware_name)
-  row.update(planner_prediction(cfg, runtime, batch, prompt, gen, machine))
+  row.update(planner_prediction(cfg, plan, batch, prompt, gen, machine))
   row["planner_efficiency"] = machine.eff.source
   row["plans"] = {s: dataclasses.asdict(p) for s, p in plans.items()}
   row["planner_step_error"] = abs(row["planner_step_s"] - step_s) / step_s
@@ -438,7 +438,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   row["planner_probed_efficiency"] = {k: getattr(probed.eff, k) for k in (
       "matmul", "train", "decode_bw", "optimizer_bw")}
   row.update({k.replace("planner_", "planner_probed_"): v for k, v in planner_prediction(
-      cfg, runtime, batch, prompt, gen, probed).items() if k != "planner_memory_mib"})
+      cfg, plan, batch, prompt, gen, probed).items() if k != "planner_memory_mib"})
   row["planner_probed_step_error"] = abs(row["planner_probed_step_s"] - step_s) / step_s
   # The held-out check of the non-matmul term (`cost.ELEMENTWISE`, fitted across toy sizes
   # by fit_elementwise, never on these shapes): the probed prediction with it switched
@@ -447,7 +447,7 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
   off = cost.Machine(probed.hw, dataclasses.replace(
       probed.eff, **{n: 0.0 for n in cost.ELEMENTWISE.values()}))
   row["planner_probed_noterm_step_s"] = planner_prediction(
-      cfg, runtime, batch, prompt, gen, off)["planner_step_s"]
+      cfg, plan, batch, prompt, gen, off)["planner_step_s"]
   row["planner_probed_noterm_step_error"] = abs(
       row["planner_probed_noterm_step_s"] - step_s) / step_s
   print(f"{shape}: measured step {step_s:.3f} s; planner, probed efficiencies: "

@@ -1,6 +1,6 @@
 """The prepared accelerator check: one run against the chip's measured limits and the planner.
 
-Owns one run of `common.bench_shape` per shape and runtime mode, on one
+Owns one run of `common.bench_shape` per shape and mode, on one
 device, in the run's dtype (bf16 on an accelerator): it measures the chip's matmul peak in
 that dtype and its memory bandwidth (`results.machine_limits`), then for each shape of
 `--shapes` writes one random-weight Hugging Face directory and runs one compile step and
@@ -83,12 +83,12 @@ def fitting_modes(num_devices: int) -> tuple[list[str], dict[str, str]]:
   fit, skipped = [], {}
   plans = common.stage_plans(1)
   for mode in MODES:
-    needed = common.devices_needed(common.runtime_for(mode, plans))
+    needed = common.devices_needed(common.plan_for(mode, plans))
     if needed <= num_devices:
       fit.append(mode)
     else:
       skipped[mode] = (f"needs {needed} devices (each stage a block of its own, "
-                       f"runtime.placement); {num_devices} exist")
+                       f"plan.placement); {num_devices} exist")
   return fit, skipped
 
 

@@ -1,4 +1,4 @@
-"""Experiment: the fault matrix — every fault a real run meets, in every runtime mode.
+"""Experiment: the fault matrix — every fault a real run meets, in every mode.
 
 Owns one measurement: a small job (the tiny quickstart: SFT, reward model, PPO with a
 critic; the tiny arith GRPO job for the critic-free path) run under one fault at a time,
@@ -11,7 +11,7 @@ processes (`python -m pipe_rlhf_jax.launch`). The faults
   dispatched, not yet fetched) / a checkpoint write in progress, at a step drawn at
   random (seeded);
 * an exception in one stage; a stage that never returns (a native call: a hung reward
-  server), with `runtime.progress_timeout_s=20`;
+  server), with `plan.progress_timeout_s=20`;
 * across two processes: a SIGTERM to the launcher, one process SIGKILLed, one stuck,
   one raising.
 
@@ -68,13 +68,13 @@ def job_args(job: str, mode: str, workdir: str, warm: str | None) -> list[str]:
     args = [f"--config={os.path.join(_ROOT, 'configs', 'grpo_arith.py')}:tiny",
             "--config.sft.steps=0"]
   process_mode = "pipe" if mode == "pipe_2proc" else mode
-  args += [f"--config.runtime.mode={process_mode}", f"--config.ppo.steps={STEPS}",
+  args += [f"--config.plan.mode={process_mode}", f"--config.ppo.steps={STEPS}",
            f"--config.checkpoint.every={EVERY}", "--config.log.tensorboard=False",
-           "--config.runtime.shutdown_timeout_s=10", f"--workdir={workdir}"]
+           "--config.plan.shutdown_timeout_s=10", f"--workdir={workdir}"]
   if mode in ("pipe", "pipe_2proc"):
     # On policy: pipe mode then computes what sequential computes, whatever the timing
     # of its stages, so a resumed run can be compared with an uninterrupted one.
-    args.append("--config.runtime.max_staleness=0")
+    args.append("--config.plan.max_staleness=0")
   if mode == "per_stage":
     # A 2-layer model with one kv head has no pipe x tensor layout over all 8 devices.
     args += ["--config.stages.generate.mesh.pipe=1", "--config.stages.generate.mesh.data=-1"]
@@ -212,7 +212,7 @@ def run_case(job, mode, fault, label, base, warm, references) -> dict:
   name = re.sub(r"[^A-Za-z0-9_]+", "_", f"{job}_{mode}_{fault}")
   workdir = os.path.join(base, name)
   shutil.rmtree(workdir, ignore_errors=True)
-  extra = (f"--config.runtime.progress_timeout_s={PROGRESS_TIMEOUT_S}",)
+  extra = (f"--config.plan.progress_timeout_s={PROGRESS_TIMEOUT_S}",)
   launcher = fault == "launcher"
   kind = "sigterm" if launcher else fault.split("@")[0]
   first = run_job(job, mode, workdir, warm.get(job), "" if launcher else fault,

@@ -63,13 +63,13 @@ def without_term(eff: cost.Efficiency, passes: float = 0.0) -> cost.Efficiency:
   return dataclasses.replace(eff, **{n: passes for n in cost.ELEMENTWISE.values()})
 
 
-def stage_samples(shape: str, cfg, runtime, batch, prompt, gen, measured: dict,
+def stage_samples(shape: str, cfg, plan, batch, prompt, gen, measured: dict,
                   machine: cost.Machine) -> list[dict]:
   """One sample per stage: measured seconds, the cost model's with the term off, and the
   term's seconds at one pass (the difference of the model at one pass and at none)."""
-  off = common.planner_prediction(cfg, runtime, batch, prompt, gen,
+  off = common.planner_prediction(cfg, plan, batch, prompt, gen,
                                cost.Machine(machine.hw, without_term(machine.eff)))
-  one = common.planner_prediction(cfg, runtime, batch, prompt, gen,
+  one = common.planner_prediction(cfg, plan, batch, prompt, gen,
                                cost.Machine(machine.hw, without_term(machine.eff, 1.0)))
   return [{"shape": shape, "stage": s, "seconds": measured[s],
            "predicted": off[f"planner_{s}_s"],
@@ -85,8 +85,8 @@ def measure_size(size: int, steps: int, limits: dict) -> list[dict]:
       common.decode_shapes(cfg, batch), cfg.dtype)
   row.update(common.optimizer_seconds(cfg))
   machine = common.probed_machine(cfg, batch, prompt, gen, row, limits)
-  runtime = common.runtime_for("sequential", common.stage_plans())
-  out = stage_samples(f"size{size}", cfg, runtime, batch, prompt, gen,
+  plan = common.plan_for("sequential", common.stage_plans())
+  out = stage_samples(f"size{size}", cfg, plan, batch, prompt, gen,
                       {s: row[f"{s}_s"] for s in STAGES}, machine)
   for o in out:
     o["step_s"] = row["s_per_step"]
@@ -126,14 +126,14 @@ def held_out_check(row: dict, passes: dict[str, float]) -> dict:
   """Predicted against measured step of the held-out row, with and without the term,
   with probed and with assumed efficiencies."""
   cfg = shape_config(row["shape"], dtype="float32")
-  runtime = common.runtime_for("sequential", common.stage_plans())
+  plan = common.plan_for("sequential", common.stage_plans())
   out = {"measured_step_s": row["step_s"],
          "measured": {s: row[f"{s}_s"] for s in STAGES}}
   for name, eff in (("probed", row["planner_probed_efficiency"]), ("assumed", None)):
     machine = held_out_machine(row, eff)
     for term, e in (("without", without_term(machine.eff)),
                     ("with", dataclasses.replace(without_term(machine.eff), **passes))):
-      pred = common.planner_prediction(cfg, runtime, row["batch"], row["prompt_len"],
+      pred = common.planner_prediction(cfg, plan, row["batch"], row["prompt_len"],
                                     row["new_tokens"], cost.Machine(machine.hw, e))
       key = f"{name}_{term}"
       out[key] = {s: pred[f"planner_{s}_s"] for s in STAGES}

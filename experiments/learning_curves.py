@@ -1,4 +1,4 @@
-"""Learning curves across runtime modes and seeds: does asynchronous PPO learn as well?
+"""Learning curves across modes and seeds: does asynchronous PPO learn as well?
 
 Owns one experiment: for a config (the quickstart by default: PPO against a learned reward
 model; or any config with a `reward.eval_fn` rule), every seed's warm start (SFT + reward
@@ -6,7 +6,7 @@ model) is trained once (`train.prepare_warm_start`), then every *cell* starts PP
 same checkpoint (`warm_start.checkpoint`). A cell is a schedule:
 
   sequential       the serial baseline
-  pipe_s<k>        `pipe` mode with runtime.max_staleness=k (pipe_s0 is on-policy)
+  pipe_s<k>        `pipe` mode with plan.max_staleness=k (pipe_s0 is on-policy)
   decoupled_s<k>   `pipe` mode, staleness k, the decoupled objective
                    (ppo.loss=decoupled_ppo_clip: the off-policy corrected objective)
 
@@ -88,7 +88,7 @@ FINAL_FRACTION = 0.2  # "final" = the mean over the last 20% of PPO steps
 _CELL_RE = re.compile(r"^(sequential|pipe_s(\d+)|decoupled_s(\d+)|partial_s(\d+))$")
 # partial_s<k>: the generation mesh without a pipeline axis (the slot engine's), its
 # devices over data, and as many slots as a batch has completions.
-_PARTIAL = {"runtime.partial_rollouts": True, "stages.generate.mesh.pipe": 1,
+_PARTIAL = {"plan.partial_rollouts": True, "stages.generate.mesh.pipe": 1,
             "stages.generate.mesh.tensor": 1, "stages.generate.mesh.data": -1}
 
 
@@ -102,12 +102,12 @@ def cell_overrides(cell: str) -> dict:
   match = _CELL_RE.match(cell)
   if not match:
     raise ValueError(f"--cells: unknown cell {cell!r}; use sequential, pipe_s<k>, "
-                     "decoupled_s<k> or partial_s<k> (k = runtime.max_staleness).")
+                     "decoupled_s<k> or partial_s<k> (k = plan.max_staleness).")
   if cell == "sequential":
-    return {"runtime.mode": "sequential", "runtime.max_staleness": 0}
+    return {"plan.mode": "sequential", "plan.max_staleness": 0}
   staleness = int(match.group(2) or match.group(3) or match.group(4))
   loss = "ppo_clip" if cell.startswith("pipe") else "decoupled_ppo_clip"
-  out = {"runtime.mode": "pipe", "runtime.max_staleness": staleness, "ppo.loss": loss}
+  out = {"plan.mode": "pipe", "plan.max_staleness": staleness, "ppo.loss": loss}
   if cell.startswith("partial"):
     out.update(_PARTIAL)
   return out
@@ -138,10 +138,10 @@ def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
                      "(e.g. --set log.eval_prompts=256).")
   if cell is not None:
     overrides = cell_overrides(cell)
-    if overrides["runtime.mode"] == "pipe" and hasattr(module, "use_pipe_mode"):
-      module.use_pipe_mode(config, overrides["runtime.max_staleness"])
+    if overrides["plan.mode"] == "pipe" and hasattr(module, "use_pipe_mode"):
+      module.use_pipe_mode(config, overrides["plan.max_staleness"])
     apply_overrides(config, overrides)
-    if config.runtime.get("partial_rollouts"):
+    if config.plan.get("partial_rollouts"):
       config.stages.generate.num_slots = config.ppo.batch_size
     config.warm_start.checkpoint = os.path.join(warm_dir, "warmstart")
     # The task data the warm start was built from (the same seed makes the same data):
@@ -251,8 +251,8 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
   # The held-out greedy scores of `reward.eval_fn` before and after PPO.
   fn = config.reward.eval_fn
   return {
-      "seed": seed, "cell": cell, "mode": config.runtime.mode,
-      "max_staleness": config.runtime.max_staleness if config.runtime.mode == "pipe" else 0,
+      "seed": seed, "cell": cell, "mode": config.plan.mode,
+      "max_staleness": config.plan.max_staleness if config.plan.mode == "pipe" else 0,
       "loss": config.ppo.loss, "steps": steps,
       "acc_start": curve[0], "acc_final": float(np.mean(curve[-last:])),
       "gain": float(np.mean(curve[-last:]) - curve[0]),

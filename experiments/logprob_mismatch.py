@@ -61,26 +61,26 @@ def cell_config(cell: str, dtype: str, steps: int):
   config.ppo.update(steps=steps, batch_size=8, minibatch_size=8, warmup_steps=1)
   config.log.update(eval_prompts=0, eval_samples_per_prompt=0, samples=0)
   config.checkpoint.every = steps
-  config.runtime.max_staleness = 0
+  config.plan.max_staleness = 0
   gen = config.stages.generate
   if cell == "sequential":
     return config
   if cell == "per_stage-pipe2":
-    config.runtime.mode = "per_stage"
-    config.runtime.num_devices = 2
+    config.plan.mode = "per_stage"
+    config.plan.num_devices = 2
     gen.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
     gen.num_microbatches = 2
     config.stages.infer.mesh = dict(data=2)
     config.stages.train.mesh = dict(fsdp=2)
     return config
-  config.runtime.mode = "pipe"
+  config.plan.mode = "pipe"
   if cell == "pipe":
-    config.runtime.num_devices = 3
-    config.runtime.placement.update(generate=1, infer=1, train=1)
+    config.plan.num_devices = 3
+    config.plan.placement.update(generate=1, infer=1, train=1)
     return config
   if cell == "pipe-pipe2":
-    config.runtime.num_devices = 4
-    config.runtime.placement.update(generate=2, infer=1, train=1)
+    config.plan.num_devices = 4
+    config.plan.placement.update(generate=2, infer=1, train=1)
     gen.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
     gen.num_microbatches = 2
     return config

@@ -3,7 +3,7 @@
 For a tiny model on the 8 virtual CPU devices, a set of plans spanning the three modes,
 several meshes per stage, generation micro-batches M in {1, P, 2P} and staleness 0/1/2 is
 (1) priced by the planner (cost model with efficiencies calibrated here, in this process,
-by `planner.calibrate`, then the simulator), and (2) run by the real runtime
+by `planner.calibrate`, then the simulator), and (2) run by the real system
 (`pipe_rlhf_jax.system.run`, random-init actor/critic, a rule reward): every plan is
 built and warmed up (compiles) first, then measured in `--repeats` rounds, each round
 running `--window` steps of every plan in a fresh random order. A repeat's steady seconds
@@ -103,7 +103,7 @@ def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
                     minibatch_size=work.minibatch_size, epochs=work.epochs),
       sampling=SamplingParams(max_new_tokens=work.gen_len, eos_id=None,
                               pad_id=tokenizer.pad_id),
-      runtime=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
+      plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
       decode=tokenizer.decode)
   prompts = prompts_from_texts(texts, tokenizer, work.batch_size, work.prompt_len)
   run(system, prompts, steps=warmup)
@@ -204,7 +204,7 @@ def main() -> None:
     t0 = time.time()
     try:
       built[i] = build_plan(plan, cfg, work, tokenizer, texts, args.warmup)
-    except Exception as e:  # a plan the runtime refuses: recorded, not hidden
+    except Exception as e:  # a plan the plan refuses: recorded, not hidden
       print(f"[{i}] {plan}: FAILED {type(e).__name__}: {e}", flush=True)
       failed[i] = str(e)
       continue
@@ -337,7 +337,7 @@ def write_results_page(name: str, rows: list[dict], summary: dict, scatter: str)
       f"{summary['picked_vs_best']:+.0%} against the best measured plan.", "",
       f"![predicted against measured seconds per step]({name}.png)", "",
       "Each plan is priced by the cost model with efficiencies calibrated in the same "
-      "process, then the simulator; measured by the runtime in interleaved rounds (the "
+      "process, then the simulator; measured by the system in interleaved rounds (the "
       f"host's 1024^2 matmul probe read {lo:.0f}-{hi:.0f} GFLOP/s across the rounds).", "",
       "| plan | predicted s/step | measured s/step (spread) |", "|---|---|---|"]
   for r in rows:

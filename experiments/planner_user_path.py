@@ -5,7 +5,7 @@ process as the user would run it: `python -m pipe_rlhf_jax.planner.calibrate` wr
 calibration file for the experiment's model; one warm start is trained
 (`python -m pipe_rlhf_jax.main --warm_start_only`); then the main job runs PPO from it
 for `--steps` steps in each mode, once with the calibration file
-(`--config.runtime.calibration`) and once with the analytic profile. Each run's summary
+(`--config.plan.calibration`) and once with the analytic profile. Each run's summary
 row (phase "plan" of its metrics.jsonl) carries the planner's predicted steady seconds per
 step and the trace's measured one; the page lists both and the error, against the goal
 of 20%.
@@ -122,11 +122,11 @@ def main(argv=None) -> int:
   for mode in modes:
     for efficiencies in ("calibrated", "analytic"):
       workdir = os.path.join(out, f"{mode}-{efficiencies}")
-      extra = ([f"--config.runtime.calibration={calibration}"]
+      extra = ([f"--config.plan.calibration={calibration}"]
                if efficiencies == "calibrated" else [])
       seconds, other = run(
           [py, "-m", "pipe_rlhf_jax.main", *common, f"--workdir={workdir}",
-           f"--config.runtime.mode={mode}", f"--config.ppo.steps={args.steps}",
+           f"--config.plan.mode={mode}", f"--config.ppo.steps={args.steps}",
            f"--config.warm_start.checkpoint={os.path.join(warm, 'warmstart')}", *extra],
           os.path.join(out, f"{mode}-{efficiencies}.log"))
       row = plan_row(workdir)

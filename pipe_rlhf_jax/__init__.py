@@ -10,7 +10,7 @@ lower ones, never a higher one (tests/test_layers.py reads the imports and holds
 The foundation knows nothing of PPO; the algorithms know no devices' placement; every
 typed setting lives in `config`, directly above the algorithms whose registered names it
 checks and below everything that reads it; the stages run one algorithm step on a mesh;
-the system composes stages into runtime modes; the
+the system composes stages into modes; the
 phases are the main job's parts (the warm start, PPO's loop, the report) and the typed
 experiment they read; `job` runs an experiment whose plan is already chosen; the planner
 prices and chooses plans, above everything that runs one, so nothing that runs an

@@ -19,7 +19,7 @@ Orbax's own setting changed here (once, process-wide, on the first `Checkpointer
 only when a slice is at least `REPLICA_PARALLEL_MIN_BYTES`; see `_small_arrays_unsliced`.
 
 Also owns `config_fingerprint`, the stable hash of the config fields that
-change the mathematics (not the run plan: devices, meshes, runtime mode), stored
+change the mathematics (not the run plan: devices, meshes, mode), stored
 in the metadata so that resuming with an incompatible config is refused
 (`restore(..., expect_metadata=...)`) while a different plan is allowed.
 """
@@ -77,7 +77,7 @@ def _small_arrays_unsliced() -> None:
 
 # Fields that change where or how often things are written, or where and in which order
 # the same mathematics runs, never the mathematics itself: a run may resume with other
-# values. "runtime", "mesh" and "stages" are the run plan (mode, device count, placement,
+# values. "plan", "mesh" and "stages" are the run plan (mode, device count, placement,
 # meshes, queues, staleness bound): a run preempted on one slice continues on another.
 # The staleness bound does change which policy generates a rollout; job.py stores the
 # plan in the checkpoint and warns when a resume changes it. "warm_start" is where the
@@ -90,7 +90,7 @@ DEFAULT_FINGERPRINT_IGNORE = (
     "log",
     "name",
     "shutdown_timeout_s",
-    "runtime",
+    "plan",
     "mesh",
     "stages",
     "warm_start",

@@ -21,7 +21,7 @@ data are built), `open_metrics` + `phases.run_data.build_data` + the warm start
 `phases.heldout`'s greedy answers before and after PPO).
 
 Warm start (`phases/warm_start.py`): SFT and the reward model train on a layout of their
-own, the same in every runtime mode; `warm_start.checkpoint` names another run's
+own, the same in every mode; `warm_start.checkpoint` names another run's
 `<workdir>/warmstart` to start PPO from; `prepare_warm_start` runs the warm-start phases
 alone to write one.
 
@@ -29,8 +29,8 @@ Resume: the warm-start phases are checkpointed once, when both are done; PPO is
 checkpointed every `checkpoint.every` steps (and on Ctrl-C). `resume=True` continues
 from the newest PPO checkpoint; a sequential-mode run of 2N steps and a run of N steps
 plus a resumed N give identical metrics, and metrics.jsonl holds each step once. The
-checkpoint's config fingerprint covers the mathematics only, not the plan (runtime
-mode, devices, meshes): a run may resume on another slice (`runtime.num_devices`) or in
+checkpoint's config fingerprint covers the mathematics only, not the plan (plan
+mode, devices, meshes): a run may resume on another slice (`plan.num_devices`) or in
 another mode, with a warning where that changes the staleness bound. With
 `data.task='jsonl'` the user's files count by their content (`data/digests.py`): a
 resume, or a warm start, from a checkpoint trained on a file that has changed since is
@@ -44,7 +44,7 @@ nothing. `sequential` and `per_stage` meshes span all processes' devices, every 
 runs every program, and Orbax checkpoints are written by all processes together. In
 `pipe` mode each stage lives on a group of processes (`system/pipe_processes.py`: one
 process, or several whole processes of its own) and the training stage includes process
-0 (its devices come last in the device order `runtime.placement` cuts); the training
+0 (its devices come last in the device order `plan.placement` cuts); the training
 group alone holds and checkpoints the trainer state (host copies, written by process 0);
 the warm start still runs on `config.mesh` over every process, after which each process
 builds its own stages from host copies.
@@ -102,11 +102,11 @@ def default_workdir(settings: ExperimentSettings) -> str:
 
 
 def select_devices(settings: ExperimentSettings, mode: str) -> list:
-  """The first `runtime.num_devices` of `jax.devices()` (0 = all of them), for a plan of
-  runtime mode `mode`.
+  """The first `plan.num_devices` of `jax.devices()` (0 = all of them), for a plan of
+  mode `mode`.
 
   In `pipe` mode across processes, process 0's devices are moved to the end, so that
-  `runtime.placement`'s last block, the training stage, is process 0's: the process that
+  `plan.placement`'s last block, the training stage, is process 0's: the process that
   writes the run's files also holds the trainer state (and Orbax saves the state of a
   one-process group only from process 0).
   """
@@ -116,11 +116,11 @@ def select_devices(settings: ExperimentSettings, mode: str) -> list:
                [d for d in devices if d.process_index == 0])
   n = settings.choice.num_devices
   if n and n != len(devices) and jax.process_count() > 1:
-    raise ValueError(f"runtime.num_devices={n} in a job of {jax.process_count()} "
+    raise ValueError(f"plan.num_devices={n} in a job of {jax.process_count()} "
                      f"processes: every process must hold devices of the meshes; use 0 "
                      f"(all {len(devices)} devices), or start fewer processes.")
   if n > len(devices):
-    raise ValueError(f"runtime.num_devices={n} but only {len(devices)} devices exist; use "
+    raise ValueError(f"plan.num_devices={n} but only {len(devices)} devices exist; use "
                      f"at most {len(devices)} (0 = all).")
   return devices[:n] if n else devices
 
@@ -137,7 +137,7 @@ def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetu
   settings = experiment.settings
   # The planner may have chosen another mode than the config's, and the device order
   # depends on it.
-  devices = select_devices(settings, experiment.runtime.mode)
+  devices = select_devices(settings, experiment.plan.mode)
   # Every process must use process 0's workdir (a default one is named by the clock).
   workdir = distributed.agree("workdir",
                               workdir or settings.workdir or default_workdir(settings))
@@ -155,22 +155,22 @@ def set_up(experiment: Experiment, workdir: str | None, resume: bool) -> RunSetu
 
 def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -> RunSetup:
   """`set_up` once the workdir is agreed and locked."""
-  settings, runtime = experiment.settings, experiment.runtime
+  settings, plan = experiment.settings, experiment.plan
   tokenizer = run_data.run_tokenizer(settings.model)
-  layouts = build_layouts(runtime, devices)
-  role = ProcessRole.of(runtime, layouts, jax.process_index(), jax.process_count(),
+  layouts = build_layouts(plan, devices)
+  role = ProcessRole.of(plan, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
   checkpointer = resume_lib.open_checkpoints(settings, workdir, role, resume)
   warm_layout = check_fits_before_compiling(experiment, layouts, devices)
   warm_source = warm_lib.resolve_source(settings, workdir)
-  # What changes the mathematics; the plan (runtime, meshes) is compared separately.
+  # What changes the mathematics; the plan (plan, meshes) is compared separately.
   # data.task='jsonl' files count by their content: one edited in place is other data.
   data_files = digests.file_digests(settings)
   fingerprint = ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(),
                                                                  data_files))
   start = resume_lib.resume_start(settings, checkpointer, fingerprint, data_files,
-                       ppo_loop.plan_of(runtime, devices)) if resume else 0
-  deadline = ProgressDeadline(runtime.progress_timeout_s, experiment.plan.predicted_step_s)
+                       ppo_loop.plan_of(plan, devices)) if resume else 0
+  deadline = ProgressDeadline(plan.progress_timeout_s, experiment.planned.predicted_step_s)
   return RunSetup(experiment, workdir, devices, tokenizer, layouts, checkpointer,
                   fingerprint, start, warm_layout, warm_source, role=role, lock=lock,
                   deadline=deadline, data_files=data_files)
@@ -272,7 +272,7 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   `DemoLoader`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
   every record once.
   """
-  settings, runtime, cfgs, ppo = (experiment.settings, experiment.runtime,
+  settings, plan, cfgs, ppo = (experiment.settings, experiment.plan,
                                   experiment.models, experiment.ppo)
   if reward_stats is not None:
     ppo = dataclasses.replace(ppo, reward_shift=reward_stats.mean,
@@ -300,7 +300,7 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   # Without demos, PPOSystem's check names what the SFT term lacks.
   ptx_demos = demos.as_arrays() if ppo.ptx_coef and demos is not None else None
   system = PPOSystem(models, ppo=ppo,
-                     sampling=sampling, runtime=runtime,
+                     sampling=sampling, plan=plan,
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
                      ptx_demos=ptx_demos)
   return BuiltSystem(system, sampling, actor_gd, reward_stats)

@@ -1,7 +1,7 @@
 """Local launcher of a multi-process job: N processes of the main job on this machine.
 
   python -m pipe_rlhf_jax.launch --num_processes=2 --cpu_devices=4 -- \\
-      --config=configs/quickstart.py:tiny --config.runtime.mode=sequential --workdir=runs/mh
+      --config=configs/quickstart.py:tiny --config.plan.mode=sequential --workdir=runs/mh
 
 Everything after `--` goes to every process (`python -m pipe_rlhf_jax.main` by default),
 followed by the flags that make them one job: `--coordinator_address=127.0.0.1:<free

@@ -8,14 +8,14 @@ under the workdir.
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py --workdir=DIR --warm_start_only
 
 `--warm_start_only` trains SFT and the reward model into DIR/warmstart and stops; runs in
-any runtime mode then start PPO from it with --config.warm_start.checkpoint=DIR/warmstart.
+any mode then start PPO from it with --config.warm_start.checkpoint=DIR/warmstart.
 
 Signals: SIGINT (Ctrl-C) or SIGTERM (a preemption, a scheduler's stop) during PPO ends the
 run at the end of the current step, with a checkpoint of that step, and exits 130 / 143
 (128 + the signal); `--resume` continues from it, equal to the uninterrupted run. The
 same signal again aborts at once (the newest checkpoint on disk stays). Before PPO (data,
 warm start) and after it (evaluation, export) a signal stops at once: nothing finished
-is lost there. A step that makes no progress within `runtime.progress_timeout_s` ends the
+is lost there. A step that makes no progress within `plan.progress_timeout_s` ends the
 job with status 124, naming the stage and process that held it up.
 
 Multi-process (one process per host): the same command on every host with

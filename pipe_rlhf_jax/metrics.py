@@ -17,7 +17,7 @@ Owns the writing and reading of per-step scalars:
   jobs).
 
 Metric names are slash separated ("reward/mean"); TensorBoard tags are
-f"{phase}/{name}" so that the stages of the asynchronous runtime (which may
+f"{phase}/{name}" so that the stages of the asynchronous system (which may
 write from different threads; `write` is thread-safe) stay apart.
 """
 

@@ -36,7 +36,7 @@ _GEN = flags.DEFINE_integer("gen_len", 0, "0: config data.completion_len.")
 _CALIBRATION = flags.DEFINE_string("calibration", "", "Calibration JSON (planner.calibrate).")
 _RESPONSE = flags.DEFINE_float("response_fraction", 0.0,
                                "Mean response length / gen_len (early EOS); 0: the "
-                               "config's runtime.response_fraction.")
+                               "config's plan.response_fraction.")
 _LENGTHS_FROM = flags.DEFINE_string("lengths_from", "",
                                     "A run's metrics.jsonl: its mean response_length/mean "
                                     "sets response_fraction (measured in a run).")

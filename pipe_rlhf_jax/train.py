@@ -2,7 +2,7 @@
 
 The library's edge, as `main.py` is the command line's: the ConfigDict is checked and
 converted here once (`experiment_of`: its typed settings, `config.ExperimentSettings`,
-the model configs at the tokenizer's vocabulary, then the plan: `runtime.plan='auto'`
+the model configs at the tokenizer's vocabulary, then the plan: `plan.choose='auto'`
 asks the planner to choose one, 'manual' has the hand-written plan checked by it, before
 anything is built or compiled), and the typed `Experiment` runs in `job.run`, where
 nothing plans and nothing reads a ConfigDict.
@@ -36,14 +36,14 @@ def experiment_of(config) -> Experiment:
   reason when no plan (or not the hand-written one) fits the devices; nothing is written.
   """
   settings = ExperimentSettings.from_config(config)
-  devices = job.select_devices(settings, settings.runtime.mode)
+  devices = job.select_devices(settings, settings.plan.mode)
   tokenizer = run_data.run_tokenizer(settings.model)
   models = build_model_configs(settings.model, tokenizer)
   run_data.check_vocab(settings.model, tokenizer, models["actor"])
   planned = auto_plan.plan_run(settings, models["actor"], devices)
   say(planned.describe())
   record = auto_plan.as_run(ml_collections.FrozenConfigDict(config), planned)
-  return Experiment(settings=settings, plan=planned,
+  return Experiment(settings=settings, planned=planned,
                     record=ml_collections.FrozenConfigDict(record), models=models)
 
 
@@ -79,7 +79,7 @@ def prepare_warm_start(config: Experiment | ml_collections.ConfigDict,
   rule) into `<workdir>/warmstart`.
 
   Other runs of the same seed, model, data, sft and reward_model config start PPO from
-  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their runtime
+  it with `--config.warm_start.checkpoint=<workdir>/warmstart`, whatever their plan
   mode. Restores instead of training when that checkpoint already exists.
 
   Returns:

@@ -307,11 +307,11 @@ def test_config_fingerprint():
 
 
 def test_config_fingerprint_ignores_the_run_plan():
-  # A run preempted on one slice resumes on another: devices, meshes and runtime mode do
+  # A run preempted on one slice resumes on another: devices, meshes and mode do
   # not change the mathematics (job.py warns where the staleness bound changes).
-  base = {"ppo": {"lr": 1e-5}, "runtime": {"mode": "pipe", "num_devices": 0},
+  base = {"ppo": {"lr": 1e-5}, "plan": {"mode": "pipe", "num_devices": 0},
           "mesh": {"data": -1}, "stages": {"train": {"mesh": {"fsdp": -1}}}}
-  other_plan = {"ppo": {"lr": 1e-5}, "runtime": {"mode": "sequential", "num_devices": 4},
+  other_plan = {"ppo": {"lr": 1e-5}, "plan": {"mode": "sequential", "num_devices": 4},
                 "mesh": {"data": 2, "fsdp": 2}, "stages": {"train": {"mesh": {"data": 4}}}}
   assert ckpt_lib.config_fingerprint(base) == ckpt_lib.config_fingerprint(other_plan)
   assert (ckpt_lib.config_fingerprint(base)

@@ -246,7 +246,7 @@ def test_every_picture_under_docs_is_shown_by_a_document():
 def test_github_slugs():
   assert github_slug("Learning curves across modes and seeds") == (
       "learning-curves-across-modes-and-seeds")
-  assert github_slug("`runtime.plan=auto` and projections") == "runtimeplanauto-and-projections"
+  assert github_slug("`plan.choose=auto` and projections") == "planchooseauto-and-projections"
   assert github_slug("SIGINT / SIGTERM during PPO") == "sigint--sigterm-during-ppo"
   assert github_slug("PPO-ptx (the SFT term)") == "ppo-ptx-the-sft-term"
 

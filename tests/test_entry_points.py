@@ -29,7 +29,7 @@ def child_env():
 def test_the_main_job_starts_quietly_and_ends_with_its_summary(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "pipe_rlhf_jax.main", "--config=configs/quickstart.py:tiny",
-       "--config.runtime.mode=sequential", "--config.reward.fn=reverse_accuracy",
+       "--config.plan.mode=sequential", "--config.reward.fn=reverse_accuracy",
        "--config.ppo.critic_init=sft", "--config.ppo.steps=2",
        "--config.log.tensorboard=False", f"--workdir={tmp_path / 'run'}"],
       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)

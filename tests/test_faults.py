@@ -64,7 +64,7 @@ def config_for(mode="sequential", steps=4):
   config.ppo.steps = steps
   config.checkpoint.every = 100  # only a stop (and the last step) writes one
   if mode == "pipe":
-    config.runtime.max_staleness = 0
+    config.plan.max_staleness = 0
   return config
 
 
@@ -264,8 +264,8 @@ _HANG = textwrap.dedent("""
     config.ppo.critic_init = "sft"
     config.ppo.steps = 4
     config.checkpoint.every = 100  # only a stop writes a checkpoint before the last step
-    config.runtime.progress_timeout_s = {timeout}
-    config.runtime.shutdown_timeout_s = 2.0
+    config.plan.progress_timeout_s = {timeout}
+    config.plan.shutdown_timeout_s = 2.0
     from pipe_rlhf_jax.concurrency.interrupts import Stalled
     try:
       train(config, {workdir!r}, progress=False)

@@ -129,20 +129,20 @@ def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(
   config = tiny()
   experiment = experiment_of(config)
   assert experiment.ppo == PPOConfig.from_config(config.ppo, seed=config.seed)
-  assert experiment.runtime == Plan.from_config(config)  # the hand-written plan
-  assert not experiment.plan.chosen and experiment.record.to_dict() == config.to_dict()
+  assert experiment.plan == Plan.from_config(config)  # the hand-written plan
+  assert not experiment.planned.chosen and experiment.record.to_dict() == config.to_dict()
   assert experiment.models["actor"].vocab_size >= 1
   with pytest.raises(dataclasses.FrozenInstanceError):
     experiment.settings.ppo.kl_coef = 0.0  # frozen: a run cannot change its settings
   with pytest.raises(dataclasses.FrozenInstanceError):
     experiment.settings.data = None
-  config.runtime.plan = "auto"
+  config.plan.choose = "auto"
   auto = experiment_of(config)
-  assert auto.plan.chosen and auto.plan.predicted_step_s > 0
+  assert auto.planned.chosen and auto.planned.predicted_step_s > 0
   # The record is the config with the chosen plan written in, as config.json holds it.
-  assert auto.record.runtime.mode == auto.runtime.mode
+  assert auto.record.plan.mode == auto.plan.mode
   assert isinstance(auto.record, ml_collections.FrozenConfigDict)
-  assert auto.record.runtime.plan == auto.settings.choice.plan == "auto"
+  assert auto.record.plan.choose == auto.settings.choice.choose == "auto"
   # A config the planner rejects fails here, before the workdir exists.
   config = tiny()
   config.ppo.update(batch_size=10, minibatch_size=10)
@@ -247,7 +247,7 @@ def test_resume_on_fewer_devices_in_another_mode(tmp_path, caplog):
   config.stages.generate.mesh = dict(data=-1)  # the plain sampler: less to compile
   train(config, workdir, stop_after=2, progress=False)
   config = tiny(mode="sequential")
-  config.runtime.num_devices = 4
+  config.plan.num_devices = 4
   config.mesh.update(data=2, fsdp=2)
   with caplog.at_level(logging.WARNING, logger="pipe_rlhf_jax.train"):
     resumed = train(config, workdir, resume=True, progress=False)
@@ -305,8 +305,8 @@ def test_bad_config_names_the_field(tmp_path):
   with pytest.raises(ValueError, match="stages.infer.mesh"):
     train(config, str(tmp_path / "mesh"), progress=False)
   config = tiny()
-  config.runtime.num_devices = 9
-  with pytest.raises(ValueError, match=r"runtime.num_devices=9 but only 8 devices"):
+  config.plan.num_devices = 9
+  with pytest.raises(ValueError, match=r"plan.num_devices=9 but only 8 devices"):
     train(config, str(tmp_path / "devices"), progress=False)
   # All of these fail before any data are built.
   assert not os.path.exists(os.path.join(str(tmp_path), "mesh", "data"))
@@ -394,7 +394,7 @@ def test_partial_rollouts_resume_with_the_prompts_they_held(tmp_path, monkeypatc
   # trained; the resumed run's engine queues exactly those first.
   from pipe_rlhf_jax.stages import rollout_stream
   config = tiny("pipe")
-  config.runtime.partial_rollouts = True
+  config.plan.partial_rollouts = True
   config.stages.generate.num_slots = 4
   config.stages.generate.mesh.pipe = 1
   config.stages.generate.mesh.data = 2

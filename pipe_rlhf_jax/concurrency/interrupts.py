@@ -17,7 +17,7 @@ Two regimes, because a signal can only be honoured safely where the state is who
 
 A process stopped by signal s exits with status 128 + s (130 for SIGINT, 143 for SIGTERM),
 the shell's convention, after its final checkpoint is on disk; a run whose step made no
-progress within `runtime.progress_timeout_s` exits with `EXIT_STALLED` (124, as
+progress within `plan.progress_timeout_s` exits with `EXIT_STALLED` (124, as
 `timeout(1)` does).
 
 Handlers can only be installed from the main thread; elsewhere (a run started from a
@@ -80,7 +80,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Stalled(RuntimeError):
-  """A PPO step made no progress within `runtime.progress_timeout_s`.
+  """A PPO step made no progress within `plan.progress_timeout_s`.
 
   The message names the stage (and the process) that held the step up.
   """

@@ -1,6 +1,6 @@
 """The progress deadline of a PPO run: a step that does not finish in time stops the job.
 
-Owns `ProgressDeadline` (how long a step may take: `runtime.progress_timeout_s`, or, at
+Owns `ProgressDeadline` (how long a step may take: `plan.progress_timeout_s`, or, at
 0, a multiple of the slowest step seen and of the planner's prediction) and `Watchdog`
 (a thread that the PPO loop beats at every step boundary and that, when a deadline
 passes, names what held the step up and stops the run).
@@ -9,7 +9,7 @@ Why a deadline per step: a peer can be alive but stuck (a hung reward server, a 
 whose queue nobody drains, a collective that one process never joins). Its heartbeats
 keep flowing, so jax's own failure detection never fires, and every wait downstream of
 it is legitimately open-ended. The step boundary is the one place where "no progress"
-has a meaning that holds in every runtime mode.
+has a meaning that holds in every mode.
 
 What the watchdog does when the deadline passes (`Watchdog.on_stall` decides, see
 `phases.ppo_loop.PPOLoop`): it raises `interrupts.Stalled` in the main thread, whose loop stops
@@ -30,7 +30,7 @@ from typing import Callable
 
 from pipe_rlhf_jax.concurrency.interrupts import EXIT_STALLED, Stalled
 
-# Auto deadlines (runtime.progress_timeout_s = 0). The first step compiles every program
+# Auto deadlines (plan.progress_timeout_s = 0). The first step compiles every program
 # of the step (minutes for a large model on an accelerator); later steps repeat them.
 FIRST_STEP_FLOOR_S = 1800.0
 STEP_FLOOR_S = 300.0
@@ -45,7 +45,7 @@ class ProgressDeadline:
   """How long a PPO step, and a one-off wait between processes, may take.
 
   Attributes:
-    timeout_s: `runtime.progress_timeout_s`; > 0 is the deadline of every step after a
+    timeout_s: `plan.progress_timeout_s`; > 0 is the deadline of every step after a
       run's first (which compiles: at least `FIRST_STEP_FLOOR_S`) and of every one-off
       wait; 0 sizes them automatically.
     predicted_step_s: the planner's predicted seconds per step (None: not priced).
@@ -75,9 +75,9 @@ class ProgressDeadline:
 
   def describe(self) -> str:
     if self.timeout_s:
-      return (f"runtime.progress_timeout_s={self.timeout_s:g}; a run's first step, which "
+      return (f"plan.progress_timeout_s={self.timeout_s:g}; a run's first step, which "
               f"compiles, at least {FIRST_STEP_FLOOR_S:.0f} s")
-    return (f"runtime.progress_timeout_s=0: the first step {FIRST_STEP_FLOOR_S:.0f} s, "
+    return (f"plan.progress_timeout_s=0: the first step {FIRST_STEP_FLOOR_S:.0f} s, "
             f"then {STEP_FACTOR:g}x the slowest step, at least {STEP_FLOOR_S:.0f} s")
 
 
@@ -153,7 +153,7 @@ class Watchdog:
           f"PPO step {step} made no progress for {waited:.0f} s "
           f"({self.deadline.describe()}): {self.describe()}. The newest checkpoint on disk "
           "is kept; find what the named stage waits for (its last log lines), then "
-          "resume with --resume, or raise runtime.progress_timeout_s if the step is "
+          "resume with --resume, or raise plan.progress_timeout_s if the step is "
           "legitimately that slow.")
       reacted = self.on_stall(self.stalled)
       # A main thread stuck in Python raises at once; one inside a native call never

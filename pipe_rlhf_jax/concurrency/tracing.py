@@ -4,7 +4,7 @@ Owns: the `Span` record, the thread-safe `Tracer` that collects spans from any
 thread, and the derived views of a run: Chrome/Perfetto trace JSON, a Gantt PNG (one
 row per stage), per-stage busy fractions and pairwise overlap, and the measured steady
 seconds per PPO step (`steady_step_time`, from when each batch's update ended). The busy
-and overlap views are how the asynchronous runtime proves that stages really ran at the
+and overlap views are how the asynchronous system proves that stages really ran at the
 same time rather than taking turns.
 
 A stage may also record *lanes* inside its spans (`Tracer.add_lane`): rows under the

@@ -1,8 +1,8 @@
-"""The one blocking-wait loop of the runtime: wait on a condition, in slices, to a deadline.
+"""The one blocking-wait loop of the plan: wait on a condition, in slices, to a deadline.
 
 Owns `wait_until`, used by `BoundedQueue.put/get` and `VersionedWeights.wait_for`. Waits
 are cut into `poll_s` slices so that a stop event, which is set without notifying the
-condition, is noticed within one slice: nothing in the runtime blocks forever once the
+condition, is noticed within one slice: nothing in the plan blocks forever once the
 pipeline is told to stop.
 """
 

@@ -2,7 +2,7 @@
 
 Owns: `WorkerGroup`. Each stage (generate / infer / train) runs as one thread
 executing `fn(stop_event)`. The group guarantees three things the async PPO
-runtime relies on:
+plan relies on:
 
   * Fail fast: the first exception in any worker sets the shared stop event,
     aborts registered queues / weight stores, and `join()` re-raises that same

@@ -7,7 +7,7 @@ path (`ppo.clip_eps`) and what is allowed.
 
 - `algorithm`: `PPOConfig`, the `ppo` section (the algorithm: estimators, losses, KL,
   batch sizes, learning rates).
-- `plan`: `Plan` (the `runtime`, `mesh` and `stages` sections: where and when the
+- `plan`: `Plan` (the `plan`, `mesh` and `stages` sections: where and when the
   mathematics runs), its `StagePlan` and `MeshSpec`, and `PlannedRun` (a plan with the
   planner's prediction).
 - `experiment`: `ExperimentSettings`, every section of one experiment config, and the

@@ -48,7 +48,7 @@ class PPOConfig:
       that sampled the rollout, as the inference stage measures it) or "proximal" (the
       trainer's actor as the update starts: the trainer re-derives rewards, advantages
       and returns; one more forward pass unless the loss is decoupled). They differ only
-      for stale rollouts (`pipe` mode, runtime.max_staleness > 0), and not at all when
+      for stale rollouts (`pipe` mode, plan.max_staleness > 0), and not at all when
       the rewards hold no KL (kl_in="loss" or kl_coef=0: "proximal" then does nothing).
     target_kl: > 0 stops an update early: once a minibatch's approximate KL between the
       actor and the actor the update started from passes 1.5 x target_kl, that step and

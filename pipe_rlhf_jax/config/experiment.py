@@ -4,8 +4,8 @@ Owns `ExperimentSettings.from_config(config)`, the one conversion of an experime
 (an `ml_collections.ConfigDict`, `configs/*.py`) into frozen dataclasses, before anything
 is built or compiled: the model, data, sft, reward_model, reward, warm_start, checkpoint
 and log sections here; the algorithm (`PPOConfig`) in `config.algorithm` and the
-hand-written plan (`Plan`, from the runtime, mesh and stages sections) in `config.plan`; how the
-plan is chosen (`PlanChoice`: runtime.plan, hardware, calibration, ...) here.
+hand-written plan (`Plan`, from the plan, mesh and stages sections) in `config.plan`; how the
+plan is chosen (`PlanChoice`: plan.choose, hardware, calibration, ...) here.
 
 - Every default is a dataclass field's default, stated once; a field without one must be
   in the config ("Config field data.prompt_len is missing; add it").
@@ -51,7 +51,7 @@ from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
-REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "runtime",
+REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "plan",
                      "mesh", "stages", "checkpoint", "log")
 TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start")
 
@@ -331,7 +331,7 @@ class WarmStartSettings:
 
   Attributes:
     mesh: the warm-start phases' mesh axes ({"data": -1}: data parallel over every device),
-      the same whatever the runtime mode, so all modes of a seed start PPO alike.
+      the same whatever the mode, so all modes of a seed start PPO alike.
     checkpoint: another run's <workdir>/warmstart, restored instead of training the warm
       start here (empty: train it, unless this workdir has its own).
   """
@@ -435,11 +435,11 @@ class PolicySampling:
 
 @dataclasses.dataclass(frozen=True)
 class PlanChoice:
-  """The runtime section's fields that say how the plan is chosen and on what it runs
+  """The plan section's fields that say how the plan is chosen and on what it runs
   (the plan itself is `Plan`).
 
   Attributes:
-    plan: "manual" (the hand-written plan, checked by the planner) or "auto" (the
+    choose: "manual" (the hand-written plan, checked by the planner) or "auto" (the
       planner chooses).
     hardware: the planner's hardware profile (empty: detected from the devices).
     calibration: a `planner.calibrate` file (empty: the profile's assumed efficiencies).
@@ -448,29 +448,46 @@ class PlanChoice:
     num_devices: use the first N of jax.devices() (0: all).
   """
 
-  plan: str = "manual"
+  choose: str = "manual"
   hardware: str = ""
   calibration: str = ""
   response_fraction: float = 1.0
   num_devices: int = 0
 
-  FIELDS = ("plan", "hardware", "calibration", "response_fraction", "num_devices")
+  FIELDS = ("choose", "hardware", "calibration", "response_fraction", "num_devices")
 
   @classmethod
-  def from_config(cls, section, path: str = "runtime") -> "PlanChoice":
+  def from_config(cls, section, path: str = "plan") -> "PlanChoice":
     values = {k: section[k] for k in cls.FIELDS if k in section}
     check_int(values.get("num_devices", 0), f"{path}.num_devices", low=0)
     check_fraction(values.get("response_fraction", 1.0), f"{path}.response_fraction")
-    check_choice(values.get("plan", cls.plan), f"{path}.plan", ("auto", "manual"))
+    check_choice(values.get("choose", cls.choose), f"{path}.choose", ("auto", "manual"))
     return cls(**values)
 
 
-# The sections of one settings class each (the others: ppo, runtime, mesh, stages).
+# Keys a config of an earlier release used, and what replaced them: refused with the new
+# name (never read as an alias, so one config means one thing).
+RENAMED_KEYS = {"runtime": "plan", "runtime.plan": "plan.choose", "plan.plan": "plan.choose"}
+
+
+def check_renamed_keys(config) -> None:
+  """Raises ValueError naming the new key for each renamed one `config` still uses."""
+  for old, new in RENAMED_KEYS.items():
+    node, parts = config, old.split(".")
+    for part in parts[:-1]:
+      node = node.get(part) if hasattr(node, "get") else None
+    if hasattr(node, "keys") and parts[-1] in node:
+      hint = (" (and runtime.plan is now plan.choose)" if old == "runtime" else "")
+      raise ValueError(f"Config key {old} was renamed {new}{hint}: rename it in the config "
+                       f"file or on the command line (--config.{new}=...).")
+
+
+# The sections of one settings class each (the others: ppo, plan, mesh, stages).
 SECTION_TYPES = {"model": ModelSettings, "data": DataSettings, "sft": SFTSettings,
                  "reward_model": RewardModelSettings, "reward": RewardSettings,
                  "warm_start": WarmStartSettings, "checkpoint": CheckpointSettings,
                  "log": LogSettings}
-# The runtime section's keys `Plan.from_config` reads.
+# The plan section's keys `Plan.from_config` reads.
 _PLAN_FIELDS = ("mode", "max_staleness", "partial_rollouts", "past_staleness", "queue_size",
                 "shutdown_timeout_s", "progress_timeout_s", "placement")
 # Built-in rule rewards that only apply to one embedded task, by name prefix.
@@ -490,7 +507,7 @@ class ExperimentSettings:
     sampling: how PPO samples (`ppo.temperature`, `top_k`, `top_p`).
     critic_init: where the critic's backbone starts, "reward_model" or "sft"
       (`ppo.critic_init`).
-    runtime: the hand-written plan (`Plan`: runtime, mesh and stages sections).
+    plan: the hand-written plan (`Plan`: plan, mesh and stages sections).
     choice: how the plan is chosen and on how many devices it runs (`PlanChoice`).
   """
 
@@ -508,28 +525,29 @@ class ExperimentSettings:
   ppo: PPOConfig
   sampling: PolicySampling
   critic_init: str
-  runtime: Plan
+  plan: Plan
   choice: PlanChoice
 
   @classmethod
   def from_config(cls, config) -> "ExperimentSettings":
     """The settings of `config`; raises ValueError naming the first bad field.
 
-    The algorithm (`ppo`) and the plan (`runtime`, `mesh`, `stages`) are checked by
+    The algorithm (`ppo`) and the plan (`plan`, `mesh`, `stages`) are checked by
     their typed settings (`config.algorithm`, `config.plan`), which the library's own
     users construct directly: one set of checks for both ways in.
     """
+    check_renamed_keys(config)
     for section in REQUIRED_SECTIONS:
       _get(config, section)
     check_known(config.keys(), TOP_LEVEL, "the config", "sections")
-    check_known(config.runtime.keys(), _PLAN_FIELDS + PlanChoice.FIELDS, "runtime")
+    check_known(config.plan.keys(), _PLAN_FIELDS + PlanChoice.FIELDS, "plan")
     check_known(config.stages.keys(), ("generate", "infer", "train"), "stages")
     seed = config.get("seed", 0)
     for f in dataclasses.fields(PPOConfig):
       if f.default is dataclasses.MISSING:
         _get(config, f"ppo.{f.name}")
     ppo = PPOConfig.from_config(config.ppo, seed=seed)
-    runtime = Plan.from_config(config)
+    plan = Plan.from_config(config)
     settings = cls(
         name=config.get("name", "run"), seed=seed, workdir=config.get("workdir", ""),
         model=ModelSettings.from_config(config.model),
@@ -543,9 +561,9 @@ class ExperimentSettings:
         sampling=PolicySampling.from_config(config.ppo),
         critic_init=check_choice(_get(config, "ppo.critic_init"), "ppo.critic_init",
                             ("reward_model", "sft")),
-        runtime=runtime, choice=PlanChoice.from_config(config.runtime))
+        plan=plan, choice=PlanChoice.from_config(config.plan))
     settings._check_task()
-    num_mb = runtime.generate.num_microbatches
+    num_mb = plan.generate.num_microbatches
     if ppo.batch_size % num_mb:
       raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
                        f"stages.generate.num_microbatches={num_mb}; choose a divisor.")
@@ -628,7 +646,7 @@ class ExperimentSettings:
 
   def to_dict(self) -> dict[str, Any]:
     """The settings as plain, JSON-able data: the config's sections with every default
-    filled in (the plan as `runtime`); what the fingerprints hash."""
+    filled in (the plan as `plan`); what the fingerprints hash."""
     out = {"name": self.name, "seed": self.seed, "workdir": self.workdir}
     for name in ("model", "data", "sft", "reward_model", "reward", "warm_start",
                  "checkpoint", "log", "ppo"):
@@ -636,7 +654,7 @@ class ExperimentSettings:
     # The ppo section: the algorithm, its sampling and where the critic starts.
     out["ppo"].pop("seed", None)  # the top-level seed
     out["ppo"].update(self.section_dict("sampling"), critic_init=self.critic_init)
-    out["runtime"] = {**_as_data(self.runtime), **_as_data(self.choice)}
+    out["plan"] = {**_as_data(self.plan), **_as_data(self.choice)}
     return out
 
 

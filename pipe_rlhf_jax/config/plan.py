@@ -1,4 +1,4 @@
-"""The plan's settings: `Plan` (the `runtime`, `mesh` and `stages` sections of an
+"""The plan's settings: `Plan` (the `plan`, `mesh` and `stages` sections of an
 experiment config), each stage's `StagePlan` and `MeshSpec`, and `PlannedRun` (a plan with
 the planner's prediction for it).
 
@@ -196,27 +196,27 @@ class Plan:
   train: StagePlan = StagePlan(mesh=MeshSpec(data=1, fsdp=-1))
 
   def __post_init__(self):
-    check_choice(self.mode, "runtime.mode", MODES)
-    check_int(self.max_staleness, "runtime.max_staleness", low=0)
-    check_int(self.queue_size, "runtime.queue_size")
+    check_choice(self.mode, "plan.mode", MODES)
+    check_int(self.max_staleness, "plan.max_staleness", low=0)
+    check_int(self.queue_size, "plan.queue_size")
     if not isinstance(self.partial_rollouts, bool):
-      raise ValueError(f"runtime.partial_rollouts={self.partial_rollouts!r} must be True "
+      raise ValueError(f"plan.partial_rollouts={self.partial_rollouts!r} must be True "
                        "or False.")
-    check_choice(self.past_staleness, "runtime.past_staleness", PAST_STALENESS)
+    check_choice(self.past_staleness, "plan.past_staleness", PAST_STALENESS)
     if self.partial_rollouts and (self.mode != "pipe" or not self.generate.num_slots):
       raise ValueError(
-          f"runtime.partial_rollouts=True needs runtime.mode='pipe' and "
+          f"plan.partial_rollouts=True needs plan.mode='pipe' and "
           f"stages.generate.num_slots > 0 (the slot engine keeps unfinished rows across "
           f"updates); got mode={self.mode!r}, num_slots={self.generate.num_slots}. Set "
           "both, or partial_rollouts=False.")
-    check_number(self.shutdown_timeout_s, "runtime.shutdown_timeout_s")
-    check_number(self.progress_timeout_s, "runtime.progress_timeout_s", allow_zero=True)
+    check_number(self.shutdown_timeout_s, "plan.shutdown_timeout_s")
+    check_number(self.progress_timeout_s, "plan.progress_timeout_s", allow_zero=True)
     if self.mode == "pipe":
       if self.placement is None or len(self.placement) != len(STAGES):
-        raise ValueError(f"runtime.placement must give device counts for {STAGES} in "
+        raise ValueError(f"plan.placement must give device counts for {STAGES} in "
                          f"pipe mode, got {self.placement}.")
       for stage, count in zip(STAGES, self.placement):
-        check_int(count, f"runtime.placement.{stage}")
+        check_int(count, f"plan.placement.{stage}")
     for stage in STAGES:
       check_int(self.stage(stage).num_microbatches, f"stages.{stage}.num_microbatches")
     for stage in ("infer", "train"):
@@ -231,7 +231,7 @@ class Plan:
     if self.generate.num_slots and pipelined:
       if self.partial_rollouts:
         raise ValueError(
-            f"runtime.partial_rollouts=True with stages.generate.mesh.pipe="
+            f"plan.partial_rollouts=True with stages.generate.mesh.pipe="
             f"{self.generate.mesh.pipe}: the engine kept across updates is the plain "
             "decoder's; set stages.generate.mesh.pipe=1, or partial_rollouts=False.")
       if self.generate.num_slots % self.generate.num_microbatches:
@@ -268,13 +268,13 @@ class Plan:
 
   @classmethod
   def from_config(cls, config) -> "Plan":
-    """From an experiment config's `runtime`, `mesh` and `stages` sections."""
-    rt = plain(config.runtime)
+    """From an experiment config's `plan`, `mesh` and `stages` sections."""
+    rt = plain(config.plan)
     placement = rt.get("placement")
     if placement is not None:
       placement = plain(placement)
       if set(placement) != set(STAGES):
-        raise ValueError(f"runtime.placement must give device counts for exactly "
+        raise ValueError(f"plan.placement must give device counts for exactly "
                          f"{STAGES}, got {sorted(placement)}.")
       placement = tuple(placement[s] for s in STAGES)
     stages = {s: StagePlan.from_config(config.stages[s], f"stages.{s}") for s in STAGES}
@@ -293,8 +293,8 @@ class PlannedRun:
   """The plan a run uses and what the planner predicts for it.
 
   Attributes:
-    runtime: the plan (chosen by the planner, or the hand-written one it accepted).
-    chosen: True when `runtime.plan = "auto"` chose it.
+    plan: the plan (chosen by the planner, or the hand-written one it accepted).
+    chosen: True when `plan.choose = "auto"` chose it.
     predicted_step_s: the simulator's steady seconds per PPO step.
     bottleneck: the stage that bounds the step.
     memory_gib: predicted peak GiB per device, per device group.
@@ -303,7 +303,7 @@ class PlannedRun:
     search_s: seconds the search took (0 for a hand-written plan).
   """
 
-  runtime: Plan
+  plan: Plan
   chosen: bool
   predicted_step_s: float
   bottleneck: str
@@ -315,6 +315,6 @@ class PlannedRun:
   def describe(self) -> str:
     how = "chosen by the planner" if self.chosen else "hand-written, checked by the planner"
     mem = ", ".join(f"{k} {v:.2f}" for k, v in self.memory_gib.items())
-    return (f"plan ({how}): {self.runtime}; predicted {self.predicted_step_s:.4g} s/step "
+    return (f"plan ({how}): {self.plan}; predicted {self.predicted_step_s:.4g} s/step "
             f"(bottleneck {self.bottleneck}; GiB/device {mem}) on {self.hardware}, "
             f"efficiencies: {self.efficiency}")

@@ -126,7 +126,7 @@ class StepBoundary:
       except Exception as e:  # pylint: disable=broad-except
         raise Stalled(
             f"process {peer} did not finish PPO step {step} within {self.timeout_s():.0f} s "
-            f"of process {self.me} (runtime.progress_timeout_s); its last activity: "
+            f"of process {self.me} (plan.progress_timeout_s); its last activity: "
             f"{activity_of(peer)}. Find why in its log, then resume with --resume.") from e
       stop = stop or int(vote)
     # Everyone has read the votes of two steps ago by now: drop this process's.

@@ -211,7 +211,7 @@ def process_submesh(mesh: jax.sharding.Mesh, process: int,
   the same axes.
 
   They must form a rectangular block of the mesh (a box of coordinates along every
-  axis): raises ValueError, naming runtime.placement, otherwise.
+  axis): raises ValueError, naming plan.placement, otherwise.
   """
   owners = np.vectorize(owner, otypes=[int])(mesh.devices)
   where = np.argwhere(owners == process)  # [devices of the process, mesh.ndim]
@@ -220,7 +220,7 @@ def process_submesh(mesh: jax.sharding.Mesh, process: int,
   box = mesh.devices[np.ix_(*[np.unique(where[:, k]) for k in range(owners.ndim)])]
   if not is_rectangular(owners == process):
     raise ValueError(
-        f"runtime.placement: process {process}'s devices in the mesh {dict(mesh.shape)} "
+        f"plan.placement: process {process}'s devices in the mesh {dict(mesh.shape)} "
         f"are not a rectangular block of it (at mesh coordinates {where.tolist()}), so it "
         "cannot receive its part of the stage's arrays as one block; give each process "
         "of a stage whole slices of the mesh's outer axes (e.g. a device count per "
@@ -271,7 +271,7 @@ def block_of(sharding: NamedSharding, shape: tuple[int, ...], process: int,
   for device, bounds in wanted.items():
     if [(a + s, b + s) for (a, b), s in zip(_bounds(got[device], block), start)] != bounds:
       raise ValueError(
-          f"runtime.placement: the {list(shape)} array laid out as {sharding.spec} on the "
+          f"plan.placement: the {list(shape)} array laid out as {sharding.spec} on the "
           f"mesh {dict(mesh.shape)} is not one block per process (process {process}'s "
           f"device {device.id} holds {bounds}, its block layout would give it another "
           "part), so it cannot be sent block by block; split the stage's processes "

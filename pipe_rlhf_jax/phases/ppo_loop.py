@@ -44,16 +44,16 @@ log = logging.getLogger(__name__)
 STALL_SAVE_TIMEOUT_S = 120
 
 
-def plan_of(runtime: Plan, devices) -> dict[str, Any]:
+def plan_of(plan: Plan, devices) -> dict[str, Any]:
   """The fields that decide where and in which order PPO runs (not what it computes):
   the typed plan (`Plan`) and the device count, as JSON-able values.
 
   Stored in each checkpoint so that a resume under another plan can say what changed.
   """
-  plan = dataclasses.asdict(runtime)
+  fields = dataclasses.asdict(plan)
   # Through JSON so that a plan read back from a checkpoint compares equal (tuples).
   return json.loads(json.dumps({"num_devices": len(devices),
-                                "num_processes": distributed.process_count(), **plan}))
+                                "num_processes": distributed.process_count(), **fields}))
 
 
 def restore_ppo(setup: RunSetup, system: PPOSystem, prompts) -> None:
@@ -138,7 +138,7 @@ class PPOLoop:
   Stops: a SIGINT or SIGTERM (`signals`) during the loop ends it at the next step
   boundary, agreed by every process that checkpoints; the checkpoint of that step is
   written and `Interrupted` raised. A step that makes no progress within the deadline
-  (`runtime.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
+  (`plan.progress_timeout_s`) raises `Stalled`, naming the stage; the last finished
   step is saved first when the trainer state is whole (the stuck stage is not the
   update) and only this process holds it.
 
@@ -160,7 +160,7 @@ class PPOLoop:
     self.bar = metrics_lib.ProgressBar(end - self.start, desc=f"ppo[{system.mode}]",
                                        keys=("reward/mean", "rule_reward/mean", "kl/mean"),
                                        disable=not progress or not setup.role.writes)
-    self.plan = plan_of(setup.runtime, setup.devices)
+    self.plan = plan_of(setup.plan, setup.devices)
     self.fields = ckpt_lib.fingerprinted_fields(digests.with_content(
         self.settings.to_dict(), setup.data_files))
     self.fence = WriteFence()

@@ -131,7 +131,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
       extra={"mode": system.mode, **reward_summary(warm, built.reward_stats), **comparisons,
              "busy fraction": json.dumps({k: round(v, 3) for k, v in
                                           tracer.busy_fraction().items()}),
-             "plan": str(system.runtime), **step_s})
+             "plan": str(system.plan), **step_s})
   with open(os.path.join(workdir, "summary.txt"), "w", encoding="utf-8") as f:
     f.write(summary_text + "\n\nsamples before PPO:\n  " + "\n  ".join(samples_before)
             + "\nsamples after PPO:\n  " + "\n  ".join(samples_after) + "\n")

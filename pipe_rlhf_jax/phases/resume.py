@@ -67,7 +67,7 @@ def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None
   if before != after:
     log.warning(
         "The resumed schedule changes what PPO computes: rollouts may now lag the policy "
-        "by up to %d update(s) instead of %d (mode %s -> %s, runtime.max_staleness %s -> "
+        "by up to %d update(s) instead of %d (mode %s -> %s, plan.max_staleness %s -> "
         "%s). Metrics after the resume are not those of an uninterrupted run.", after,
         before, saved["mode"], current["mode"], saved["max_staleness"],
         current["max_staleness"])

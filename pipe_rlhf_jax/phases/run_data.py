@@ -151,7 +151,7 @@ def build_data(setup: RunSetup) -> tuple[dict[str, float], dict[str, Any]]:
   """`make_data`, once per job: process 0 builds the datasets, the others then read them."""
   set_activity("building datasets")
   # Process 0 may take long (a large JSONL file): the others wait up to the one-off
-  # deadline (runtime.progress_timeout_s), not a fixed time.
+  # deadline (plan.progress_timeout_s), not a fixed time.
   timeout_s = setup.deadline.one_off()
   if not distributed.is_primary():
     distributed.barrier("datasets_built", timeout_s=timeout_s)

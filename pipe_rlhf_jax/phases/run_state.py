@@ -42,8 +42,9 @@ class Experiment:
     settings: every section of the config, typed and checked (`ExperimentSettings`:
       model, data, sft, reward_model, reward, warm_start, checkpoint, log, ppo, the
       sampling, the hand-written plan and how it is chosen).
-    plan: the plan the run uses and its prediction (`PlannedRun`): the planner's choice
-      under `runtime.plan='auto'`, the hand-written plan, checked, under 'manual'.
+    planned: the plan the run uses and its prediction (`PlannedRun`): the planner's
+      choice under `plan.choose='auto'`, the hand-written plan, checked, under 'manual';
+      `plan` is the plan itself.
     record: the config as it runs, with the chosen plan's fields written in (a frozen
       ConfigDict): what config.json and the metrics' record hold, so that the workdir
       says which plan ran. Nothing reads settings from it.
@@ -52,7 +53,7 @@ class Experiment:
   """
 
   settings: ExperimentSettings
-  plan: PlannedRun
+  planned: PlannedRun
   record: Any
   models: dict[str, TransformerConfig]
 
@@ -62,9 +63,9 @@ class Experiment:
     return self.settings.ppo
 
   @property
-  def runtime(self) -> Plan:
-    """The typed plan (`plan.runtime`)."""
-    return self.plan.runtime
+  def plan(self) -> Plan:
+    """The plan the run uses (`planned.plan`)."""
+    return self.planned.plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +89,14 @@ class ProcessRole:
   trainers: tuple[int, ...] | None = None
 
   @classmethod
-  def of(cls, runtime: Plan, layouts: dict[str, Any], process: int,
+  def of(cls, plan: Plan, layouts: dict[str, Any], process: int,
          processes: int, devices_per_process: int,
          owner: Callable[[Any], int] = process_of) -> "ProcessRole":
-    """The role of process `process` of `processes` under the plan `runtime`, whose stage
+    """The role of process `process` of `processes` under the plan `plan`, whose stage
     layouts are `layouts` (`owner(device)`: a device's process); raises ValueError when
     pipe mode across processes would put the training stage outside process 0 (which
     writes the run's files) or leave a process without a stage."""
-    if not (runtime.mode == "pipe" and processes > 1):
+    if not (plan.mode == "pipe" and processes > 1):
       return cls(process=process, writes=process == 0)
     groups = stage_processes(layouts, owner)
     # A process of no stage would have no part in the PPO schedule, while the job's
@@ -103,19 +104,19 @@ class ProcessRole:
     idle = sorted(set(range(processes)) - {p for g in groups.values() for p in g})
     if idle:
       raise ValueError(
-          f"runtime.placement: in pipe mode across processes every process must hold a "
-          f"stage, but the placement {'+'.join(map(str, runtime.placement))} leaves "
+          f"plan.placement: in pipe mode across processes every process must hold a "
+          f"stage, but the placement {'+'.join(map(str, plan.placement))} leaves "
           f"processes {idle} without one ({processes} processes of "
           f"{devices_per_process} devices). Give the stages more devices (e.g. "
-          f"runtime.placement.train a multiple of {devices_per_process}: training takes "
+          f"plan.placement.train a multiple of {devices_per_process}: training takes "
           f"the last devices), or start fewer processes.")
     trainers = tuple(groups["train"])
     if 0 not in trainers:
       raise ValueError(
-          f"runtime.placement: in pipe mode across processes the training stage must "
+          f"plan.placement: in pipe mode across processes the training stage must "
           f"include process 0's devices (the last block of the device order, "
           f"{devices_per_process} per process); it lies in processes {list(trainers)}. "
-          f"Make runtime.placement.train the last block: a multiple of "
+          f"Make plan.placement.train the last block: a multiple of "
           f"{devices_per_process} devices, or at most {devices_per_process}.")
     return cls(process=process, writes=process == 0, trains=process in trainers,
                across=True, trainers=trainers)
@@ -147,7 +148,7 @@ class RunSetup:
   checkpointer: ckpt_lib.Checkpointer
   fingerprint: str
   start: int  # first PPO step this run trains (0, or the step after the checkpoint)
-  warm_layout: Any  # the warm-start phases' layout, the same in every runtime mode
+  warm_layout: Any  # the warm-start phases' layout, the same in every mode
   warm_source: str | None  # the warm-start checkpoint to restore; None: train it here
   role: ProcessRole = ProcessRole()  # what this process does in a multi-process job
   lock: WorkdirLock | None = None  # held by the process that writes (process 0)
@@ -158,12 +159,13 @@ class RunSetup:
 
   @property
   def planned(self) -> PlannedRun:
-    """The plan the run uses (typed) and its predicted s/step."""
-    return self.experiment.plan
+    """The plan the run uses and its predicted s/step."""
+    return self.experiment.planned
 
   @property
-  def runtime(self) -> Plan:
-    return self.experiment.runtime
+  def plan(self) -> Plan:
+    """The plan the run uses."""
+    return self.experiment.plan
 
   @property
   def cfgs(self) -> dict[str, TransformerConfig]:

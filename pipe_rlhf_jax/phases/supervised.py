@@ -6,7 +6,7 @@ step once with the parameters and optimizer state donated, logs every step, and 
 
 They run on one layout of their own (`warm_start_layout`: `warm_start.mesh` over all the
 job's devices, with the training rules), never on a PPO stage's mesh: the PPO plan
-(`runtime.mode`, placement, per-stage meshes) then cannot change the warm start, and runs
+(`plan.mode`, placement, per-stage meshes) then cannot change the warm start, and runs
 of one seed in different modes start PPO from the same weights, to the last bit.
 """
 
@@ -54,7 +54,7 @@ def warm_start_layout(mesh: Any, devices: Sequence[Any], batch_sizes: dict[str, 
       ({"fsdp": 2}: devices 0-1; in a multi-process job as many from each process), which
       on a few CPU cores shared by many virtual devices is the faster choice for a small
       model (fewer threads to meet at every collective).
-    devices: the job's devices (all of `runtime.num_devices`).
+    devices: the job's devices (all of `plan.num_devices`).
     batch_sizes: {config field: batch size} of the phases, checked to split evenly.
 
   Returns:

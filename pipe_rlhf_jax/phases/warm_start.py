@@ -10,7 +10,7 @@ restores them onto it.
 
 SFT and the reward model train on one layout of their own (`warm_start.mesh` over all
 the job's devices), never on a PPO stage's mesh, so a seed's warm start is the same, to
-the last bit, in every runtime mode, and runs of one seed in several modes can start PPO
+the last bit, in every mode, and runs of one seed in several modes can start PPO
 from one checkpoint.
 """
 
@@ -142,7 +142,7 @@ def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, da
   new score head either way.
 
   `layout` is the warm-start layout (`phases.supervised.warm_start_layout`), the same in
-  every runtime mode. A checkpoint is restored onto it (replicated over its mesh),
+  every mode. A checkpoint is restored onto it (replicated over its mesh),
   whatever devices wrote it; its fingerprint (`warm_start_fingerprint`) covers what
   decides its result, never the plan, so a preempted run may continue on another slice
   and runs in other modes may share it.

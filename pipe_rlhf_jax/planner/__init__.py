@@ -2,7 +2,7 @@
 
 Modules (one concern each):
   space       the hierarchical plan space (schedule -> placement -> per-stage mesh, M,
-              remat) of valid `Plan`s, validated by the runtime's own checks on
+              remat) of valid `Plan`s, validated by the system's own checks on
               abstract meshes; conversion to / from config overrides.
   hardware    hardware profiles (TPU v4/v5e/v5p/v6e, A100, H100, H200, this cpu) with
               the source of every number.
@@ -20,7 +20,7 @@ Modules (one concern each):
               over placements (large), ranked by the simulator.
   presets     published model shapes (models/shapes.py) for projections.
   lengths     the response-length (EOS) model: passes the early-exiting decoders run.
-  auto        the planner inside the main job: `runtime.plan = "auto"` (the best plan
+  auto        the planner inside the main job: `plan.choose = "auto"` (the best plan
               for the devices it sees) and the check of a hand-written plan before
               anything compiles; measured steady seconds per step from a run's trace.
 
@@ -29,8 +29,8 @@ Planning a run:
   python -m pipe_rlhf_jax.plan --config=configs/quickstart.py --hardware=cpu --devices=8 \
       --calibration=calibration.json
   python -m pipe_rlhf_jax.main --config=configs/quickstart.py $(cat best_plan.flags)
-  python -m pipe_rlhf_jax.main --config=configs/quickstart.py --config.runtime.plan=auto \
-      --config.runtime.calibration=calibration.json
+  python -m pipe_rlhf_jax.main --config=configs/quickstart.py --config.plan.choose=auto \
+      --config.plan.calibration=calibration.json
 Projections for absent hardware: `--hardware=h100 --devices=64 --model=llama2-7b` (the
 efficiencies are then the stated defaults of `cost.Efficiency` unless a calibration file
 from that hardware is given); `experiments/project_paper_scale.py` tabulates them for

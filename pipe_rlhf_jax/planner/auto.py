@@ -1,24 +1,24 @@
-"""The planner inside the main job: `runtime.plan = "auto"`, and the planner's veto.
+"""The planner inside the main job: `plan.choose = "auto"`, and the planner's veto.
 
 Owns what `train.experiment_of` asks of the planner before anything is built or compiled:
   * which hardware profile describes the devices the run sees (`detect_hardware`; the
-    config field `runtime.hardware` overrides it) and which efficiencies price it (the
-    calibration file `runtime.calibration` when given, else the profile's analytic
+    config field `plan.hardware` overrides it) and which efficiencies price it (the
+    calibration file `plan.calibration` when given, else the profile's analytic
     defaults);
-  * `runtime.plan = "auto"`: the best plan of the space for this experiment on these
-    devices (`search.search`), returned typed (`PlannedRun.runtime`): the run uses it as
+  * `plan.choose = "auto"`: the best plan of the space for this experiment on these
+    devices (`search.search`), returned typed (`PlannedRun.plan`): the run uses it as
     it is, and the config is only written with its fields for the record (`as_run`,
-    config.json); the search keeps `runtime.max_staleness` as the bound the user allows (an
+    config.json); the search keeps `plan.max_staleness` as the bound the user allows (an
     algorithmic choice: how far off-policy a rollout may be), trying 0..bound;
-  * `runtime.plan = "manual"` (the default, the hand-written plan): the planner's checks
-    (the runtime's own, on abstract meshes, and the memory model) run on it, and a plan
+  * `plan.choose = "manual"` (the default, the hand-written plan): the planner's checks
+    (the system's own, on abstract meshes, and the memory model) run on it, and a plan
     they reject fails here with their reason, before data are built or SFT compiles;
   * the predicted steady seconds per step of the plan that runs, and the measured one
     from the run's trace (`concurrency.tracing.steady_step_time`), for the summary and metrics.
 
 It reads the experiment's typed settings (`config.ExperimentSettings`): the plan's
-choice and inputs are `settings.choice` (`config.PlanChoice`: runtime.plan, hardware,
-calibration, response_fraction), the hand-written plan `settings.runtime`.
+choice and inputs are `settings.choice` (`config.PlanChoice`: plan.choose, hardware,
+calibration, response_fraction), the hand-written plan `settings.plan`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _host_ram_bytes() -> float:
 
 
 def detect_hardware(devices, name: str = "") -> hardware.Hardware:
-  """The profile of `devices` (or the profile `name`, from `runtime.hardware`).
+  """The profile of `devices` (or the profile `name`, from `plan.hardware`).
 
   On the CPU backend the `cpu` profile is sized to the local host: its RAM, shared by every
   virtual device the process has (`jax.device_count()`), not only the run's.
@@ -53,7 +53,7 @@ def detect_hardware(devices, name: str = "") -> hardware.Hardware:
     try:
       return hardware.get(name)
     except ValueError as e:
-      raise ValueError(f"runtime.hardware: {e}") from None
+      raise ValueError(f"plan.hardware: {e}") from None
   platform = devices[0].platform
   if platform == "cpu":
     return dataclasses.replace(hardware.get("cpu"), hbm_bytes=_host_ram_bytes(),
@@ -63,9 +63,9 @@ def detect_hardware(devices, name: str = "") -> hardware.Hardware:
     if key in kind:
       return hardware.get(profile)
   raise ValueError(f"no hardware profile matches device_kind={devices[0].device_kind!r} "
-                   f"({platform}); set runtime.hardware to one of "
-                   f"{sorted(hardware.PROFILES)} (the closest), or runtime.plan='manual' "
-                   "with runtime.hardware naming a profile.")
+                   f"({platform}); set plan.hardware to one of "
+                   f"{sorted(hardware.PROFILES)} (the closest), or plan.choose='manual' "
+                   "with plan.hardware naming a profile.")
 
 
 def workload(settings: ExperimentSettings, actor: TransformerConfig, num_devices: int,
@@ -84,10 +84,10 @@ def workload(settings: ExperimentSettings, actor: TransformerConfig, num_devices
 
 
 def options_of(settings: ExperimentSettings) -> space.SpaceOptions:
-  """The search's knobs from the settings: staleness 0..runtime.max_staleness, and the
+  """The search's knobs from the settings: staleness 0..plan.max_staleness, and the
   execution fields (attention, logits chunk) of the hand-written training stage."""
-  train = settings.runtime.train
-  return space.SpaceOptions(staleness=tuple(range(settings.runtime.max_staleness + 1)),
+  train = settings.plan.train
+  return space.SpaceOptions(staleness=tuple(range(settings.plan.max_staleness + 1)),
                             attention=train.attention, logits_chunk=train.logits_chunk)
 
 
@@ -97,20 +97,20 @@ def machine_of(settings: ExperimentSettings, devices) -> cost.Machine:
   path = settings.choice.calibration
   if path:
     if not os.path.isfile(path):
-      raise ValueError(f"runtime.calibration={path!r} is not a file; write one with "
+      raise ValueError(f"plan.calibration={path!r} is not a file; write one with "
                        "`python -m pipe_rlhf_jax.planner.calibrate --out FILE`, or set "
-                       "runtime.calibration='' to use the analytic efficiencies.")
+                       "plan.calibration='' to use the analytic efficiencies.")
     eff = cost.Efficiency.load(path)
     eff = dataclasses.replace(eff, source=f"calibration {path} ({eff.source})")
   else:
     eff = cost.Efficiency(source=f"analytic {hw.name} profile, assumed efficiencies "
-                          "(no runtime.calibration)")
+                          "(no plan.calibration)")
   return cost.Machine(hw, eff)
 
 
 def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
              ) -> PlannedRun:
-  return PlannedRun(runtime=c.plan, chosen=chosen, predicted_step_s=c.step_time,
+  return PlannedRun(plan=c.plan, chosen=chosen, predicted_step_s=c.step_time,
                     bottleneck=c.bottleneck,
                     memory_gib={k: v / hardware.GIB for k, v in c.memory.items()},
                     hardware=m.hw.name, efficiency=m.eff.source, search_s=seconds)
@@ -118,7 +118,7 @@ def _planned(c: search.Candidate, chosen: bool, m: cost.Machine, seconds: float
 
 def runnable_across_processes(plan: Plan, processes: int,
                               devices_per_process: int) -> bool:
-  """Whether the runtime can run `plan` in a job of `processes` processes.
+  """Whether the system can run `plan` in a job of `processes` processes.
 
   `pipe` mode there (`system/pipe_processes.py`) places each stage within one process
   (several stages may share it) or on whole processes of its own, with each process's
@@ -149,20 +149,20 @@ def runnable_across_processes(plan: Plan, processes: int,
 
 def plan_run(settings: ExperimentSettings, actor: TransformerConfig, devices
              ) -> PlannedRun:
-  """The plan the run uses for `runtime.plan` on `devices`, and its prediction.
+  """The plan the run uses for `plan.choose` on `devices`, and its prediction.
 
   "auto": the search's best plan. "manual": the config's own plan, after the planner's
   checks; raises ValueError with the planner's reason when the hand-written plan cannot
-  run (the runtime's checks on abstract meshes, then the memory model on the detected
+  run (the system's checks on abstract meshes, then the memory model on the detected
   hardware).
   """
-  choice = settings.choice.plan
+  choice = settings.choice.choose
   if choice == "auto":
-    custom = [s for s in STAGES if settings.runtime.stage(s).rules]
+    custom = [s for s in STAGES if settings.plan.stage(s).rules]
     if custom:
-      raise ValueError(f"runtime.plan='auto' plans with each stage's default logical "
+      raise ValueError(f"plan.choose='auto' plans with each stage's default logical "
                        f"rules, but stages.{custom[0]}.rules is set; remove it, or use "
-                       "runtime.plan='manual'.")
+                       "plan.choose='manual'.")
   import jax  # (the backend exists by now: `devices` came from it)
   processes = jax.process_count()
   m = machine_of(settings, devices)
@@ -170,31 +170,31 @@ def plan_run(settings: ExperimentSettings, actor: TransformerConfig, devices
   per_host = len(devices) // processes if processes > 1 else m.hw.devices_per_host
   work = workload(settings, actor, len(devices), per_host)
   if choice == "manual":
-    runtime = settings.runtime
-    reason = space.plan_error(runtime, work)
+    plan = settings.plan
+    reason = space.plan_error(plan, work)
     if reason is None:
-      c = search.price(runtime, work, m, simulate=True)
+      c = search.price(plan, work, m, simulate=True)
       reason = c.rejected
     if reason is not None:
       raise ValueError(
-          f"the hand-written plan {runtime} cannot run {work.batch_size} rollouts of "
+          f"the hand-written plan {plan} cannot run {work.batch_size} rollouts of "
           f"{work.length} tokens on {len(devices)} {m.hw.name} devices: "
-          f"{reason.rstrip('.')}. Change runtime / mesh / stages (or ppo.minibatch_size), "
-          "or let the planner choose: --config.runtime.plan=auto.")
+          f"{reason.rstrip('.')}. Change plan / mesh / stages (or ppo.minibatch_size), "
+          "or let the planner choose: --config.plan.choose=auto.")
     return _planned(c, False, m, 0.0)
   best, rejected, stats = search.search(work, m, options_of(settings),
                                         k=1 if processes == 1 else 64)
   best = [c for c in best if runnable_across_processes(c.plan, processes, per_host)][:1]
   if not best:
     reasons = "; ".join(f"{c.plan}: {c.rejected}" for c in rejected[:3])
-    raise ValueError(f"runtime.plan='auto': no plan of the space fits {len(devices)} "
+    raise ValueError(f"plan.choose='auto': no plan of the space fits {len(devices)} "
                      f"{m.hw.name} devices ({len(rejected)} rejected, e.g. {reasons}); "
                      "reduce ppo.minibatch_size or the model, or add devices.")
   # The search prices plans with the default timeouts; the run keeps the config's.
-  plan = dataclasses.replace(best[0].plan,
-                             shutdown_timeout_s=settings.runtime.shutdown_timeout_s,
-                             progress_timeout_s=settings.runtime.progress_timeout_s)
-  return _planned(dataclasses.replace(best[0], plan=plan), True, m, stats["seconds"])
+  chosen = dataclasses.replace(best[0].plan,
+                               shutdown_timeout_s=settings.plan.shutdown_timeout_s,
+                               progress_timeout_s=settings.plan.progress_timeout_s)
+  return _planned(dataclasses.replace(best[0], plan=chosen), True, m, stats["seconds"])
 
 
 def as_run(config, planned: PlannedRun):
@@ -203,7 +203,7 @@ def as_run(config, planned: PlannedRun):
   metrics' record, so that the workdir says which plan ran."""
   if not planned.chosen:
     return config
-  run = space.apply_overrides(config, space.to_overrides(planned.runtime, config))
-  if planned.runtime.placement is None and "placement" in run.runtime:
-    run.runtime.placement = None  # only pipe mode places stages on device blocks
+  run = space.apply_overrides(config, space.to_overrides(planned.plan, config))
+  if planned.plan.placement is None and "placement" in run.plan:
+    run.plan.placement = None  # only pipe mode places stages on device blocks
   return run

@@ -21,7 +21,7 @@ Measures (median of repeats, after a compile-and-warm-up call):
                 over all local devices (same FLOPs, one program per device).
   optimizer     the Adam update (optax.adam, update + apply) of the model's parameters on
                 one device.
-  stages        the REAL stage calls, as the runtime makes them (`PPOSystem.generate`,
+  stages        the REAL stage calls, as the system makes them (`PPOSystem.generate`,
                 `.infer`, `.train`: sampler or pipelined decoder, reference + critic
                 passes + rule reward + experience, the whole PPO update with the
                 critic and both optimizers), on calibration workloads of their own
@@ -365,10 +365,10 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
       continue
     meshes = {"generate": _mesh(gen), "infer": _mesh(inf), "train": _mesh(trn)}
     if mode == "sequential":
-      runtime = Plan(mesh=MeshSpec(**_mesh({"data": k})))
+      plan = Plan(mesh=MeshSpec(**_mesh({"data": k})))
       meshes = {s: _mesh({"data": k}) for s in meshes}
     else:
-      runtime = Plan(
+      plan = Plan(
           mode=mode, generate=StagePlan(mesh=MeshSpec(**meshes["generate"]),
                                         num_microbatches=micro),
           infer=StagePlan(mesh=MeshSpec(**meshes["infer"])),
@@ -378,7 +378,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
           Models.from_policy(init_model(cfg)),
           ppo=PPOConfig(steps=1000, batch_size=batch, minibatch_size=minibatch, epochs=1),
           sampling=SamplingParams(max_new_tokens=gen_len, eos_id=None, pad_id=0),
-          runtime=runtime, reward_fn=lambda p, c: [float(len(x)) for x in c],
+          plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
           decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices[:k])
     except MeshMismatch as e:
       # A real model's head counts need not divide the point's tensor axis, nor its depth

@@ -56,26 +56,26 @@ def batch_arrays(work: Workload) -> dict[str, tuple[int, float]]:
           "train": (rollout[0] + per_token + 1, rollout[1] + b * (per_token * t + 1) * 4)}
 
 
-def batch_moves(runtime: Plan, shapes: dict[str, dict], work: Workload,
+def batch_moves(plan: Plan, shapes: dict[str, dict], work: Workload,
                 m: Machine) -> dict[str, float]:
   """Seconds each stage spends moving its batch in from the previous stage's layout
   (`PPOSystem.infer` / `.train` reshard it first): nothing in `sequential` or where the
   two stages split the batch the same way over the same devices."""
   out = {s: 0.0 for s in STAGES}
-  if runtime.mode == "sequential":
+  if plan.mode == "sequential":
     return out
   for src, dst in (("generate", "infer"), ("infer", "train")):
     a, b = shapes[src], shapes[dst]
     # Devices fill (data, fsdp, pipe, tensor) row-major: equal data and fsdp sizes put
     # every batch shard on the same devices.
-    if runtime.mode == "per_stage" and (a["data"], a["fsdp"]) == (b["data"], b["fsdp"]):
+    if plan.mode == "per_stage" and (a["data"], a["fsdp"]) == (b["data"], b["fsdp"]):
       continue
     arrays, nbytes = batch_arrays(work)[dst]
     out[dst] = reshard_seconds(arrays, nbytes * batch_replicas(b), m)
   return out
 
 
-def sync_time(runtime: Plan, mesh_sizes: dict[str, dict], work: Workload,
+def sync_time(plan: Plan, mesh_sizes: dict[str, dict], work: Workload,
               m: Machine) -> float:
   """Seconds to move the new actor train -> generate and critic train -> infer.
 
@@ -84,7 +84,7 @@ def sync_time(runtime: Plan, mesh_sizes: dict[str, dict], work: Workload,
   side bounds the transfer. `sequential`: one layout for all stages, nothing moves.
   Shared hardware: every byte goes through the host's memory, one after another.
   """
-  if runtime.mode == "sequential":
+  if plan.mode == "sequential":
     return 0.0
   total = 0.0
   src = mesh_sizes["train"]
@@ -99,7 +99,7 @@ def sync_time(runtime: Plan, mesh_sizes: dict[str, dict], work: Workload,
     if m.hw.shared_host:
       total += reshard_seconds(sum(cfg.num_param_arrays()), w * replicas, m)
       continue
-    hosts = runtime.mode == "pipe" and (n_src + n_dst > m.hw.devices_per_host)
+    hosts = plan.mode == "pipe" and (n_src + n_dst > m.hw.devices_per_host)
     bw, lat = m.link(hosts)
     total += lat + max(w / dst_ways, w * replicas / n_src) / bw
   return total + 2 * m.eff.call_overhead_s
@@ -124,7 +124,7 @@ class PlanCost:
             "closed_form": self.closed_form}
 
 
-def closed_form(times: dict[str, float], sync: float, runtime: Plan,
+def closed_form(times: dict[str, float], sync: float, plan: Plan,
                 demands: dict[str, float] | None = None,
                 exclusive: frozenset = frozenset()) -> float:
   """Steady seconds per step without queueing detail.
@@ -137,27 +137,27 @@ def closed_form(times: dict[str, float], sync: float, runtime: Plan,
   `exclusive` stages (`exclusive_stages`) never overlap, so their sum bounds it too.
   """
   serial = sum(times.values()) + sync
-  if runtime.mode != "pipe":
+  if plan.mode != "pipe":
     return serial
   period = max(times["generate"], times["infer"], times["train"] + sync,
-               serial / (runtime.max_staleness + 1),
+               serial / (plan.max_staleness + 1),
                sum(times[s] for s in exclusive))
   if demands is not None:
     period = max(period, sum(times[s] * demands[s] for s in times) + sync * demands["sync"])
   return period
 
 
-def exclusive_stages(runtime: Plan, shapes: dict[str, dict], m: Machine
+def exclusive_stages(plan: Plan, shapes: dict[str, dict], m: Machine
                      ) -> frozenset:
   """`pipe` stages that cannot overlap one another: on hardware whose multi-device
   programs run one at a time (`Hardware.serial_multi_device`), the stages on more than
   one device."""
-  if runtime.mode != "pipe" or not m.hw.serial_multi_device:
+  if plan.mode != "pipe" or not m.hw.serial_multi_device:
     return frozenset()
   return frozenset(s for s in STAGES if math.prod(shapes[s].values()) > 1)
 
 
-def stage_demands(runtime: Plan, shapes: dict[str, dict], m: Machine,
+def stage_demands(plan: Plan, shapes: dict[str, dict], m: Machine,
                   dtype: str, costs: dict[str, StageCost] | None = None
                   ) -> dict[str, float] | None:
   """Shared hardware: each stage's share of the host's throughput when alone (None on
@@ -188,25 +188,25 @@ def stage_demands(runtime: Plan, shapes: dict[str, dict], m: Machine,
   return out
 
 
-def compose(runtime: Plan, shapes: dict[str, dict], costs: dict[str, StageCost],
+def compose(plan: Plan, shapes: dict[str, dict], costs: dict[str, StageCost],
             work: Workload, m: Machine) -> PlanCost:
   """The plan's cost from its stages' own: each stage with its batch moved in
   (`batch_moves`, as a fixed overhead), the weight sync, the shared host's demands and
   the closed-form step time."""
-  moves = batch_moves(runtime, shapes, work, m)
+  moves = batch_moves(plan, shapes, work, m)
   costs = tuple((s, dataclasses.replace(costs[s], overhead=costs[s].overhead + moves[s]))
                 for s in STAGES)
-  sync = sync_time(runtime, shapes, work, m)
+  sync = sync_time(plan, shapes, work, m)
   times = {s: c.total for s, c in costs}
-  demands = stage_demands(runtime, shapes, m, work.actor.dtype, dict(costs))
-  exclusive = exclusive_stages(runtime, shapes, m)
-  return PlanCost(costs, sync, closed_form(times, sync, runtime, demands, exclusive),
+  demands = stage_demands(plan, shapes, m, work.actor.dtype, dict(costs))
+  exclusive = exclusive_stages(plan, shapes, m)
+  return PlanCost(costs, sync, closed_form(times, sync, plan, demands, exclusive),
                   demands, exclusive)
 
 
-def plan_cost(runtime: Plan, work: Workload, m: Machine) -> PlanCost:
+def plan_cost(plan: Plan, work: Workload, m: Machine) -> PlanCost:
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
-  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(runtime,
+  shapes = {s: v[0].as_dict() for s, v in stage_mesh_shapes(plan,
                                                            work.num_devices).items()}
-  costs = {s: stage_cost(s, runtime.stage(s), shapes[s], work, m) for s in STAGES}
-  return compose(runtime, shapes, costs, work, m)
+  costs = {s: stage_cost(s, plan.stage(s), shapes[s], work, m) for s in STAGES}
+  return compose(plan, shapes, costs, work, m)

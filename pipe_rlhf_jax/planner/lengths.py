@@ -12,7 +12,7 @@ the planner prices that with:
 
 One number sets it: the mean length as a fraction f of T (`Workload.response_fraction`;
 1 = no row stops early, the model's default and what `eos_id=None` gives). f comes from
-the config (`runtime.response_fraction`) or from a finished run's metrics
+the config (`plan.response_fraction`) or from a finished run's metrics
 (`fraction_from_metrics`: its mean `response_length/mean` over `data.completion_len`).
 
 The expected longest of r independent rows is exact:
@@ -93,7 +93,7 @@ def fraction_from_metrics(path: str, max_len: int) -> float:
         means.append(record["response_length/mean"])
   if not means:
     raise ValueError(f"{path} has no PPO rows with response_length/mean; give a run's "
-                     "metrics.jsonl, or the fraction itself (runtime.response_fraction).")
+                     "metrics.jsonl, or the fraction itself (plan.response_fraction).")
   return min(1.0, max(1.0 / max_len, float(np.mean(means)) / max_len))
 
 

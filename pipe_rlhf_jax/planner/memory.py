@@ -249,35 +249,35 @@ def capacity(hw: Hardware, devices: int | None = None) -> float:
   return total * USABLE_FRACTION
 
 
-def plan_memory(runtime: Plan, work: Workload) -> dict[str, float]:
+def plan_memory(plan: Plan, work: Workload) -> dict[str, float]:
   """Peak bytes per device of each device group ({stage: bytes} in pipe mode, else
   {"all": bytes}: the three stages' persistent state together plus the largest
   transient)."""
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
-  shapes = stage_mesh_shapes(runtime, work.num_devices)
-  mems = {s: stage_memory(s, runtime.stage(s), shapes[s][0].as_dict(), work)
+  shapes = stage_mesh_shapes(plan, work.num_devices)
+  mems = {s: stage_memory(s, plan.stage(s), shapes[s][0].as_dict(), work)
           for s in STAGES}
-  return combine(runtime, mems)
+  return combine(plan, mems)
 
 
-def combine(runtime: Plan, mems: dict[str, StageMemory]) -> dict[str, float]:
+def combine(plan: Plan, mems: dict[str, StageMemory]) -> dict[str, float]:
   """Peak bytes per device of each device group from the stages' memories."""
-  if runtime.mode == "pipe":
+  if plan.mode == "pipe":
     return {s: m.total for s, m in mems.items()}
   return {"all": sum(m.persistent_bytes for m in mems.values())
           + max(m.transient_bytes for m in mems.values())}
 
 
-def memory_error(runtime: Plan, work: Workload, hw: Hardware) -> str | None:
+def memory_error(plan: Plan, work: Workload, hw: Hardware) -> str | None:
   """Why the plan does not fit in device memory (None: it fits)."""
   from pipe_rlhf_jax.system.system import stage_mesh_shapes
   limit = capacity(hw, work.num_devices)
-  shapes = stage_mesh_shapes(runtime, work.num_devices)
-  for group, need in plan_memory(runtime, work).items():
+  shapes = stage_mesh_shapes(plan, work.num_devices)
+  for group, need in plan_memory(plan, work).items():
     if need > limit:
       stages = [group] if group != "all" else list(STAGES)
       detail = "; ".join(
-          f"{s}: " + stage_memory(s, runtime.stage(s), shapes[s][0].as_dict(),
+          f"{s}: " + stage_memory(s, plan.stage(s), shapes[s][0].as_dict(),
                                   work).describe() for s in stages)
       return (f"needs {need / GIB:.2f} GiB per device on the {group} devices, over the "
               f"{limit / GIB:.2f} GiB usable of {hw.name} ({detail})")

@@ -12,7 +12,7 @@ Two methods, one ranking (the simulator's steady seconds per step):
     closed form; the best candidates are checked in the simulator. Pareto sets keep, for
     each device count, every strategy no other beats on both time and memory, so the only
     plans lost are those whose stages are each dominated — never the fastest that fits.
-Plans that fail the runtime's checks are never generated; plans over the memory limit are
+Plans that fail the system's checks are never generated; plans over the memory limit are
 rejected with the memory model's reason (`show_rejected`).
 """
 

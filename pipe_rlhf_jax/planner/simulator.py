@@ -16,11 +16,11 @@ so concurrency adds no compute beyond the host's. Otherwise each worker runs at
 full speed on its own devices. `exclusive` stages (on hardware whose multi-device
 programs run one at a time: `Hardware.serial_multi_device`) never progress together: the
 one that started first runs, the others wait inside their spans (as a stage call waits
-for its program in the runtime), first come first served.
+for its program in the system), first come first served.
 
 Outputs steady-state seconds per step (mean step period after a warm-up), per-stage busy
 fractions, mean staleness, and one span per stage per batch in a `concurrency.tracing.Tracer`,
-so `tracer.gantt(path)` draws the predicted run like the runtime draws a measured one.
+so `tracer.gantt(path)` draws the predicted run like the system draws a measured one.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 device count, and their conversion to and from config overrides.
 
 Levels (each plain, hashable data):
-  1. `Schedule`: runtime mode, `max_staleness`, `queue_size`;
+  1. `Schedule`: mode, `max_staleness`, `queue_size`;
   2. placement: device counts of (generate, infer, train) — contiguous blocks in device
      order; on multi-host hardware each block is a whole number of hosts (or lies inside
      one host);
   3. per stage: `MeshSpec(data, fsdp, tensor, pipe)` on its devices, generation
      micro-batches M (only with pipe > 1: M in {1, P, 2P, 4P} dividing the batch), and the
      training stage's remat policy.
-A plan is the runtime's own `Plan`. Validity is decided by the runtime's checks,
+A plan is the system's own `Plan`. Validity is decided by the system's checks,
 called here on abstract meshes (no devices needed): `system.stage_mesh_shapes`,
 `system.check_fits`, `system.check_batch_fits` and
 `generation.schedule.validate_pipeline_config` — shared, not copied. The memory limit is
@@ -165,7 +165,7 @@ class SpaceOptions:
   logits_chunk: int = 0
 
 
-# ---- abstract validation (the runtime's checks on meshes without devices) -------------
+# ---- abstract validation (the system's checks on meshes without devices) -------------
 
 
 @functools.lru_cache(maxsize=16)
@@ -179,7 +179,7 @@ def abstract_params(cfg: TransformerConfig) -> Any:
 class PlanLayout(StageLayout):
   """A `StageLayout` over a `jax.sharding.AbstractMesh`: a plan's stage, no devices.
 
-  The runtime's checks (`system.check_fits`, `system.check_batch_fits`) run on it
+  The system's checks (`system.check_fits`, `system.check_batch_fits`) run on it
   unchanged; only the wording of the parameter error differs (an abstract mesh has no
   device ids to name).
   """
@@ -194,35 +194,35 @@ class PlanLayout(StageLayout):
                        f"({describe(self.mesh)}): {e}") from None
 
 
-def abstract_layouts(runtime: Plan, num_devices: int) -> dict[str, PlanLayout]:
-  """Each stage's layout under `runtime` on abstract meshes (`system.stage_mesh_shapes`)."""
+def abstract_layouts(plan: Plan, num_devices: int) -> dict[str, PlanLayout]:
+  """Each stage's layout under `plan` on abstract meshes (`system.stage_mesh_shapes`)."""
   layouts = {}
-  for s, (shape, rules, _) in system.stage_mesh_shapes(runtime, num_devices).items():
+  for s, (shape, rules, _) in system.stage_mesh_shapes(plan, num_devices).items():
     mesh = jax.sharding.AbstractMesh(shape.axis_sizes(), MESH_AXES)
     layouts[s] = PlanLayout(s, mesh, rules)
   return layouts
 
 
-def check_plan(runtime: Plan, work: Workload) -> None:
-  """Raises ValueError (the runtime's message) when `runtime` cannot run `work`.
+def check_plan(plan: Plan, work: Workload) -> None:
+  """Raises ValueError (the system's message) when `plan` cannot run `work`.
 
   The same checks `PPOSystem` applies before compiling, plus the pipelined decoder's
-  (`schedule.validate_pipeline_config`), which the runtime applies when generating.
+  (`schedule.validate_pipeline_config`), which the system applies when generating.
   """
-  layouts = abstract_layouts(runtime, work.num_devices)
+  layouts = abstract_layouts(plan, work.num_devices)
   system.check_fits(layouts, abstract_params(work.actor),
                     abstract_params(work.critic) if work.critic_model else None)
-  system.check_batch_fits(layouts, work.batch_size, runtime)
+  system.check_batch_fits(layouts, work.batch_size, plan)
   pipe = layouts["generate"].mesh.shape["pipe"]
   if pipe > 1:
-    sched.validate_pipeline_config(work.actor.num_layers, pipe, runtime.num_microbatches,
+    sched.validate_pipeline_config(work.actor.num_layers, pipe, plan.num_microbatches,
                                    work.batch_size, field_prefix="stages.generate")
 
 
-def plan_error(runtime: Plan, work: Workload) -> str | None:
+def plan_error(plan: Plan, work: Workload) -> str | None:
   """`check_plan`'s reason, or None when the plan is valid."""
   try:
-    check_plan(runtime, work)
+    check_plan(plan, work)
   except ValueError as e:
     return str(e)
   return None
@@ -243,10 +243,10 @@ def mesh_shapes(num_devices: int, pipe_allowed: bool = True) -> list[MeshSpec]:
   return out
 
 
-def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> Plan:
-  """A runtime that gives `stage` the plan and the other stages one trivial device each.
+def _one_stage_plan(stage: str, plan: StagePlan, mode: str) -> Plan:
+  """A plan that gives `stage` the plan and the other stages one trivial device each.
 
-  One device splits nothing, so the runtime's checks on it reject only what `stage` does.
+  One device splits nothing, so the system's checks on it reject only what `stage` does.
   """
   trivial = StagePlan(mesh=MeshSpec(data=1))
   stages = {s: (plan if s == stage else trivial) for s in STAGES}
@@ -256,7 +256,7 @@ def _one_stage_runtime(stage: str, plan: StagePlan, mode: str) -> Plan:
 def stage_error(stage: str, plan: StagePlan, num_devices: int, work: Workload) -> str | None:
   """Why one stage's plan on `num_devices` devices cannot run `work` (None: it can).
 
-  The runtime's own checks, applied to that stage alone (`_one_stage_runtime`). They
+  The system's own checks, applied to that stage alone (`_one_stage_plan`). They
   read only the model and the batch size, so the answer is memoised on those (the same
   strategies recur across sequence lengths, minibatch sizes and modes).
   """
@@ -264,14 +264,14 @@ def stage_error(stage: str, plan: StagePlan, num_devices: int, work: Workload) -
 
 
 @functools.lru_cache(maxsize=100_000)
-def _stage_error(stage: str, plan: StagePlan, num_devices: int, actor: TransformerConfig,
-                 batch_size: int) -> str | None:
+def _stage_error(stage: str, stage_plan: StagePlan, num_devices: int,
+                 actor: TransformerConfig, batch_size: int) -> str | None:
   work = Workload(actor=actor, batch_size=batch_size, minibatch_size=batch_size, epochs=1,
                   prompt_len=1, gen_len=1, num_devices=num_devices)
-  runtime = _one_stage_runtime(stage, plan, "pipe")
+  plan = _one_stage_plan(stage, stage_plan, "pipe")
   counts = tuple(num_devices if s == stage else 1 for s in STAGES)
-  runtime = dataclasses.replace(runtime, placement=counts)
-  return plan_error(runtime, work.with_devices(sum(counts), 1))
+  plan = dataclasses.replace(plan, placement=counts)
+  return plan_error(plan, work.with_devices(sum(counts), 1))
 
 
 def stage_plans(stage: str, num_devices: int, work: Workload,
@@ -281,7 +281,7 @@ def stage_plans(stage: str, num_devices: int, work: Workload,
 
   Generation: M = 1 without pipe, each slot count of `Workload.slot_counts` (static
   batches, or continuous batching when lengths vary); with pipe P > 1, M in {1, P, 2P,
-  4P} (those the runtime accepts), each with the slot counts M divides (refilled
+  4P} (those the system accepts), each with the slot counts M divides (refilled
   micro-batches). Training: each remat policy of `options`, pipe = 1.
   """
   out = []
@@ -417,8 +417,8 @@ def _has(config, key: str) -> bool:
   return True
 
 
-def to_overrides(runtime: Plan, base=None) -> dict[str, Any]:
-  """The plan as flat config overrides {"runtime.mode": "pipe", ...}.
+def to_overrides(plan: Plan, base=None) -> dict[str, Any]:
+  """The plan as flat config overrides {"plan.mode": "pipe", ...}.
 
   Every field `Plan.from_config` reads, so applying them to an experiment config
   reproduces the plan (`from_overrides`). With `base` (the experiment ConfigDict), a
@@ -426,28 +426,28 @@ def to_overrides(runtime: Plan, base=None) -> dict[str, Any]:
   `from_config` reads for a missing key), so the flags apply to a locked config. Mesh axes
   are always given (a missing axis reads as 1).
   """
-  out: dict[str, Any] = {"runtime.mode": runtime.mode,
-                         "runtime.max_staleness": runtime.max_staleness,
-                         "runtime.queue_size": runtime.queue_size}
-  if runtime.placement is not None:
-    for s, c in zip(STAGES, runtime.placement):
-      out[f"runtime.placement.{s}"] = c
-  for axis, size in runtime.mesh.as_dict().items():
+  out: dict[str, Any] = {"plan.mode": plan.mode,
+                         "plan.max_staleness": plan.max_staleness,
+                         "plan.queue_size": plan.queue_size}
+  if plan.placement is not None:
+    for s, c in zip(STAGES, plan.placement):
+      out[f"plan.placement.{s}"] = c
+  for axis, size in plan.mesh.as_dict().items():
     out[f"mesh.{axis}"] = size
   for s in STAGES:
-    plan = runtime.stage(s)
-    for axis, size in plan.mesh.as_dict().items():
+    stage = plan.stage(s)
+    for axis, size in stage.mesh.as_dict().items():
       out[f"stages.{s}.mesh.{axis}"] = size
     for name, default in _STAGE_DEFAULTS.items():
-      key, value = f"stages.{s}.{name}", getattr(plan, name)
+      key, value = f"stages.{s}.{name}", getattr(stage, name)
       if base is None or _has(base, key) or value != default:
         out[key] = value
   return out
 
 
-def override_flags(runtime: Plan, base=None) -> list[str]:
-  """The plan as command-line flags: `--config.runtime.mode=pipe` ..."""
-  return [f"--config.{k}={v}" for k, v in to_overrides(runtime, base).items()]
+def override_flags(plan: Plan, base=None) -> list[str]:
+  """The plan as command-line flags: `--config.plan.mode=pipe` ..."""
+  return [f"--config.{k}={v}" for k, v in to_overrides(plan, base).items()]
 
 
 def apply_overrides(config, overrides: dict[str, Any]):
@@ -468,10 +468,10 @@ def from_overrides(overrides: dict[str, Any], base=None) -> Plan:
   """The plan the overrides describe (`Plan.from_config` on a config)."""
   import ml_collections
   if base is None:
-    base = ml_collections.ConfigDict({"runtime": {"mode": "sequential",
+    base = ml_collections.ConfigDict({"plan": {"mode": "sequential",
                                                   "max_staleness": 0, "queue_size": 2},
                                       "mesh": {}, "stages": {s: {} for s in STAGES}})
   config = apply_overrides(base, overrides)
-  if config.runtime.mode != "pipe" and "placement" in config.runtime:
-    config.runtime.placement = None
+  if config.plan.mode != "pipe" and "placement" in config.plan:
+    config.plan.placement = None
   return Plan.from_config(config)

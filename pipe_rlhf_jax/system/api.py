@@ -6,7 +6,7 @@ reward and prompts needs only:
 
   models = Models.from_policy(hf.from_pretrained(path, dtype=jnp.bfloat16))
   system = PPOSystem(models, ppo=PPOConfig(...), sampling=SamplingParams(...),
-                     runtime=Plan(mode="pipe", ...), reward_fn=my_rule,
+                     plan=Plan(mode="pipe", ...), reward_fn=my_rule,
                      decode=tokenizer.decode)
   result = run(system, prompts_from_texts(texts, tokenizer, ...), steps=100)
   result.metrics   # one dict per PPO step;  result.tracer.gantt("gantt.png")
@@ -84,7 +84,7 @@ class RunResult:
 def run(system: PPOSystem, prompts: Iterator[dict], steps: int, *,
         on_step: Callable[[int, dict], None] | None = None,
         tracer: Tracer | None = None) -> RunResult:
-  """Runs `steps` PPO steps after the system's current version, in its runtime mode.
+  """Runs `steps` PPO steps after the system's current version, in its mode.
 
   Args:
     system: the PPO system (its version counts the updates applied so far).

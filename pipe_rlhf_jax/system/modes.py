@@ -98,7 +98,7 @@ def run_pipe(system: PPOSystem, feed: DataFeed, start: int, end: int, on_step: O
 
   Returns True when the run stopped on a request.
   """
-  cfg = system.runtime
+  cfg = system.plan
   channels = PipeChannels(
       rollouts=BoundedQueue(cfg.queue_size, "rollouts"),
       experience=BoundedQueue(cfg.queue_size, "experience"),

@@ -208,7 +208,7 @@ def run_pipe_workers(system, feed: DataFeed, start: int, end: int, on_step: OnSt
   Returns:
     True when the run stopped on a request.
   """
-  cfg = system.runtime
+  cfg = system.plan
   span_args = channels.span_args
   gate = StalenessGate(channels.actor, cfg.max_staleness)
   # A worker is only stopped between items, and an item can be a first call that is

@@ -64,7 +64,7 @@ def stage_processes(layouts, owner: Callable[[Any], int] = tr.process_of
 
   `owner(device)` is a device's process (tests simulate processes with it).
 
-  Raises ValueError (naming runtime.placement) when a stage spanning several processes
+  Raises ValueError (naming plan.placement) when a stage spanning several processes
   shares one of them with another stage, or when a process's devices are not a
   rectangular block of a stage's mesh (it could not receive its block of an array).
   """
@@ -77,12 +77,12 @@ def stage_processes(layouts, owner: Callable[[Any], int] = tr.process_of
       shared = sorted(set(procs) & set(out[other])) if other != stage else []
       if shared:
         raise ValueError(
-            f"runtime.placement: in pipe mode across processes a stage spanning several "
+            f"plan.placement: in pipe mode across processes a stage spanning several "
             f"processes must have them to itself, but the {stage} stage "
             f"({describe(layouts[stage].mesh)}) spans processes {list(procs)} and "
             f"process {shared[0]} also holds the {other} stage: their threads would "
             f"issue cross-process programs in different orders and could deadlock. Cut "
-            f"runtime.placement at process boundaries ({jax.local_device_count()} "
+            f"plan.placement at process boundaries ({jax.local_device_count()} "
             f"devices per process here) so that the {stage} stage's processes hold no "
             f"other stage, or fit the {stage} stage within one process.")
     for p in procs:
@@ -250,7 +250,7 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
   they agree on the step to stop at and publish it; every other process's join loop
   reads it and stops its workers. Returns True when the job stopped on a request.
   """
-  cfg = system.runtime
+  cfg = system.plan
   where = stage_processes(system.layouts)
   me = distributed.process_index()
   trainer = where["train"][0]  # the training group's leader

@@ -15,7 +15,7 @@ built, placed, trained, synced or checkpointed), and `kl_coef = 0` no reference.
 
 With `ppo.ptx_coef > 0` the system also holds a pool of demonstrations on the host
 (`ptx_demos`) and hands each update the rows of its SFT term, drawn from the seed and the
-PPO step alone, so every runtime mode, and a resumed run, trains on the same rows.
+PPO step alone, so every mode, and a resumed run, trains on the same rows.
 """
 
 from __future__ import annotations
@@ -48,24 +48,24 @@ from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, Tra
 from pipe_rlhf_jax.system.steps import BadStepGuard
 
 
-def stage_mesh_shapes(runtime: Plan, num_devices: int
+def stage_mesh_shapes(plan: Plan, num_devices: int
                       ) -> dict[str, tuple[MeshShape, logical.Rules, list[int]]]:
-  """Each stage's mesh shape, rules and device indices under `runtime`; needs no devices.
+  """Each stage's mesh shape, rules and device indices under `plan`; needs no devices.
 
   The device-free part of `build_layouts`, shared with the planner (which validates plans
   for device counts it does not have). Device indices are positions in the device list.
   """
   indices = list(range(num_devices))
-  if runtime.mode == "sequential":
-    shape = MeshShape.from_config(runtime.mesh.as_dict(), num_devices, field="mesh")
+  if plan.mode == "sequential":
+    shape = MeshShape.from_config(plan.mesh.as_dict(), num_devices, field="mesh")
     return {s: (shape, logical.DEFAULT_RULES, indices) for s in STAGES}
-  if runtime.mode == "per_stage":
+  if plan.mode == "per_stage":
     subsets = {s: indices for s in STAGES}
   else:
-    placement = dict(zip(STAGES, runtime.placement))
+    placement = dict(zip(STAGES, plan.placement))
     if sum(placement.values()) > num_devices:
       raise ValueError(
-          f"runtime.placement asks for {sum(placement.values())} devices "
+          f"plan.placement asks for {sum(placement.values())} devices "
           f"({placement}) but only {num_devices} exist; shrink the counts so that they "
           f"sum to at most {num_devices}.")
     # Training takes the last devices, whatever the count: a placement written for fewer
@@ -77,26 +77,26 @@ def stage_mesh_shapes(runtime: Plan, num_devices: int
     subsets["train"] = indices[num_devices - train:]
   shapes = {}
   for s in STAGES:
-    plan = runtime.stage(s)
-    shape = MeshShape.from_config(plan.mesh.as_dict(), len(subsets[s]),
+    stage = plan.stage(s)
+    shape = MeshShape.from_config(stage.mesh.as_dict(), len(subsets[s]),
                                   field=f"stages.{s}.mesh")
-    rules = logical.rules_from_config(dict(plan.rules), logical.STAGE_RULES[s],
+    rules = logical.rules_from_config(dict(stage.rules), logical.STAGE_RULES[s],
                                       field=f"stages.{s}.rules")
     shapes[s] = (shape, rules, subsets[s])
   return shapes
 
 
-def build_layouts(runtime: Plan, devices=None) -> dict[str, StageLayout]:
-  """Each stage's mesh and rules under the plan `runtime`.
+def build_layouts(plan: Plan, devices=None) -> dict[str, StageLayout]:
+  """Each stage's mesh and rules under the plan `plan`.
 
-  sequential: one mesh (`runtime.mesh`) over all devices, shared by every stage.
+  sequential: one mesh (`plan.mesh`) over all devices, shared by every stage.
   per_stage: each stage's own mesh over all devices.
-  pipe: devices split by `runtime.placement` (generation and inference from the first
+  pipe: devices split by `plan.placement` (generation and inference from the first
     device on, training on the last ones), each stage's mesh on its block.
   """
   devices = list(devices if devices is not None else jax.devices())
-  shapes = stage_mesh_shapes(runtime, len(devices))
-  if runtime.mode == "sequential":
+  shapes = stage_mesh_shapes(plan, len(devices))
+  if plan.mode == "sequential":
     shape, rules, _ = shapes[STAGES[0]]
     mesh = make_mesh(shape, devices)
     return {s: StageLayout(s, mesh, rules) for s in STAGES}
@@ -123,7 +123,7 @@ def check_fits(layouts: dict[str, StageLayout], actor, critic=None) -> None:
     if others:
       raise ValueError(f"stages.generate.mesh: with pipe={pipe} only 'pipe' and 'tensor' "
                        f"may exceed 1, got {others}; give the other devices to another "
-                       "stage (runtime.placement).")
+                       "stage (plan.placement).")
 
 
 def graphdef_of(cfg: TransformerConfig) -> nnx.GraphDef:
@@ -148,18 +148,18 @@ def _shapes(state: nnx.State) -> Any:
 
 
 def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
-                     runtime: Plan) -> None:
+                     plan: Plan) -> None:
   """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
   # Micro-batches split generation only when it is pipelined (pipe > 1).
   pipelined = layouts["generate"].mesh.shape.get("pipe", 1) > 1
   for stage in STAGES:
     ways = layouts[stage].batch_ways()
-    per_call = (batch_size // runtime.num_microbatches if stage == "generate" and pipelined
+    per_call = (batch_size // plan.num_microbatches if stage == "generate" and pipelined
                 else batch_size)
     if per_call % ways:
-      field = "mesh" if runtime.mode == "sequential" else f"stages.{stage}.mesh"
+      field = "mesh" if plan.mode == "sequential" else f"stages.{stage}.mesh"
       what = (f"ppo.batch_size={batch_size} / stages.generate.num_microbatches="
-              f"{runtime.num_microbatches}" if per_call != batch_size
+              f"{plan.num_microbatches}" if per_call != batch_size
               else f"ppo.batch_size={batch_size}")
       raise ValueError(f"{what} does not split over the {ways} batch shards of the "
                        f"{stage} stage ({describe(layouts[stage].mesh)}); make it a "
@@ -329,7 +329,7 @@ class PPOSystem:
     models: graph definitions and initial parameters.
     ppo: the algorithm settings.
     sampling: generation settings; the trainer's log-probs use its temperature.
-    runtime: the plan (mode, placement, per-stage meshes); default: sequential on all
+    plan: the plan (mode, placement, per-stage meshes); default: sequential on all
       devices.
     reward_fn: host-side rule reward `(prompts: list[str], completions: list[str]) ->
       float32 [batch]`, when `models` has no reward model. Needs `decode`.
@@ -342,7 +342,7 @@ class PPOSystem:
   """
 
   def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,
-               runtime: Plan = Plan(), reward_fn: Callable | None = None,
+               plan: Plan = Plan(), reward_fn: Callable | None = None,
                decode: Callable | None = None, eval_fn: Callable | None = None,
                devices=None, ptx_demos: dict[str, np.ndarray] | None = None):
     if (reward_fn is None) == (models.reward is None):
@@ -355,9 +355,9 @@ class PPOSystem:
     self.ptx_demos = check_ptx_demos(ptx_demos, ppo)
     self.ppo = ppo
     self.sampling = sampling
-    self.runtime = runtime
-    self.layouts = build_layouts(runtime, devices)
-    self.mode = runtime.mode
+    self.plan = plan
+    self.layouts = build_layouts(plan, devices)
+    self.mode = plan.mode
     # In a multi-process job a process holds (and initialises) only the stages that have
     # devices in it; `pipe_processes` moves everything else between processes.
     me = jax.process_index()
@@ -368,7 +368,7 @@ class PPOSystem:
                       for name in ("actor", "critic")}
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
-    check_batch_fits(self.layouts, ppo.batch_size, runtime)
+    check_batch_fits(self.layouts, ppo.batch_size, plan)
     ptx_rows = ptx_rows_for(ppo, self.layouts["train"])
     self.has_critic = models.critic is not None
     # Rows of the policy's embedding: prompts with ids past it are refused as they enter.
@@ -377,7 +377,7 @@ class PPOSystem:
     # scan: unrolled unless its mesh shards the weights over fsdp, `StagePlan.unroll_for`).
     def for_stage(stage, graphdef, params):
       fsdp = self.layouts[stage].mesh.shape.get("fsdp", 1)
-      return with_execution(graphdef, params, **runtime.stage(stage).execution(fsdp))
+      return with_execution(graphdef, params, **plan.stage(stage).execution(fsdp))
 
     reward_graphdef = (for_stage("infer", models.reward_graphdef, models.reward)
                        if models.reward is not None else None)
@@ -385,13 +385,13 @@ class PPOSystem:
                                if self.has_critic else None) for stage in ("infer", "train")}
     self.generate_stage = GenerateStage(
         gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
-        runtime.num_microbatches, group_size=ppo.group_size,
-        num_slots=runtime.generate.num_slots)
+        plan.num_microbatches, group_size=ppo.group_size,
+        num_slots=plan.generate.num_slots)
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
                                   critic_graphdef["infer"], reward_graphdef,
                                   InferHyper.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode,
-                                  pack_tokens=runtime.infer.pack_tokens)
+                                  pack_tokens=plan.infer.pack_tokens)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
                                           schedule=ppo.lr_schedule,
@@ -403,7 +403,7 @@ class PPOSystem:
                                       ptx_rows=ptx_rows),
                                   optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr) if self.has_critic else None,
-                                  pack_tokens=runtime.train.pack_tokens)
+                                  pack_tokens=plan.train.pack_tokens)
     self.reference = self.reward = self.state = None
     if "infer" in self.local_stages:
       self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
@@ -467,13 +467,13 @@ class PPOSystem:
     self.generate_stage.trace_slots(tracer, batch=step)
 
   def rollout_stream(self) -> RolloutStream:
-    """The generation stage's engine kept across steps (`runtime.partial_rollouts`),
+    """The generation stage's engine kept across steps (`plan.partial_rollouts`),
     holding first the prompts a restored checkpoint had in flight. One per system: a
     second `run` continues the rows the first left decoding."""
     if self._stream is None:
       self._stream = RolloutStream(self.generate_stage, self.ppo.batch_size, self.gen_key,
-                                   max_staleness=self.runtime.max_staleness,
-                                   past_staleness=self.runtime.past_staleness,
+                                   max_staleness=self.plan.max_staleness,
+                                   past_staleness=self.plan.past_staleness,
                                    in_flight=self.in_flight)
       self.in_flight = []
     return self._stream

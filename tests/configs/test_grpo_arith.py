@@ -17,7 +17,7 @@ def short_learning_config():
   (84 training facts), the tiny model on one device, an SFT that leaves most sampled
   answers wrong (about 0.17 exact), then GRPO against the rule."""
   config = grpo_arith.get_config("tiny")
-  config.runtime.update(mode="sequential", num_devices=1)
+  config.plan.update(mode="sequential", num_devices=1)
   config.warm_start.mesh.update(fsdp=1)  # the one device
   config.stages.generate.num_microbatches = 1
   config.data.arith.update(operators="+", max_digits=1)

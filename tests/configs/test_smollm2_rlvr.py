@@ -28,7 +28,7 @@ def test_the_config_validates_on_the_packaged_gguf(variant):
   assert not settings.uses_demos  # no SFT, no ptx: the demonstrations are never read
   assert settings.ppo.advantage_estimator == "grpo"
   if variant == "pipe":
-    assert settings.runtime.mode == "pipe" and settings.runtime.max_staleness == 1
+    assert settings.plan.mode == "pipe" and settings.plan.max_staleness == 1
     assert settings.choice.num_devices == 3
 
 

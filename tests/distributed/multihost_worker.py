@@ -99,7 +99,7 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   pipe = mode == "pipe"
   gen, inf, trn = meshes or (MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
                              MeshSpec(data=2, fsdp=-1), MeshSpec(data=1, fsdp=-1))
-  runtime = Plan(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
+  plan = Plan(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
                           placement=tuple(placement) if pipe else None,
                           generate=StagePlan(gen, num_microbatches=2),
                           infer=StagePlan(inf), train=StagePlan(trn))
@@ -108,7 +108,7 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
       ppo=PPOConfig(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
       sampling=SamplingParams(max_new_tokens=6, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
-      runtime=runtime, reward_fn=paired if answers else count_a, decode=tokenizer.decode)
+      plan=plan, reward_fn=paired if answers else count_a, decode=tokenizer.decode)
   words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",
            "bag", "dab", "egg", "hag", "aced"]
   if answers:

@@ -176,7 +176,7 @@ MAIN = (sys.executable, "-u", "-m", "pipe_rlhf_jax.main")
 def main_args(workdir):
   """The tiny quickstart, shortened, in sequential mode."""
   return [f"--config={os.path.join(ROOT, 'configs', 'quickstart.py')}:tiny",
-          "--config.runtime.mode=sequential", "--config.sft.steps=2",
+          "--config.plan.mode=sequential", "--config.sft.steps=2",
           "--config.reward_model.steps=2", "--config.ppo.steps=4",
           "--config.checkpoint.every=1", "--config.log.tensorboard=False",
           f"--workdir={workdir}", "--heartbeat_timeout_s=5"]
@@ -186,7 +186,7 @@ def rule_reward_args(workdir):
   """The tiny arith task, GRPO with its rule reward and no SFT: no reward model and no
   critic, so the job compiles little besides PPO's own programs."""
   return [f"--config={os.path.join(ROOT, 'configs', 'grpo_arith.py')}:tiny",
-          "--config.runtime.mode=sequential", "--config.sft.steps=0",
+          "--config.plan.mode=sequential", "--config.sft.steps=0",
           "--config.ppo.steps=3", "--config.checkpoint.every=1",
           "--config.log.tensorboard=False", f"--workdir={workdir}",
           "--heartbeat_timeout_s=5"]
@@ -267,7 +267,7 @@ def test_main_job_in_pipe_mode_across_processes(tmp_path):
   # The tiny quickstart in pipe mode on 2 processes x 4 devices: generation and inference
   # on process 1, training (and all the run's files) on process 0.
   workdir = tmp_path / "run"
-  args = [a for a in main_args(workdir) if "runtime.mode" not in a]
+  args = [a for a in main_args(workdir) if "plan.mode" not in a]
   job = launch([*args, *MEASURED_ARGS], num_processes=2, cpu_devices=4,
                log_dir=str(tmp_path / "logs"), timeout_s=500, command=MAIN, echo=False,
                env={**child_env(), "PYTHONPATH": ROOT})
@@ -303,7 +303,7 @@ def test_main_job_in_pipe_mode_on_more_devices_than_its_placement(tmp_path):
   # generation and inference on process 1's first devices, training on process 0's last
   # 4 (the devices between unused), not refused for lying in process 1.
   workdir = tmp_path / "run"
-  args = [a for a in main_args(workdir) if "runtime.mode" not in a and "ppo.steps" not in a]
+  args = [a for a in main_args(workdir) if "plan.mode" not in a and "ppo.steps" not in a]
   args.append("--config.ppo.steps=2")  # where the stages run is known at step 0
   job = launch(args, num_processes=2, cpu_devices=8, log_dir=str(tmp_path / "logs"),
                timeout_s=400, command=MAIN, echo=False,
@@ -413,7 +413,7 @@ def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_res
   # last, so generation is process 1's, inference process 2's and training (fsdp=4) spans
   # processes 3 and 0, which hold, checkpoint and restore the trainer state together.
   workdir = tmp_path / "run"
-  args = [a for a in main_args(workdir) if "runtime.mode" not in a and "ppo.steps" not in a]
+  args = [a for a in main_args(workdir) if "plan.mode" not in a and "ppo.steps" not in a]
   args += ["--config.ppo.steps=2", "--config.warm_start.mesh.fsdp=-1"]
   env = {**child_env(), "PYTHONPATH": ROOT}
   job = launch(args, num_processes=4, cpu_devices=2, log_dir=str(tmp_path / "logs1"),
@@ -449,7 +449,7 @@ def fault_args(workdir, mode="sequential", steps=5):
   """The tiny arith GRPO job (no reward model, no critic) with the fault worker's rule;
   a checkpoint only at the end or on a stop."""
   return [f"--config={os.path.join(ROOT, 'configs', 'grpo_arith.py')}:tiny",
-          f"--config.runtime.mode={mode}", "--config.sft.steps=0",
+          f"--config.plan.mode={mode}", "--config.sft.steps=0",
           f"--config.ppo.steps={steps}", "--config.checkpoint.every=100",
           "--config.log.tensorboard=False", "--config.reward.fn=faulty_arith_exact_match",
           f"--workdir={workdir}", "--heartbeat_timeout_s=5"]
@@ -536,7 +536,7 @@ def test_a_stuck_peer_stops_the_job_naming_it(tmp_path):
   # so only the progress deadline can end the job; both processes stop by themselves.
   workdir = tmp_path / "run"
   job = launch_faulty(tmp_path, "logs", [*fault_args(workdir),
-                                         "--config.runtime.progress_timeout_s=15"],
+                                         "--config.plan.progress_timeout_s=15"],
                       fault="hang@reward:2:1", grace_s=120)
   assert job.killed == [] and all(c != 0 for c in job.returncodes), job.report()
   text = job.log_text(0) + job.log_text(1)

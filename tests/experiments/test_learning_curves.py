@@ -18,21 +18,21 @@ from tests.helpers.configs import tiny_quickstart
 
 
 def test_cells_set_mode_staleness_and_objective():
-  assert lc.cell_overrides("sequential") == {"runtime.mode": "sequential",
-                                             "runtime.max_staleness": 0}
-  assert lc.cell_overrides("pipe_s2") == {"runtime.mode": "pipe", "runtime.max_staleness": 2,
+  assert lc.cell_overrides("sequential") == {"plan.mode": "sequential",
+                                             "plan.max_staleness": 0}
+  assert lc.cell_overrides("pipe_s2") == {"plan.mode": "pipe", "plan.max_staleness": 2,
                                           "ppo.loss": "ppo_clip"}
   assert lc.cell_overrides("decoupled_s4") == {
-      "runtime.mode": "pipe", "runtime.max_staleness": 4, "ppo.loss": "decoupled_ppo_clip"}
+      "plan.mode": "pipe", "plan.max_staleness": 4, "ppo.loss": "decoupled_ppo_clip"}
   with pytest.raises(ValueError, match="unknown cell 'pipe4'"):
     lc.cell_overrides("pipe4")
 
 
 def test_overrides_keep_types_and_name_bad_paths():
   config = tiny_quickstart()
-  lc.apply_overrides(config, {"ppo.kl_coef": 1, "ppo.steps": 7, "runtime.mode": "pipe"})
+  lc.apply_overrides(config, {"ppo.kl_coef": 1, "ppo.steps": 7, "plan.mode": "pipe"})
   assert config.ppo.kl_coef == 1.0 and isinstance(config.ppo.kl_coef, float)
-  assert config.ppo.steps == 7 and config.runtime.mode == "pipe"
+  assert config.ppo.steps == 7 and config.plan.mode == "pipe"
   with pytest.raises(ValueError, match="--set ppo.kl_cof: the config has no field 'kl_cof'"):
     lc.apply_overrides(config, {"ppo.kl_cof": 0.1})
   with pytest.raises(ValueError, match="no field 'pp' on that path"):
@@ -242,16 +242,16 @@ def test_a_configs_own_pipe_mode_is_applied_to_pipe_cells(tmp_path):
       "from configs import quickstart\n"
       "def get_config(variant=''):\n"
       "  config = quickstart.get_config()\n"
-      "  config.runtime.num_devices = 1\n"
+      "  config.plan.num_devices = 1\n"
       "  return config\n"
       "def use_pipe_mode(config, max_staleness):\n"
-      "  config.runtime.num_devices = 3\n"
-      "  config.runtime.placement.update(generate=1, infer=1, train=1)\n")
+      "  config.plan.num_devices = 3\n"
+      "  config.plan.placement.update(generate=1, infer=1, train=1)\n")
   args = lc.parse_args(["--config", str(module), "--out", str(tmp_path / "out")])
   pipe = lc.run_config(args, 0, "pipe_s2", str(tmp_path))
-  assert (pipe.runtime.mode, pipe.runtime.max_staleness, pipe.runtime.num_devices) == (
+  assert (pipe.plan.mode, pipe.plan.max_staleness, pipe.plan.num_devices) == (
       "pipe", 2, 3)
-  assert lc.run_config(args, 0, "sequential", str(tmp_path)).runtime.num_devices == 1
+  assert lc.run_config(args, 0, "sequential", str(tmp_path)).plan.num_devices == 1
 
 
 def test_partial_cells_run_the_slot_engine_across_updates(tmp_path):
@@ -260,7 +260,7 @@ def test_partial_cells_run_the_slot_engine_across_updates(tmp_path):
   from pipe_rlhf_jax.config import Plan
   args = lc.parse_args(["--config", "configs/quickstart.py", "--out", str(tmp_path)])
   config = lc.run_config(args, 0, "partial_s1", str(tmp_path))
-  assert config.runtime.partial_rollouts and config.ppo.loss == "decoupled_ppo_clip"
+  assert config.plan.partial_rollouts and config.ppo.loss == "decoupled_ppo_clip"
   assert config.stages.generate.num_slots == config.ppo.batch_size
   plan = Plan.from_config(config)
   assert plan.generate.mesh.pipe == 1 and plan.max_staleness == 1

@@ -1,5 +1,5 @@
 """The tests' one way to build the tiny quickstart config (`configs/quickstart.py:tiny`),
-with a runtime mode and dotted overrides as `--config.KEY=VALUE` would apply them."""
+with a mode and dotted overrides as `--config.KEY=VALUE` would apply them."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +11,7 @@ from configs import quickstart
 
 def tiny_quickstart(mode: str | None = None,
                     overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
-  """`configs/quickstart.py:tiny`, with `runtime.mode` set where `mode` is given, then
+  """`configs/quickstart.py:tiny`, with `plan.mode` set where `mode` is given, then
   `overrides` ({"ppo.steps": 2, ...}) applied.
 
   An override of a key the config lacks raises KeyError, as the command line's would: left
@@ -20,7 +20,7 @@ def tiny_quickstart(mode: str | None = None,
   """
   config = quickstart.get_config("tiny")
   if mode is not None:
-    config.runtime.mode = mode
+    config.plan.mode = mode
   if overrides:
     # Locked only while the overrides apply: tests may still add keys of their own after.
     config.lock()

@@ -1,4 +1,4 @@
-"""The planner in the main job: runtime.plan='auto' runs the planner's best plan and reports
+"""The planner in the main job: plan.choose='auto' runs the planner's best plan and reports
 predicted vs measured s/step; a hand-written plan the planner rejects fails before any
 data are built or anything compiles."""
 
@@ -42,21 +42,21 @@ def test_hardware_is_detected_or_named():
   assert cpu.hbm_bytes == pytest.approx(os.sysconf("SC_PAGE_SIZE")
                                         * os.sysconf("SC_PHYS_PAGES"))
   assert auto.detect_hardware(jax.devices(), "h100") is hardware.get("h100")
-  with pytest.raises(ValueError, match="runtime.hardware: unknown hardware 'h1000'"):
+  with pytest.raises(ValueError, match="plan.hardware: unknown hardware 'h1000'"):
     auto.detect_hardware(jax.devices(), "h1000")
 
 
 def test_bad_plan_fields_name_the_field(tmp_path):
-  with pytest.raises(ValueError, match=r"runtime.plan='best'; choose one of"):
-    train(tiny_quickstart(overrides={"runtime.plan": "best"}), str(tmp_path), progress=False)
-  with pytest.raises(ValueError, match=r"runtime.calibration='nope.json' is not a file"):
-    config = tiny_quickstart(overrides={"runtime.plan": "auto", "runtime.calibration": "nope.json"})
+  with pytest.raises(ValueError, match=r"plan.choose='best'; choose one of"):
+    train(tiny_quickstart(overrides={"plan.choose": "best"}), str(tmp_path), progress=False)
+  with pytest.raises(ValueError, match=r"plan.calibration='nope.json' is not a file"):
+    config = tiny_quickstart(overrides={"plan.choose": "auto", "plan.calibration": "nope.json"})
     train(config, str(tmp_path), progress=False)
 
 
 @pytest.mark.slow
 def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
-  config = tiny_quickstart(overrides={"runtime.plan": "auto"})
+  config = tiny_quickstart(overrides={"plan.choose": "auto"})
   workdir = str(tmp_path / "run")
   result = train(config, workdir, progress=False)
   # The plan that ran is the search's first, with staleness at most the config's bound.
@@ -67,7 +67,7 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   best = search.search(work, m, auto.options_of(settings), k=1)[0][0]
   saved = json.load(open(os.path.join(workdir, "config.json")))
   ran = Plan.from_config(quickstart.ml_collections.ConfigDict(saved))
-  assert ran == best.plan and ran.max_staleness <= config.runtime.max_staleness
+  assert ran == best.plan and ran.max_staleness <= config.plan.max_staleness
   # The summary and the metrics carry predicted and measured steady s/step.
   line = next(x for x in result.summary.splitlines() if "steady s/step" in x)
   assert f"{best.step_time:.4g} predicted (cpu, planner's choice)" in line
@@ -87,7 +87,7 @@ def _rejected_before_building(config, tmp_path, match):
 
 
 def test_hand_written_plan_that_splits_the_batch_unevenly_fails_first(tmp_path):
-  # Training on fsdp=4 cannot split a batch of 10 rollouts: the runtime's own check fires
+  # Training on fsdp=4 cannot split a batch of 10 rollouts: the system's own check fires
   # in set_up, before SFT and the reward model, with the planner's wording around it.
   config = tiny_quickstart(overrides={"ppo.batch_size": 10, "ppo.minibatch_size": 5,
                                      "stages.generate.num_microbatches": 2})

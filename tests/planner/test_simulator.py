@@ -82,7 +82,7 @@ def test_exclusive_stages_never_run_together():
     r = simulator.simulate(times, 0.0, "pipe", max_staleness=4, queue_size=4,
                            exclusive=exclusive, steps=30)
     assert r.step_time == pytest.approx(expected), exclusive
-  # A waiting stage's span includes its wait (as a runtime stage call that waits for its
+  # A waiting stage's span includes its wait (as a stage call that waits for its
   # program does): no two exclusive spans overlap in their working part, so the spans of
   # inference cover the training it waited for.
   r = simulator.simulate(times, 0.0, "pipe", max_staleness=4, queue_size=4,

@@ -1,4 +1,4 @@
-"""The plan space: only valid plans, exactly the runtime's validity, overrides round trip."""
+"""The plan space: only valid plans, exactly the system's validity, overrides round trip."""
 
 import dataclasses
 import itertools
@@ -49,7 +49,7 @@ def _all_candidates(work, options):
 
 
 def _key(rt):
-  # M only matters with a pipelined generator (the runtime ignores it otherwise).
+  # M only matters with a pipelined generator (the system ignores it otherwise).
   gen = rt.generate
   if rt.mode == "sequential" or gen.mesh.pipe == 1:
     gen = dataclasses.replace(gen, num_microbatches=1)
@@ -71,7 +71,7 @@ def test_enumeration_is_exactly_the_valid_plans():
   assert max(rt.generate.mesh.pipe for rt in enumerated) == 2
 
 
-def test_validity_agrees_with_the_runtime_on_real_devices():
+def test_validity_agrees_with_the_plan_on_real_devices():
   """The planner's verdict equals build_layouts + check_fits + check_batch_fits on the
   8 virtual devices, for valid and invalid plans alike."""
   work = dataclasses.replace(SMALL, num_devices=8)
@@ -165,4 +165,4 @@ def test_overrides_round_trip_through_a_locked_experiment_config():
     assert back == plan
     assert space.from_overrides(space.to_overrides(plan)) == plan
     flags = space.override_flags(plan, config)
-    assert flags[0] == f"--config.runtime.mode={plan.mode}"
+    assert flags[0] == f"--config.plan.mode={plan.mode}"

@@ -50,7 +50,7 @@ def test_readme_library_example_runs(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_system(tmp_path, batch_size=8, reward_fn=lambda p, c: [len(x) for x in c],
-                 **runtime):
+                 **plan):
   path = write_tiny_llama(tmp_path / "m")
   tok = models.load_tokenizer(path)
   system = PPOSystem(
@@ -58,7 +58,7 @@ def _tiny_system(tmp_path, batch_size=8, reward_fn=lambda p, c: [len(x) for x in
       ppo=PPOConfig(steps=2, batch_size=batch_size, minibatch_size=batch_size,
                     actor_lr=1e-3),
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=Plan(**runtime), reward_fn=reward_fn, decode=tok.decode)
+      plan=Plan(**plan), reward_fn=reward_fn, decode=tok.decode)
   return system, tok
 
 
@@ -167,9 +167,9 @@ def test_settings_name_the_bad_field():
     PPOConfig(steps=1, batch_size=6, minibatch_size=4)
   with pytest.raises(ValueError, match="ppo.kl_estimator"):
     PPOConfig(steps=1, batch_size=4, minibatch_size=4, kl_estimator="k9")
-  with pytest.raises(ValueError, match="runtime.placement"):
+  with pytest.raises(ValueError, match="plan.placement"):
     Plan(mode="pipe")
-  with pytest.raises(ValueError, match="runtime.mode"):
+  with pytest.raises(ValueError, match="plan.mode"):
     Plan(mode="async")
   with pytest.raises(ValueError, match="ppo has unknown fields \\['clip'\\]"):
     PPOConfig.from_config({"steps": 1, "batch_size": 4, "minibatch_size": 4, "clip": 0.1})
@@ -248,7 +248,7 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
   system = PPOSystem(
       Models.from_policy(models.from_pretrained(path)), ppo=ppo,
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=Plan(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
+      plan=Plan(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
                             generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)),
       reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
   metrics = run(system, prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8),
@@ -309,7 +309,7 @@ def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
                     advantage_estimator="grpo", whiten_advantages=False,
                     loss="decoupled_ppo_clip"),
       sampling=SamplingParams(max_new_tokens=12, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=plan, reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
+      plan=plan, reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
   texts = [f"rev {w}=" for w in "abcdefghijklmnop"]
   result = run(system, prompts_from_texts(texts, tok, 2, 8, shuffle=False), steps=3)
   assert system.version == 3
@@ -324,10 +324,10 @@ def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
 
 
 def test_partial_rollouts_need_pipe_mode_and_slots():
-  with pytest.raises(ValueError, match=r"runtime.partial_rollouts=True needs "
-                                       r"runtime.mode='pipe' and stages.generate.num_slots"):
+  with pytest.raises(ValueError, match=r"plan.partial_rollouts=True needs "
+                                       r"plan.mode='pipe' and stages.generate.num_slots"):
     Plan(partial_rollouts=True, generate=StagePlan(num_slots=4))
-  with pytest.raises(ValueError, match="runtime.partial_rollouts=True needs"):
+  with pytest.raises(ValueError, match="plan.partial_rollouts=True needs"):
     Plan(mode="pipe", placement=(1, 1, 1), partial_rollouts=True)
-  with pytest.raises(ValueError, match="runtime.past_staleness"):
+  with pytest.raises(ValueError, match="plan.past_staleness"):
     Plan(past_staleness="later")

@@ -33,7 +33,7 @@ def system_for(path, ppo, ptx_demos=None, **model_kwargs):
       Models.from_policy(models.from_pretrained(path), **model_kwargs),
       ppo=PPOConfig(steps=4, batch_size=8, minibatch_size=4, actor_lr=1e-3, **ppo),
       sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
-      runtime=Plan(), reward_fn=lambda p, c: [len(set(x)) for x in c],
+      plan=Plan(), reward_fn=lambda p, c: [len(set(x)) for x in c],
       decode=tok.decode, ptx_demos=ptx_demos), tok
 
 

@@ -1,4 +1,4 @@
-"""The three runtime modes on tiny configs: equivalence, overlap, faults and interrupts."""
+"""The three modes on tiny configs: equivalence, overlap, faults and interrupts."""
 
 import _thread
 import json
@@ -19,8 +19,8 @@ from tests.helpers.metric_helpers import assert_metrics_close  # noqa: E402
 NOT_MATH = ("time", "tokens_per_s", "transfer/", "queue/", "weights/", "staleness/")
 
 
-def tiny(mode, pipelined=False, **runtime):
-  config = tiny_quickstart(mode, {f"runtime.{key}": value for key, value in runtime.items()})
+def tiny(mode, pipelined=False, **plan):
+  config = tiny_quickstart(mode, {f"plan.{key}": value for key, value in plan.items()})
   if not pipelined:
     # A data-parallel generate stage; `pipelined=True` keeps the tiny variant's 2-stage
     # pipelined decoder on devices 0-1.

@@ -26,7 +26,7 @@ class FakeSystem:
   """The parts of `PPOSystem` the workers use; weights are names ("A2": actor v2)."""
 
   def __init__(self, max_staleness=1, fail_generate_at=None):
-    self.runtime = types.SimpleNamespace(max_staleness=max_staleness, queue_size=2,
+    self.plan = types.SimpleNamespace(max_staleness=max_staleness, queue_size=2,
                                          partial_rollouts=False,
                                          shutdown_timeout_s=30.0)
     self.has_critic = True

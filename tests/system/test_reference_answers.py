@@ -65,7 +65,7 @@ def _pairing_rule(seen: list):
   return rule
 
 
-def _system(runtime: Plan, rule):
+def _system(plan: Plan, rule):
   cfg = models.tiny_config(vocab_size=TOK.vocab_size, embed_dim=32, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=16, mlp_dim=64, eos_token_id=TOK.eos_id,
                            bos_token_id=TOK.bos_id, pad_token_id=TOK.pad_id)
@@ -75,18 +75,18 @@ def _system(runtime: Plan, rule):
       ppo=PPOConfig(steps=2, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.0,
                     advantage_estimator="grpo", group_size=2, whiten_advantages=False),
       sampling=SamplingParams(max_new_tokens=3, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
-      runtime=runtime, reward_fn=rule, eval_fn=rule, decode=TOK.decode)
+      plan=plan, reward_fn=rule, eval_fn=rule, decode=TOK.decode)
 
 
 # Sequential mode in the slow tier: the pipe run (the cheaper one here) hands rows through
 # the queues between stages, where a misrouted answer would show.
 @pytest.mark.parametrize("mode", [pytest.param("sequential", marks=pytest.mark.slow), "pipe"])
 def test_each_row_reaches_the_rule_with_its_own_answer(mode):
-  runtime = (Plan(mode="sequential") if mode == "sequential" else
+  plan = (Plan(mode="sequential") if mode == "sequential" else
              Plan(mode="pipe", max_staleness=1, placement=(2, 2, 4),
                            generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)))
   seen = []
-  system = _system(runtime, _pairing_rule(seen))
+  system = _system(plan, _pairing_rule(seen))
   records = [{"prompt": f"q{i}=", "answer": f"a{i}"} for i in range(24)]
   prompts = PromptLoader(records, TOK, 8, 8, seed=0, answer_len=8)
   result = run(system, prompts, steps=2)

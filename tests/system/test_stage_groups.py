@@ -73,7 +73,7 @@ def test_a_process_whose_devices_are_not_a_block_is_refused():
   mesh = make_mesh(MeshShape(pipe=4, tensor=2))  # rows [0 1] [2 3] [4 5] [6 7]
   # Process 0 on devices 0 and 3: a diagonal of the mesh, no rectangle.
   diagonal = {0: 0, 3: 0, 1: 1, 2: 1, 4: 2, 5: 2, 6: 3, 7: 3}
-  with pytest.raises(ValueError, match=r"runtime.placement: process 0's devices in the "
+  with pytest.raises(ValueError, match=r"plan.placement: process 0's devices in the "
                      r"mesh .* are not a rectangular block"):
     tr.block_of(NamedSharding(mesh, P("pipe")), (8, 6), 0, lambda d: diagonal[d.id])
   # Devices 0 and 4 (rows 0 and 2 of the mesh) are a rectangle, but their rows of a
@@ -82,7 +82,7 @@ def test_a_process_whose_devices_are_not_a_block_is_refused():
     tr.block_of(NamedSharding(mesh, P("pipe")), (8, 6), 0, lambda d: d.id % 4)
 
 
-def pipe_runtime(placement, generate=MeshSpec(data=-1)):
+def pipe_plan(placement, generate=MeshSpec(data=-1)):
   return Plan(mode="pipe", placement=placement, generate=StagePlan(generate),
                        infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=-1)))
 
@@ -90,7 +90,7 @@ def pipe_runtime(placement, generate=MeshSpec(data=-1)):
 def test_stage_groups_of_whole_processes():
   # 4 processes x 2 devices: generation spans processes 0-1 (its pipe rows), inference
   # and training one process each.
-  layouts = build_layouts(pipe_runtime((4, 2, 2), MeshSpec(data=1, pipe=2, tensor=2)))
+  layouts = build_layouts(pipe_plan((4, 2, 2), MeshSpec(data=1, pipe=2, tensor=2)))
   assert stage_processes(layouts, PAIRS) == {"generate": (0, 1), "infer": (2,),
                                              "train": (3,)}
   # Single-process stages as before: two of them may share a process.
@@ -100,11 +100,11 @@ def test_stage_groups_of_whole_processes():
 
 def test_a_multi_process_stage_sharing_a_process_is_refused():
   # Generation on devices 0-2 (processes 0 and 1), inference on 3-5 (processes 1, 2).
-  layouts = build_layouts(pipe_runtime((3, 3, 2)))
+  layouts = build_layouts(pipe_plan((3, 3, 2)))
   with pytest.raises(ValueError, match=(
-      r"runtime.placement: .* a stage spanning several processes must have them to "
+      r"plan.placement: .* a stage spanning several processes must have them to "
       r"itself, but the generate stage .* spans processes \[0, 1\] and process 1 also "
-      r"holds the infer stage: .* could deadlock. Cut runtime.placement at process "
+      r"holds the infer stage: .* could deadlock. Cut plan.placement at process "
       r"boundaries")):
     stage_processes(layouts, PAIRS)
 
@@ -113,9 +113,9 @@ def test_a_multi_process_stage_whose_processes_are_not_blocks_is_refused():
   # Generation data=2 x tensor=2 on devices 0-3, cut into processes of one device from
   # each data row: process 0 holds devices 0 and 2, a column, but devices 0 and 3 would
   # not be a rectangle.
-  layouts = build_layouts(pipe_runtime((4, 2, 2), MeshSpec(data=2, tensor=2)))
+  layouts = build_layouts(pipe_plan((4, 2, 2), MeshSpec(data=2, tensor=2)))
   odd = {0: 0, 3: 0, 1: 1, 2: 1, 4: 2, 5: 2, 6: 3, 7: 3}
-  with pytest.raises(ValueError, match=r"runtime.placement: process 0's devices in the "
+  with pytest.raises(ValueError, match=r"plan.placement: process 0's devices in the "
                      r"mesh .* are not a rectangular block"):
     stage_processes(layouts, lambda d: odd[d.id])
 

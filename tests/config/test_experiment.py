@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
 import quickstart  # noqa: E402
 
 from pipe_rlhf_jax.config.experiment import (  # noqa: E402
@@ -19,7 +19,7 @@ from pipe_rlhf_jax.config.experiment import (  # noqa: E402
 )
 from tests.helpers.configs import tiny_quickstart  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_builtin_reward_names_validate_in_a_fresh_process():
@@ -38,7 +38,7 @@ def test_builtin_reward_names_validate_in_a_fresh_process():
 
 @pytest.mark.parametrize("path, value", [
     ("ppo.epochs", 0), ("ppo.epochs", True),
-    ("stages.generate.num_microbatches", 0), ("runtime.max_staleness", -1),
+    ("stages.generate.num_microbatches", 0), ("plan.max_staleness", -1),
     ("ppo.ptx_batch_size", -1),
 ])
 def test_integer_fields_name_field_and_value(path, value):
@@ -58,7 +58,7 @@ NAN, INF = float("nan"), float("inf")
     ("ppo.top_p", 1.5, r"a number in \(0, 1\]"),
     ("data.hard_pairs", NAN, r"a probability in \[0, 1\]"),
     ("reward_model.policy_pairs", INF, r"a fraction in \[0, 1\]"),
-    ("runtime.response_fraction", NAN, r"a number in \(0, 1\]"),
+    ("plan.response_fraction", NAN, r"a number in \(0, 1\]"),
     ("ppo.actor_lr", NAN, "a number > 0"),  # the typed settings' check, the same words
 ])
 def test_float_fields_refuse_nan_and_inf(path, value, allowed):
@@ -157,10 +157,10 @@ def test_ptx_batch_that_does_not_split_is_refused_before_any_data(tmp_path):
 def test_optional_fields_read_their_one_default_when_left_out():
   config = quickstart.get_config()
   del config.data["num_eval"]
-  del config.runtime["plan"]
+  del config.plan["choose"]
   settings = ExperimentSettings.from_config(config)  # a config without them is still a valid one
   assert settings.data.num_eval == DataSettings.num_eval == 256
-  assert settings.choice.plan == "manual"
+  assert settings.choice.choose == "manual"
   config.log.eval_prompts = 7
   assert ExperimentSettings.from_config(config).log.eval_prompts == 7
   required = quickstart.get_config()
@@ -172,14 +172,14 @@ def test_optional_fields_read_their_one_default_when_left_out():
     for f in dataclasses.fields(cls):
       if f.default is not dataclasses.MISSING and f.name in config[section]:
         del config[section][f.name]
-  for name in ("plan", "hardware", "calibration", "response_fraction", "num_devices"):
-    if name in config.runtime:
-      del config.runtime[name]
+  for name in ("choose", "hardware", "calibration", "response_fraction", "num_devices"):
+    if name in config.plan:
+      del config.plan[name]
   ExperimentSettings.from_config(config)
 
 
 @pytest.mark.parametrize("section, typo, nearest", [
-    ("ppo", "kl_coeff", "kl_coef"), ("runtime", "max_stalenes", "max_staleness"),
+    ("ppo", "kl_coeff", "kl_coef"), ("plan", "max_stalenes", "max_staleness"),
     ("data", "prompt_length", "prompt_len"), ("log", "evry", "every"),
     ("model", "num_kv_head", "num_kv_heads"), ("stages.generate", "num_microbatch",
                                                "num_microbatches"),
@@ -221,3 +221,16 @@ def test_model_path_is_a_gguf_file_or_a_directory_with_config_json(tmp_path):
     ExperimentSettings.from_config(config)
   (tmp_path / "model.gguf").write_bytes(b"")  # the format is decided by the name here;
   assert ExperimentSettings.from_config(config).model.path == str(tmp_path)  # read later
+
+
+def test_keys_of_an_earlier_release_are_refused_naming_their_new_name():
+  config = quickstart.get_config()
+  config.runtime = config.plan
+  del config["plan"]
+  with pytest.raises(ValueError, match=r"Config key runtime was renamed plan \(and "
+                     r"runtime.plan is now plan.choose\).*--config.plan="):
+    ExperimentSettings.from_config(config)
+  config = quickstart.get_config()
+  config.plan.plan = "auto"
+  with pytest.raises(ValueError, match=r"Config key plan.plan was renamed plan.choose"):
+    ExperimentSettings.from_config(config)
