@@ -109,7 +109,7 @@ def sync_worker(args) -> None:
 
 def _plan(mode: str):
   """The plan of the PPO measurement in `mode` (the same meshes in every layout)."""
-  from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan
+  from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
   pipe = mode == "pipe"
   return Plan(
       mode=mode, max_staleness=1 if pipe else 0,
@@ -124,11 +124,12 @@ def ppo_worker(args) -> None:
   import jax
 
   from pipe_rlhf_jax import distributed
+  from pipe_rlhf_jax.config import PPOConfig
   from pipe_rlhf_jax.generation import SamplingParams
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.load import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, prompts_from_texts, run
+  from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts, run
   del jax
   tokenizer = load_tokenizer("byte")
   policy = init_model(tiny_config(), seed=0)  # the quickstart's model

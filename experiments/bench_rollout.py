@@ -442,7 +442,7 @@ STEP_WARMUP = 3  # compilation, and partial rollouts' engine filling up
 
 def step_variants(prompts: int, group: int):
   """The step part's plans: static generation in two modes, and partial rollouts."""
-  from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan
+  from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
   packed = lambda length, **kw: StagePlan(pack_tokens=length, **kw)  # noqa: E731
 
   def plan(length, mode, **kw):
@@ -542,7 +542,8 @@ def measure_pipelined(args) -> tuple[list[str], list[str]]:
 
 def measure_steps(args) -> tuple[list[str], list[str]]:
   """Whole PPO steps of each `step_variants` plan on one long-tailed prompt stream."""
-  from pipe_rlhf_jax.system import Models, PPOConfig, PPOSystem, run
+  from pipe_rlhf_jax.config import PPOConfig
+  from pipe_rlhf_jax.system import Models, PPOSystem, run
   group, k, steps_t = 4, args.step_prompts, args.step_max_new_tokens
   prompt_len, median = 32, max(steps_t // 8, 1)
   cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)

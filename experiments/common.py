@@ -34,20 +34,13 @@ import numpy as np
 
 from experiments import results
 from experiments.shapes import SIZES
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.models import KVCache, flops, hf, init_model, tiny_config
 from pipe_rlhf_jax.models.random_checkpoint import write_random_checkpoint
 from pipe_rlhf_jax.planner import cost, hardware, memory, search, space
 from pipe_rlhf_jax.stages import common
-from pipe_rlhf_jax.system import (
-  MeshSpec,
-  Models,
-  Plan,
-  PPOConfig,
-  PPOSystem,
-  StagePlan,
-  run,
-)
+from pipe_rlhf_jax.system import Models, PPOSystem, run
 
 # ---- toy-size PPO steps and their matmul probes ------------------------------------------
 

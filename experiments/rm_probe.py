@@ -93,7 +93,8 @@ class Probe:
     self.reward_params = warm["reward"]
     self.score_fn = jax.jit(
         lambda params, batch: supervised.preference_scores(reward_gd, params, batch)[0])
-    actor_gd = nnx.split(warm_lib.init_policy(self.settings, setup.cfgs["actor"]))[0]
+    actor_gd = nnx.split(warm_lib.init_policy(self.settings.model, self.settings.seed,
+                                              setup.cfgs["actor"]))[0]
     self.warm_policy = nnx.merge(actor_gd, warm["actor"])
 
   def scores(self, prompts: list[str], completions: list[str]) -> np.ndarray:

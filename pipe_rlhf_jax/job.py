@@ -160,12 +160,12 @@ def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -
   layouts = build_layouts(plan, devices)
   role = ProcessRole.of(plan, layouts, jax.process_index(), jax.process_count(),
                         jax.local_device_count())
-  checkpointer = resume_lib.open_checkpoints(settings, workdir, role, resume)
+  checkpointer = resume_lib.open_checkpoints(settings.checkpoint, workdir, role, resume)
   warm_layout = check_fits_before_compiling(experiment, layouts, devices)
   warm_source = warm_lib.resolve_source(settings, workdir)
   # What changes the mathematics; the plan (plan, meshes) is compared separately.
   # data.task='jsonl' files count by their content: one edited in place is other data.
-  data_files = digests.file_digests(settings)
+  data_files = digests.file_digests(settings.data_files())
   fingerprint = ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(),
                                                                  data_files))
   start = resume_lib.resume_start(settings, checkpointer, fingerprint, data_files,

@@ -59,9 +59,7 @@ def workload_from_flags(config):
     actor = presets.model(_MODEL.value)
   else:
     from pipe_rlhf_jax.models.load import load_tokenizer
-    from pipe_rlhf_jax.models.roles import build_model_configs
-    actor = build_model_configs(settings.model,
-                                load_tokenizer(settings.model.tokenizer))["actor"]
+    actor = settings.model.role_configs(load_tokenizer(settings.model.tokenizer))["actor"]
   work = auto.workload(settings, actor, _DEVICES.value,
                        _DEVICES_PER_HOST.value or hw.devices_per_host)
   work = dataclasses.replace(

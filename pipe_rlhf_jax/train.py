@@ -23,7 +23,6 @@ import ml_collections
 from pipe_rlhf_jax import job
 from pipe_rlhf_jax.config import ExperimentSettings
 from pipe_rlhf_jax.metrics import say
-from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.phases import run_data
 from pipe_rlhf_jax.phases.run_state import Experiment, JobResult
 from pipe_rlhf_jax.planner import auto as auto_plan
@@ -38,7 +37,7 @@ def experiment_of(config) -> Experiment:
   settings = ExperimentSettings.from_config(config)
   devices = job.select_devices(settings, settings.plan.mode)
   tokenizer = run_data.run_tokenizer(settings.model)
-  models = build_model_configs(settings.model, tokenizer)
+  models = settings.model.role_configs(tokenizer)
   run_data.check_vocab(settings.model, tokenizer, models["actor"])
   planned = auto_plan.plan_run(settings, models["actor"], devices)
   say(planned.describe())

@@ -328,11 +328,12 @@ def test_jsonl_files_count_by_content_in_the_fingerprints(tmp_path):
 
   def fingerprints(config):
     settings = ExperimentSettings.from_config(config)
-    files = digests.file_digests(settings)
+    files = digests.file_digests(settings.data_files())
     return (ckpt_lib.config_fingerprint(digests.with_content(settings.to_dict(), files)),
             warm_start_fingerprint(settings))
 
-  file_digests = lambda config: digests.file_digests(ExperimentSettings.from_config(config))
+  file_digests = lambda config: digests.file_digests(
+      ExperimentSettings.from_config(config).data_files())
   generated = tiny_quickstart()
   assert file_digests(generated) == {}
   assert digests.with_content(generated.to_dict(), {}) == generated.to_dict()

@@ -16,7 +16,10 @@ strings of every Python file of the project):
   script quoted by its path (`python experiments/<script>.py`) is a mistake, since the
   scripts are modules of the `experiments` package;
   `--config.<field>` overrides name a field of configs/quickstart.py's `get_config()`,
-  which every shipped config starts from.
+  which every shipped config starts from;
+* the vocabulary's retired names (docs/vocabulary.md, "Retired names") appear nowhere:
+  no identifier, module or import of the project's Python files, and no config key of
+  the shipped configs or of a quoted command.
 """
 
 from __future__ import annotations
@@ -508,6 +511,81 @@ def test_quoted_commands_are_found_with_their_arguments(tmp_path):
                    ("experiments.learning_curves", ["--seeds", "0", "--tag", "x"]),
                    ("pipe_rlhf_jax.plan", ["--top=3"])]
 
+
+# ---- 4. Retired names -----------------------------------------------------------------
+
+
+def retired_names() -> list[tuple[str, str, str]]:
+  """(retired, now, kind) rows of the vocabulary's "Retired names" table."""
+  text = (ROOT / "docs" / "vocabulary.md").read_text(encoding="utf-8")
+  text = text.split("## Retired names", 1)[1]
+  rows = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 3 and cells[0].startswith("`"):
+      rows.append((cells[0].split("`")[1], cells[1], cells[2]))
+  return rows
+
+
+def python_identifiers(path: pathlib.Path) -> set[str]:
+  """Every name one Python file binds or reads: variables, arguments, keywords,
+  attributes, functions, classes and the dotted modules it imports."""
+  tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name):
+      names.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      names.add(node.attr)
+    elif isinstance(node, ast.arg):
+      names.add(node.arg)
+    elif isinstance(node, ast.keyword) and node.arg:
+      names.add(node.arg)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{a.name}" for a in node.names)
+  return names
+
+
+def test_retired_names_appear_nowhere():
+  rows = retired_names()
+  kinds = {kind for _, _, kind in rows}
+  assert kinds == {"config key", "module", "identifier"} and len(rows) >= 8, rows
+  found = []
+  for path in python_files():
+    names = python_identifiers(path)
+    for old, _, kind in rows:
+      if kind == "identifier" and old in names:
+        found.append(f"{path.relative_to(ROOT)}: identifier {old}")
+      if kind == "module" and (old in names or any(n.startswith(old + ".") for n in names)):
+        found.append(f"{path.relative_to(ROOT)}: imports {old}")
+  for old, _, kind in rows:
+    if kind == "module":
+      file = ROOT / (old.replace(".", "/") + ".py")
+      if file.exists() or file.with_suffix("").is_dir():
+        found.append(f"{old} still exists")
+  sys.path.insert(0, str(ROOT / "configs"))
+  try:
+    import quickstart  # every shipped config starts from it
+    config = quickstart.get_config()
+  finally:
+    sys.path.remove(str(ROOT / "configs"))
+  for old, _, kind in rows:
+    if kind != "config key":
+      continue
+    node, parts = config, old.split(".")
+    for part in parts[:-1]:
+      node = node.get(part, {}) if hasattr(node, "get") else {}
+    if parts[-1] in node:
+      found.append(f"configs/quickstart.py: config key {old}")
+    for doc in markdown_files():
+      if re.search(rf"--config\.{re.escape(old)}[.=]", doc.read_text(encoding="utf-8")):
+        found.append(f"{doc.relative_to(ROOT)}: --config.{old}")
+  assert not found, "retired names still in use:\n" + "\n".join(found)
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))

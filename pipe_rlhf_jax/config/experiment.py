@@ -46,9 +46,12 @@ from pipe_rlhf_jax.config.plan import Plan
 # module runs the ppo package, which registers the KL estimators and losses.)
 from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
 from pipe_rlhf_jax.data.arith import ArithSpec
+from pipe_rlhf_jax.data.digests import JSONL_ROLES
 from pipe_rlhf_jax.data.word_problems import WordProblemSpec
 from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.models import hf, load
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
+from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "plan",
@@ -132,6 +135,29 @@ class ModelSettings:
       raise ValueError(f"model.num_heads={settings.num_heads} must be a multiple of "
                        f"model.num_kv_heads={settings.num_kv_heads}.")
     return settings
+
+  def role_configs(self, tokenizer) -> dict[str, TransformerConfig]:
+    """The `TransformerConfig`s of the run's three roles (actor, critic, reward).
+
+    The actor is the embedded tiny model sized to `tokenizer` (its vocabulary padded to
+    a multiple of 8, so that it splits evenly over tensor axes of 2, 4 and 8, and its
+    special ids), or the local checkpoint's config (its `config.json` or a GGUF file's
+    metadata); the critic and the reward model share its body and differ in the head.
+    The main job, the planner's calibration and `plan` all size their models here, so a
+    plan is priced for the model the run builds.
+    """
+    if self.path:
+      base = hf.config_from_hf(load.read_hf_config(self.path), dtype=self.dtype,
+                               param_dtype=self.param_dtype).replace(head="lm")
+    else:
+      base = tiny_config(vocab_size=-(-tokenizer.vocab_size // 8) * 8,
+                         embed_dim=self.embed_dim, num_layers=self.num_layers,
+                         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                         head_dim=self.head_dim, mlp_dim=self.mlp_dim, dtype=self.dtype,
+                         param_dtype=self.param_dtype, eos_token_id=tokenizer.eos_id,
+                         bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.pad_id)
+    return {"actor": base, "critic": base.replace(head="value"),
+            "reward": base.replace(head="score")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,6 +599,20 @@ class ExperimentSettings:
   def uses_demos(self) -> bool:
     """Whether the run reads demonstrations: SFT trains on them, PPO-ptx mixes them in."""
     return self.sft.steps > 0 or self.ppo.ptx_coef > 0
+
+  def data_files(self, roles: tuple[str, ...] = JSONL_ROLES) -> dict[str, str]:
+    """{"data.jsonl.<role>": path} of the user's files among `roles` that the run reads
+    (what `data.digests.file_digests` hashes).
+
+    Empty unless `data.task == 'jsonl'`; the preference files count only when a reward
+    model is trained (`reward.fn == 'model'`), the demonstrations only when SFT or
+    PPO-ptx reads them (`uses_demos`).
+    """
+    if self.data.task != "jsonl":
+      return {}
+    return {f"data.jsonl.{role}": self.data.jsonl[role] for role in roles
+            if (self.reward.uses_model or not role.startswith("prefs"))
+            and (self.uses_demos or role != "demos")}
 
   def _check_task(self) -> None:
     """The data source, and that the rewards and critic fit it.

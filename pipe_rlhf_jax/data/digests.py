@@ -36,26 +36,11 @@ def file_sha256(path: str) -> str:
   return h.hexdigest()
 
 
-def file_digests(settings, roles=JSONL_ROLES) -> dict[str, dict[str, str]]:
-  """{"data.jsonl.<role>": {"path", "sha256"}} of the files among `roles` the run reads.
-
-  Args:
-    settings: the experiment's settings (`config.ExperimentSettings`).
-    roles: the data.jsonl roles to digest.
-
-  Empty unless `data.task == 'jsonl'`; the preference files count only when a reward
-  model is trained (`reward.fn == 'model'`), the demonstrations only when SFT or PPO-ptx
-  reads them (`settings.uses_demos`).
-  """
-  if settings.data.task != "jsonl":
-    return {}
-  use_rm = settings.reward.uses_model
-  files = settings.data.jsonl
-  return {f"data.jsonl.{role}": {"path": os.path.abspath(files[role]),
-                                 "sha256": file_sha256(files[role])}
-          for role in roles
-          if (use_rm or not role.startswith("prefs"))
-          and (settings.uses_demos or role != "demos")}
+def file_digests(files: Mapping[str, str]) -> dict[str, dict[str, str]]:
+  """{field: {"path", "sha256"}} of the files {field: path} a run reads (the experiment
+  settings' `data_files()`: "data.jsonl.<role>" -> path)."""
+  return {field: {"path": os.path.abspath(path), "sha256": file_sha256(path)}
+          for field, path in files.items()}
 
 
 def with_content(config_dict: Mapping[str, Any], digests: Mapping[str, Mapping[str, str]]

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.config import ExperimentSettings
+from pipe_rlhf_jax.config.experiment import CheckpointSettings
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.phases.run_state import ProcessRole
@@ -22,13 +23,13 @@ from pipe_rlhf_jax.phases.run_state import ProcessRole
 log = logging.getLogger(__name__)
 
 
-def open_checkpoints(settings: ExperimentSettings, workdir: str, role: ProcessRole,
+def open_checkpoints(checkpoint: CheckpointSettings, workdir: str, role: ProcessRole,
                      resume: bool) -> ckpt_lib.Checkpointer:
   """The PPO checkpoints of `workdir`, after removing what an interrupted write of an
   earlier run left (by the processes that write them); refuses a workdir that holds
   checkpoints unless resuming."""
   ppo_dir = os.path.join(workdir, "checkpoints")
-  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=settings.checkpoint.keep,
+  checkpointer = ckpt_lib.Checkpointer(ppo_dir, max_to_keep=checkpoint.keep,
                                        processes=role.checkpoint_group,
                                        cleanup=role.trains)
   if checkpointer.unfinished:

@@ -25,6 +25,7 @@ import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.config import ExperimentSettings
+from pipe_rlhf_jax.config.experiment import ModelSettings, WarmStartSettings
 from pipe_rlhf_jax.data import digests
 from pipe_rlhf_jax.metrics import say
 from pipe_rlhf_jax.models import load
@@ -38,13 +39,12 @@ from pipe_rlhf_jax.system.system import with_backbone
 PHASES = ("sft", "reward_model", "reward_model_eval")
 
 
-def init_policy(settings: ExperimentSettings, cfg: TransformerConfig) -> Transformer:
+def init_policy(m: ModelSettings, seed: int, cfg: TransformerConfig) -> Transformer:
   """The policy before SFT: `model.path`'s weights, or the embedded model initialised from
   the seed."""
-  m = settings.model
   if m.path:
     return load.from_pretrained(m.path, dtype=m.dtype, param_dtype=m.param_dtype)
-  return init_model(cfg, seed=settings.seed)
+  return init_model(cfg, seed=seed)
 
 
 def warm_start_fingerprint(settings: ExperimentSettings) -> str:
@@ -67,11 +67,11 @@ def warm_start_fingerprint(settings: ExperimentSettings) -> str:
       sections["reward_model"].pop(key, None)
   return ckpt_lib.config_fingerprint(
       digests.with_content({"seed": settings.seed, **sections},
-                           digests.file_digests(settings, digests.WARM_START_ROLES)),
+                           digests.file_digests(settings.data_files(digests.WARM_START_ROLES))),
       ignore=ckpt_lib.DEFAULT_FINGERPRINT_IGNORE + ("data.dir",))
 
 
-def warm_start_source(settings: ExperimentSettings, workdir: str) -> str | None:
+def warm_start_source(warm: WarmStartSettings, workdir: str) -> str | None:
   """The warm-start checkpoint this run restores, or None when it must train one.
 
   Its own `<workdir>/warmstart` when that holds a checkpoint (a resume), else the
@@ -82,7 +82,7 @@ def warm_start_source(settings: ExperimentSettings, workdir: str) -> str | None:
     with ckpt_lib.Checkpointer(own, async_save=False) as ckpt:
       if ckpt.latest_step() is not None:
         return own
-  shared = settings.warm_start.checkpoint
+  shared = warm.checkpoint
   if not shared:
     return None
   with ckpt_lib.Checkpointer(shared, async_save=False) as ckpt:
@@ -105,14 +105,14 @@ def resolve_source(settings: ExperimentSettings, workdir: str) -> str | None:
   make the same choice, and a later look could see the directory another process has
   just created (and open a checkpoint manager, a collective, the others never open).
   """
-  source = warm_start_source(settings, workdir)
+  source = warm_start_source(settings.warm_start, workdir)
   if source is None:
     return None  # trained here
   own = source == os.path.join(workdir, "warmstart")
   with ckpt_lib.Checkpointer(source, async_save=False) as ckpt:
     meta = ckpt.read_metadata()
   changed = digests.changed_file(meta.get("data_files"),
-                                 digests.file_digests(settings, digests.WARM_START_ROLES))
+                                 digests.file_digests(settings.data_files(digests.WARM_START_ROLES)))
   if changed:
     fix = ("use a new workdir" if own else
            "set --config.warm_start.checkpoint='' to train a warm start on it here")
@@ -152,7 +152,7 @@ def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, da
   `tokenizer` decodes them for the rule).
   """
   use_rm = settings.reward.uses_model
-  policy = init_policy(settings, cfgs["actor"])
+  policy = init_policy(settings.model, settings.seed, cfgs["actor"])
   actor_gd, actor = nnx.split(policy)
   target = {"actor": actor}
   if use_rm:
@@ -206,7 +206,7 @@ def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, da
     say(f"reward: the rule {settings.reward.fn!r}; no reward model is trained")
   ckpt.save(0, state, metadata={
       "fingerprint": fingerprint, "rm_eval": rm_eval,
-      "data_files": digests.file_digests(settings, digests.WARM_START_ROLES)})
+      "data_files": digests.file_digests(settings.data_files(digests.WARM_START_ROLES))})
   ckpt.close()
   return {**state, "rm_eval": rm_eval}
 

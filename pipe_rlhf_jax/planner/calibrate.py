@@ -83,12 +83,12 @@ import numpy as np
 import optax
 
 from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
+from pipe_rlhf_jax.config.experiment import ModelSettings
 from pipe_rlhf_jax.generation.sampler import SamplingParams
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler, use_virtual_cpu_devices
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.load import load_tokenizer
-from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.transformer import KVCache, init_model
 from pipe_rlhf_jax.planner import composition, cost, hardware, space
 from pipe_rlhf_jax.planner.auto import detect_hardware
@@ -652,7 +652,8 @@ def _config_model(path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
-  return build_model_configs(config.model, load_tokenizer(config.model.tokenizer))["actor"]
+  model = ModelSettings.from_config(config.model)
+  return model.role_configs(load_tokenizer(model.tokenizer))["actor"]
 
 
 def main(argv=None) -> int:

@@ -4,12 +4,11 @@
 weight sync); `modes.py` owns the *when* (`sequential`, `per_stage`, `pipe`), and
 `pipe_loop.py` the `pipe` workers over channels of one process or of several
 (`pipe_processes.py`). The generic, model-free machinery they run on (queues, workers,
-versioned weights, tracing) lives in `pipe_rlhf_jax.concurrency`.
+versioned weights, tracing) lives in `pipe_rlhf_jax.concurrency`; the settings it takes
+(`PPOConfig`, `Plan`, `SamplingParams`) in `pipe_rlhf_jax.config`.
 """
 
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.system.api import PromptSource, RunResult, prompts_from_texts, run
 from pipe_rlhf_jax.system.system import Models, PPOSystem
 
-__all__ = ["MeshSpec", "Models", "PPOConfig", "PPOSystem", "PromptSource", "RunResult",
-           "Plan", "StagePlan", "prompts_from_texts", "run"]
+__all__ = ["Models", "PPOSystem", "PromptSource", "RunResult", "prompts_from_texts", "run"]

@@ -225,7 +225,7 @@ def test_model_path_is_a_gguf_file_or_a_directory_with_config_json(tmp_path):
 
 def test_keys_of_an_earlier_release_are_refused_naming_their_new_name():
   config = quickstart.get_config()
-  config.runtime = config.plan
+  config["runtime"] = config.plan  # the section under its retired name
   del config["plan"]
   with pytest.raises(ValueError, match=r"Config key runtime was renamed plan \(and "
                      r"runtime.plan is now plan.choose\).*--config.plan="):

@@ -56,7 +56,7 @@ def parse():
 
 def mesh_specs(text: str):
   """'data=1,pipe=2,tensor=2/...' -> the three stages' MeshSpecs."""
-  from pipe_rlhf_jax.system import MeshSpec
+  from pipe_rlhf_jax.config import MeshSpec
   return [MeshSpec(**{axis: int(size) for axis, size in
                       (item.split("=") for item in part.split(","))})
           for part in text.split("/")]
@@ -68,19 +68,12 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   `answers`, prompts with reference answers and a rule that checks their pairing)."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
+  from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
   from pipe_rlhf_jax.generation import SamplingParams
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
-  from pipe_rlhf_jax.system import (
-    MeshSpec,
-    Models,
-    Plan,
-    PPOConfig,
-    PPOSystem,
-    StagePlan,
-    prompts_from_texts,
-  )
+  from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts
   tokenizer = load_tokenizer("byte")
   policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4,
                                   head_dim=8, mlp_dim=64), seed=0)

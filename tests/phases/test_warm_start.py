@@ -13,7 +13,7 @@ from pipe_rlhf_jax.checkpoint import (
   Checkpointer,  # noqa: E402
   CheckpointError,  # noqa: E402
 )
-from pipe_rlhf_jax.models.roles import build_model_configs  # noqa: E402
+from pipe_rlhf_jax.config.experiment import ModelSettings  # noqa: E402
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 from pipe_rlhf_jax.train import prepare_warm_start, train  # noqa: E402
@@ -29,7 +29,7 @@ def tiny(mode: str, **overrides):
 def read_warm_start(directory):
   """The warm-start checkpoint's {"actor", "reward"} parameters (on one device) and
   metadata."""
-  cfgs = build_model_configs(tiny("sequential").model, load_tokenizer("byte"))
+  cfgs = ModelSettings.from_config(tiny("sequential").model).role_configs(load_tokenizer("byte"))
   target = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                nnx.state(nnx.eval_shape(lambda c=cfgs[name]: init_model(c))))
             for name in ("actor", "reward")}

@@ -12,7 +12,6 @@ from configs import quickstart
 from pipe_rlhf_jax.concurrency import tracing
 from pipe_rlhf_jax.concurrency.tracing import Tracer
 from pipe_rlhf_jax.config import ExperimentSettings, MeshSpec, Plan, StagePlan
-from pipe_rlhf_jax.models.roles import build_model_configs
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.planner import auto, hardware, search
 from pipe_rlhf_jax.train import train
@@ -61,7 +60,7 @@ def test_auto_applies_the_best_plan_and_reports_predicted_vs_measured(tmp_path):
   result = train(config, workdir, progress=False)
   # The plan that ran is the search's first, with staleness at most the config's bound.
   settings = ExperimentSettings.from_config(config)
-  cfgs = build_model_configs(settings.model, load_tokenizer("byte"))
+  cfgs = settings.model.role_configs(load_tokenizer("byte"))
   m = auto.machine_of(settings, jax.devices())
   work = auto.workload(settings, cfgs["actor"], 8, m.hw.devices_per_host)
   best = search.search(work, m, auto.options_of(settings), k=1)[0][0]

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipe_rlhf_jax.config import StagePlan
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, segment_positions
 from pipe_rlhf_jax.stages import packing
@@ -19,7 +20,7 @@ from pipe_rlhf_jax.stages.common import (
   packed_sequence_scores,
   sequence_scores,
 )
-from pipe_rlhf_jax.system import StagePlan, prompts_from_texts, run
+from pipe_rlhf_jax.system import prompts_from_texts, run
 from tests.system.test_api import _tiny_system
 
 VOCAB, PROMPT, COMPLETION = 64, 6, 10
@@ -163,7 +164,7 @@ def test_pack_tokens_is_an_inference_and_training_setting():
   assert StagePlan.from_config({"pack_tokens": 512}, "stages.infer").pack_tokens == 512
   with pytest.raises(ValueError, match="stages.infer.pack_tokens=-1"):
     StagePlan.from_config({"pack_tokens": -1}, "stages.infer")
-  from pipe_rlhf_jax.system import Plan
+  from pipe_rlhf_jax.config import Plan
   with pytest.raises(ValueError, match="stages.generate.pack_tokens=64: generation decodes, "
                                        "it does not pack; set stages.infer.pack_tokens or "
                                        "stages.train.pack_tokens"):

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.parallel import logical
@@ -19,7 +20,7 @@ from pipe_rlhf_jax.stages import packing
 from pipe_rlhf_jax.stages.common import StageLayout, completion_logprobs
 from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
 from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, PPOHyper, TrainStage
-from pipe_rlhf_jax.system import MeshSpec, Plan, StagePlan, prompts_from_texts, run
+from pipe_rlhf_jax.system import prompts_from_texts, run
 from tests.stages.test_packing import COMPLETION, PROMPT, VOCAB, padded_batch
 from tests.stages.test_ppo_stages import moved, ppo_section
 from tests.system.test_api import _tiny_system

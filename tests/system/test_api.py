@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import models
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
-from pipe_rlhf_jax.system import (
-  MeshSpec,
-  Models,
-  Plan,
-  PPOConfig,
-  PPOSystem,
-  StagePlan,
-  prompts_from_texts,
-  run,
-)
+from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts, run
 from tests.helpers.hf_helpers import write_tiny_llama
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")

@@ -7,15 +7,9 @@ import pytest
 
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.checkpoint import Checkpointer
+from pipe_rlhf_jax.config import Plan, PPOConfig
 from pipe_rlhf_jax.generation import SamplingParams
-from pipe_rlhf_jax.system import (
-  Models,
-  Plan,
-  PPOConfig,
-  PPOSystem,
-  prompts_from_texts,
-  run,
-)
+from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts, run
 from tests.helpers.hf_helpers import write_tiny_llama
 
 GRPO = dict(advantage_estimator="grpo", group_size=4, whiten_advantages=False)

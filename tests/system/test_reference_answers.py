@@ -11,20 +11,13 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import models
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
 from pipe_rlhf_jax.data.loaders import PromptLoader
 from pipe_rlhf_jax.generation import SamplingParams
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer
 from pipe_rlhf_jax.ppo.registry import rule_answers, score_rule
 from pipe_rlhf_jax.ppo.types import decode_answers, encode_answers
-from pipe_rlhf_jax.system import (
-  MeshSpec,
-  Models,
-  Plan,
-  PPOConfig,
-  PPOSystem,
-  StagePlan,
-  run,
-)
+from pipe_rlhf_jax.system import Models, PPOSystem, run
 
 TOK = ByteTokenizer()
 
