@@ -130,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def bench_one(graphdef, state, vocab, batch, args, group_size=1):
   """Compiles and times prefill and decode for one batch size (of batch / group_size
   prompts, group_size samples each); returns a row dict."""
-  params = sampler.SamplingParams(max_new_tokens=args.new_tokens,
+  params = sampler.SamplingSettings(max_new_tokens=args.new_tokens,
                                   temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, eos_id=None)
   prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
@@ -218,7 +218,7 @@ def bench_plain(name, model, prompt, mask, args, shape: MeshShape):
   mesh = make_mesh(shape, jax.devices()[:shape.size])
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, tree_shardings(mesh, param_axes(model), DEFAULT_RULES))
-  params = sampler.SamplingParams(max_new_tokens=args.new_tokens,
+  params = sampler.SamplingSettings(max_new_tokens=args.new_tokens,
                                   temperature=args.temperature, eos_id=None)
   ids = jnp.arange(args.batch, dtype=jnp.int32)
   rng = jax.random.key(0)

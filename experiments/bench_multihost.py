@@ -124,8 +124,8 @@ def ppo_worker(args) -> None:
   import jax
 
   from pipe_rlhf_jax import distributed
-  from pipe_rlhf_jax.config import PPOConfig
-  from pipe_rlhf_jax.generation import SamplingParams
+  from pipe_rlhf_jax.config import PPOSettings
+  from pipe_rlhf_jax.generation import SamplingSettings
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.load import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
@@ -136,8 +136,8 @@ def ppo_worker(args) -> None:
   plan = _plan(args.mode)
   system = PPOSystem(
       Models.from_policy(policy),
-      ppo=PPOConfig(steps=args.steps, batch_size=32, minibatch_size=16, actor_lr=1e-4),
-      sampling=SamplingParams(max_new_tokens=8, eos_id=tokenizer.eos_id,
+      ppo=PPOSettings(steps=args.steps, batch_size=32, minibatch_size=16, actor_lr=1e-4),
+      sampling=SamplingSettings(max_new_tokens=8, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
       plan=plan, reward_fn=lambda p, c: [float(x.count("a")) for x in c],
       decode=tokenizer.decode)

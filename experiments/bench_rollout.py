@@ -324,7 +324,7 @@ def measure_packing(args, lengths) -> tuple[list[str], list[str]]:
   from pipe_rlhf_jax.parallel import logical
   from pipe_rlhf_jax.parallel.mesh import make_mesh
   from pipe_rlhf_jax.stages.common import StageLayout
-  from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+  from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
   stages_measured = [s for s in args.packing_stages.split(",") if s]
   if not stages_measured or set(stages_measured) - {"infer", "train"}:
     raise SystemExit(f"--packing-stages: choose among infer, train, got "
@@ -336,11 +336,11 @@ def measure_packing(args, lengths) -> tuple[list[str], list[str]]:
             for i, head in enumerate(("lm", "value", "score"))}
   layout = StageLayout("infer", make_mesh({"data": 1}, jax.devices()[:1]),
                        logical.DEFAULT_RULES)
-  hyper = InferHyper(kl_estimator="k1", advantage_estimator="gae", gamma=1.0, lam=0.95,
+  settings = InferSettings(kl_estimator="k1", advantage_estimator="gae", gamma=1.0, lam=0.95,
                      whiten_advantages=True, temperature=1.0)
   budget = width + steps
   stages = {name: InferStage(layout, models["lm"][0], models["value"][0],
-                             models["score"][0], hyper, pack_tokens=pack)
+                             models["score"][0], settings, pack_tokens=pack)
             for name, pack in (("padded", 0), ("packed", budget))}
   params = (models["lm"][1], models["value"][1], models["score"][1])
   real = int(np.sum(rollout.prompt_mask) + np.sum(rollout.completion_mask))
@@ -396,20 +396,20 @@ def measure_train_packing(args, layout, models, infer, params, rollout, budget):
   import optax
 
   from pipe_rlhf_jax.models.transformer import with_execution
-  from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, PPOHyper, TrainStage
+  from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, TrainSettings, TrainStage
   exp, _ = infer(*params, rollout, 0.1)
   batch = rollout.prompt_mask.shape[0]
   minibatch = min(args.train_minibatch, batch)
   if batch % minibatch:
     raise SystemExit(f"--train-minibatch={minibatch} must divide the batch ({batch} rows)")
-  hyper = PPOHyper(epochs=1, minibatch_size=minibatch, clip_eps=0.2, value_clip_eps=0.2,
+  settings = TrainSettings(epochs=1, minibatch_size=minibatch, clip_eps=0.2, value_clip_eps=0.2,
                    entropy_coef=0.0, loss="ppo_clip", behaviour_weight_cap=None,
                    temperature=1.0)
   # The LM head over 128 positions at a time in both layouts, as a real run would: the
   # [minibatch, T, vocab] f32 logits of a whole minibatch do not fit beside its backward.
   actor_gd, actor = with_execution(*models["lm"], logits_chunk_size=128), models["lm"][1]
   critic_gd, critic = models["value"]
-  trainers = {name: TrainStage(layout, actor_gd, critic_gd, hyper, optax.sgd(1e-4),
+  trainers = {name: TrainStage(layout, actor_gd, critic_gd, settings, optax.sgd(1e-4),
                                optax.sgd(1e-4), pack_tokens=pack)
               for name, pack in (("padded", 0), ("packed", budget))}
   states = {name: t.init_state(actor, critic) for name, t in trainers.items()}
@@ -469,7 +469,7 @@ def measure_pipelined(args) -> tuple[list[str], list[str]]:
   from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
   cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
   graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
-  params = sampler.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+  params = sampler.SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                   eos_id=None)
   mesh = make_mesh(MeshShape(pipe=PIPE_STAGES), jax.devices()[:PIPE_STAGES])
   slots, num_mb = args.slots, args.pipe_microbatches
@@ -542,7 +542,7 @@ def measure_pipelined(args) -> tuple[list[str], list[str]]:
 
 def measure_steps(args) -> tuple[list[str], list[str]]:
   """Whole PPO steps of each `step_variants` plan on one long-tailed prompt stream."""
-  from pipe_rlhf_jax.config import PPOConfig
+  from pipe_rlhf_jax.config import PPOSettings
   from pipe_rlhf_jax.system import Models, PPOSystem, run
   group, k, steps_t = 4, args.step_prompts, args.step_max_new_tokens
   prompt_len, median = 32, max(steps_t // 8, 1)
@@ -566,11 +566,11 @@ def measure_steps(args) -> tuple[list[str], list[str]]:
     system = PPOSystem(
         Models.from_policy(init_model(cfg, seed=args.seed), critic_from=None,
                            reference=False),
-        ppo=PPOConfig(steps=args.step_steps, batch_size=k * group,
+        ppo=PPOSettings(steps=args.step_steps, batch_size=k * group,
                       minibatch_size=k * group, group_size=group, epochs=1,
                       advantage_estimator="grpo", whiten_advantages=False,
                       loss="decoupled_ppo_clip", actor_lr=1e-6, kl_coef=0.0),
-        sampling=sampler.SamplingParams(max_new_tokens=steps_t, temperature=1.0,
+        sampling=sampler.SamplingSettings(max_new_tokens=steps_t, temperature=1.0,
                                         eos_id=None, pad_id=0),
         plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
         decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)
@@ -637,7 +637,7 @@ def main(argv=None):
   if synthetic:
     cfg = shapes.config("smollm2-135m", dtype="float32", num_hidden_layers=args.layers)
     graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
-    params = sampler.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+    params = sampler.SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                     eos_id=None)
     costs = probe_costs(graphdef, state, params, args.slots, args.prompt_len, cfg.vocab_size)
     notes.append(f"synthetic parts: SmolLM2-135M shape with {args.layers} layers, random "
@@ -656,7 +656,7 @@ def main(argv=None):
   if "real" in parts:
     model, tok, queue = real_queue(args.real_samples)
     graphdef, state = nnx.split(model)
-    params = sampler.SamplingParams(max_new_tokens=args.real_max_new_tokens,
+    params = sampler.SamplingSettings(max_new_tokens=args.real_max_new_tokens,
                                     temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
     costs = probe_costs(graphdef, state, params, args.slots, queue[0].shape[1],
                         model.config.vocab_size)

@@ -34,8 +34,8 @@ import numpy as np
 
 from experiments import results
 from experiments.shapes import SIZES
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
-from pipe_rlhf_jax.generation import SamplingParams
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
+from pipe_rlhf_jax.generation import SamplingSettings
 from pipe_rlhf_jax.models import KVCache, flops, hf, init_model, tiny_config
 from pipe_rlhf_jax.models.random_checkpoint import write_random_checkpoint
 from pipe_rlhf_jax.planner import cost, hardware, memory, search, space
@@ -160,9 +160,9 @@ def bench_size(size: int, steps: int, warmup: int, scan_unroll: int) -> dict:
   devices = jax.devices()[:1]
   system = PPOSystem(
       Models.from_policy(init_model(cfg, seed=0)),
-      ppo=PPOConfig(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
+      ppo=PPOSettings(steps=steps, batch_size=batch, minibatch_size=batch, epochs=1,
                     actor_lr=1e-5, critic_lr=1e-5),
-      sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
+      sampling=SamplingSettings(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
       plan=Plan(mode="sequential", mesh=MeshSpec(data=1),
                             **{stage: StagePlan(scan_unroll=scan_unroll or layers)
                                for stage in ("generate", "infer", "train")}),
@@ -376,9 +376,9 @@ def bench_shape(shape: str, args, limits, mode: str = "sequential", dtype: str =
                      f"{len(jax.devices())} exist.")
   system = PPOSystem(
       Models.from_policy(policy),
-      ppo=PPOConfig(steps=args.steps + warmup, batch_size=batch, minibatch_size=batch,
+      ppo=PPOSettings(steps=args.steps + warmup, batch_size=batch, minibatch_size=batch,
                     epochs=1, actor_lr=1e-6, critic_lr=1e-6),
-      sampling=SamplingParams(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
+      sampling=SamplingSettings(max_new_tokens=gen, temperature=1.0, eos_id=None, pad_id=0),
       plan=plan,
       reward_fn=lambda prompts, completions: [float(len(c)) for c in completions],
       decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices)

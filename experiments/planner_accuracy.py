@@ -92,16 +92,16 @@ def choose_plans(work, count: int):
 
 def build_plan(plan, cfg, work, tokenizer, texts, warmup: int):
   """The plan's system and prompt source, compiled and warmed up by `warmup` steps."""
-  from pipe_rlhf_jax.config import PPOConfig
-  from pipe_rlhf_jax.generation.sampler import SamplingParams
+  from pipe_rlhf_jax.config import PPOSettings
+  from pipe_rlhf_jax.generation.sampler import SamplingSettings
   from pipe_rlhf_jax.models.transformer import init_model
   from pipe_rlhf_jax.system.api import prompts_from_texts, run
   from pipe_rlhf_jax.system.system import Models, PPOSystem
   system = PPOSystem(
       Models.from_policy(init_model(cfg)),
-      ppo=PPOConfig(steps=1000, batch_size=work.batch_size,
+      ppo=PPOSettings(steps=1000, batch_size=work.batch_size,
                     minibatch_size=work.minibatch_size, epochs=work.epochs),
-      sampling=SamplingParams(max_new_tokens=work.gen_len, eos_id=None,
+      sampling=SamplingSettings(max_new_tokens=work.gen_len, eos_id=None,
                               pad_id=tokenizer.pad_id),
       plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
       decode=tokenizer.decode)

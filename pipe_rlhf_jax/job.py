@@ -239,7 +239,7 @@ def open_metrics(setup: RunSetup) -> metrics_lib.MetricsWriter:
 
 def ppo_sampling(settings: ExperimentSettings, tokenizer):
   """PPO's sampling distribution: completions of `data.completion_len` tokens at
-  `ppo.temperature` / `top_k` / `top_p` (`SamplingParams`)."""
+  `ppo.temperature` / `top_k` / `top_p` (`SamplingSettings`)."""
   return settings.sampling.sampling_params(settings.data.completion_len, tokenizer)
 
 

@@ -125,10 +125,10 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_run):
 def test_an_experiment_is_checked_frozen_and_planned_before_anything_is_written(tmp_path):
   import ml_collections
 
-  from pipe_rlhf_jax.config import Plan, PPOConfig
+  from pipe_rlhf_jax.config import Plan, PPOSettings
   config = tiny()
   experiment = experiment_of(config)
-  assert experiment.ppo == PPOConfig.from_config(config.ppo, seed=config.seed)
+  assert experiment.ppo == PPOSettings.from_config(config.ppo, seed=config.seed)
   assert experiment.plan == Plan.from_config(config)  # the hand-written plan
   assert not experiment.planned.chosen and experiment.record.to_dict() == config.to_dict()
   assert experiment.models["actor"].vocab_size >= 1

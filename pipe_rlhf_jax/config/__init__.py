@@ -5,7 +5,7 @@ at the edge, into the frozen dataclasses of this package; below that edge no cod
 ConfigDict. Each setting checks itself when constructed, and its errors name the config
 path (`ppo.clip_eps`) and what is allowed.
 
-- `algorithm`: `PPOConfig`, the `ppo` section (the algorithm: estimators, losses, KL,
+- `algorithm`: `PPOSettings`, the `ppo` section (the algorithm: estimators, losses, KL,
   batch sizes, learning rates).
 - `plan`: `Plan` (the `plan`, `mesh` and `stages` sections: where and when the
   mathematics runs), its `StagePlan` and `MeshSpec`, and `PlannedRun` (a plan with the
@@ -18,19 +18,19 @@ The package sits directly above the algorithms (`ppo`, `generation`, `data`): th
 of estimators, losses and rewards are checked against the algorithms' registries, so the
 settings come after what they name. Three settings are the algorithms' own static
 arguments and are defined with them, re-exported here so that every setting is imported
-from one place: `SamplingParams` (`generation.sampler`), `AdvantageSettings`
-(`ppo.advantages`) and the generated tasks' `ArithSpec` / `WordProblemSpec` (`data`).
+from one place: `SamplingSettings` (`generation.sampler`), `AdvantageSettings`
+(`ppo.advantages`) and the generated tasks' `ArithSettings` / `WordProblemSettings` (`data`).
 Everything above (stages, system, phases, job, planner) imports settings from here.
 """
 
-from pipe_rlhf_jax.config.algorithm import KL_PLACEMENTS, PPOConfig
+from pipe_rlhf_jax.config.algorithm import KL_PLACEMENTS, PPOSettings
 from pipe_rlhf_jax.config.experiment import ExperimentSettings
 from pipe_rlhf_jax.config.plan import MODES, STAGES, MeshSpec, Plan, PlannedRun, StagePlan
-from pipe_rlhf_jax.data.arith import ArithSpec
-from pipe_rlhf_jax.data.word_problems import WordProblemSpec
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.data.arith import ArithSettings
+from pipe_rlhf_jax.data.word_problems import WordProblemSettings
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 
-__all__ = ["AdvantageSettings", "ArithSpec", "ExperimentSettings", "KL_PLACEMENTS", "MODES",
-           "MeshSpec", "PPOConfig", "Plan", "PlannedRun", "STAGES", "SamplingParams",
-           "StagePlan", "WordProblemSpec"]
+__all__ = ["AdvantageSettings", "ArithSettings", "ExperimentSettings", "KL_PLACEMENTS", "MODES",
+           "MeshSpec", "PPOSettings", "Plan", "PlannedRun", "STAGES", "SamplingSettings",
+           "StagePlan", "WordProblemSettings"]

@@ -1,6 +1,6 @@
-"""The algorithm's settings: `PPOConfig`, the `ppo` section of an experiment config.
+"""The algorithm's settings: `PPOSettings`, the `ppo` section of an experiment config.
 
-Every field is checked when a `PPOConfig` is constructed, and an error names the field
+Every field is checked when a `PPOSettings` is constructed, and an error names the field
 (with its config path, e.g. `ppo.clip_eps`) and what is allowed. The names of estimators,
 losses and aggregations are checked against the algorithms' registries
 (`ppo.registry`): importing it registers the built-in ones, and a name registered by a
@@ -20,11 +20,11 @@ from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 KL_PLACEMENTS = ("reward", "loss")  # where the KL to the reference acts (ppo.kl_in)
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig:
+class PPOSettings:
   """The PPO algorithm: update sizes, optimisers, loss, KL penalty, advantages.
 
   Field names equal the keys of an experiment config's `ppo` section, so
-  `PPOConfig.from_config(config.ppo)` is a plain copy (sampling keys excluded).
+  `PPOSettings.from_config(config.ppo)` is a plain copy (sampling keys excluded).
 
   Attributes:
     steps: PPO steps the learning-rate schedules span.
@@ -125,7 +125,7 @@ class PPOConfig:
   seed: int = 0
 
   # Keys of an experiment config's `ppo` section that belong elsewhere: sampling
-  # (SamplingParams) and the warm start of the critic (the experiment pipeline).
+  # (SamplingSettings) and the warm start of the critic (the experiment pipeline).
   _NOT_ALGORITHM = ("temperature", "top_k", "top_p", "critic_init")
 
   def __post_init__(self):
@@ -229,7 +229,7 @@ class PPOConfig:
                              norm_by_std=self.grpo_norm_by_std, eps=self.grpo_eps)
 
   @classmethod
-  def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOConfig":
+  def from_config(cls, ppo: Mapping[str, Any], seed: int = 0) -> "PPOSettings":
     """From an experiment config's `ppo` section; unknown keys are an error."""
     values = plain(ppo)
     check_known(values, [f.name for f in dataclasses.fields(cls) if f.name != "seed"]

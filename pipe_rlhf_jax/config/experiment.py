@@ -3,7 +3,7 @@
 Owns `ExperimentSettings.from_config(config)`, the one conversion of an experiment config
 (an `ml_collections.ConfigDict`, `configs/*.py`) into frozen dataclasses, before anything
 is built or compiled: the model, data, sft, reward_model, reward, warm_start, checkpoint
-and log sections here; the algorithm (`PPOConfig`) in `config.algorithm` and the
+and log sections here; the algorithm (`PPOSettings`) in `config.algorithm` and the
 hand-written plan (`Plan`, from the plan, mesh and stages sections) in `config.plan`; how the
 plan is chosen (`PlanChoice`: plan.choose, hardware, calibration, ...) here.
 
@@ -38,17 +38,17 @@ from pipe_rlhf_jax.checks import (
   check_known,
   check_number,
 )
-from pipe_rlhf_jax.config.algorithm import PPOConfig
+from pipe_rlhf_jax.config.algorithm import PPOSettings
 from pipe_rlhf_jax.config.plan import Plan
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
 # module runs the ppo package, which registers the KL estimators and losses.)
 from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
-from pipe_rlhf_jax.data.arith import ArithSpec
+from pipe_rlhf_jax.data.arith import ArithSettings
 from pipe_rlhf_jax.data.digests import JSONL_ROLES
-from pipe_rlhf_jax.data.word_problems import WordProblemSpec
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.data.word_problems import WordProblemSettings
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models import hf, load
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
@@ -215,8 +215,8 @@ class DataSettings:
   on_overlong: str
   num_eval: int = 256
   hard_pairs: float = 0.0
-  arith: ArithSpec | None = None
-  word_problems: WordProblemSpec | None = None
+  arith: ArithSettings | None = None
+  word_problems: WordProblemSettings | None = None
   jsonl: JsonlFiles = JsonlFiles()
 
   @classmethod
@@ -240,7 +240,7 @@ class DataSettings:
       if arith is None:
         raise ValueError("data.task='arith' needs a data.arith section (operators, "
                          "min_digits, max_digits, demo_noise); see configs/grpo_arith.py.")
-      values["arith"] = ArithSpec.from_config(arith, f"{path}.arith")
+      values["arith"] = ArithSettings.from_config(arith, f"{path}.arith")
       if values.get("num_eval", cls.num_eval) > values["arith"].num_problems() // 2:
         raise ValueError(
             f"data.num_eval={values['num_eval']} held-out problems is more than half of "
@@ -248,7 +248,7 @@ class DataSettings:
             "data.num_eval or allow more digits/operators.")
     words = values.pop("word_problems", None)
     if values["task"] == "word_problems":
-      values["word_problems"] = WordProblemSpec.from_config(words or {},
+      values["word_problems"] = WordProblemSettings.from_config(words or {},
                                                             f"{path}.word_problems")
       if values.get("num_eval", cls.num_eval) > values["word_problems"].num_problems() // 2:
         raise ValueError(
@@ -426,10 +426,10 @@ class LogSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class PolicySampling:
+class PolicySamplingSettings:
   """How PPO samples its completions (the `ppo` section's temperature, top_k, top_p).
 
-  `sampling_params` makes the generator's `SamplingParams` once the tokenizer (EOS, pad)
+  `sampling_params` makes the generator's `SamplingSettings` once the tokenizer (EOS, pad)
   is known.
   """
 
@@ -440,7 +440,7 @@ class PolicySampling:
   FIELDS = ("temperature", "top_k", "top_p")
 
   @classmethod
-  def from_config(cls, ppo, path: str = "ppo") -> "PolicySampling":
+  def from_config(cls, ppo, path: str = "ppo") -> "PolicySamplingSettings":
     for name in cls.FIELDS:
       _get(ppo, name)
     settings = cls(temperature=check_number(ppo.temperature, f"{path}.temperature",
@@ -452,9 +452,9 @@ class PolicySampling:
                        "value > 0.")
     return settings
 
-  def sampling_params(self, max_new_tokens: int, tokenizer) -> SamplingParams:
+  def sampling_params(self, max_new_tokens: int, tokenizer) -> SamplingSettings:
     """Completions of `max_new_tokens` tokens ending at the tokenizer's EOS."""
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature,
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=self.temperature,
                           top_k=self.top_k, top_p=self.top_p, eos_id=tokenizer.eos_id,
                           pad_id=tokenizer.pad_id)
 
@@ -529,7 +529,7 @@ class ExperimentSettings:
   Attributes:
     name / seed / workdir: the run's name, seed and directory (empty: runs/<name>-<time>).
     model, data, sft, reward_model, reward, warm_start, checkpoint, log: the sections.
-    ppo: the algorithm, seeded by `seed` (`PPOConfig`).
+    ppo: the algorithm, seeded by `seed` (`PPOSettings`).
     sampling: how PPO samples (`ppo.temperature`, `top_k`, `top_p`).
     critic_init: where the critic's backbone starts, "reward_model" or "sft"
       (`ppo.critic_init`).
@@ -548,8 +548,8 @@ class ExperimentSettings:
   warm_start: WarmStartSettings
   checkpoint: CheckpointSettings
   log: LogSettings
-  ppo: PPOConfig
-  sampling: PolicySampling
+  ppo: PPOSettings
+  sampling: PolicySamplingSettings
   critic_init: str
   plan: Plan
   choice: PlanChoice
@@ -569,10 +569,10 @@ class ExperimentSettings:
     check_known(config.plan.keys(), _PLAN_FIELDS + PlanChoice.FIELDS, "plan")
     check_known(config.stages.keys(), ("generate", "infer", "train"), "stages")
     seed = config.get("seed", 0)
-    for f in dataclasses.fields(PPOConfig):
+    for f in dataclasses.fields(PPOSettings):
       if f.default is dataclasses.MISSING:
         _get(config, f"ppo.{f.name}")
-    ppo = PPOConfig.from_config(config.ppo, seed=seed)
+    ppo = PPOSettings.from_config(config.ppo, seed=seed)
     plan = Plan.from_config(config)
     settings = cls(
         name=config.get("name", "run"), seed=seed, workdir=config.get("workdir", ""),
@@ -584,7 +584,7 @@ class ExperimentSettings:
         warm_start=WarmStartSettings.from_config(config.get("warm_start")),
         checkpoint=CheckpointSettings.from_config(config.checkpoint),
         log=LogSettings.from_config(config.log), ppo=ppo,
-        sampling=PolicySampling.from_config(config.ppo),
+        sampling=PolicySamplingSettings.from_config(config.ppo),
         critic_init=check_choice(_get(config, "ppo.critic_init"), "ppo.critic_init",
                             ("reward_model", "sft")),
         plan=plan, choice=PlanChoice.from_config(config.plan))

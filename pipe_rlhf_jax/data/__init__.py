@@ -16,7 +16,7 @@ from pipe_rlhf_jax.data import (
 )
 
 _LAZY = {
-    "ArithSpec": "arith",
+    "ArithSettings": "arith",
     "make_arith_records": "arith",
     "write_arith_jsonl": "arith",
     "make_arith_datasets": "builders",

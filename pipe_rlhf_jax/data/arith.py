@@ -2,7 +2,7 @@
 
 A prompt is a problem such as `"12+57="`; the correct completion is the decimal result
 (`"69"`, then EOS, added by the pipeline). The operators (`+`, `-`, `*`) and the number
-of digits of each operand are configurable (`ArithSpec`), so the difficulty, and with it
+of digits of each operand are configurable (`ArithSettings`), so the difficulty, and with it
 how imperfect the supervised warm start is, can be chosen. The answer is checked by a
 rule (`arith_exact_match` in data/rewards.py), so no preference pairs are generated and
 no reward model is trained: RL optimises the rule itself.
@@ -45,7 +45,7 @@ ARITH_FILES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ArithSpec:
+class ArithSettings:
   """What problems look like and how noisy the demonstrations are.
 
   Attributes:
@@ -80,7 +80,7 @@ class ArithSpec:
                  what="a probability")
 
   @classmethod
-  def from_config(cls, section: Mapping[str, Any], field: str = "data.arith") -> "ArithSpec":
+  def from_config(cls, section: Mapping[str, Any], field: str = "data.arith") -> "ArithSettings":
     """From a config section (e.g. `config.data.arith`); errors name `field.<key>`."""
     return from_section(cls, section, field, "arith")
 
@@ -106,14 +106,14 @@ def solve(a: int, op: str, b: int) -> str:
   return str(OPERATORS[op](int(a), int(b)))
 
 
-def _operand(rng: np.random.Generator, spec: ArithSpec) -> int:
+def _operand(rng: np.random.Generator, spec: ArithSettings) -> int:
   """Number of digits uniform in the range, then the value uniform among those."""
   digits = int(rng.integers(spec.min_digits, spec.max_digits + 1))
   low = 0 if digits == 1 else 10 ** (digits - 1)
   return int(rng.integers(low, 10 ** digits))
 
 
-def _problem(rng: np.random.Generator, spec: ArithSpec) -> tuple[int, str, int]:
+def _problem(rng: np.random.Generator, spec: ArithSettings) -> tuple[int, str, int]:
   a = _operand(rng, spec)
   op = spec.operators[int(rng.integers(0, len(spec.operators)))]
   return a, op, _operand(rng, spec)
@@ -131,7 +131,7 @@ def _noisy_answer(rng: np.random.Generator, answer: str, noise: float) -> str:
 
 
 def make_arith_records(num_prompts: int, num_demos: int, seed: int,
-                       spec: ArithSpec = ArithSpec(), *, num_eval: int = 0
+                       spec: ArithSettings = ArithSettings(), *, num_eval: int = 0
                        ) -> dict[str, list[dict[str, Any]]]:
   """Generates the arith task's records deterministically from `seed`.
 
@@ -181,7 +181,7 @@ def make_arith_records(num_prompts: int, num_demos: int, seed: int,
           "prompts_eval": [{"prompt": make_prompt(*p)} for p in held_out]}
 
 
-def arith_task_config(num_prompts: int, num_demos: int, seed: int, spec: ArithSpec,
+def arith_task_config(num_prompts: int, num_demos: int, seed: int, spec: ArithSettings,
                       num_eval: int) -> dict[str, Any]:
   """The arguments that determine the records, as written to `task_config.json`."""
   return dict(task="arith", num_prompts=num_prompts, num_demos=num_demos, seed=seed,
@@ -189,7 +189,7 @@ def arith_task_config(num_prompts: int, num_demos: int, seed: int, spec: ArithSp
 
 
 def write_arith_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: int = 4096,
-                      seed: int = 0, spec: ArithSpec = ArithSpec(), *, num_eval: int = 256
+                      seed: int = 0, spec: ArithSettings = ArithSettings(), *, num_eval: int = 256
                       ) -> dict[str, str]:
   """Generates the task and writes its JSONL files into `out_dir`.
 
@@ -211,12 +211,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--num_demos", type=int, default=4096)
   parser.add_argument("--num_eval", type=int, default=256)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--operators", default=ArithSpec.operators)
-  parser.add_argument("--min_digits", type=int, default=ArithSpec.min_digits)
-  parser.add_argument("--max_digits", type=int, default=ArithSpec.max_digits)
-  parser.add_argument("--demo_noise", type=float, default=ArithSpec.demo_noise)
+  parser.add_argument("--operators", default=ArithSettings.operators)
+  parser.add_argument("--min_digits", type=int, default=ArithSettings.min_digits)
+  parser.add_argument("--max_digits", type=int, default=ArithSettings.max_digits)
+  parser.add_argument("--demo_noise", type=float, default=ArithSettings.demo_noise)
   args = parser.parse_args(argv)
-  spec = ArithSpec(args.operators, args.min_digits, args.max_digits, args.demo_noise)
+  spec = ArithSettings(args.operators, args.min_digits, args.max_digits, args.demo_noise)
   paths = write_arith_jsonl(args.out_dir, args.num_prompts, args.num_demos, args.seed, spec,
                             num_eval=args.num_eval)
   for role, path in paths.items():

@@ -9,7 +9,7 @@ rendered through the policy's own chat template, so a pretrained chat model is p
 the way it was trained, and scored by the `math_verify` rule (data/math_reward.py: the
 last number of the answer, or a `\\boxed{}` / `####` answer, equal to the reference).
 Problems add, take away or multiply one- and two-digit numbers in a few phrasings each;
-the difficulty is chosen by the operand range and the operations (`WordProblemSpec`).
+the difficulty is chosen by the operand range and the operations (`WordProblemSettings`).
 
 * Held-out problems never occur among the training prompts: no (phrasing, operation,
   operands) triple is shared, so a policy cannot pass the held-out split by memorising.
@@ -68,7 +68,7 @@ WORD_PROBLEM_FILES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class WordProblemSpec:
+class WordProblemSettings:
   """What problems look like.
 
   Attributes:
@@ -102,7 +102,7 @@ class WordProblemSpec:
 
   @classmethod
   def from_config(cls, section: Mapping[str, Any],
-                  field: str = "data.word_problems") -> "WordProblemSpec":
+                  field: str = "data.word_problems") -> "WordProblemSettings":
     """From a config section; errors name `field.<key>`."""
     return from_section(cls, section, field, "word_problems")
 
@@ -117,7 +117,7 @@ class WordProblemSpec:
 Problem = tuple[str, int, int, int]
 
 
-def _problem(rng: np.random.Generator, spec: WordProblemSpec) -> Problem:
+def _problem(rng: np.random.Generator, spec: WordProblemSettings) -> Problem:
   op = spec.operations[int(rng.integers(0, len(spec.operations)))]
   template = int(rng.integers(0, len(TEMPLATES[op])))
   if op == "*":
@@ -150,14 +150,14 @@ def worked_answer(problem: Problem) -> str:
   return f"{a} {symbol} {b} = {solve(problem)}. The answer is {solve(problem)}."
 
 
-def _messages(text: str, spec: WordProblemSpec) -> list[dict[str, str]]:
+def _messages(text: str, spec: WordProblemSettings) -> list[dict[str, str]]:
   system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
   return system + [{"role": "user", "content": text}]
 
 
 def make_word_problem_records(num_prompts: int, num_demos: int, seed: int,
-                              spec: WordProblemSpec = WordProblemSpec(), *, num_eval: int = 0
-                              ) -> dict[str, list[dict[str, Any]]]:
+                              spec: WordProblemSettings = WordProblemSettings(), *,
+                              num_eval: int = 0) -> dict[str, list[dict[str, Any]]]:
   """Generates the task's records deterministically from `seed`.
 
   Args:
@@ -210,14 +210,14 @@ def make_word_problem_records(num_prompts: int, num_demos: int, seed: int,
 
 
 def word_problem_task_config(num_prompts: int, num_demos: int, seed: int,
-                             spec: WordProblemSpec, num_eval: int) -> dict[str, Any]:
+                             spec: WordProblemSettings, num_eval: int) -> dict[str, Any]:
   """The arguments that determine the records, as written to `task_config.json`."""
   return dict(task="word_problems", num_prompts=num_prompts, num_demos=num_demos, seed=seed,
               num_eval=num_eval, **dataclasses.asdict(spec))
 
 
 def write_word_problem_jsonl(out_dir: str, num_prompts: int = 4096, num_demos: int = 256,
-                             seed: int = 0, spec: WordProblemSpec = WordProblemSpec(), *,
+                             seed: int = 0, spec: WordProblemSettings = WordProblemSettings(), *,
                              num_eval: int = 128) -> dict[str, str]:
   """Generates the task and writes its JSONL files into `out_dir`.
 
@@ -240,11 +240,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--num_demos", type=int, default=256)
   parser.add_argument("--num_eval", type=int, default=128)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--operations", default=WordProblemSpec.operations)
-  parser.add_argument("--max_operand", type=int, default=WordProblemSpec.max_operand)
-  parser.add_argument("--max_factor", type=int, default=WordProblemSpec.max_factor)
+  parser.add_argument("--operations", default=WordProblemSettings.operations)
+  parser.add_argument("--max_operand", type=int, default=WordProblemSettings.max_operand)
+  parser.add_argument("--max_factor", type=int, default=WordProblemSettings.max_factor)
   args = parser.parse_args(argv)
-  spec = WordProblemSpec(args.operations, args.max_operand, args.max_factor)
+  spec = WordProblemSettings(args.operations, args.max_operand, args.max_factor)
   paths = write_word_problem_jsonl(args.out_dir, args.num_prompts, args.num_demos, args.seed,
                                    spec, num_eval=args.num_eval)
   for role, path in paths.items():

@@ -2,6 +2,6 @@
 inter-batch pipelined decoder with its pure schedule."""
 
 from pipe_rlhf_jax.generation.pipelined import pipelined_generate
-from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingSettings, generate
 
-__all__ = ["GenerationOutput", "SamplingParams", "generate", "pipelined_generate"]
+__all__ = ["GenerationOutput", "SamplingSettings", "generate", "pipelined_generate"]

@@ -57,7 +57,7 @@ import numpy as np
 
 from pipe_rlhf_jax.generation.sampler import (
   GenerationOutput,
-  SamplingParams,
+  SamplingSettings,
   check_prompts,
   completion_key_mask,
   next_tokens,
@@ -204,7 +204,7 @@ class EngineSpec:
     return tuple(out)
 
 
-def init_state(model_config, spec: EngineSpec, params: SamplingParams, prompt_len: int,
+def init_state(model_config, spec: EngineSpec, params: SamplingSettings, prompt_len: int,
                num_rows: int, cache_fill: float = 0.0) -> EngineState:
   """An engine with every slot free and `num_rows` empty output rows.
 
@@ -248,7 +248,7 @@ def _write(buf: jax.Array, rows: jax.Array, cols: jax.Array, values: jax.Array) 
 
 def _emit(s: EngineState, rows: jax.Array, column: jax.Array, tokens: jax.Array,
           logprobs: jax.Array, limits: jax.Array, version: jax.Array,
-          params: SamplingParams) -> tuple[EngineState, jax.Array]:
+          params: SamplingSettings) -> tuple[EngineState, jax.Array]:
   """Records token `column` of the completions in output `rows` (FREE entries skipped).
 
   Returns the state with outputs written and a bool per entry: this token ended its
@@ -270,7 +270,7 @@ def _emit(s: EngineState, rows: jax.Array, column: jax.Array, tokens: jax.Array,
 
 
 def _admit(model, s: EngineState, width: int, queue: EngineQueue, rng: jax.Array,
-           version: jax.Array, spec: EngineSpec, params: SamplingParams) -> EngineState:
+           version: jax.Array, spec: EngineSpec, params: SamplingSettings) -> EngineState:
   """Prefills the next `width` prompts of the queue into free slots.
 
   The caller guarantees `width * n` free slots and `width` prompts left (the queue is
@@ -324,7 +324,7 @@ def _admit(model, s: EngineState, width: int, queue: EngineQueue, rng: jax.Array
 
 
 def _decode(model, s: EngineState, prompt_len: int, rng: jax.Array, version: jax.Array,
-            params: SamplingParams, layer_params) -> EngineState:
+            params: SamplingSettings, layer_params) -> EngineState:
   """One decode step of every slot; busy slots record their token, idle ones discard."""
   # The token drawn at step-1 is fed at its own cache column and position. Idle slots
   # compute on whatever their region holds; nothing of theirs is kept.
@@ -357,7 +357,7 @@ def _pad_queue(queue: EngineQueue, spec: EngineSpec) -> EngineQueue:
 
 
 def _run(model, s: EngineState, queue: EngineQueue, rng: jax.Array, version: jax.Array,
-         target: jax.Array, spec: EngineSpec, params: SamplingParams,
+         target: jax.Array, spec: EngineSpec, params: SamplingSettings,
          max_steps: jax.Array | None = None) -> EngineState:
   """Admits from `queue` and decodes until `target` completions have ended in this call,
   `max_steps` decode steps have run (None: no bound), or nothing is left to decode
@@ -417,7 +417,7 @@ def _run(model, s: EngineState, queue: EngineQueue, rng: jax.Array, version: jax
 
 def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
            queue_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-           limits: jax.Array, spec: EngineSpec, params: SamplingParams,
+           limits: jax.Array, spec: EngineSpec, params: SamplingSettings,
            cache_fill: float = 0.0) -> tuple[GenerationOutput, EngineStats]:
   """Decodes the whole queue; pure and jit-able (see `make_engine_fn`).
 
@@ -452,7 +452,7 @@ def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,
 def step_fn(graphdef: nnx.GraphDef, state: nnx.State, engine: EngineState,
             queue: EngineQueue, rng: jax.Array, version: jax.Array, target: jax.Array,
             max_steps: jax.Array, release: jax.Array, spec: EngineSpec,
-            params: SamplingParams) -> EngineState:
+            params: SamplingSettings) -> EngineState:
   """One call of a persistent engine (partial rollouts): pure and jit-able.
 
   First frees the slots in `release` (bool [S]: completions the caller drops), then
@@ -482,7 +482,7 @@ def step_fn(graphdef: nnx.GraphDef, state: nnx.State, engine: EngineState,
   return _run(model, engine, queue, rng, version, target, spec, params, max_steps)
 
 
-def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineSpec,
+def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingSettings, spec: EngineSpec,
                    cache_fill: float = 0.0, jit_kwargs: dict[str, Any] | None = None
                    ) -> Callable:
   """Jits `run(state, queue_tokens, queue_mask, rng, sample_ids, limits)`.
@@ -497,7 +497,7 @@ def make_engine_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineS
   return jax.jit(run, **(jit_kwargs or {}))
 
 
-def make_step_fn(graphdef: nnx.GraphDef, params: SamplingParams, spec: EngineSpec
+def make_step_fn(graphdef: nnx.GraphDef, params: SamplingSettings, spec: EngineSpec
                  ) -> Callable:
   """Jits `step(state, engine, queue, rng, version, target, max_steps, release)`
   (`step_fn`), the engine state donated: its caches are updated in place from call to
@@ -513,7 +513,7 @@ _FNS_CACHE: dict[Any, Callable] = {}
 
 
 def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
-                        prompt_mask: jax.Array, params: SamplingParams, *,
+                        prompt_mask: jax.Array, params: SamplingSettings, *,
                         rng: jax.Array, num_slots: int, group_size: int = 1,
                         sample_ids: jax.Array | None = None,
                         limits: jax.Array | None = None, max_admit: int | None = None,

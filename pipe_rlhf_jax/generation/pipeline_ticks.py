@@ -1,7 +1,7 @@
 """One stage's work per tick of the delayed pipeline, and the loop over ticks.
 
 Owns the program each 'pipe' stage runs inside the pipelined decoder's `shard_map`
-(`stage_program`), built from `PipelinePlan`, the static shape of one call.
+(`stage_program`), built from `PipelineSpec`, the static shape of one call.
 
 Slots and loads: the decoder runs M micro-batches of mb rows (S = M * mb slots). The
 batch is a queue cut into L = B / mb *loads* of mb consecutive rows. Without refills
@@ -70,7 +70,7 @@ import jax.numpy as jnp
 
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.generation.sampler import (
-  SamplingParams,
+  SamplingSettings,
   completion_key_mask,
   next_tokens,
   record_tokens,
@@ -84,7 +84,7 @@ NOT_REACHED = -2
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelinePlan:
+class PipelineSpec:
   """Static shape of one pipelined generation call (hashable: keys the jit cache).
 
   Attributes:
@@ -107,7 +107,7 @@ class PipelinePlan:
   num_microbatches: int
   batch: int
   prompt_len: int
-  params: SamplingParams
+  params: SamplingSettings
   chunk_ticks: int
   num_slots: int = 0
   split_segments: bool = True
@@ -218,7 +218,7 @@ class Stage:
   reshaped per load so a tick only indexes them.
   """
 
-  plan: PipelinePlan
+  plan: PipelineSpec
   model: Any  # the merged nnx Transformer (this stage's local layers)
   index: jax.Array  # int32 [] this stage's position on the 'pipe' axis
   prompts: jax.Array  # int32 [L, mb, P_len]
@@ -560,7 +560,7 @@ def run_until_done(stage: Stage, state: LoopState, stop: int, length: int,
   return jax.lax.while_loop(cond, body, state)
 
 
-def stage_program(graphdef, plan: PipelinePlan, state, prompt_tokens, prompt_mask,
+def stage_program(graphdef, plan: PipelineSpec, state, prompt_tokens, prompt_mask,
                   sample_ids, limits, rng, cache_k, cache_v):
   """The per-stage program run under shard_map (manual over 'pipe').
 

@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from pipe_rlhf_jax.generation import schedule as sched
-from pipe_rlhf_jax.generation.pipeline_ticks import NOT_REACHED, PIPE, PipelinePlan, stage_program  # noqa: F401 (public names)
-from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingParams, check_prompts
+from pipe_rlhf_jax.generation.pipeline_ticks import NOT_REACHED, PIPE, PipelineSpec, stage_program  # noqa: F401 (public names)
+from pipe_rlhf_jax.generation.sampler import GenerationOutput, SamplingSettings, check_prompts
 from pipe_rlhf_jax.models.transformer import param_axes
 from pipe_rlhf_jax.parallel.logical import (
   STAGE_RULES,
@@ -94,7 +94,7 @@ def _layout(graphdef, state, mesh, rules) -> _Layout:
 
 
 @functools.lru_cache(maxsize=64)
-def _build(graphdef, plan: PipelinePlan, mesh, rules):
+def _build(graphdef, plan: PipelineSpec, mesh, rules):
   """Jits the whole pipelined generation for one (model structure, plan, mesh, rules).
 
   Cached, so repeated calls with the same static settings reuse one jitted (and,
@@ -156,7 +156,7 @@ class PreparedPipeline(NamedTuple):
 
   fn: Any
   args: tuple
-  plan: PipelinePlan
+  plan: PipelineSpec
 
 
 def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array,
@@ -173,7 +173,7 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
     pipelined_generate(model, prompt_tokens, prompt_mask, max_new_tokens, ...)
     pipelined_generate((graphdef, state), prompt_tokens, prompt_mask, T, ...)
     pipelined_generate(graphdef, state, prompt_tokens, prompt_mask, params, ...)
-  where the length argument may also be a `SamplingParams` (then it supplies
+  where the length argument may also be a `SamplingSettings` (then it supplies
   temperature / top-k / top-p / EOS / pad and those keywords must stay default).
 
   Args:
@@ -194,7 +194,7 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
     limits: optional int [B] per-row length budgets (at most T), as for `generate`.
     split_segments: shrink ring messages to one token once all prefills are done
       (static batches).
-    poison_bubbles: debug switch (see PipelinePlan).
+    poison_bubbles: debug switch (see PipelineSpec).
 
   Returns:
     (GenerationOutput [B, T], executed schedule int32 [ticks, P, 2] of the
@@ -229,19 +229,19 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
   graphdef, state, args = _resolve_model(model, args)
   if len(args) != 3:
     raise TypeError("expected prompt_tokens, prompt_mask and max_new_tokens (or "
-                    f"SamplingParams) after the model, got {len(args)} arguments")
+                    f"SamplingSettings) after the model, got {len(args)} arguments")
   prompt_tokens, prompt_mask, length = args
-  if isinstance(length, SamplingParams):
+  if isinstance(length, SamplingSettings):
     params = length
     given = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
                  pad_id=pad_id)
     defaults = dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
     clash = sorted(k for k in given if given[k] != defaults[k])
     if clash:
-      raise ValueError(f"{clash} were given as keywords together with SamplingParams; "
-                       "set them in the SamplingParams instead")
+      raise ValueError(f"{clash} were given as keywords together with SamplingSettings; "
+                       "set them in the SamplingSettings instead")
   else:
-    params = SamplingParams(max_new_tokens=int(length), temperature=float(temperature),
+    params = SamplingSettings(max_new_tokens=int(length), temperature=float(temperature),
                             top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
                             pad_id=int(pad_id))
   if PIPE not in mesh.shape:
@@ -282,7 +282,7 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
   if chunk < 1:
     raise ValueError(f"chunk_ticks must be >= 1, got {chunk_ticks!r}")
 
-  plan = PipelinePlan(num_stages=num_stages, num_microbatches=int(num_microbatches),
+  plan = PipelineSpec(num_stages=num_stages, num_microbatches=int(num_microbatches),
                       batch=batch, prompt_len=prompt_len, params=params,
                       chunk_ticks=chunk, num_slots=num_slots,
                       split_segments=bool(split_segments),

@@ -1,7 +1,7 @@
 """The plain KV-cache sampler: jitted prefill, then a `lax.while_loop` decode.
 
 This module owns non-pipelined autoregressive generation for one batch:
-- `SamplingParams`: the static knobs (length, temperature / top-k / top-p, EOS, pad).
+- `SamplingSettings`: the static knobs (length, temperature / top-k / top-p, EOS, pad).
 - `next_tokens` / `record_tokens`: the per-step draw and the EOS bookkeeping; the
   pipelined decoder calls the same two functions, so both decoders agree bit for bit.
 - `prefill_fn` / `decode_fn`: pure, jit-able building blocks over `(graphdef, state)`;
@@ -56,7 +56,7 @@ class GenerationOutput:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class SamplingSettings:
   """Static generation settings (hashable: they key the jit caches).
 
   Attributes:
@@ -129,7 +129,7 @@ class DecodeState:
 
 
 def next_tokens(logits: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-                index: jax.Array | int, params: SamplingParams
+                index: jax.Array | int, params: SamplingSettings
                 ) -> tuple[jax.Array, jax.Array]:
   """Draws completion token `index` for each row.
 
@@ -150,7 +150,7 @@ def next_tokens(logits: jax.Array, rng: jax.Array, sample_ids: jax.Array,
 
 def record_tokens(tokens_buf: jax.Array, logprobs_buf: jax.Array, mask_buf: jax.Array,
                   done: jax.Array, index: jax.Array | int, tokens: jax.Array,
-                  logprobs: jax.Array, params: SamplingParams,
+                  logprobs: jax.Array, params: SamplingSettings,
                   limit: jax.Array | None = None):
   """Writes column `index` of the output buffers with EOS handling.
 
@@ -193,7 +193,7 @@ def completion_key_mask(prompt_mask: jax.Array, max_new_tokens: int) -> jax.Arra
 
 def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                prompt_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-               params: SamplingParams, group_size: int = 1,
+               params: SamplingSettings, group_size: int = 1,
                limits: jax.Array | None = None) -> DecodeState:
   """Runs the whole prompt at cache slot 0 and draws completion token 0.
 
@@ -248,7 +248,7 @@ def prefill_fn(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Arra
 
 def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeState,
               prompt_mask: jax.Array, rng: jax.Array, sample_ids: jax.Array,
-              params: SamplingParams) -> DecodeState:
+              params: SamplingSettings) -> DecodeState:
   """Decodes tokens 1..T-1 one slot per step, stopping once every row is done.
 
   Args:
@@ -294,7 +294,7 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
   return jax.lax.while_loop(cond, body, decode_state)
 
 
-def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
+def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingSettings, *,
                       group_size: int = 1,
                       prefill_shardings: dict[str, Any] | None = None,
                       decode_shardings: dict[str, Any] | None = None,
@@ -330,7 +330,7 @@ def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams, *,
 _FNS_CACHE: dict[Any, tuple[Callable, Callable]] = {}
 
 
-def cached_generate_fns(graphdef: nnx.GraphDef, params: SamplingParams
+def cached_generate_fns(graphdef: nnx.GraphDef, params: SamplingSettings
                         ) -> tuple[Callable, Callable]:
   """`make_generate_fns` memoised on (graphdef, params, active axis rules).
 
@@ -408,7 +408,7 @@ def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
   """
   if getattr(model, "config", None) is None or model.config.head != "lm":
     raise ValueError("generate needs a Transformer with head='lm' (model.config.head)")
-  params = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+  params = SamplingSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                           top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
                           pad_id=int(pad_id))
   prompt_tokens, prompt_mask, sample_ids = check_prompts(prompt_tokens, prompt_mask,
@@ -420,7 +420,7 @@ def generate(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
 
 
 def generate_repeated(model: nnx.Module, prompt_tokens: np.ndarray, prompt_mask: np.ndarray,
-                      k: int, sampling: SamplingParams, *, rng: jax.Array
+                      k: int, sampling: SamplingSettings, *, rng: jax.Array
                       ) -> tuple[np.ndarray, np.ndarray, GenerationOutput]:
   """k completions of every prompt from `sampling`'s distribution, the k of a prompt in
   consecutive rows; returns the repeated prompts ([B * k, P] tokens and mask) and the

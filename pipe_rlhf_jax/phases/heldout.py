@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate_repeated
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, score_rule
 from pipe_rlhf_jax.ppo.types import decode_answers
 
@@ -66,7 +66,7 @@ class HeldoutEval:
             else f"sampled ({self.samples_per_prompt} per prompt)")
 
 
-def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingParams,
+def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingSettings,
                  rules: dict[str, Any], num_samples: int, samples_per_prompt: int = 0
                  ) -> HeldoutEval:
   """Completions of a batch of held-out prompts, and their scores.

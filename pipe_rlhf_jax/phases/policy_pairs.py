@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate_repeated
 from pipe_rlhf_jax.ppo.registry import score_rule
 
 
@@ -49,7 +49,7 @@ class PolicyPairs:
 
   def __init__(self, batches: Iterator[dict], graphdef: nnx.GraphDef, params: nnx.State,
                tokenizer, label_fn: Callable, *, share: float, samples_per_prompt: int,
-               sampling: SamplingParams, seed: int):
+               sampling: SamplingSettings, seed: int):
     if samples_per_prompt < 2:
       raise ValueError(f"reward_model.policy_samples={samples_per_prompt}: a pair needs "
                        "at least 2 samples per prompt.")

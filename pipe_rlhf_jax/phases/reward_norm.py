@@ -12,7 +12,7 @@ way InstructGPT-style pipelines normalise the reward model before RL.
 Owns `score_statistics`: the mean and standard deviation of the reward model's scores
 over answers sampled from the warm-start policy, computed once before PPO, from the warm
 start alone (so every run and every resume of a seed gets the same numbers); the
-experiment pipeline passes them to `PPOConfig.reward_shift` / `reward_scale`.
+experiment pipeline passes them to `PPOSettings.reward_shift` / `reward_scale`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from pipe_rlhf_jax import distributed
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate_repeated
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate_repeated
 from pipe_rlhf_jax.stages.common import sequence_scores
 
 
@@ -39,7 +39,7 @@ class ScoreStatistics:
 
 def score_statistics(policy_graphdef: nnx.GraphDef, policy: nnx.State,
                      reward_graphdef: nnx.GraphDef, reward: nnx.State,
-                     batch: dict[str, np.ndarray], sampling: SamplingParams, *,
+                     batch: dict[str, np.ndarray], sampling: SamplingSettings, *,
                      samples_per_prompt: int, seed: int) -> ScoreStatistics:
   """Mean and standard deviation of the reward model's score over `samples_per_prompt`
   answers per prompt of `batch`, sampled from `policy` as PPO samples (`sampling`).

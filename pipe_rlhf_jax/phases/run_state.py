@@ -19,9 +19,9 @@ from flax import nnx
 from pipe_rlhf_jax import checkpoint as ckpt_lib
 from pipe_rlhf_jax.concurrency.progress import ProgressDeadline
 from pipe_rlhf_jax.concurrency.tracing import Tracer
-from pipe_rlhf_jax.config import ExperimentSettings, Plan, PlannedRun, PPOConfig
+from pipe_rlhf_jax.config import ExperimentSettings, Plan, PlannedRun, PPOSettings
 from pipe_rlhf_jax.distributed.transfer import process_of
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.phases import reward_norm
 from pipe_rlhf_jax.system.pipe_processes import stage_processes
@@ -58,7 +58,7 @@ class Experiment:
   models: dict[str, TransformerConfig]
 
   @property
-  def ppo(self) -> PPOConfig:
+  def ppo(self) -> PPOSettings:
     """The algorithm (`settings.ppo`)."""
     return self.settings.ppo
 
@@ -185,7 +185,7 @@ class BuiltSystem:
   """The PPO system and what the before/after samples need from its construction."""
 
   system: PPOSystem
-  sampling: SamplingParams
+  sampling: SamplingSettings
   actor_graphdef: nnx.GraphDef
   # The reward model's score statistics the rewards are standardised by (None: raw).
   reward_stats: reward_norm.ScoreStatistics | None = None

@@ -29,7 +29,7 @@ import os
 from pipe_rlhf_jax.config import STAGES, ExperimentSettings, Plan, PlannedRun
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import cost, hardware, search, space
-from pipe_rlhf_jax.stages.train import PPOHyper
+from pipe_rlhf_jax.stages.train import TrainSettings
 
 # device_kind substrings (lower case) -> profile; the first match wins, so the more
 # specific names come first ("tpu v5 lite" is a v5e, a bare "tpu v5" a v5p).
@@ -79,7 +79,7 @@ def workload(settings: ExperimentSettings, actor: TransformerConfig, num_devices
       devices_per_host=min(devices_per_host, num_devices),
       reward_model=settings.reward.uses_model, critic_model=ppo.needs_critic,
       reference_model=ppo.needs_reference,
-      proximal_pass=PPOHyper.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
+      proximal_pass=TrainSettings.from_settings(ppo, 1.0).proximal_pass, ptx_rows=ppo.ptx_rows,
       group_size=ppo.group_size, response_fraction=settings.choice.response_fraction)
 
 

@@ -82,9 +82,9 @@ from ml_collections import config_flags  # noqa: F401 (experiment configs import
 import numpy as np
 import optax
 
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
 from pipe_rlhf_jax.config.experiment import ModelSettings
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.host_devices import use_memory_lean_scheduler, use_virtual_cpu_devices
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
@@ -376,8 +376,8 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
     try:
       system = PPOSystem(
           Models.from_policy(init_model(cfg)),
-          ppo=PPOConfig(steps=1000, batch_size=batch, minibatch_size=minibatch, epochs=1),
-          sampling=SamplingParams(max_new_tokens=gen_len, eos_id=None, pad_id=0),
+          ppo=PPOSettings(steps=1000, batch_size=batch, minibatch_size=minibatch, epochs=1),
+          sampling=SamplingSettings(max_new_tokens=gen_len, eos_id=None, pad_id=0),
           plan=plan, reward_fn=lambda p, c: [float(len(x)) for x in c],
           decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices[:k])
     except MeshMismatch as e:

@@ -60,7 +60,7 @@ class Workload:
       row runs all T tokens). Generation is priced with the passes its longest rows
       need (`planner.lengths`); inference and training always see T positions.
     proximal_pass: the update starts with one forward pass of the actor over the batch
-      (`stages.train.PPOHyper.proximal_pass`: decoupled loss, the rewards' KL at the
+      (`stages.train.TrainSettings.proximal_pass`: decoupled loss, the rewards' KL at the
       trainer's policy, or the early stop).
     ptx_rows: demonstrations per actor gradient step of the SFT term (`ppo.ptx_coef`;
       0 = none): one more actor forward and backward over that many rows per step.

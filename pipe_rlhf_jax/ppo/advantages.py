@@ -25,7 +25,7 @@ from pipe_rlhf_jax.ppo.registry import ADVANTAGE_ESTIMATORS
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageSettings:
-  """The static settings an advantage estimator may read (from `PPOConfig`).
+  """The static settings an advantage estimator may read (from `PPOSettings`).
 
   Attributes:
     gamma: discount (GAE, REINFORCE++).

@@ -6,7 +6,7 @@ of the other completions of the same prompt (GRPO, RLOO) or of the whole batch
 builds, trains, syncs and checkpoints no critic (`values` is None here).
 
 Groups: with `settings.group_size = n`, rows [g * n, (g + 1) * n) of the batch are the n
-completions of prompt g (the generation stage lays them out so; `PPOConfig` checks that
+completions of prompt g (the generation stage lays them out so; `PPOSettings` checks that
 the batch holds whole groups). The sequence return of row i is the sum of its per-token
 rewards, R_i = score_i (minus the KL shaping when `ppo.kl_in == "reward"`). Definitions
 follow the published algorithms as verl (`verl/trainer/ppo/core_algos.py`) and OpenRLHF
@@ -24,7 +24,7 @@ implement them:
 
 A sequence-level advantage is the same on every valid token of its row. A group of one
 sample has no baseline: GRPO and RLOO then return R_i unchanged (verl's convention);
-`PPOConfig` refuses `group_size = 1` for them, since that is REINFORCE without baseline.
+`PPOSettings` refuses `group_size = 1` for them, since that is REINFORCE without baseline.
 Every function returns (advantages, returns), both 0 on padding; `returns` is the
 undiscounted sequence return R_i on every valid token (GRPO, RLOO) or G_t (REINFORCE++).
 """

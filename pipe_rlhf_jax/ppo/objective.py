@@ -12,8 +12,8 @@ No model runs here: the stage computes log-probs, entropies, values and the SFT
 negative log-likelihood with its models (under jit, shardings, donation and remat) and
 passes them in, so each term can be checked on small hand-built arrays.
 
-`settings` is any object with the fields of `stages.train.PPOHyper` that a function reads
-(the stage passes its `PPOHyper`).
+`settings` is any object with the fields of `stages.train.TrainSettings` that a function reads
+(the stage passes its `TrainSettings`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class GenerateStage:
   """
 
   def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
-               sampling: sampler.SamplingParams, num_microbatches: int = 1,
+               sampling: sampler.SamplingSettings, num_microbatches: int = 1,
                group_size: int = 1, num_slots: int = 0):
     self.layout = layout
     self.group_size = group_size

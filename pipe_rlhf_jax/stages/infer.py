@@ -48,7 +48,7 @@ from pipe_rlhf_jax.stages.common import (
 
 
 @dataclasses.dataclass(frozen=True)
-class InferHyper:
+class InferSettings:
   """Static settings of experience making.
 
   `temperature` defines the policy the reference log-probs are taken under; top-k /
@@ -70,8 +70,8 @@ class InferHyper:
   reward_scale: float = 1.0
 
   @classmethod
-  def from_settings(cls, ppo, temperature: float) -> "InferHyper":
-    """From a `config.PPOConfig` (or any object with its fields)."""
+  def from_settings(cls, ppo, temperature: float) -> "InferSettings":
+    """From a `config.PPOSettings` (or any object with its fields)."""
     KL_ESTIMATORS.get(ppo.kl_estimator, field="ppo.kl_estimator")
     ADVANTAGE_ESTIMATORS.get(ppo.advantage_estimator, field="ppo.advantage_estimator")
     return cls(kl_estimator=ppo.kl_estimator, advantage_estimator=ppo.advantage_estimator,
@@ -90,7 +90,7 @@ class InferHyper:
     return ADVANTAGE_ESTIMATORS.info(self.advantage_estimator)["needs_critic"]
 
 
-def derive_targets(h: InferHyper, rollout: Rollout, policy_logprobs: jax.Array | None,
+def derive_targets(h: InferSettings, rollout: Rollout, policy_logprobs: jax.Array | None,
                    ref_logprobs: jax.Array | None, values: jax.Array | None,
                    scores: jax.Array, kl_coef: jax.Array) -> Experience:
   """KL shaping, the advantage estimator and whitening: a rollout's PPO targets.
@@ -145,7 +145,7 @@ class InferStage:
       advantage estimator needs no critic.
     reward_graphdef: structure of the reward model (score head), or None when the reward
       is a rule.
-    hyper: settings.
+    settings: the stage's settings (`InferSettings`).
     reward_fn: host-side rule reward `(prompts, completions) -> [batch]` (or with the
       rollout's reference answers, `ppo.registry.score_rule`), used when
       `reward_graphdef` is None.
@@ -157,25 +157,25 @@ class InferStage:
 
   def __init__(self, layout: StageLayout, policy_graphdef: nnx.GraphDef,
                critic_graphdef: nnx.GraphDef | None, reward_graphdef: nnx.GraphDef | None,
-               hyper: InferHyper, reward_fn: Callable | None = None,
+               settings: InferSettings, reward_fn: Callable | None = None,
                eval_fn: Callable | None = None, decode: Callable | None = None,
                pack_tokens: int = 0):
     if reward_graphdef is None and reward_fn is None:
       raise ValueError("reward.fn: give a reward model or a registered rule reward.")
-    if (critic_graphdef is None) == hyper.needs_critic:
-      need = "needs" if hyper.needs_critic else "takes no"
-      raise ValueError(f"ppo.advantage_estimator={hyper.advantage_estimator!r} {need} "
+    if (critic_graphdef is None) == settings.needs_critic:
+      need = "needs" if settings.needs_critic else "takes no"
+      raise ValueError(f"ppo.advantage_estimator={settings.advantage_estimator!r} {need} "
                        "critic: build the stage with a critic_graphdef exactly when it "
                        "needs one.")
     self.layout = layout
-    self.hyper = hyper
+    self.settings = settings
     self.reward_fn = reward_fn
     self.eval_fn = eval_fn
     self.decode = decode
     if pack_tokens < 0:
       raise ValueError(f"stages.infer.pack_tokens={pack_tokens} must be >= 0.")
     self.pack_tokens = pack_tokens
-    h = hyper
+    h = settings
     ADVANTAGE_ESTIMATORS.get(h.advantage_estimator, field="ppo.advantage_estimator")
 
     def forward(ref, critic, reward_model, rollout: Rollout):
@@ -258,9 +258,9 @@ class InferStage:
     `ref` is None when there is no reference (kl_coef = 0), `critic` None for a
     critic-free estimator.
     """
-    if (critic is None) == self.hyper.needs_critic:
+    if (critic is None) == self.settings.needs_critic:
       raise ValueError("InferStage: pass critic parameters exactly when the advantage "
-                       f"estimator {self.hyper.advantage_estimator!r} needs a critic.")
+                       f"estimator {self.settings.advantage_estimator!r} needs a critic.")
     # The reference answers are for the rules on the host: the device programs and the
     # experience the trainer receives go without them.
     scored, rollout = rollout, rollout.replace(answer_bytes=None)

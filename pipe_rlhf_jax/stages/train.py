@@ -81,7 +81,7 @@ from pipe_rlhf_jax.stages.common import (
   packed_completion_logprobs,
   packed_completion_values,
 )
-from pipe_rlhf_jax.stages.infer import InferHyper, derive_targets
+from pipe_rlhf_jax.stages.infer import InferSettings, derive_targets
 
 
 @struct.dataclass
@@ -115,7 +115,7 @@ class PtxBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOHyper:
+class TrainSettings:
   """The static PPO settings the jitted update closes over.
 
   `temperature` defines the policy whose log-probs, ratios and entropy are optimised;
@@ -140,7 +140,7 @@ class PPOHyper:
   # update starts, and the targets re-derived with `targets` (the inference stage's
   # settings); "behaviour": the experience is used as it arrives.
   kl_policy: str = "behaviour"
-  targets: InferHyper | None = None
+  targets: InferSettings | None = None
   target_kl: float = 0.0  # > 0: stop the update's remaining steps past 1.5 x this KL
   ptx_coef: float = 0.0  # > 0: + ptx_coef x the SFT loss on a PtxBatch each step
   ptx_rows: int = 0  # demonstrations per gradient step (0 without the SFT term)
@@ -154,8 +154,8 @@ class PPOHyper:
             or self.target_kl > 0)
 
   @classmethod
-  def from_settings(cls, ppo, temperature: float) -> "PPOHyper":
-    """From a `config.PPOConfig` (or any object with its fields).
+  def from_settings(cls, ppo, temperature: float) -> "TrainSettings":
+    """From a `config.PPOSettings` (or any object with its fields).
 
     `kl_policy="proximal"` is kept only where the rewards hold a KL penalty: without
     one the re-derived targets would equal the inference stage's.
@@ -172,7 +172,7 @@ class PPOHyper:
                kl_estimator=ppo.kl_estimator, kl_policy=kl_policy,
                target_kl=float(ppo.target_kl), ptx_coef=float(ppo.ptx_coef),
                ptx_rows=ppo.ptx_rows,
-               targets=(InferHyper.from_settings(ppo, temperature)
+               targets=(InferSettings.from_settings(ppo, temperature)
                         if kl_policy == "proximal" else None))
 
 
@@ -180,7 +180,7 @@ LOGPROB_GAP_KEYS = ("logprob_gap/max", "logprob_gap/mean")
 PACK_FILL_KEY = "train/pack_fill"
 
 
-def epoch_rows(epoch_rng: jax.Array, batch: int, h: PPOHyper) -> jax.Array:
+def epoch_rows(epoch_rng: jax.Array, batch: int, h: TrainSettings) -> jax.Array:
   """The batch rows of each minibatch of one epoch, int [minibatches, minibatch_size].
 
   Whole groups are shuffled (rows [g * n, (g + 1) * n) stay together and in order); with
@@ -217,7 +217,7 @@ class UpdateSpec:
   """What one PPO update's pure functions close over: the settings, the models'
   structures and the optimizers (static for the jitted update)."""
 
-  hyper: PPOHyper
+  settings: TrainSettings
   actor_graphdef: nnx.GraphDef
   critic_graphdef: nnx.GraphDef | None
   actor_tx: optax.GradientTransformation
@@ -234,7 +234,7 @@ def actor_loss(spec: UpdateSpec, mb: dict, actor: nnx.State) -> tuple[jax.Array,
   `mb["rollout"]` is a Rollout of [minibatch, ...] arrays; `mb["plan"]` its PackPlan when
   training packed (the same [minibatch, T] log-probs, computed over the packed rows).
   """
-  h, gd, r = spec.hyper, spec.actor_graphdef, mb["rollout"]
+  h, gd, r = spec.settings, spec.actor_graphdef, mb["rollout"]
   mask, plan = r.completion_mask, mb.get("plan")
   if plan is None:
     logprobs, entropy = completion_logprobs(
@@ -266,7 +266,7 @@ def critic_loss(spec: UpdateSpec, mb: dict, critic: nnx.State) -> tuple[jax.Arra
   else:
     values = packed_completion_values(gd, critic, plan, r.prompt_tokens,
                                       r.completion_tokens, mask)
-  return objective.critic_objective(values, mb["values"], mb["returns"], mask, spec.hyper)
+  return objective.critic_objective(values, mb["values"], mb["returns"], mask, spec.settings)
 
 
 def gradient_step(spec: UpdateSpec, state: ActorCriticState, mb: dict
@@ -300,7 +300,7 @@ def minibatch_step(spec: UpdateSpec, carry, mb: dict):
   computed, whose means are reported.
   """
   state, stopped = carry
-  target_kl = spec.hyper.target_kl
+  target_kl = spec.settings.target_kl
   if not target_kl:
     new, metrics = gradient_step(spec, state, mb)
     return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
@@ -325,14 +325,14 @@ def minibatch_step(spec: UpdateSpec, carry, mb: dict):
 def proximal_pass(spec: UpdateSpec, state: ActorCriticState, exp: Experience,
                   packed: dict | None) -> tuple[Experience, jax.Array, jax.Array, dict]:
   """The update's starting actor over the whole batch (the proximal policy), when the
-  settings need it (`hyper.proximal_pass`).
+  settings need it (`settings.proximal_pass`).
 
   Returns the experience (targets re-derived at the proximal policy under
   `kl_policy="proximal"`), the log-probs the ratio divides by (the proximal ones for the
   decoupled loss, else the behaviour ones), the proximal log-probs (None without the
   pass) and extra metrics.
   """
-  h, r = spec.hyper, exp.rollout
+  h, r = spec.settings, exp.rollout
   if not h.proximal_pass:
     return exp, exp.old_logprobs, None, {}
   # The proximal policy is the trainer's actor as the update starts, which may be several
@@ -373,7 +373,7 @@ def update_fn(spec: UpdateSpec, state: ActorCriticState, exp: Experience, rng: j
 
   Returns the new state and the update's metrics (means over the gradient steps run).
   """
-  h, r = spec.hyper, exp.rollout
+  h, r = spec.settings, exp.rollout
   exp, old_logprobs, prox_logprobs, extra = proximal_pass(spec, state, exp, packed)
   # Every leaf is [batch, ...] so minibatches can be gathered uniformly. (A batch of
   # partial rollouts carries a version per token already.)
@@ -435,7 +435,7 @@ class TrainStage:
     layout: the training stage's mesh and rules.
     actor_graphdef / critic_graphdef: static model structure (from `nnx.split`); the
       critic's is None when there is no critic.
-    hyper: PPO settings.
+    settings: the update's settings (`TrainSettings`).
     actor_tx / critic_tx: their optimizers (critic_tx None without a critic).
     pack_tokens: 0 runs the gradient steps over the padded layout; L > 0 over each
       minibatch packed into rows of L tokens (`stages.train.pack_tokens`; the same
@@ -443,7 +443,7 @@ class TrainStage:
   """
 
   def __init__(self, layout: StageLayout, actor_graphdef: nnx.GraphDef,
-               critic_graphdef: nnx.GraphDef | None, hyper: PPOHyper,
+               critic_graphdef: nnx.GraphDef | None, settings: TrainSettings,
                actor_tx: optax.GradientTransformation,
                critic_tx: optax.GradientTransformation | None, pack_tokens: int = 0):
     if (critic_graphdef is None) != (critic_tx is None):
@@ -456,11 +456,11 @@ class TrainStage:
     self.layout = layout
     self.actor_graphdef = actor_graphdef
     self.critic_graphdef = critic_graphdef
-    self.hyper = hyper
+    self.settings = settings
     self.actor_tx = actor_tx
     self.critic_tx = critic_tx
-    POLICY_LOSSES.get(hyper.loss, field="ppo.loss")
-    LOSS_AGGREGATIONS.get(hyper.loss_agg, field="ppo.loss_agg")
+    POLICY_LOSSES.get(settings.loss, field="ppo.loss")
+    LOSS_AGGREGATIONS.get(settings.loss_agg, field="ppo.loss_agg")
     self._update = None
     self._index = None
     self._state_shardings = None
@@ -509,7 +509,7 @@ class TrainStage:
     return init(actor, critic)
 
   def _build_update(self, state: ActorCriticState):
-    spec = UpdateSpec(hyper=self.hyper, actor_graphdef=self.actor_graphdef,
+    spec = UpdateSpec(settings=self.settings, actor_graphdef=self.actor_graphdef,
                       critic_graphdef=self.critic_graphdef, actor_tx=self.actor_tx,
                       critic_tx=self.critic_tx)
     layout = self.layout
@@ -524,31 +524,31 @@ class TrainStage:
 
   def ptx_shape(self, batch: int) -> tuple[int, int, int]:
     """[epochs, minibatches, rows] of the `PtxBatch` an update of `batch` rollouts takes."""
-    return (self.hyper.epochs, batch // self.hyper.minibatch_size, self.hyper.ptx_rows)
+    return (self.settings.epochs, batch // self.settings.minibatch_size, self.settings.ptx_rows)
 
   def update(self, state: ActorCriticState, exp: Experience, rng: jax.Array,
              ptx: PtxBatch | None = None) -> tuple[ActorCriticState, dict]:
     """One PPO update on `exp` (already on the training mesh). Donates `state`.
 
-    `ptx`: the demonstrations of the SFT term, exactly when `hyper.ptx_coef` > 0, with
+    `ptx`: the demonstrations of the SFT term, exactly when `settings.ptx_coef` > 0, with
     leading dims `ptx_shape(batch)`.
     """
     batch = exp.rollout.prompt_tokens.shape[0]
-    if (ptx is None) != (not self.hyper.ptx_coef):
-      raise ValueError(f"TrainStage.update: ppo.ptx_coef={self.hyper.ptx_coef} "
-                       f"{'needs' if self.hyper.ptx_coef else 'takes no'} demonstrations "
+    if (ptx is None) != (not self.settings.ptx_coef):
+      raise ValueError(f"TrainStage.update: ppo.ptx_coef={self.settings.ptx_coef} "
+                       f"{'needs' if self.settings.ptx_coef else 'takes no'} demonstrations "
                        "(ptx); pass a PtxBatch exactly when ptx_coef > 0.")
     if ptx is not None and ptx.completion_tokens.shape[:3] != self.ptx_shape(batch):
       raise ValueError(f"TrainStage.update: ptx leaves are {ptx.completion_tokens.shape[:3]}"
                        f" [epochs, minibatches, rows]; this update needs "
                        f"{self.ptx_shape(batch)}.")
-    if batch % self.hyper.minibatch_size:
+    if batch % self.settings.minibatch_size:
       raise ValueError(f"ppo.batch_size={batch} is not a multiple of "
-                       f"ppo.minibatch_size={self.hyper.minibatch_size}.")
-    if self.hyper.minibatch_size % self.hyper.group_size:
-      raise ValueError(f"ppo.minibatch_size={self.hyper.minibatch_size} is not a multiple "
-                       f"of ppo.group_size={self.hyper.group_size}.")
-    if self.hyper.kl_loss_coef and exp.ref_logprobs is None:
+                       f"ppo.minibatch_size={self.settings.minibatch_size}.")
+    if self.settings.minibatch_size % self.settings.group_size:
+      raise ValueError(f"ppo.minibatch_size={self.settings.minibatch_size} is not a multiple "
+                       f"of ppo.group_size={self.settings.group_size}.")
+    if self.settings.kl_loss_coef and exp.ref_logprobs is None:
       raise ValueError("ppo.kl_in='loss' needs reference log-probs in the experience; "
                        "the system must build the reference (ppo.kl_coef > 0).")
     if self._update is None:
@@ -563,7 +563,7 @@ class TrainStage:
     minibatch packed to the row count the fullest one needs (`packing.plan_minibatches`),
     and the whole batch for the proximal pass when there is one.
     """
-    h, layout = self.hyper, self.layout
+    h, layout = self.settings, self.layout
     batch = exp.rollout.prompt_tokens.shape[0]
     if self._index is None:
       self._index = jax.jit(

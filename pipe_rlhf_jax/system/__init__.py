@@ -5,7 +5,7 @@ weight sync); `modes.py` owns the *when* (`sequential`, `per_stage`, `pipe`), an
 `pipe_loop.py` the `pipe` workers over channels of one process or of several
 (`pipe_processes.py`). The generic, model-free machinery they run on (queues, workers,
 versioned weights, tracing) lives in `pipe_rlhf_jax.concurrency`; the settings it takes
-(`PPOConfig`, `Plan`, `SamplingParams`) in `pipe_rlhf_jax.config`.
+(`PPOSettings`, `Plan`, `SamplingSettings`) in `pipe_rlhf_jax.config`.
 """
 
 from pipe_rlhf_jax.system.api import PromptSource, RunResult, prompts_from_texts, run

@@ -5,7 +5,7 @@ building, checkpoints and reports around this; a researcher who has their own mo
 reward and prompts needs only:
 
   models = Models.from_policy(hf.from_pretrained(path, dtype=jnp.bfloat16))
-  system = PPOSystem(models, ppo=PPOConfig(...), sampling=SamplingParams(...),
+  system = PPOSystem(models, ppo=PPOSettings(...), sampling=SamplingSettings(...),
                      plan=Plan(mode="pipe", ...), reward_fn=my_rule,
                      decode=tokenizer.decode)
   result = run(system, prompts_from_texts(texts, tokenizer, ...), steps=100)
@@ -16,7 +16,7 @@ arrays {"prompt_tokens": int32 [batch, prompt_len], LEFT-padded; "prompt_mask": 
 [batch, prompt_len]; "index": int [batch], a global id per sample that keys its sampling
 randomness; optionally "answer_bytes": uint8 [batch, A], each prompt's reference answer
 (`ppo.types.encode_answers`), handed to rule rewards that take `answers`}. `batch` must
-equal `PPOConfig.prompts_per_step` (= `batch_size` / `group_size`: each prompt is
+equal `PPOSettings.prompts_per_step` (= `batch_size` / `group_size`: each prompt is
 sampled `group_size` times). A source that also has
 `get_state() -> dict` and `set_state(dict)` can be checkpointed and resumed exactly
 (`data.loaders.PromptLoader` is one, over TFDS or any list of {"prompt": text}).

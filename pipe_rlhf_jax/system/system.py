@@ -9,8 +9,8 @@ Every cross-mesh move (rollout gen -> infer, experience infer -> train, actor tr
 generate, critic train -> infer) goes through `parallel.reshard.reshard`, so bytes and
 seconds are counted in the metrics.
 
-The system holds only the models its algorithm needs (`PPOConfig.needs_critic`,
-`PPOConfig.needs_reference`): a critic-free estimator has no critic anywhere (nothing
+The system holds only the models its algorithm needs (`PPOSettings.needs_critic`,
+`PPOSettings.needs_reference`): a critic-free estimator has no critic anywhere (nothing
 built, placed, trained, synced or checkpointed), and `kl_coef = 0` no reference.
 
 With `ppo.ptx_coef > 0` the system also holds a pool of demonstrations on the host
@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipe_rlhf_jax.config import STAGES, Plan, PPOConfig
+from pipe_rlhf_jax.config import STAGES, Plan, PPOSettings
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
 from pipe_rlhf_jax.optim import make_optimizer
@@ -42,9 +42,9 @@ from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
-from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
+from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
 from pipe_rlhf_jax.stages.rollout_stream import RolloutStream, split_data_state
-from pipe_rlhf_jax.stages.train import ActorCriticState, PPOHyper, PtxBatch, TrainStage
+from pipe_rlhf_jax.stages.train import ActorCriticState, PtxBatch, TrainSettings, TrainStage
 from pipe_rlhf_jax.system.steps import BadStepGuard
 
 
@@ -166,10 +166,10 @@ def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
                        f"multiple of {ways}, or give {field} fewer data/fsdp devices.")
 
 
-def ptx_rows_for(ppo: PPOConfig, train: StageLayout) -> int:
+def ptx_rows_for(ppo: PPOSettings, train: StageLayout) -> int:
   """The SFT term's demonstrations per gradient step on the train stage's layout.
 
-  `PPOConfig.ptx_rows_over` its batch shards: the default follows the layout; an explicit
+  `PPOSettings.ptx_rows_over` its batch shards: the default follows the layout; an explicit
   `ppo.ptx_batch_size` that does not split over the shards raises, naming the field.
   Checked by `PPOSystem` and, before any data are built, by the experiment's set-up.
   """
@@ -241,7 +241,7 @@ class Models:
                reference=jax.tree.map(jnp.copy, actor) if reference else None,
                critic=critic, reward=reward)
 
-  def check(self, sampling: SamplingParams, ppo: PPOConfig | None = None) -> None:
+  def check(self, sampling: SamplingSettings, ppo: PPOSettings | None = None) -> None:
     """Raises when the models disagree with each other, with the sampling settings, or
     (given `ppo`) with what the algorithm needs: a critic exactly for an estimator that
     reads values, a reference exactly when kl_coef > 0."""
@@ -271,7 +271,7 @@ class Models:
                          f"(size {vocab}).")
 
 
-  def _check_algorithm(self, ppo: PPOConfig) -> None:
+  def _check_algorithm(self, ppo: PPOSettings) -> None:
     estimator = f"ppo.advantage_estimator={ppo.advantage_estimator!r}"
     if ppo.needs_critic and self.critic is None:
       raise ValueError(f"{estimator} needs a critic but Models has none; build it with "
@@ -293,7 +293,7 @@ _PTX_STREAM = 0x707478
 PTX_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens", "completion_mask")
 
 
-def check_ptx_demos(demos: dict[str, np.ndarray] | None, ppo: PPOConfig
+def check_ptx_demos(demos: dict[str, np.ndarray] | None, ppo: PPOSettings
                     ) -> dict[str, np.ndarray] | None:
   """The SFT term's pool as host arrays, or a ValueError naming what is wrong."""
   if not ppo.ptx_coef:
@@ -341,7 +341,7 @@ class PPOSystem:
       [pool, ...] in the `DemoLoader` layout (e.g. `DemoLoader.as_arrays()`).
   """
 
-  def __init__(self, models: Models, *, ppo: PPOConfig, sampling: SamplingParams,
+  def __init__(self, models: Models, *, ppo: PPOSettings, sampling: SamplingSettings,
                plan: Plan = Plan(), reward_fn: Callable | None = None,
                decode: Callable | None = None, eval_fn: Callable | None = None,
                devices=None, ptx_demos: dict[str, np.ndarray] | None = None):
@@ -389,7 +389,7 @@ class PPOSystem:
         num_slots=plan.generate.num_slots)
     self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
                                   critic_graphdef["infer"], reward_graphdef,
-                                  InferHyper.from_settings(ppo, sampling.temperature),
+                                  InferSettings.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode,
                                   pack_tokens=plan.infer.pack_tokens)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
@@ -399,7 +399,7 @@ class PPOSystem:
     self.train_stage = TrainStage(trn, for_stage("train", models.actor_graphdef, models.actor),
                                   critic_graphdef["train"],
                                   dataclasses.replace(
-                                      PPOHyper.from_settings(ppo, sampling.temperature),
+                                      TrainSettings.from_settings(ppo, sampling.temperature),
                                       ptx_rows=ptx_rows),
                                   optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr) if self.has_critic else None,

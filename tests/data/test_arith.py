@@ -8,7 +8,7 @@ import pytest
 
 from pipe_rlhf_jax.data import rewards
 from pipe_rlhf_jax.data.arith import (
-  ArithSpec,
+  ArithSettings,
   main,
   make_arith_records,
   make_prompt,
@@ -21,7 +21,7 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 _PROBLEM = re.compile(r"^(\d+)([-+*])(\d+)=$")
 
 
-def _records(seed=0, spec=ArithSpec(), **kw):
+def _records(seed=0, spec=ArithSettings(), **kw):
   args = dict(num_prompts=300, num_demos=2000, num_eval=100)
   args.update(kw)
   return make_arith_records(seed=seed, spec=spec, **args)
@@ -56,7 +56,7 @@ def test_solve_and_prompt_by_hand():
 
 
 def test_clean_demos_are_right_and_operands_in_range():
-  spec = ArithSpec(operators="+-*", min_digits=2, max_digits=3, demo_noise=0.0)
+  spec = ArithSettings(operators="+-*", min_digits=2, max_digits=3, demo_noise=0.0)
   recs = _records(4, spec)
   ops, sizes = set(), set()
   for r in recs["demos"]:
@@ -67,13 +67,13 @@ def test_clean_demos_are_right_and_operands_in_range():
     sizes |= {len(str(a)), len(str(b))}
   assert ops == {"+", "-", "*"} and sizes == {2, 3}
   assert any(r["completion"].startswith("-") for r in recs["demos"])
-  one_digit = _records(4, ArithSpec(min_digits=1, max_digits=1), num_eval=10)
+  one_digit = _records(4, ArithSettings(min_digits=1, max_digits=1), num_eval=10)
   operands = {x for r in one_digit["prompts"] for x in _parse(r["prompt"])[::2]}
   assert operands == set(range(10))  # 0..9, zero included
 
 
 def test_demo_noise_rate_and_only_digits_change():
-  spec = ArithSpec(operators="+-", max_digits=2, demo_noise=0.3)
+  spec = ArithSettings(operators="+-", max_digits=2, demo_noise=0.3)
   recs = _records(5, spec)
   errors = total = 0
   for r in recs["demos"]:
@@ -88,7 +88,7 @@ def test_demo_noise_rate_and_only_digits_change():
 
 
 def test_eval_problems_distinct_and_held_out():
-  recs = _records(3, ArithSpec(max_digits=1), num_prompts=500, num_demos=500, num_eval=40)
+  recs = _records(3, ArithSettings(max_digits=1), num_prompts=500, num_demos=500, num_eval=40)
   eval_prompts = [r["prompt"] for r in recs["prompts_eval"]]
   assert len(set(eval_prompts)) == 40
   train = {r["prompt"] for r in recs["prompts"] + recs["demos"]}
@@ -98,21 +98,21 @@ def test_eval_problems_distinct_and_held_out():
 
 def test_bad_settings_name_the_field():
   with pytest.raises(ValueError, match=r"arith.operators='/'"):
-    ArithSpec(operators="/")
+    ArithSettings(operators="/")
   with pytest.raises(ValueError, match=r"arith.operators='\+\+'"):
-    ArithSpec(operators="++")
+    ArithSettings(operators="++")
   with pytest.raises(ValueError, match=r"data.arith.max_digits=1 must be an integer >= 2"):
-    ArithSpec.from_config(dict(min_digits=2, max_digits=1))
+    ArithSettings.from_config(dict(min_digits=2, max_digits=1))
   with pytest.raises(ValueError, match=r"data.arith.demo_noise=1.5"):
-    ArithSpec.from_config(dict(demo_noise=1.5))
+    ArithSettings.from_config(dict(demo_noise=1.5))
   with pytest.raises(ValueError, match=r"data.arith has unknown fields \['digits'\]"):
-    ArithSpec.from_config(dict(digits=2))
+    ArithSettings.from_config(dict(digits=2))
   with pytest.raises(ValueError, match="num_eval=51 is too large for 100"):
-    make_arith_records(1, 1, 0, ArithSpec(max_digits=1), num_eval=51)
+    make_arith_records(1, 1, 0, ArithSettings(max_digits=1), num_eval=51)
 
 
 def test_write_jsonl_and_cli(tmp_path):
-  spec = ArithSpec(operators="+-", demo_noise=0.2)
+  spec = ArithSettings(operators="+-", demo_noise=0.2)
   paths = write_arith_jsonl(str(tmp_path / "a"), 20, 10, seed=2, spec=spec, num_eval=4)
   lines = {k: [json.loads(line) for line in open(p, encoding="utf-8")] for k, p in paths.items()}
   assert lines == make_arith_records(20, 10, 2, spec, num_eval=4)
@@ -124,7 +124,7 @@ def test_write_jsonl_and_cli(tmp_path):
 
 def test_make_arith_datasets(tmp_path):
   data_dir = str(tmp_path / "tfds")
-  spec = ArithSpec(operators="+*")
+  spec = ArithSettings(operators="+*")
   out = make_arith_datasets(data_dir, seed=3, spec=spec, num_prompts=64, num_demos=48,
                             num_eval=16)
   assert set(out) == {"data_dir", "jsonl", "prompts", "demos"}  # no preference pairs
@@ -135,7 +135,7 @@ def test_make_arith_datasets(tmp_path):
   assert [{"prompt": demos[i]["prompt"].decode(), "completion": demos[i]["completion"].decode()}
           for i in range(len(demos))] == expected["demos"]
   # Another spec regenerates the JSONL and rebuilds the datasets.
-  changed = make_arith_datasets(data_dir, seed=3, spec=ArithSpec(operators="-"),
+  changed = make_arith_datasets(data_dir, seed=3, spec=ArithSettings(operators="-"),
                                 num_prompts=64, num_demos=48, num_eval=16)
   assert changed["prompts"].fingerprint != out["prompts"].fingerprint
   assert "-" in changed["prompts"].source("train")[0]["prompt"].decode()
@@ -166,7 +166,7 @@ def test_rewards_refuse_other_prompts():
 
 
 def test_rewards_rank_noise_below_correct():
-  recs = _records(11, ArithSpec(demo_noise=0.5))
+  recs = _records(11, ArithSettings(demo_noise=0.5))
   prompts = [r["prompt"] for r in recs["demos"]]
   noisy = [r["completion"] for r in recs["demos"]]
   correct = [rewards.arith_target(p) for p in prompts]

@@ -11,7 +11,7 @@ from pipe_rlhf_jax.data import math_reward
 from pipe_rlhf_jax.data.builders import make_word_problem_datasets
 from pipe_rlhf_jax.data.word_problems import (
   TEMPLATES,
-  WordProblemSpec,
+  WordProblemSettings,
   main,
   make_word_problem_records,
   solve,
@@ -21,7 +21,7 @@ from pipe_rlhf_jax.data.word_problems import (
 _NUMBERS = re.compile(r"\d+")
 
 
-def _records(seed=0, spec=WordProblemSpec(), **kw):
+def _records(seed=0, spec=WordProblemSettings(), **kw):
   args = dict(num_prompts=300, num_demos=50, num_eval=64)
   args.update(kw)
   return make_word_problem_records(seed=seed, spec=spec, **args)
@@ -36,7 +36,7 @@ def test_same_seed_same_records_other_seed_differs_and_kinds_are_independent():
 
 
 def test_answers_are_the_arithmetic_of_the_numbers_in_the_question():
-  recs = _records(3, WordProblemSpec(operations="+-*", max_operand=20, max_factor=9))
+  recs = _records(3, WordProblemSettings(operations="+-*", max_operand=20, max_factor=9))
   ops = set()
   for record in recs["prompts"] + recs["prompts_eval"]:
     assert [m["role"] for m in record["messages"]] == ["user"]
@@ -50,7 +50,7 @@ def test_answers_are_the_arithmetic_of_the_numbers_in_the_question():
 
 
 def test_held_out_problems_never_occur_in_training():
-  recs = _records(0, WordProblemSpec(max_operand=12), num_prompts=2000, num_eval=100)
+  recs = _records(0, WordProblemSettings(max_operand=12), num_prompts=2000, num_eval=100)
   held = {(r["messages"][0]["content"], r["answer"]) for r in recs["prompts_eval"]}
   train = {(r["messages"][0]["content"], r["answer"]) for r in recs["prompts"]}
   assert len(held) == 100 and not held & train
@@ -71,11 +71,11 @@ def test_worked_answers_score_one_under_math_verify_and_wrong_ones_zero():
 
 
 def test_a_system_prompt_comes_first_and_every_template_is_used():
-  recs = _records(0, WordProblemSpec(operations="+-*", system_prompt="Be brief."),
+  recs = _records(0, WordProblemSettings(operations="+-*", system_prompt="Be brief."),
                   num_prompts=600)
   assert all(r["messages"][0] == {"role": "system", "content": "Be brief."}
              for r in recs["prompts"])
-  assert WordProblemSpec(operations="+").num_problems() == 49 * 49 * len(TEMPLATES["+"])
+  assert WordProblemSettings(operations="+").num_problems() == 49 * 49 * len(TEMPLATES["+"])
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -85,12 +85,12 @@ def test_a_system_prompt_comes_first_and_every_template_is_used():
 ])
 def test_bad_settings_name_the_field(field, value, match):
   with pytest.raises(ValueError, match=match):
-    WordProblemSpec.from_config({field: value})
+    WordProblemSettings.from_config({field: value})
 
 
 def test_too_many_held_out_problems_are_refused():
   with pytest.raises(ValueError, match="num_eval=500 is too large"):
-    _records(0, WordProblemSpec(operations="+", max_operand=5), num_eval=500)
+    _records(0, WordProblemSettings(operations="+", max_operand=5), num_eval=500)
 
 
 def test_data_settings_take_the_task_and_refuse_too_many_held_out(tmp_path):
@@ -99,14 +99,14 @@ def test_data_settings_take_the_task_and_refuse_too_many_held_out(tmp_path):
               on_overlong="truncate", num_eval=8,
               word_problems=dict(operations="+", max_operand=20))
   settings = DataSettings.from_config(base)
-  assert settings.word_problems == WordProblemSpec(operations="+", max_operand=20)
+  assert settings.word_problems == WordProblemSettings(operations="+", max_operand=20)
   with pytest.raises(ValueError, match=r"data.num_eval=5000 .* data.word_problems"):
     DataSettings.from_config({**base, "num_eval": 5000,
                                        "word_problems": dict(operations="+", max_operand=4)})
 
 
 def test_datasets_are_built_and_regenerated_when_the_settings_change(tmp_path):
-  spec = WordProblemSpec(max_operand=9)
+  spec = WordProblemSettings(max_operand=9)
   built = make_word_problem_datasets(str(tmp_path), seed=0, spec=spec, num_prompts=40,
                                      num_demos=8, num_eval=6)
   assert built["prompts"].splits == {"train": 40, "eval": 6}

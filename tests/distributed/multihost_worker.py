@@ -68,8 +68,8 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   `answers`, prompts with reference answers and a rule that checks their pairing)."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
-  from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
-  from pipe_rlhf_jax.generation import SamplingParams
+  from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
+  from pipe_rlhf_jax.generation import SamplingSettings
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
   from pipe_rlhf_jax.models.transformer import init_model
@@ -98,8 +98,8 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
                           infer=StagePlan(inf), train=StagePlan(trn))
   system = PPOSystem(
       Models.from_policy(policy),
-      ppo=PPOConfig(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
-      sampling=SamplingParams(max_new_tokens=6, eos_id=tokenizer.eos_id,
+      ppo=PPOSettings(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
+      sampling=SamplingSettings(max_new_tokens=6, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
       plan=plan, reward_fn=paired if answers else count_a, decode=tokenizer.decode)
   words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax.generation import engine, slot_schedule
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, param_axes
 from pipe_rlhf_jax.parallel.logical import DEFAULT_RULES, axis_rules, tree_shardings
@@ -66,7 +66,7 @@ def test_every_completion_equals_the_static_samplers(model, sampling, n):
   rs = np.random.RandomState(1)
   limits = rs.choice([1, 2, 3, 12, 5, 12, 7], size=10 * n).astype(np.int32)
   rng = jax.random.key(3)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **sampling)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **sampling)
   out, stats = engine.generate_continuous(model, tokens, mask, params, rng=rng,
                                           num_slots=4, group_size=n, limits=limits,
                                           cache_fill=float("nan"))
@@ -86,7 +86,7 @@ def test_eos_frees_the_slot_and_pads_like_the_static_sampler(model):
   # A frequent token as EOS, so that rows end early at their own steps.
   probe = generate(model, tokens, mask, T, rng=rng, eos_id=None, **SAMPLED)
   eos = int(np.bincount(np.asarray(probe.tokens).ravel(), minlength=VOCAB).argmax())
-  params = SamplingParams(max_new_tokens=T, eos_id=eos, pad_id=0, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=eos, pad_id=0, **SAMPLED)
   out, stats = engine.generate_continuous(model, tokens, mask, params, rng=rng,
                                           num_slots=2)
   ref = generate(model, tokens, mask, T, rng=rng, eos_id=eos, pad_id=0, **SAMPLED)
@@ -102,7 +102,7 @@ def test_same_slot_count_as_the_batch_is_bit_identical(model):
   tokens, mask = queue(4, seed=3)
   limits = np.array([3, 12, 1, 7], np.int32)
   rng = jax.random.key(9)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **SAMPLED)
   out, _ = engine.generate_continuous(model, tokens, mask, params, rng=rng, num_slots=4,
                                       limits=limits)
   assert_same(out, static_reference(model, tokens, mask, 1, limits, None, rng, **SAMPLED))
@@ -121,7 +121,7 @@ def test_tensor_parallel_engine_equals_one_device(model, name):
   tokens, mask = queue(6, seed=4)
   limits = np.array([2, 12, 4, 1, 9, 6], np.int32)
   rng = jax.random.key(1)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **SAMPLED)
   with axis_rules(mesh, DEFAULT_RULES):
     out, _ = engine.generate_continuous(sharded, tokens, mask, params, rng=rng,
                                         num_slots=4, limits=limits)
@@ -131,7 +131,7 @@ def test_tensor_parallel_engine_equals_one_device(model, name):
 
 def test_bad_engine_settings_name_the_field(model):
   tokens, mask = queue(2)
-  params = SamplingParams(max_new_tokens=T, eos_id=None)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None)
   with pytest.raises(ValueError, match="num_slots=2 cannot hold one group of 4"):
     engine.generate_continuous(model, tokens, mask, params, rng=jax.random.key(0),
                                num_slots=2, group_size=4)
@@ -153,7 +153,7 @@ def test_the_pure_schedule_is_the_engines(model, min_admit):
   tokens, mask = queue(9, seed=5)
   rs = np.random.RandomState(6)
   limits = rs.choice([1, 2, 3, 12, 5, 9], size=18).astype(np.int32)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **SAMPLED)
   spec = engine.EngineSpec(num_slots=5, group_size=2, min_admit=min_admit)
   rng = jax.random.key(2)
   out, stats = engine.generate_continuous(model, tokens, mask, params, rng=rng, num_slots=5,
@@ -226,7 +226,7 @@ def test_a_persistent_engine_called_in_pieces_equals_the_static_sampler(model):
   tokens, mask = queue(5, seed=6)
   limits = np.array([1, 12, 4, 7, 12, 2, 9, 3, 5, 11], np.int32)
   rng = jax.random.key(4)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **SAMPLED)
   spec = engine.EngineSpec(num_slots=4, group_size=n)
   state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 10)
   calls, admitted = 0, 0
@@ -278,7 +278,7 @@ def test_new_weights_between_calls_continue_the_rows_under_the_new_policy(model)
   tokens, mask = queue(3, seed=8)
   limits = np.full(3, T, np.int32)
   rng = jax.random.key(2)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, temperature=0.9)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, temperature=0.9)
   spec = engine.EngineSpec(num_slots=3)
   state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 3)
   new_state = jax.tree.map(lambda x: x * 1.05 if x.dtype == np.float32 else x, state)
@@ -302,7 +302,7 @@ def test_released_slots_take_new_prompts_and_leak_nothing(model):
   tokens, mask = queue(2, seed=9)
   limits = np.full(2, T, np.int32)
   rng = jax.random.key(5)
-  params = SamplingParams(max_new_tokens=T, eos_id=None, **SAMPLED)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **SAMPLED)
   spec = engine.EngineSpec(num_slots=1)
   state, s, q, step = _persistent(model, params, spec, tokens, mask, limits, 2)
   first = q.replace(length=np.int32(1))

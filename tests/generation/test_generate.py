@@ -148,7 +148,7 @@ def test_left_padding_matches_each_prompt_alone(model, sampling, rows):
 
 def test_building_blocks_donate_and_loop_on_device(model):
   prompt, mask = make_prompts([4, 4], 4, seed=8)
-  params = sampler.SamplingParams(max_new_tokens=5, temperature=0.0, eos_id=None)
+  params = sampler.SamplingSettings(max_new_tokens=5, temperature=0.0, eos_id=None)
   graphdef, state = nnx.split(model)
   prefill, decode = sampler.make_generate_fns(graphdef, params)
   ids = jnp.arange(2, dtype=jnp.int32)
@@ -197,7 +197,7 @@ def test_public_entry_points():
 
 def _run_blocks(model, prompt, mask, sample_ids, group_size, steps=5):
   graphdef, state = nnx.split(model)
-  params = sampler.SamplingParams(max_new_tokens=steps, eos_id=None, **SAMPLED)
+  params = sampler.SamplingSettings(max_new_tokens=steps, eos_id=None, **SAMPLED)
   prefill, decode = sampler.make_generate_fns(graphdef, params, group_size=group_size)
   rng = jax.random.key(7)
   first = prefill(state, prompt, mask, rng, sample_ids)

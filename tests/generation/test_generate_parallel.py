@@ -85,7 +85,7 @@ def test_a_group_prefilled_once_splits_over_more_shards_than_prompts(setup):
   model, prompt, mask, _ = setup
   prompt, mask = np.repeat(prompt[:2], 4, 0), np.repeat(mask[:2], 4, 0)
   ids = np.arange(8, dtype=np.int32)
-  params = sampler.SamplingParams(max_new_tokens=4, eos_id=None, **SAMPLED)
+  params = sampler.SamplingSettings(max_new_tokens=4, eos_id=None, **SAMPLED)
   graphdef, state = nnx.split(model)
 
   def run(state, mesh=None, group_size=4):

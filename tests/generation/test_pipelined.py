@@ -8,7 +8,7 @@ import pytest
 from pipe_rlhf_jax.generation import pipelined
 from pipe_rlhf_jax.generation import schedule as sched
 from pipe_rlhf_jax.generation.pipelined import pipelined_generate
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.parallel.mesh import MeshShape, make_mesh
@@ -209,11 +209,11 @@ def test_bad_slot_counts_raise_before_compiling(setup, no_compile, slots, match)
 
 
 def test_stage_call_form_with_sampling_params(setup):
-  # The generate stage calls (graphdef, state, tokens, mask, SamplingParams).
+  # The generate stage calls (graphdef, state, tokens, mask, SamplingSettings).
   from flax import nnx
   model, prompt, mask, ids, refs = setup
   graphdef, state = nnx.split(model)
-  params = SamplingParams(max_new_tokens=STEPS, temperature=0.0)
+  params = SamplingSettings(max_new_tokens=STEPS, temperature=0.0)
   out, _ = pipelined_generate(graphdef, state, prompt, mask, params, mesh=mesh_for(2),
                               num_microbatches=4, rng=jax.random.key(RNG_SEED),
                               sample_ids=ids)
@@ -246,7 +246,7 @@ def test_bad_configs_raise_before_compiling(setup, no_compile, kwargs, match):
 
 def test_sampling_params_and_keywords_do_not_mix(setup, no_compile):
   model, prompt, mask, _, _ = setup
-  params = SamplingParams(max_new_tokens=STEPS, temperature=0.0)
+  params = SamplingSettings(max_new_tokens=STEPS, temperature=0.0)
   with pytest.raises(ValueError, match="temperature"):
     pipelined_generate(model, prompt, mask, params, mesh=mesh_for(2), num_microbatches=2,
                        rng=jax.random.key(0), temperature=0.5)

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The settings classes by their names' endings (a model's TransformerConfig is the model's
 # shape, not a setting of the run).
 SETTINGS_CLASS = re.compile(r"(Settings|Config|Hyper|Params|Spec|Plan|PlannedRun|PlanChoice|"
-                            r"PolicySampling)$")
+                            r"PolicySamplingSettings)$")
 WHOLE = ("ExperimentSettings", "Experiment")
 
 

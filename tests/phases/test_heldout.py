@@ -71,9 +71,9 @@ def first_letter_a(prompts, completions):
 def test_sampled_eval_averages_k_draws_per_prompt_whatever_the_layout():
   import jax
 
-  from pipe_rlhf_jax.generation.sampler import SamplingParams
+  from pipe_rlhf_jax.generation.sampler import SamplingSettings
   (graphdef, params), batch, tokenizer = policy_and_prompts()
-  sampling = SamplingParams(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,
+  sampling = SamplingSettings(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id)
   rules = {"rule": first_letter_a}
   sampled = heldout.heldout_eval(graphdef, params, batch, tokenizer, sampling, rules, 2,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax.config import ExperimentSettings
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.tokenizer import load_tokenizer
 from pipe_rlhf_jax.models.transformer import init_model
@@ -45,7 +45,7 @@ def pairs(label_fn=char_sum, share=0.5, k=4):
   policy = init_model(tiny_config(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                   head_dim=8, mlp_dim=64), seed=0)
   graphdef, params = nnx.split(policy)
-  sampling = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=TOKENIZER.eos_id,
+  sampling = SamplingSettings(max_new_tokens=T, temperature=1.0, eos_id=TOKENIZER.eos_id,
                             pad_id=TOKENIZER.pad_id)
   return PolicyPairs(dataset_batches(), graphdef, params, TOKENIZER, label_fn, share=share,
                      samples_per_prompt=k, sampling=sampling, seed=3)

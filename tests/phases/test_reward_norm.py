@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.phases import reward_norm
@@ -19,7 +19,7 @@ def test_reward_score_statistics_are_the_scores_of_the_policy_answers():
   reward_gd, reward = nnx.split(init_model(tiny_config(
       embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
       head="score"), seed=1))
-  sampling = SamplingParams(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,
+  sampling = SamplingSettings(max_new_tokens=6, temperature=1.0, eos_id=tokenizer.eos_id,
                             pad_id=tokenizer.pad_id)
   stats = reward_norm.score_statistics(graphdef, params, reward_gd, reward, batch, sampling,
                                        samples_per_prompt=3, seed=5)

@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
 from pipe_rlhf_jax.generation import sampler
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
 from pipe_rlhf_jax.optim import make_optimizer
 from pipe_rlhf_jax.planner import hardware, memory, space
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
-from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
+from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
+from pipe_rlhf_jax.stages.train import PtxBatch, TrainSettings, TrainStage
 from pipe_rlhf_jax.system import system
 
 
@@ -48,12 +48,12 @@ def xla_train_peak(work: space.Workload, plan: StagePlan) -> int:
   cgd, critic = nnx.split(init_model(work.critic))
   agd = with_execution(agd, actor, **plan.execution())
   cgd = with_execution(cgd, critic, **plan.execution())
-  ppo = PPOConfig(steps=10, batch_size=work.batch_size, minibatch_size=work.minibatch_size,
+  ppo = PPOSettings(steps=10, batch_size=work.batch_size, minibatch_size=work.minibatch_size,
                   epochs=work.epochs, ptx_coef=1.0 if work.ptx_rows else 0.0,
                   ptx_batch_size=work.ptx_rows)
   opt = make_optimizer(1e-4, total_steps=10, warmup_steps=0, schedule="constant",
                        max_grad_norm=1.0)
-  stage = TrainStage(layout, agd, cgd, PPOHyper.from_settings(ppo, 1.0), opt, opt)
+  stage = TrainStage(layout, agd, cgd, TrainSettings.from_settings(ppo, 1.0), opt, opt)
   state = stage.init_state(actor, critic)
   b, lp, t = work.batch_size, work.prompt_len, work.gen_len
   z = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
@@ -104,8 +104,8 @@ def xla_infer_peak(work: space.Workload, plan: StagePlan) -> int:
             (work.actor, work.critic, work.actor.replace(head="score"))]
   (agd, actor), (cgd, critic), (rgd, reward) = [
       (with_execution(gd, st, **plan.execution()), st) for gd, st in models]
-  ppo = PPOConfig(steps=10, batch_size=work.batch_size, minibatch_size=work.minibatch_size)
-  stage = InferStage(layout, agd, cgd, rgd, InferHyper.from_settings(ppo, 1.0))
+  ppo = PPOSettings(steps=10, batch_size=work.batch_size, minibatch_size=work.minibatch_size)
+  stage = InferStage(layout, agd, cgd, rgd, InferSettings.from_settings(ppo, 1.0))
   put = lambda state: jax.device_put(state, layout.param_shardings(state))
   rollout = _rollout(work)
   rollout = jax.device_put(rollout, layout.batch_shardings(rollout))
@@ -119,7 +119,7 @@ def xla_generate_peak(work: space.Workload, plan: StagePlan) -> int:
   gd, actor = nnx.split(init_model(work.actor))
   gd = with_execution(gd, actor, **plan.execution())
   actor = jax.device_put(actor, layout.param_shardings(actor))
-  params = sampler.SamplingParams(max_new_tokens=work.gen_len, eos_id=None, pad_id=0)
+  params = sampler.SamplingSettings(max_new_tokens=work.gen_len, eos_id=None, pad_id=0)
   b, lp = work.batch_size, work.prompt_len
   tokens = layout.put_batch(np.zeros((b, lp), np.int32))
   mask = layout.put_batch(np.ones((b, lp), bool))

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.testing import assert_allclose
 import pytest
 
-from pipe_rlhf_jax.config import PPOConfig
+from pipe_rlhf_jax.config import PPOSettings
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 from pipe_rlhf_jax.ppo.aggregation import aggregate
 from pipe_rlhf_jax.ppo.losses import policy_loss
@@ -85,7 +85,7 @@ def test_a_group_of_equal_returns_has_zero_advantage(name, norm_by_std):
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
 def test_a_group_of_one_keeps_its_return(name):
-  # No other sample, no baseline (verl's convention); PPOConfig refuses group_size=1.
+  # No other sample, no baseline (verl's convention); PPOSettings refuses group_size=1.
   rewards, mask = rollout_rewards(RETURNS, LENGTHS)
   adv, _ = estimate(name, rewards, mask, group_size=1)
   assert_allclose(adv, on_tokens(RETURNS, mask), rtol=1e-5, atol=1e-5)
@@ -177,7 +177,7 @@ def test_policy_loss_is_aggregated_as_asked():
 
 def ppo(**fields):
   base = dict(steps=1, batch_size=8, minibatch_size=4)
-  return PPOConfig(**{**base, **fields})
+  return PPOSettings(**{**base, **fields})
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -211,13 +211,13 @@ def test_ptx_rows_default_to_the_minibatch_and_are_zero_without_the_term():
 
 
 def test_proximal_kl_policy_acts_only_where_the_rewards_hold_a_kl():
-  from pipe_rlhf_jax.stages.train import PPOHyper
-  hyper = PPOHyper.from_settings(ppo(kl_policy="proximal"), 1.0)
-  assert hyper.kl_policy == "proximal" and hyper.targets.kl_in == "reward"
+  from pipe_rlhf_jax.stages.train import TrainSettings
+  settings = TrainSettings.from_settings(ppo(kl_policy="proximal"), 1.0)
+  assert settings.kl_policy == "proximal" and settings.targets.kl_in == "reward"
   # KL in the loss, or none: the re-derived targets would equal the inference stage's.
   for fields in (dict(kl_in="loss", kl_estimator="k3"), dict(kl_coef=0.0)):
-    hyper = PPOHyper.from_settings(ppo(kl_policy="proximal", **fields), 1.0)
-    assert hyper.kl_policy == "behaviour" and hyper.targets is None
+    settings = TrainSettings.from_settings(ppo(kl_policy="proximal", **fields), 1.0)
+    assert settings.kl_policy == "behaviour" and settings.targets is None
 
 
 def test_settings_say_which_models_the_algorithm_needs():

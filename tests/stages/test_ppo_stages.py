@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from pipe_rlhf_jax.concurrency.tracing import Tracer
-from pipe_rlhf_jax.generation.sampler import SamplingParams
+from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.optim import make_optimizer
@@ -26,8 +26,8 @@ from pipe_rlhf_jax.phases import supervised
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
 from pipe_rlhf_jax.stages.generate import GenerateStage
-from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import PPOHyper, PtxBatch, TrainStage
+from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
+from pipe_rlhf_jax.stages.train import PtxBatch, TrainSettings, TrainStage
 from tests.helpers.configs import tiny_quickstart
 
 VOCAB = 64
@@ -90,7 +90,7 @@ def moved(state, seed, scale=0.5):
 def train_stage(layout, models, ppo):
   tx = lambda: make_optimizer(1e-3, total_steps=10)
   return TrainStage(layout, models["actor"][0], models["critic"][0],
-                    PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
+                    TrainSettings.from_settings(ppo, ppo.temperature), tx(), tx())
 
 
 @pytest.mark.slow
@@ -102,12 +102,12 @@ def test_truncated_sampling_keeps_every_quantity_finite_and_on_policy(layout, mo
   ppo = ppo_section(top_k=5, top_p=0.9, temperature=0.8)
   actor_gd, ref = models["actor"]
   actor = moved(ref, seed=1)  # the policy has moved away from the reference
-  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=ppo.temperature,
+  sampling = SamplingSettings(max_new_tokens=COMPLETION, temperature=ppo.temperature,
                             top_k=ppo.top_k, top_p=ppo.top_p, eos_id=None)
   rollout, _ = GenerateStage(layout, actor_gd, sampling)(
       actor, prompts(), jax.random.key(0), version=1)
   infer = InferStage(layout, actor_gd, models["critic"][0], models["reward"][0],
-                     InferHyper.from_settings(ppo, ppo.temperature))
+                     InferSettings.from_settings(ppo, ppo.temperature))
   exp, metrics = infer(ref, models["critic"][1], models["reward"][1], rollout, 0.1)
   mask = np.asarray(rollout.completion_mask)
   ref_lp = np.asarray(exp.ref_logprobs)[mask]
@@ -191,7 +191,7 @@ def test_infer_stage_matches_numpy_kl_shaping_gae_whitening(layout, models, kl_e
   ppo = ppo_section(kl_estimator=kl_estimator, gamma=0.9, lam=0.8, temperature=0.7)
   rollout = hand_rollout()
   infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                     InferHyper.from_settings(ppo, ppo.temperature))
+                     InferSettings.from_settings(ppo, ppo.temperature))
   exp, metrics = infer(models["actor"][1], models["critic"][1], models["reward"][1],
                        rollout, kl_coef=0.3)
   want = numpy_experience(full_forward(*models["actor"], rollout),
@@ -219,14 +219,14 @@ def test_infer_stage_uses_the_configured_advantage_estimator(layout, models):
   ppo = ppo_section(advantage_estimator="test_monte_carlo", whiten_advantages=False)
   rollout = hand_rollout()
   infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                     InferHyper.from_settings(ppo, ppo.temperature))
+                     InferSettings.from_settings(ppo, ppo.temperature))
   exp, _ = infer(models["actor"][1], models["critic"][1], models["reward"][1], rollout, 0.3)
   rewards, mask = np.asarray(exp.rewards), np.asarray(rollout.completion_mask)
   want = np.where(mask, np.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], 0.0)
   np.testing.assert_allclose(exp.returns, want, atol=1e-5)
   # GAE with gamma = 1, lam = 0.95 bootstraps from the critic: a different answer.
   gae = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                   InferHyper.from_settings(ppo_section(whiten_advantages=False), 1.0))
+                   InferSettings.from_settings(ppo_section(whiten_advantages=False), 1.0))
   exp_gae, _ = gae(models["actor"][1], models["critic"][1], models["reward"][1], rollout,
                    0.3)
   assert np.abs(np.asarray(exp_gae.advantages) - np.asarray(exp.advantages)).max() > 1e-3
@@ -239,9 +239,9 @@ def test_standardised_scores_shape_the_rewards_and_stay_raw_in_the_experience(la
   rollout = hand_rollout()
 
   def experience(**overrides):
-    hyper = InferHyper.from_settings(ppo_section(whiten_advantages=False, **overrides), 1.0)
+    settings = InferSettings.from_settings(ppo_section(whiten_advantages=False, **overrides), 1.0)
     infer = InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-                       hyper)
+                       settings)
     return infer(models["actor"][1], models["critic"][1], models["reward"][1], rollout, 0.3)
 
   raw, raw_metrics = experience()
@@ -267,13 +267,13 @@ def test_unknown_advantage_estimator_names_the_field():
   with pytest.raises(ValueError, match=r"ppo.advantage_estimator='vtrace'.*gae"):
     ExperimentSettings.from_config(config)
   with pytest.raises(ValueError, match=r"advantage estimator 'vtrace'.*ppo.advantage_est"):
-    InferHyper.from_settings(config.ppo, config.ppo.temperature)
+    InferSettings.from_settings(config.ppo, config.ppo.temperature)
 
 
 def generated_experience(layout, models, ppo, seed=0):
   """A rollout sampled by the actor, with random advantages / values / returns."""
   actor_gd, actor = models["actor"]
-  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=ppo.temperature,
+  sampling = SamplingSettings(max_new_tokens=COMPLETION, temperature=ppo.temperature,
                             top_k=ppo.top_k, top_p=ppo.top_p, eos_id=None)
   rollout, _ = GenerateStage(layout, actor_gd, sampling)(
       actor, prompts(seed), jax.random.key(seed), version=0)
@@ -354,7 +354,7 @@ def test_target_kl_stops_the_update_and_keeps_the_steps_before(layout, models):
     ppo = ppo_section(epochs=epochs, target_kl=target_kl)
     tx = lambda: make_optimizer(1e-2, total_steps=10)
     trainer = TrainStage(layout, models["actor"][0], models["critic"][0],
-                         PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
+                         TrainSettings.from_settings(ppo, ppo.temperature), tx(), tx())
     state = trainer.init_state(models["actor"][1], models["critic"][1])
     return trainer.update(state, exp, jax.random.key(7))
 
@@ -396,7 +396,7 @@ def test_proximal_kl_policy_rederives_the_targets_at_the_trainers_actor(layout, 
   def first_step(kl_policy):
     ppo = ppo_section(loss=loss, kl_policy=kl_policy, behaviour_weight_cap=cap)
     infer = InferStage(layout, actor_gd, models["critic"][0], models["reward"][0],
-                       InferHyper.from_settings(ppo, ppo.temperature))
+                       InferSettings.from_settings(ppo, ppo.temperature))
     exp, _ = infer(ref, models["critic"][1], models["reward"][1], rollout, kl_coef)
     trainer = train_stage(layout, models, ppo)
     state = trainer.init_state(actor, models["critic"][1])
@@ -446,7 +446,7 @@ def test_critic_free_infer_stage_groups_scores_and_keeps_kl_out_of_the_rewards(
                     kl_in="loss", kl_estimator="k3", temperature=0.7)
   rollout = hand_rollout()
   infer = InferStage(layout, models["actor"][0], None, models["reward"][0],
-                     InferHyper.from_settings(ppo, ppo.temperature))
+                     InferSettings.from_settings(ppo, ppo.temperature))
   ref = models["actor"][1] if kl_coef else None
   exp, metrics = infer(ref, None, models["reward"][1], rollout, kl_coef)
   want = numpy_experience(full_forward(*models["actor"], rollout),
@@ -470,7 +470,7 @@ def test_critic_free_infer_stage_groups_scores_and_keeps_kl_out_of_the_rewards(
     assert exp.ref_logprobs is None and exp.kl is None and "kl/mean" not in metrics
   with pytest.raises(ValueError, match="'grpo' takes no critic"):
     InferStage(layout, models["actor"][0], models["critic"][0], models["reward"][0],
-               InferHyper.from_settings(ppo, ppo.temperature))
+               InferSettings.from_settings(ppo, ppo.temperature))
 
 
 # The other aggregations in the slow tier: each is the same stage and test with another
@@ -490,7 +490,7 @@ def test_critic_free_update_aggregates_and_adds_the_kl_loss(layout, models, loss
                     returns=None)
   tx = make_optimizer(1e-3, total_steps=10)
   trainer = TrainStage(layout, models["actor"][0], None,
-                       PPOHyper.from_settings(ppo, ppo.temperature), tx, None)
+                       TrainSettings.from_settings(ppo, ppo.temperature), tx, None)
   state = trainer.init_state(models["actor"][1])
   assert state.critic is None and state.critic_opt is None
   new_state, metrics = trainer.update(state, exp, jax.random.key(5))
@@ -542,7 +542,7 @@ def test_ptx_term_is_the_sft_loss_and_its_gradient_step(layout, models):
   lr = 1e-2
   tx = lambda: make_optimizer(lr, total_steps=10)
   trainer = TrainStage(layout, models["actor"][0], models["critic"][0],
-                       PPOHyper.from_settings(ppo, ppo.temperature), tx(), tx())
+                       TrainSettings.from_settings(ppo, ppo.temperature), tx(), tx())
   assert trainer.ptx_shape(BATCH) == (1, 1, rows)
   demos = demo_batch((1, 1, rows))
   actor_gd, actor = models["actor"]
@@ -592,10 +592,10 @@ def test_continuous_batching_stage_gives_the_static_stages_rollout(models, decod
   actor_gd, actor = models["actor"]
   batch = dict(prompts(seed=3), max_new_tokens=np.array([8, 2, 5, 1, 8, 3, 6, 4]))
   rng = jax.random.key(5)
-  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=None)
+  sampling = SamplingSettings(max_new_tokens=COMPLETION, temperature=1.0, eos_id=None)
   probe, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 0)
   eos = int(np.bincount(np.asarray(probe.completion_tokens).ravel()).argmax())
-  sampling = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_id=eos)
+  sampling = SamplingSettings(max_new_tokens=COMPLETION, temperature=1.0, eos_id=eos)
   static, _ = GenerateStage(layout, actor_gd, sampling, group_size=2)(actor, batch, rng, 3)
   if decoder == "engine":
     stage = GenerateStage(layout, actor_gd, sampling, group_size=2, num_slots=3)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipe_rlhf_jax.generation.sampler import SamplingParams, generate
+from pipe_rlhf_jax.generation.sampler import SamplingSettings, generate
 from pipe_rlhf_jax.models.config import tiny_config
 from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.parallel import logical
@@ -56,7 +56,7 @@ def actor():
 def make_stream(actor, n=2, in_flight=(), past="finish", eos=None):
   layout = StageLayout("generate", make_mesh({"data": 1}, jax.devices()[:1]),
                        logical.DEFAULT_RULES)
-  sampling = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=eos)
+  sampling = SamplingSettings(max_new_tokens=T, temperature=1.0, eos_id=eos)
   stage = GenerateStage(layout, actor[0], sampling, group_size=n, num_slots=4)
   return RolloutStream(stage, 4, jax.random.key(0), max_staleness=1, past_staleness=past,
                        steps_per_call=3, in_flight=list(in_flight))
@@ -191,7 +191,7 @@ class Budgeted(Prompts):
 def test_a_prompts_own_length_budget_holds_in_every_engine(actor, engine):
   layout = StageLayout("generate", make_mesh({"data": 1}, jax.devices()[:1]),
                        logical.DEFAULT_RULES)
-  sampling = SamplingParams(max_new_tokens=T, temperature=1.0, eos_id=None)
+  sampling = SamplingSettings(max_new_tokens=T, temperature=1.0, eos_id=None)
   batch = next(Budgeted())
   if engine != "stream":
     stage = GenerateStage(layout, actor[0], sampling, group_size=2,

@@ -18,8 +18,8 @@ from pipe_rlhf_jax.parallel.mesh import make_mesh
 from pipe_rlhf_jax.ppo.types import Rollout
 from pipe_rlhf_jax.stages import packing
 from pipe_rlhf_jax.stages.common import StageLayout, completion_logprobs
-from pipe_rlhf_jax.stages.infer import InferHyper, InferStage
-from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, PPOHyper, TrainStage
+from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
+from pipe_rlhf_jax.stages.train import PACK_FILL_KEY, TrainSettings, TrainStage
 from pipe_rlhf_jax.system import prompts_from_texts, run
 from tests.stages.test_packing import COMPLETION, PROMPT, VOCAB, padded_batch
 from tests.stages.test_ppo_stages import moved, ppo_section
@@ -59,9 +59,9 @@ def experience(layout, models, ppo, spare_columns=0):
                                   temperature=ppo.temperature)
   rollout = Rollout(prompt_tokens, prompt_mask, completion_tokens, completion_mask,
                     behaviour, jnp.asarray(0, jnp.int32))
-  hyper = InferHyper.from_settings(ppo, ppo.temperature)
-  critic = models["critic"] if hyper.needs_critic else (None, None)
-  infer = InferStage(layout, actor_gd, critic[0], models["reward"][0], hyper)
+  settings = InferSettings.from_settings(ppo, ppo.temperature)
+  critic = models["critic"] if settings.needs_critic else (None, None)
+  infer = InferStage(layout, actor_gd, critic[0], models["reward"][0], settings)
   exp, _ = infer(actor, critic[1], models["reward"][1], rollout, ppo.kl_coef)
   return exp
 
@@ -71,8 +71,8 @@ def updates(layout, models, ppo, budget, spare_columns=0):
   whose step is linear in the gradient (Adam's first step is about lr x its sign, which
   float rounding flips where a gradient is ~0)."""
   exp = experience(layout, models, ppo, spare_columns)
-  hyper = PPOHyper.from_settings(ppo, ppo.temperature)
-  needs_critic = InferHyper.from_settings(ppo, ppo.temperature).needs_critic
+  settings = TrainSettings.from_settings(ppo, ppo.temperature)
+  needs_critic = InferSettings.from_settings(ppo, ppo.temperature).needs_critic
   critic_gd, critic = models["critic"] if needs_critic else (None, None)
   if critic is not None:
     # A critic that has trained since the rollout was scored, its values more than
@@ -82,7 +82,7 @@ def updates(layout, models, ppo, budget, spare_columns=0):
   out = []
   for pack in (0, budget):
     tx = lambda: optax.sgd(0.5)
-    trainer = TrainStage(layout, models["actor"][0], critic_gd, hyper, tx(),
+    trainer = TrainStage(layout, models["actor"][0], critic_gd, settings, tx(),
                          tx() if critic_gd is not None else None, pack_tokens=pack)
     state = trainer.init_state(models["actor"][1], critic)
     state, metrics = trainer.update(state, exp, jax.random.key(7))
@@ -147,14 +147,14 @@ def test_a_row_shorter_than_a_sequence_is_refused_naming_the_setting(layout, mod
   exp = experience(layout, models, ppo)
   tx = optax.sgd(0.1)
   trainer = TrainStage(layout, models["actor"][0], models["critic"][0],
-                       PPOHyper.from_settings(ppo, 1.0), tx, tx, pack_tokens=12)
+                       TrainSettings.from_settings(ppo, 1.0), tx, tx, pack_tokens=12)
   state = trainer.init_state(models["actor"][1], models["critic"][1])
   with pytest.raises(ValueError, match=r"stages.train.pack_tokens=12: sequence \d+ has 1[3-6] "
                                        r"real tokens .*set stages.train.pack_tokens to at "
                                        r"least 1[3-6]"):
     trainer.update(state, exp, jax.random.key(0))
   with pytest.raises(ValueError, match="stages.train.pack_tokens=-1"):
-    TrainStage(layout, models["actor"][0], None, PPOHyper.from_settings(ppo, 1.0), tx, None,
+    TrainStage(layout, models["actor"][0], None, TrainSettings.from_settings(ppo, 1.0), tx, None,
                pack_tokens=-1)
 
 

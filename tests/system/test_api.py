@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import models
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
-from pipe_rlhf_jax.generation import SamplingParams
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
+from pipe_rlhf_jax.generation import SamplingSettings
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
 from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts, run
 from tests.helpers.hf_helpers import write_tiny_llama
@@ -47,9 +47,9 @@ def _tiny_system(tmp_path, batch_size=8, reward_fn=lambda p, c: [len(x) for x in
   tok = models.load_tokenizer(path)
   system = PPOSystem(
       Models.from_policy(models.from_pretrained(path)),
-      ppo=PPOConfig(steps=2, batch_size=batch_size, minibatch_size=batch_size,
+      ppo=PPOSettings(steps=2, batch_size=batch_size, minibatch_size=batch_size,
                     actor_lr=1e-3),
-      sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      sampling=SamplingSettings(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
       plan=Plan(**plan), reward_fn=reward_fn, decode=tok.decode)
   return system, tok
 
@@ -156,15 +156,15 @@ def test_from_pretrained_accepts_dtype_objects_and_names(tmp_path):
 
 def test_settings_name_the_bad_field():
   with pytest.raises(ValueError, match="ppo.batch_size=6 must be a multiple"):
-    PPOConfig(steps=1, batch_size=6, minibatch_size=4)
+    PPOSettings(steps=1, batch_size=6, minibatch_size=4)
   with pytest.raises(ValueError, match="ppo.kl_estimator"):
-    PPOConfig(steps=1, batch_size=4, minibatch_size=4, kl_estimator="k9")
+    PPOSettings(steps=1, batch_size=4, minibatch_size=4, kl_estimator="k9")
   with pytest.raises(ValueError, match="plan.placement"):
     Plan(mode="pipe")
   with pytest.raises(ValueError, match="plan.mode"):
     Plan(mode="async")
   with pytest.raises(ValueError, match="ppo has unknown fields \\['clip'\\]"):
-    PPOConfig.from_config({"steps": 1, "batch_size": 4, "minibatch_size": 4, "clip": 0.1})
+    PPOSettings.from_config({"steps": 1, "batch_size": 4, "minibatch_size": 4, "clip": 0.1})
 
 
 def test_settings_are_hashable_and_print_as_one_line():
@@ -180,7 +180,7 @@ def test_settings_are_hashable_and_print_as_one_line():
 def test_experiment_config_converts_to_the_same_settings():
   from configs import quickstart
   config = quickstart.get_config()
-  ppo = PPOConfig.from_config(config.ppo, seed=config.seed)
+  ppo = PPOSettings.from_config(config.ppo, seed=config.seed)
   assert ppo.clip_eps == config.ppo.clip_eps and ppo.steps == config.ppo.steps
   plan = Plan.from_config(config)
   assert plan.placement == (4, 2, 2) and plan.generate.num_microbatches == 8
@@ -195,7 +195,7 @@ def test_models_from_policy_checks_heads_and_reference(tmp_path):
   m = Models.from_policy(policy)
   m.reference = m.critic
   with pytest.raises(ValueError, match="reference"):
-    m.check(SamplingParams(max_new_tokens=2))
+    m.check(SamplingSettings(max_new_tokens=2))
 
 
 @pytest.mark.slow
@@ -235,11 +235,11 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
   from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
   path = write_tiny_llama(tmp_path / "m")
   tok = models.load_tokenizer(path)
-  ppo = PPOConfig(steps=5, batch_size=8, minibatch_size=8, actor_lr=3e-3, kl_coef=0.1,
+  ppo = PPOSettings(steps=5, batch_size=8, minibatch_size=8, actor_lr=3e-3, kl_coef=0.1,
                   adaptive_kl=True, kl_target=1e-4, kl_horizon=8)
   system = PPOSystem(
       Models.from_policy(models.from_pretrained(path)), ppo=ppo,
-      sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      sampling=SamplingSettings(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
       plan=Plan(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
                             generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)),
       reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
@@ -297,10 +297,10 @@ def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
               past_staleness="drop", generate=StagePlan(num_slots=4), train=StagePlan())
   system = PPOSystem(
       Models.from_policy(models.from_pretrained(path), critic_from=None),
-      ppo=PPOConfig(steps=3, batch_size=4, minibatch_size=4, actor_lr=1e-3, group_size=2,
+      ppo=PPOSettings(steps=3, batch_size=4, minibatch_size=4, actor_lr=1e-3, group_size=2,
                     advantage_estimator="grpo", whiten_advantages=False,
                     loss="decoupled_ppo_clip"),
-      sampling=SamplingParams(max_new_tokens=12, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      sampling=SamplingSettings(max_new_tokens=12, eos_id=tok.eos_id, pad_id=tok.pad_id),
       plan=plan, reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
   texts = [f"rev {w}=" for w in "abcdefghijklmnop"]
   result = run(system, prompts_from_texts(texts, tok, 2, 8, shuffle=False), steps=3)

@@ -7,8 +7,8 @@ import pytest
 
 from pipe_rlhf_jax import models
 from pipe_rlhf_jax.checkpoint import Checkpointer
-from pipe_rlhf_jax.config import Plan, PPOConfig
-from pipe_rlhf_jax.generation import SamplingParams
+from pipe_rlhf_jax.config import Plan, PPOSettings
+from pipe_rlhf_jax.generation import SamplingSettings
 from pipe_rlhf_jax.system import Models, PPOSystem, prompts_from_texts, run
 from tests.helpers.hf_helpers import write_tiny_llama
 
@@ -25,8 +25,8 @@ def system_for(path, ppo, ptx_demos=None, **model_kwargs):
   tok = models.load_tokenizer(path)
   return PPOSystem(
       Models.from_policy(models.from_pretrained(path), **model_kwargs),
-      ppo=PPOConfig(steps=4, batch_size=8, minibatch_size=4, actor_lr=1e-3, **ppo),
-      sampling=SamplingParams(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
+      ppo=PPOSettings(steps=4, batch_size=8, minibatch_size=4, actor_lr=1e-3, **ppo),
+      sampling=SamplingSettings(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
       plan=Plan(), reward_fn=lambda p, c: [len(set(x)) for x in c],
       decode=tok.decode, ptx_demos=ptx_demos), tok
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from pipe_rlhf_jax import models
-from pipe_rlhf_jax.config import MeshSpec, Plan, PPOConfig, StagePlan
+from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
 from pipe_rlhf_jax.data.loaders import PromptLoader
-from pipe_rlhf_jax.generation import SamplingParams
+from pipe_rlhf_jax.generation import SamplingSettings
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer
 from pipe_rlhf_jax.ppo.registry import rule_answers, score_rule
 from pipe_rlhf_jax.ppo.types import decode_answers, encode_answers
@@ -65,9 +65,9 @@ def _system(plan: Plan, rule):
   policy = models.init_model(cfg, seed=0)
   return PPOSystem(
       Models.from_policy(policy, critic_from=None, reference=False),
-      ppo=PPOConfig(steps=2, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.0,
+      ppo=PPOSettings(steps=2, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.0,
                     advantage_estimator="grpo", group_size=2, whiten_advantages=False),
-      sampling=SamplingParams(max_new_tokens=3, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
+      sampling=SamplingSettings(max_new_tokens=3, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
       plan=plan, reward_fn=rule, eval_fn=rule, decode=TOK.decode)
 
 
