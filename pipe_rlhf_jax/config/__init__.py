@@ -13,6 +13,8 @@ path (`ppo.clip_eps`) and what is allowed.
 - `experiment`: `ExperimentSettings`, every section of one experiment config, and the
   sections that are not the algorithm's or the plan's (model, data, sft, reward_model,
   reward, warm_start, checkpoint, log, PPO's sampling, how the plan is chosen).
+- `defaults`: the config a config file starts from, every field at the default its class
+  states, so that a file states only what differs.
 
 The package sits directly above the algorithms (`ppo`, `generation`, `data`): the names
 of estimators, losses and rewards are checked against the algorithms' registries, so the

@@ -433,20 +433,19 @@ class PolicySamplingSettings:
   is known.
   """
 
-  temperature: float
-  top_k: int
-  top_p: float
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
 
   FIELDS = ("temperature", "top_k", "top_p")
 
   @classmethod
   def from_config(cls, ppo, path: str = "ppo") -> "PolicySamplingSettings":
-    for name in cls.FIELDS:
-      _get(ppo, name)
-    settings = cls(temperature=check_number(ppo.temperature, f"{path}.temperature",
+    temperature, top_k, top_p = (ppo.get(name, getattr(cls, name)) for name in cls.FIELDS)
+    settings = cls(temperature=check_number(temperature, f"{path}.temperature",
                                             allow_zero=True),
-                   top_k=check_int(ppo.top_k, f"{path}.top_k", low=0),
-                   top_p=check_number(ppo.top_p, f"{path}.top_p", at_most=1.0))
+                   top_k=check_int(top_k, f"{path}.top_k", low=0),
+                   top_p=check_number(top_p, f"{path}.top_p", at_most=1.0))
     if settings.temperature == 0:
       raise ValueError("ppo.temperature=0 (greedy) gives PPO no exploration; use a "
                        "value > 0.")

@@ -134,13 +134,9 @@ class StagePlan:
                   for name, a in plain(rules).items())
     try:
       return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
-                 rules=rules, num_microbatches=values.get("num_microbatches", 1),
-                 attention=values.get("attention", "auto"),
-                 remat=values.get("remat", "none"),
-                 logits_chunk=values.get("logits_chunk", 0),
-                 scan_unroll=values.get("scan_unroll", cls.scan_unroll),
-                 num_slots=values.get("num_slots", 0),
-                 pack_tokens=values.get("pack_tokens", 0))
+                 rules=rules, **{name: values.get(name, getattr(cls, name)) for name in (
+                     "num_microbatches", "attention", "remat", "logits_chunk",
+                     "scan_unroll", "num_slots", "pack_tokens")})
     except ValueError as e:
       if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=",
                             "num_slots=", "pack_tokens=")):
