@@ -36,9 +36,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.ppo.kl_coef = 0.05
   config.ppo.critic_init = "sft"
   config.plan.mode = "sequential"
-  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, pipe=1))
+  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, pipeline=1))
   config.stages.generate = ml_collections.ConfigDict(
-      dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipe=1), num_microbatches=1, num_slots=0))
+      dict(mesh=dict(data=1, fsdp=1, tensor=-1, pipeline=1), num_microbatches=1, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(dict(mesh=dict(data=-1), pack_tokens=0))
   config.stages.train = ml_collections.ConfigDict(dict(mesh=dict(fsdp=-1), pack_tokens=0))
   if variant == "tiny":

@@ -69,7 +69,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # the modes of a seed start PPO from the same weights. Explicit sizes use the first
   # devices (here 0-1); a -1 spans all of them. Two devices: on a few CPU cores shared by
   # 8 virtual devices, a small model trains faster than data-parallel over all 8.
-  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=1, pipe=1))
+  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=1, pipeline=1))
 
   config.reward.fn = "model"  # "model" = the trained reward model, else a registered rule
   config.reward.eval_fn = "reverse_accuracy"  # logged alongside, never optimised
@@ -127,7 +127,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # plain 4-stage pipeline on its 4 devices (pipe). Inference is data-parallel and
   # training fsdp over their devices (the defaults), and `sequential` mode runs every
   # stage data-parallel over all devices (`mesh`, the default).
-  config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=-1, pipe=4)
+  config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=-1, pipeline=4)
   config.stages.generate.num_microbatches = 8
 
   config.checkpoint.every = 20
@@ -163,12 +163,12 @@ def shrink_to_tiny(config: ml_collections.ConfigDict) -> None:
                     target_kl=0.0)
   # Two layers: a 2-stage pipeline on 2 devices, the rest for inference and training.
   # (In per_stage mode every stage spans all 8 devices, where a 2-layer, 1-kv-head model
-  # has no pipe x tensor layout: give generation e.g. --config.stages.generate.mesh.data=-1
-  # --config.stages.generate.mesh.pipe=1 there.)
+  # has no pipeline x tensor layout: give generation e.g. --config.stages.generate.mesh.data=-1
+  # --config.stages.generate.mesh.pipeline=1 there.)
   config.plan.placement.update(generate=2, infer=2, train=4)
   # Every axis given, so a command line can change any of them
   # (--config.stages.generate.mesh.data=-1).
-  config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
+  config.stages.generate.mesh = dict(data=1, fsdp=1, tensor=1, pipeline=2)
   config.stages.generate.num_microbatches = 4
   config.checkpoint.every = 2
   config.log.samples = 2

@@ -27,7 +27,7 @@ real_model_rl` runs it over seeds in both modes and writes docs/results/real_mod
 Plan: `sequential` on one CPU device (a 135M model trains fastest unsharded on 2 cores);
 `--config.plan.mode=pipe` runs generation, inference and training concurrently on
 three devices with rollouts one version stale (set `plan.num_devices=3` there, as
-`:pipe` does). The `:tiny` variant is the CI smoke run of the same pipeline (2 steps of
+`:pipe` does). The `:tiny` variant is the CI smoke run of the same phases (2 steps of
 a few prompts, short answers).
 """
 
@@ -103,10 +103,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   config.plan.mode = "sequential"
   config.plan.num_devices = 1
-  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipe=1))
-  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipe=1))
+  config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipeline=1))
+  config.warm_start.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, pipeline=1))
   config.stages.generate = ml_collections.ConfigDict(
-      dict(mesh=dict(data=1, fsdp=1, tensor=1, pipe=1), num_microbatches=1, num_slots=0))
+      dict(mesh=dict(data=1, fsdp=1, tensor=1, pipeline=1), num_microbatches=1, num_slots=0))
   config.stages.infer = ml_collections.ConfigDict(dict(mesh=dict(data=1), pack_tokens=0))
   config.stages.train = ml_collections.ConfigDict(dict(mesh=dict(fsdp=1), pack_tokens=0))
 

@@ -233,7 +233,7 @@ def bench_plain(name, model, prompt, mask, args, shape: MeshShape):
   jax.block_until_ready(run())
   seconds, final = timed(run, args.repeats)
   memory, source = memory_per_device([prefill_c, decode_c])
-  return dict(variant=name, devices=shape.size, pipe=1, microbatches=1,
+  return dict(variant=name, devices=shape.size, pipeline=1, microbatches=1,
               tensor=shape.tensor, data=shape.data, compile_s=round(compile_s, 2),
               seconds=round(seconds, 4),
               tokens_per_s=round(args.batch * args.new_tokens / seconds, 1),
@@ -243,7 +243,7 @@ def bench_plain(name, model, prompt, mask, args, shape: MeshShape):
 
 def bench_pipeline(name, model, prompt, mask, args, pipe, num_mb, tensor=1,
                    split=True, out_dir="."):
-  mesh = make_mesh(MeshShape(pipe=pipe, tensor=tensor), jax.devices()[:pipe * tensor])
+  mesh = make_mesh(MeshShape(pipeline=pipe, tensor=tensor), jax.devices()[:pipe * tensor])
   prepared = pipelined.prepare_pipelined(
       model, prompt, mask, args.new_tokens, mesh=mesh, num_microbatches=num_mb,
       rng=jax.random.key(0), temperature=args.temperature, eos_id=None,
@@ -263,7 +263,7 @@ def bench_pipeline(name, model, prompt, mask, args, pipe, num_mb, tensor=1,
       f"{name}: P={pipe} M={num_mb} T={args.new_tokens}, utilization "
       f"{sched.utilization(executed):.2f}"))
   memory, source = memory_per_device([compiled])
-  return dict(variant=name, devices=pipe * tensor, pipe=pipe, microbatches=num_mb,
+  return dict(variant=name, devices=pipe * tensor, pipeline=pipe, microbatches=num_mb,
               tensor=tensor, data=1, compile_s=round(compile_s, 2),
               seconds=round(seconds, 4),
               tokens_per_s=round(args.batch * args.new_tokens / seconds, 1),

@@ -5,7 +5,7 @@ Owns two measurements, each a job of several local processes started with
 
 * weight sync: process 0 holds an actor laid out for training (fsdp over its devices)
   and publishes it through `distributed.transfer.WeightPublisher`; process 1 asks for
-  each version with a `WeightSubscriber` into a generation layout (pipe x tensor over
+  each version with a `WeightSubscriber` into a generation layout (pipeline x tensor over
   its devices) and times request -> arrays ready. Reported per model size: parameter
   bytes, median seconds, bytes/s. (Includes the key-value round trips and the sender's
   reshard onto the mirrored layout: what a generator waits for.)
@@ -74,7 +74,7 @@ def sync_worker(args) -> None:
     cfg = _model_config(size)
     train = StageLayout("train", make_mesh(MeshShape(fsdp=len(groups[0])), groups[0]),
                         logical.STAGE_RULES["train"])
-    gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=half), groups[1]),
+    gen = StageLayout("generate", make_mesh(MeshShape(pipeline=2, tensor=half), groups[1]),
                       logical.STAGE_RULES["generate"])
     abstract = nnx.state(nnx.eval_shape(lambda: init_model(cfg)))
     name = f"actor{size}"
@@ -115,7 +115,7 @@ def _plan(mode: str):
       mode=mode, max_staleness=1 if pipe else 0,
       placement=PIPE_PLACEMENT if pipe else None,
       mesh=MeshSpec(data=-1),
-      generate=StagePlan(MeshSpec(data=1, pipe=4) if pipe else MeshSpec(data=-1),
+      generate=StagePlan(MeshSpec(data=1, pipeline=4) if pipe else MeshSpec(data=-1),
                          num_microbatches=8 if pipe else 1),
       infer=StagePlan(MeshSpec(data=-1)), train=StagePlan(MeshSpec(data=1, fsdp=-1)))
 
@@ -213,7 +213,7 @@ def main() -> None:
     results["sync"] = _job("sync", [f"--sync-sizes={args.sync_sizes}",
                                     f"--repeats={args.repeats}"],
                            os.path.join(args.out_dir, "sync"), 2, 4, args.timeout_s)
-    print("weight sync, process 0 (train, fsdp=4) -> process 1 (generate, pipe=2 x "
+    print("weight sync, process 0 (train, fsdp=4) -> process 1 (generate, pipeline=2 x "
           "tensor=2)")
     print(f"{'embed_dim':>9} {'MB':>8} {'s (median)':>11} {'MB/s':>9} {'first s':>8}")
     for r in results["sync"] or []:

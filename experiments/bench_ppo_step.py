@@ -207,7 +207,7 @@ def memory_row(shape: str, args) -> dict:
          "planner_memory_mib": need / MIB, "usable_mib": usable / MIB,
          "host_ram_mib": host / MIB, "fits": bool(need <= min(usable, host)),
          "planner_terms": {s: memory.stage_memory(s, plan.stage(s),
-                                                  dict(data=1, fsdp=1, tensor=1, pipe=1),
+                                                  dict(data=1, fsdp=1, tensor=1, pipeline=1),
                                                   work).describe() for s in STAGES}}
   row.update({f"xla_{s}_mib": v for s, v in xla_peaks(cfg, batch, prompt, gen, plans).items()})
   return row

@@ -471,7 +471,7 @@ def measure_pipelined(args) -> tuple[list[str], list[str]]:
   graphdef, state = nnx.split(init_model(cfg, seed=args.seed))
   params = sampler.SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                   eos_id=None)
-  mesh = make_mesh(MeshShape(pipe=PIPE_STAGES), jax.devices()[:PIPE_STAGES])
+  mesh = make_mesh(MeshShape(pipeline=PIPE_STAGES), jax.devices()[:PIPE_STAGES])
   slots, num_mb = args.slots, args.pipe_microbatches
   rows = slots // num_mb
   tokens, mask = random_prompts(args.queue, args.prompt_len, cfg.vocab_size, args.seed)

@@ -76,8 +76,8 @@ def job_args(job: str, mode: str, workdir: str, warm: str | None) -> list[str]:
     # of its stages, so a resumed run can be compared with an uninterrupted one.
     args.append("--config.plan.max_staleness=0")
   if mode == "per_stage":
-    # A 2-layer model with one kv head has no pipe x tensor layout over all 8 devices.
-    args += ["--config.stages.generate.mesh.pipe=1", "--config.stages.generate.mesh.data=-1"]
+    # A 2-layer model with one kv head has no pipeline x tensor layout over all 8 devices.
+    args += ["--config.stages.generate.mesh.pipeline=1", "--config.stages.generate.mesh.data=-1"]
   if warm:
     args.append(f"--config.warm_start.checkpoint={warm}")
   return args

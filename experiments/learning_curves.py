@@ -88,7 +88,7 @@ FINAL_FRACTION = 0.2  # "final" = the mean over the last 20% of PPO steps
 _CELL_RE = re.compile(r"^(sequential|pipe_s(\d+)|decoupled_s(\d+)|partial_s(\d+))$")
 # partial_s<k>: the generation mesh without a pipeline axis (the slot engine's), its
 # devices over data, and as many slots as a batch has completions.
-_PARTIAL = {"plan.partial_rollouts": True, "stages.generate.mesh.pipe": 1,
+_PARTIAL = {"plan.partial_rollouts": True, "stages.generate.mesh.pipeline": 1,
             "stages.generate.mesh.tensor": 1, "stages.generate.mesh.data": -1}
 
 

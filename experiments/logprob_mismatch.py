@@ -16,7 +16,7 @@ how it runs:
 
   sequential        every stage on one device, the plain sampler
   per_stage-pipe2   stages time-shared on two devices, generation the delayed pipelined
-                    decoder (pipe=2, 2 micro-batches), training fsdp=2
+                    decoder (pipeline=2, 2 micro-batches), training fsdp=2
   pipe              the three stages concurrently on devices 0 / 1 / 2, plain sampler
   pipe-pipe2        concurrently, generation pipelined over devices 0-1
 
@@ -68,7 +68,7 @@ def cell_config(cell: str, dtype: str, steps: int):
   if cell == "per_stage-pipe2":
     config.plan.mode = "per_stage"
     config.plan.num_devices = 2
-    gen.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
+    gen.mesh = dict(data=1, fsdp=1, tensor=1, pipeline=2)
     gen.num_microbatches = 2
     config.stages.infer.mesh = dict(data=2)
     config.stages.train.mesh = dict(fsdp=2)
@@ -81,7 +81,7 @@ def cell_config(cell: str, dtype: str, steps: int):
   if cell == "pipe-pipe2":
     config.plan.num_devices = 4
     config.plan.placement.update(generate=2, infer=1, train=1)
-    gen.mesh = dict(data=1, fsdp=1, tensor=1, pipe=2)
+    gen.mesh = dict(data=1, fsdp=1, tensor=1, pipeline=2)
     gen.num_microbatches = 2
     return config
   raise ValueError(f"--cells: unknown cell {cell!r}; choose from {CELLS}.")

@@ -7,7 +7,7 @@ imported):
 
 - `use_virtual_cpu_devices`: `--xla_force_host_platform_device_count`, so a CPU-only
   machine gets the same 8 devices everywhere (every mesh of the project: data, fsdp,
-  tensor, pipe and disjoint stage blocks).
+  tensor, pipeline and disjoint stage blocks).
 - `use_memory_lean_scheduler`: `--xla_cpu_enable_concurrency_optimized_scheduler=false`,
   XLA's memory-minimising instruction order instead of the one that keeps independent
   ops ready to run at once. On the CPU the wider order mostly keeps more temporaries live,

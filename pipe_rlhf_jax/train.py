@@ -55,7 +55,7 @@ def _experiment(config_or_experiment) -> Experiment:
 def train(config: Experiment | ml_collections.ConfigDict, workdir: str | None = None, *,
           resume: bool = False, stop_after: int | None = None,
           progress: bool = True) -> JobResult:
-  """Runs the whole RLHF pipeline; returns its `JobResult` (the summary, the PPO metrics,
+  """Runs the whole RLHF job; returns its `JobResult` (the summary, the PPO metrics,
   the held-out scores before and after, the trace).
 
   Args:

@@ -396,7 +396,7 @@ def test_partial_rollouts_resume_with_the_prompts_they_held(tmp_path, monkeypatc
   config = tiny("pipe")
   config.plan.partial_rollouts = True
   config.stages.generate.num_slots = 4
-  config.stages.generate.mesh.pipe = 1
+  config.stages.generate.mesh.pipeline = 1
   config.stages.generate.mesh.data = 2
   workdir = str(tmp_path)
   train(config, workdir, stop_after=2, progress=False)

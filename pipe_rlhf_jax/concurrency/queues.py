@@ -2,7 +2,7 @@
 
 Owns: `BoundedQueue` and the shutdown exception family. Every blocking call
 waits in short slices so it notices a stop event or `close()` promptly; nothing
-in here can block forever once the pipeline is told to stop. The blocked-time
+in here can block forever once the workers are told to stop. The blocked-time
 counters are the back-pressure signal: a producer that spends its time blocked
 on a full queue is faster than its consumer, and vice versa.
 """
@@ -21,7 +21,7 @@ DEFAULT_POLL_S = 0.05
 
 
 class PipelineShutdown(Exception):
-  """A wait was abandoned because the pipeline is shutting down.
+  """A wait was abandoned because the workers are shutting down.
 
   Worker groups treat this family as a clean exit of a worker, not a failure.
   """

@@ -3,7 +3,7 @@
 Owns `wait_until`, used by `BoundedQueue.put/get` and `VersionedWeights.wait_for`. Waits
 are cut into `poll_s` slices so that a stop event, which is set without notifying the
 condition, is noticed within one slice: nothing in the plan blocks forever once the
-pipeline is told to stop.
+workers are told to stop.
 """
 
 from __future__ import annotations

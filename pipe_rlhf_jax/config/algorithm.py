@@ -77,7 +77,7 @@ class PPOSettings:
     loss: registered policy loss ("ppo_clip", "decoupled_ppo_clip").
     behaviour_weight_cap: cap of the behaviour importance weight of the decoupled loss.
     reward_shift / reward_scale: each sequence's score enters the rewards as
-      (score - reward_shift) / reward_scale (identity by default); the experiment pipeline
+      (score - reward_shift) / reward_scale (identity by default); the main job
       sets them from the reward model's scores under the warm-start policy
       (`reward.normalize_samples`, `phases/reward_norm.py`) so that `kl_coef` weighs the
       same against every reward model. Reported scores (`reward/mean`) stay raw.

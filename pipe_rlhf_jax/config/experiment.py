@@ -492,7 +492,10 @@ class PlanChoice:
 
 # Keys a config of an earlier release used, and what replaced them: refused with the new
 # name (never read as an alias, so one config means one thing).
-RENAMED_KEYS = {"runtime": "plan", "runtime.plan": "plan.choose", "plan.plan": "plan.choose"}
+RENAMED_KEYS = {"runtime": "plan", "runtime.plan": "plan.choose", "plan.plan": "plan.choose",
+                "mesh.pipe": "mesh.pipeline", "warm_start.mesh.pipe": "warm_start.mesh.pipeline",
+                **{f"stages.{s}.mesh.pipe": f"stages.{s}.mesh.pipeline"
+                   for s in ("generate", "infer", "train")}}
 
 
 def check_renamed_keys(config) -> None:

@@ -34,7 +34,7 @@ class MeshSpec:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
-  pipe: int = 1
+  pipeline: int = 1
 
   @classmethod
   def from_config(cls, mesh: Mapping[str, Any], field: str) -> "MeshSpec":
@@ -58,7 +58,7 @@ class StagePlan:
     mesh: its mesh on its devices.
     rules: overrides of the stage's logical-axis rules, as ((logical name, mesh axes),
       ...); empty keeps `parallel.logical.STAGE_RULES[stage]`.
-    num_microbatches: micro-batches of the pipelined decoder (generation with pipe > 1).
+    num_microbatches: micro-batches of the pipelined decoder (generation with pipeline > 1).
     attention: how this stage computes attention ("auto", "dense", "blockwise",
       "dot_product"; see models/attention.py). Applies in every mode.
     remat: what each layer keeps for the backward pass ("none", "full",
@@ -74,7 +74,7 @@ class StagePlan:
     num_slots: generation only: 0 decodes each batch as one static batch; S > 0 decodes
       the batch's prompts as a queue over S slots with continuous batching
       (`generation/engine.py`): a finished row's slot takes the next prompt at once.
-      On a stage with a pipe axis the pipelined decoder runs S / num_microbatches rows
+      On a stage with a pipeline axis the pipelined decoder runs S / num_microbatches rows
       per micro-batch and refills a micro-batch once all its rows are done (S a
       multiple of num_microbatches). Applies in every mode.
     pack_tokens: inference and training: 0 runs the stage's forward (and backward)
@@ -223,20 +223,20 @@ class Plan:
       raise ValueError(f"stages.generate.pack_tokens={self.generate.pack_tokens}: "
                        "generation decodes, it does not pack; set stages.infer.pack_tokens "
                        "or stages.train.pack_tokens instead (0 here).")
-    pipelined = self.mode != "sequential" and self.generate.mesh.pipe > 1
+    pipelined = self.mode != "sequential" and self.generate.mesh.pipeline > 1
     if self.generate.num_slots and pipelined:
       if self.partial_rollouts:
         raise ValueError(
-            f"plan.partial_rollouts=True with stages.generate.mesh.pipe="
-            f"{self.generate.mesh.pipe}: the engine kept across updates is the plain "
-            "decoder's; set stages.generate.mesh.pipe=1, or partial_rollouts=False.")
+            f"plan.partial_rollouts=True with stages.generate.mesh.pipeline="
+            f"{self.generate.mesh.pipeline}: the engine kept across updates is the plain "
+            "decoder's; set stages.generate.mesh.pipeline=1, or partial_rollouts=False.")
       if self.generate.num_slots % self.generate.num_microbatches:
         raise ValueError(
             f"stages.generate.num_slots={self.generate.num_slots} is not a multiple of "
             f"stages.generate.num_microbatches={self.generate.num_microbatches}: the "
             "pipelined decoder refills micro-batches of num_slots / num_microbatches rows.")
-    if self.mode != "sequential" and self.train.mesh.pipe not in (1,):
-      raise ValueError("stages.train.mesh.pipe must be 1: training keeps the layer stack "
+    if self.mode != "sequential" and self.train.mesh.pipeline not in (1,):
+      raise ValueError("stages.train.mesh.pipeline must be 1: training keeps the layer stack "
                        "whole; fold those devices into fsdp or data.")
 
   def stage(self, name: str) -> StagePlan:

@@ -1,14 +1,14 @@
 """Malformed-record policy: what happens to a bad or over-long text record, and counting it.
 
-Every record entering the code base (a JSONL line at dataset-build time, a TFDS
-example at pipeline time) goes through a `RecordValidator`. It catches, on host and
-before anything reaches a jitted function:
+Every record entering the code base (a JSONL line when the datasets are built, a TFDS
+example when it is read) goes through a `RecordValidator`. It catches, on host and before
+anything reaches a jitted function:
 
 * structural problems (`on_invalid`): a line that is not valid UTF-8, not JSON or not a
   JSON object; a required field that is missing, not a string, or empty/whitespace-only;
   a field that tokenizes to nothing;
 * over-long fields after tokenization (`on_overlong`), counted with the specials the
-  pipeline adds: BOS before a prompt (when the tokenizer has one), EOS after a
+  data loaders add: BOS before a prompt (when the tokenizer has one), EOS after a
   completion.
 
 Policies: "skip" drops the record, "truncate" (over-long only) cuts it, "error" raises

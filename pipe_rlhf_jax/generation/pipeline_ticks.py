@@ -1,6 +1,6 @@
 """One stage's work per tick of the delayed pipeline, and the loop over ticks.
 
-Owns the program each 'pipe' stage runs inside the pipelined decoder's `shard_map`
+Owns the program each 'pipeline' stage runs inside the pipelined decoder's `shard_map`
 (`stage_program`), built from `PipelineSpec`, the static shape of one call.
 
 Slots and loads: the decoder runs M micro-batches of mb rows (S = M * mb slots). The
@@ -37,7 +37,7 @@ Per tick, each stage runs six documented functions over an explicit `LoopState`
      use invalid payloads, which the NaN-poisoning test checks.
 
 KV cache: `[layers, M, mb, P_len + T, kv_heads, head_dim]` on the logical axes
-`CACHE_AXES` (layers -> 'pipe', kv_heads -> 'tensor' under the generate rules). Inside
+`CACHE_AXES` (layers -> 'pipeline', kv_heads -> 'tensor' under the generate rules). Inside
 a stage it is viewed as `[local_layers * M, mb, ...]` (a free reshape), so layer l of
 micro-batch m is row `l * M + m`: the model's per-layer block updates that row in
 place, and no tick copies a micro-batch's cache out or back. A refill overwrites the
@@ -56,7 +56,7 @@ decode's compute.
 EOS: a micro-batch whose rows are all done is skipped from its next pass on (or
 refilled). The decode segment is a `lax.while_loop` over chunks of `chunk_ticks` ticks
 (default W) that exits once the last stage has prefilled every load and every row is
-done (one `psum` over 'pipe' per chunk).
+done (one `psum` over 'pipeline' per chunk).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from pipe_rlhf_jax.generation.sampler import (
 )
 from pipe_rlhf_jax.models.transformer import KVCache, default_positions
 
-PIPE = "pipe"
+PIPE = "pipeline"
 # Executed-schedule marker for ticks the decode loop never reached because every
 # micro-batch had already finished (idle ticks that did run are sched.BUBBLE = -1).
 NOT_REACHED = -2
@@ -88,7 +88,7 @@ class PipelineSpec:
   """Static shape of one pipelined generation call (hashable: keys the jit cache).
 
   Attributes:
-    num_stages: P, the mesh's 'pipe' size.
+    num_stages: P, the mesh's 'pipeline' size.
     num_microbatches: M.
     batch, prompt_len: B and P_len of the prompt batch (the queue).
     params: sampling settings (T = params.max_new_tokens).
@@ -220,7 +220,7 @@ class Stage:
 
   plan: PipelineSpec
   model: Any  # the merged nnx Transformer (this stage's local layers)
-  index: jax.Array  # int32 [] this stage's position on the 'pipe' axis
+  index: jax.Array  # int32 [] this stage's position on the 'pipeline' axis
   prompts: jax.Array  # int32 [L, mb, P_len]
   positions: jax.Array  # int32 [L, mb, P_len] RoPE positions of the prompt
   key_masks: jax.Array  # bool [L, mb, P_len + T]
@@ -545,7 +545,7 @@ def run_ticks(stage: Stage, state: LoopState, count: int, length: int,
 def run_until_done(stage: Stage, state: LoopState, stop: int, length: int,
                    prefill_possible: bool) -> LoopState:
   """while_loop over chunks of `chunk_ticks` ticks up to tick `stop`, leaving once
-  every load is done (one psum over 'pipe' per chunk, not per tick)."""
+  every load is done (one psum over 'pipeline' per chunk, not per tick)."""
   def cond(s: LoopState):
     return (s.tick < stop) & ~s.all_done
 
@@ -562,7 +562,7 @@ def run_until_done(stage: Stage, state: LoopState, stop: int, length: int,
 
 def stage_program(graphdef, plan: PipelineSpec, state, prompt_tokens, prompt_mask,
                   sample_ids, limits, rng, cache_k, cache_v):
-  """The per-stage program run under shard_map (manual over 'pipe').
+  """The per-stage program run under shard_map (manual over 'pipeline').
 
   Args:
     state: the model's parameters (this stage's slice of the layers).

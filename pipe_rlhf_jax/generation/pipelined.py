@@ -2,7 +2,7 @@
 
 This module owns the pipelined decoder. The batch is cut into M micro-batches; the
 stacked `layers` axis is sharded over the mesh's `pipe` axis, so stage s owns a
-contiguous slice of layers; and one `jax.shard_map` (manual over 'pipe' only, so
+contiguous slice of layers; and one `jax.shard_map` (manual over 'pipeline' only, so
 'tensor' stays automatic and tensor parallelism works inside a stage) runs every
 stage in lock-step ticks. The work of stage s at tick t is the closed form of
 `schedule.delayed_slot` (the single source of truth): with W = max(M, P) it is
@@ -12,12 +12,12 @@ prompt, passes 1..T-1 are one-token decode steps, micro-batch ids >= M are bubbl
 The tick machinery (the five parts of a tick, the carried `LoopState`, the flat KV
 cache, the prefill and decode segments, the early exit on EOS) lives in
 `pipeline_ticks.py`; this module owns the program around it: validating a call, the
-parameter and cache layouts, the `shard_map` over 'pipe', and the jit cache.
+parameter and cache layouts, the `shard_map` over 'pipeline', and the jit cache.
 
 Mesh: 'pipe' (stages) and optionally 'tensor' (inside each stage; the KV cache is
 split over kv heads like the k/v projections). Other axes must be 1: data-parallel
 copies of a pipeline belong on separate meshes. Parameters are placed with the
-generate stage's rules ('layers' -> 'pipe'); the batch must divide into M
+generate stage's rules ('layers' -> 'pipeline'); the batch must divide into M
 micro-batches (ValueError otherwise, no implicit padding).
 
 The executed schedule (which (micro-batch, pass) each stage really ran per tick; -1
@@ -56,7 +56,7 @@ from pipe_rlhf_jax.parallel.logical import (
 )
 
 # Logical axes of the pipeline's KV cache (k and v alike), resolved by the same rules
-# as the parameters: 'layers' -> 'pipe' keeps each stage's cache with its layers and
+# as the parameters: 'layers' -> 'pipeline' keeps each stage's cache with its layers and
 # 'kv_heads' -> 'tensor' splits it like the k/v projections.
 # [layers, M, mb, slots, kv_heads, head_dim]
 CACHE_AXES = ("layers", "microbatches", "cache_batch", "cache_length", "kv_heads",
@@ -167,7 +167,7 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
                        limits: jax.Array | None = None, split_segments: bool = True,
                        poison_bubbles: bool = False
                        ) -> tuple[GenerationOutput, jax.Array]:
-  """Generates with the delayed inter-batch pipeline over the mesh's 'pipe' axis.
+  """Generates with the delayed inter-batch pipeline over the mesh's 'pipeline' axis.
 
   Call forms (positional arguments after `model`):
     pipelined_generate(model, prompt_tokens, prompt_mask, max_new_tokens, ...)
@@ -178,13 +178,13 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
 
   Args:
     model: see above; an LM-head Transformer.
-    mesh: a Mesh with a 'pipe' axis (P stages); a 'tensor' axis shards every stage's
+    mesh: a Mesh with a 'pipeline' axis (P stages); a 'tensor' axis shards every stage's
       heads / mlp / vocab automatically; other axes must have size 1.
     num_microbatches: M >= 1, must divide the batch (no implicit padding).
     rng, temperature, top_k, top_p, eos_id, pad_id, sample_ids: exactly as for
       `sampler.generate`; the result is token-identical to it.
     rules: logical axis rules for the parameter layout (default: the generate
-      stage's); 'layers' must map to 'pipe'.
+      stage's); 'layers' must map to 'pipeline'.
     chunk_ticks: ticks between early-exit checks (default W = max(M, P)).
     num_slots: S, rows decoded at once (0: the whole batch). With S < B the batch is a
       queue of loads of S / M rows, and a micro-batch whose rows are all done is
@@ -202,7 +202,7 @@ def pipelined_generate(model, *args, mesh, num_microbatches: int, rng: jax.Array
     never reached because the loop exited early once every row was done).
 
   Raises:
-    ValueError: before compiling, for a mesh without 'pipe', a pipe size not dividing
+    ValueError: before compiling, for a mesh without 'pipeline', a pipeline size not dividing
       num_layers, M < 1, M not dividing the batch (or the slots), or other bad settings.
   """
   prepared = prepare_pipelined(
@@ -246,11 +246,11 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
                             pad_id=int(pad_id))
   if PIPE not in mesh.shape:
     raise ValueError(f"mesh has axes {tuple(mesh.shape)}; pipelined generation needs a "
-                     "'pipe' axis (build it with parallel.mesh.make_mesh)")
+                     "'pipeline' axis (build it with parallel.mesh.make_mesh)")
   others = {k: v for k, v in mesh.shape.items() if k not in (PIPE, "tensor") and v > 1}
   if others:
     raise ValueError(
-        f"mesh axes {others} must be 1 for pipelined generation (only 'pipe' and "
+        f"mesh axes {others} must be 1 for pipelined generation (only 'pipeline' and "
         "'tensor' are used inside the pipeline); run data-parallel copies of the "
         "pipeline on separate meshes instead")
   num_stages = int(mesh.shape[PIPE])
@@ -260,7 +260,7 @@ def prepare_pipelined(model, *args, mesh, num_microbatches: int, rng: jax.Array,
   rules = tuple((name, tuple(axes) if isinstance(axes, list) else axes)
                 for name, axes in (rules if rules is not None else STAGE_RULES["generate"]))
   if dict(rules).get("layers") != PIPE:
-    raise ValueError("rules must map 'layers' to 'pipe' for pipelined generation, "
+    raise ValueError("rules must map 'layers' to 'pipeline' for pipelined generation, "
                      f"got layers -> {dict(rules).get('layers')!r}")
   layout = _layout(graphdef, state, mesh, rules)
   config = layout.config

@@ -418,17 +418,17 @@ def validate_pipeline_config(num_layers: int, num_stages: int,
 
   Args:
     num_layers: transformer layers (split into `num_stages` equal slices).
-    num_stages: P, the pipe mesh axis size.
+    num_stages: P, the pipeline mesh axis size.
     num_microbatches: M.
     batch_size: prompts per generation batch (split into M micro-batches).
     field_prefix: config path used in messages, e.g. "stages.generate"; fields
-      are reported as f"{field_prefix}.mesh.pipe", ".num_microbatches",
+      are reported as f"{field_prefix}.mesh.pipeline", ".num_microbatches",
       ".batch_size".
 
   Raises:
     ValueError: naming the offending field and how to fix it.
   """
-  pipe_field = f"{field_prefix}.mesh.pipe"
+  pipe_field = f"{field_prefix}.mesh.pipeline"
   mb_field = f"{field_prefix}.num_microbatches"
   batch_field = f"{field_prefix}.batch_size"
   if (isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer))

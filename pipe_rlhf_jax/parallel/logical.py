@@ -33,7 +33,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 #    activations embed finds fsdp already taken by batch and stays unsharded.
 #  * heads/kv_heads/mlp/vocab -> tensor is the Megatron split (column-parallel in,
 #    row-parallel out), one all-reduce per block.
-#  * layers -> pipe gives each pipeline stage its contiguous slice of the stacked
+#  * layers -> pipeline gives each pipeline stage its contiguous slice of the stacked
 #    layer axis.
 #  * KV caches (the pipelined decoder's [layers, microbatches, cache_batch,
 #    cache_length, kv_heads, head_dim]) follow their layers and kv heads; every stage
@@ -48,17 +48,17 @@ DEFAULT_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    ("layers", "pipe"),
+    ("layers", "pipeline"),
     ("microbatches", None),
     ("cache_batch", ("data", "fsdp")),
     ("cache_length", None),
 )
 
 # Training runs the whole layer stack every step (forward + backward), so slicing
-# layers over a pipe axis would only serialise the devices; train therefore keeps
-# layers whole and any pipe devices should be folded into data/fsdp instead.
+# layers over a pipeline axis would only serialise the devices; train therefore keeps
+# layers whole and any pipeline devices should be folded into data/fsdp instead.
 # Inference (ref/reward/critic forward passes) is a single prefill-like pass whose
-# latency is dominated by weights, so it keeps the default and may use pipe when a
+# latency is dominated by weights, so it keeps the default and may use pipeline when a
 # model does not fit otherwise. Generation is where `pipe` earns its keep
 # (delayed inter-batch pipelining keeps every stage busy).
 _TRAIN_RULES: Rules = tuple(

@@ -1,7 +1,7 @@
 """Device meshes: the four named axes, their sizes from config, and device splits.
 
 Owns how a stage's devices are arranged into a `jax.sharding.Mesh` with axes
-("data", "fsdp", "pipe", "tensor"), how mesh sizes are read and validated from a
+("data", "fsdp", "pipeline", "tensor"), how mesh sizes are read and validated from a
 config block, and how the machine's devices are cut into disjoint contiguous groups
 (one per RLHF stage). Nothing here touches devices at import time.
 """
@@ -20,7 +20,7 @@ from pipe_rlhf_jax.checks import check_int
 # Tensor is innermost so tensor-parallel peers are neighbouring device ids, which
 # on real hardware share the fastest links (same host / NVLink island). Pipe sits
 # just outside it: stage-to-stage traffic is point-to-point and small per tick.
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipe", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "pipeline", "tensor")
 
 
 def _as_plain_dict(config: Any, field: str) -> dict[str, Any]:
@@ -58,13 +58,13 @@ class MeshShape:
     data: pure data parallelism (replicated params, split batch).
     fsdp: data parallelism with params/optimizer state sharded (ZeRO-3 style).
     tensor: Megatron-style tensor parallelism over heads / mlp / vocab.
-    pipe: pipeline stages (layer groups); used by pipelined generation.
+    pipeline: pipeline stages (layer groups); used by pipelined generation.
   """
 
   data: int = 1
   fsdp: int = 1
   tensor: int = 1
-  pipe: int = 1
+  pipeline: int = 1
 
   def __post_init__(self):
     for key in MESH_AXES:
@@ -79,10 +79,10 @@ class MeshShape:
   @property
   def size(self) -> int:
     """Number of devices the mesh needs."""
-    return self.data * self.fsdp * self.tensor * self.pipe
+    return self.data * self.fsdp * self.tensor * self.pipeline
 
   def axis_sizes(self) -> tuple[int, ...]:
-    """Sizes in MESH_AXES order (data, fsdp, pipe, tensor)."""
+    """Sizes in MESH_AXES order (data, fsdp, pipeline, tensor)."""
     return tuple(getattr(self, key) for key in MESH_AXES)
 
   def as_dict(self) -> dict[str, int]:
@@ -97,7 +97,7 @@ class MeshShape:
     """Reads and validates mesh sizes from a config block.
 
     Args:
-      config: dict or ConfigDict with any subset of data/fsdp/tensor/pipe.
+      config: dict or ConfigDict with any subset of data/fsdp/tensor/pipeline.
         Missing axes default to 1. At most one value may be -1, meaning "all
         devices not used by the other axes".
       num_devices: devices the mesh must cover exactly; defaults to
@@ -154,7 +154,7 @@ def make_mesh(shape: MeshShape | Mapping[str, int],
   Args:
     shape: a MeshShape, or a mapping accepted by `MeshShape.from_config`.
     devices: the devices to use, in order; defaults to all `jax.devices()`.
-      They are reshaped row-major into (data, fsdp, pipe, tensor), so
+      They are reshaped row-major into (data, fsdp, pipeline, tensor), so
       consecutive devices end up on the same tensor group.
 
   Returns:
@@ -220,7 +220,7 @@ def _format_ids(ids: list[int]) -> str:
 
 
 def describe(mesh) -> str:
-  """Short one-line description, e.g. 'data=2 fsdp=1 pipe=1 tensor=4 on devices [0..7]'.
+  """Short one-line description, e.g. 'data=2 fsdp=1 pipeline=1 tensor=4 on devices [0..7]'.
 
   An abstract mesh (a plan being checked, no devices yet) is described by its axes alone.
   """

@@ -48,6 +48,16 @@ def effective_staleness(plan: dict[str, Any]) -> int:
   return plan["max_staleness"] if plan["mode"] == "pipe" else 0
 
 
+def _current_names(node: Any) -> Any:
+  """A saved plan under today's names: a mesh of a checkpoint written before the pipeline
+  axis had its own name reads `pipe` as `pipeline` (the plan's mode keeps "pipe")."""
+  if not isinstance(node, dict):
+    return node
+  renamed = {("pipeline" if k == "pipe" and "tensor" in node else k): _current_names(v)
+             for k, v in node.items()}
+  return renamed
+
+
 def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
   """Logs how the resumed run's plan differs from the checkpoint's.
 
@@ -60,6 +70,7 @@ def compare_plans(saved: dict[str, Any] | None, current: dict[str, Any]) -> None
                 "resuming under mode=%s on %d devices.", current["mode"],
                 current["num_devices"])
     return
+  saved = _current_names(saved)
   changed = sorted(k for k in current if saved.get(k) != current[k])
   if changed:
     log.warning("Resuming under a different plan (%s): %s.", ", ".join(changed),

@@ -26,7 +26,7 @@ Measures (median of repeats, after a compile-and-warm-up call):
                 passes + rule reward + experience, the whole PPO update with the
                 critic and both optimizers), on calibration workloads of their own
                 (`STAGE_POINTS`: 1 device, and 2, 4 and all devices with data, fsdp,
-                tensor and pipe meshes), median of repeats after a compile call.
+                tensor and pipeline meshes), median of repeats after a compile call.
 Fits (each printed and saved with how it was obtained):
   device_peak_flops, host_peak_flops   best matmul FLOP/s (one device / all devices)
   hbm_bw                               bandwidth bytes/s (the read probe)
@@ -334,16 +334,16 @@ STAGE_POINTS = (
     (1, "sequential", {}, {}, {}, 1, _SMALL),
     (1, "sequential", {}, {}, {}, 1, _LARGE),
     (8, "per_stage", dict(data=8), dict(data=8), dict(data=8), 1, _LARGE),
-    (8, "per_stage", dict(pipe=4, tensor=2), dict(fsdp=8), dict(fsdp=8), 4, _SMALL),
-    (4, "per_stage", dict(pipe=2, tensor=2), dict(data=2, tensor=2), dict(data=2, fsdp=2), 2,
+    (8, "per_stage", dict(pipeline=4, tensor=2), dict(fsdp=8), dict(fsdp=8), 4, _SMALL),
+    (4, "per_stage", dict(pipeline=2, tensor=2), dict(data=2, tensor=2), dict(data=2, fsdp=2), 2,
      _LARGE),
-    (2, "per_stage", dict(tensor=2), dict(pipe=2), dict(tensor=2), 1, _SMALL),
+    (2, "per_stage", dict(tensor=2), dict(pipeline=2), dict(tensor=2), 1, _SMALL),
 )
 QUICK_STAGE_POINTS = (STAGE_POINTS[0], STAGE_POINTS[2], STAGE_POINTS[3])
 
 
 def _mesh(axes: dict) -> dict:
-  return {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1, **axes}
+  return {"data": 1, "fsdp": 1, "tensor": 1, "pipeline": 1, **axes}
 
 
 def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
@@ -382,7 +382,7 @@ def measure_stages(cfg, points=STAGE_POINTS, repeats: int = 3) -> list[dict]:
           decode=lambda ids: " ".join(str(int(i)) for i in ids), devices=devices[:k])
     except MeshMismatch as e:
       # A real model's head counts need not divide the point's tensor axis, nor its depth
-      # the pipe axis: the fit then does without that point.
+      # the pipeline axis: the fit then does without that point.
       print(f"calibration point on {k} devices skipped: {e}".splitlines()[0],
             file=sys.stderr)
       continue

@@ -24,8 +24,8 @@ from pipe_rlhf_jax.planner.space import Workload
 
 def weight_replicas(mesh: dict) -> float:
   """Copies of a model's weights on a stage's mesh: its devices over the fsdp x tensor x
-  pipe ways that split them."""
-  return math.prod(mesh.values()) / (mesh["fsdp"] * mesh["tensor"] * mesh["pipe"])
+  pipeline ways that split them."""
+  return math.prod(mesh.values()) / (mesh["fsdp"] * mesh["tensor"] * mesh["pipeline"])
 
 
 def batch_replicas(mesh: dict) -> float:
@@ -66,7 +66,7 @@ def batch_moves(plan: Plan, shapes: dict[str, dict], work: Workload,
     return out
   for src, dst in (("generate", "infer"), ("infer", "train")):
     a, b = shapes[src], shapes[dst]
-    # Devices fill (data, fsdp, pipe, tensor) row-major: equal data and fsdp sizes put
+    # Devices fill (data, fsdp, pipeline, tensor) row-major: equal data and fsdp sizes put
     # every batch shard on the same devices.
     if plan.mode == "per_stage" and (a["data"], a["fsdp"]) == (b["data"], b["fsdp"]):
       continue
@@ -79,7 +79,7 @@ def sync_time(plan: Plan, mesh_sizes: dict[str, dict], work: Workload,
               m: Machine) -> float:
   """Seconds to move the new actor train -> generate and critic train -> infer.
 
-  Each destination device receives its shard (parameters / its fsdp x tensor x pipe
+  Each destination device receives its shard (parameters / its fsdp x tensor x pipeline
   ways) and each source device sends its shard to every destination replica; the slower
   side bounds the transfer. `sequential`: one layout for all stages, nothing moves.
   Shared hardware: every byte goes through the host's memory, one after another.

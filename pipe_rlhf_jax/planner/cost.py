@@ -4,7 +4,7 @@ with the weight sync and the batches moved between stages, is `planner.compositi
 Analytic work counts (`models/flops.py`: matmul FLOPs, bytes a decode step reads) over the
 hardware's peaks (`planner.hardware`) scaled by efficiency factors (`Efficiency`: fitted
 by `planner.calibrate` on the current backend, or the stated defaults), plus alpha-beta
-collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n devices:
+collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipeline p) of n devices:
 
   generate  the ticks of the delayed schedule as the early-exiting decoder runs them
             (`schedule.early_exit_schedule`: each micro-batch runs the passes of its
@@ -18,12 +18,12 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipe p) of n device
             devices: the slowest; shared host: their summed work at the host's rate).
             decode step >= max(FLOPs / peak, (weights + the whole KV cache) bytes / HBM
             BW) per device, + all-gather of the fsdp-sharded weights, + 2 all-reduces per
-            layer over tensor, + one ppermute hop over pipe, + a fixed per-tick overhead.
+            layer over tensor, + one ppermute hop over pipeline, + a fixed per-tick overhead.
   infer     forward passes (reference, critic, reward model) over [B, Lp + T]; layers
-            on a pipe axis are gathered (each stacked weight over pipe) and the pass runs
+            on a pipeline axis are gathered (each stacked weight over pipeline) and the pass runs
             on n / p devices' worth of work.
   train     epochs x B / minibatch steps of actor and critic: train_flops (3 forwards; 4
-            with full remat; a pipe axis gathers the layers and repeats the work as in
+            with full remat; a pipeline axis gathers the layers and repeats the work as in
             inference), fsdp all-gathers (forward, backward) and reduce-scatter,
             data all-reduce of gradients, tensor all-reduces (4 per layer), the Adam update
             (7 parameter-sized reads/writes); plus, when the update starts with the
@@ -363,8 +363,8 @@ def _replicated_roofline(m: Machine, flops_total: float, bytes_total: float, dev
                          copies: int, dtype: str, eff: float) -> float:
   """Seconds of work that `copies` groups of `devices` devices each repeat in full.
 
-  A pipe axis outside the pipelined decoder shards the layers' weights, not the batch:
-  the pass gathers them and every pipe group runs all layers on the same batch shard.
+  A pipeline axis outside the pipelined decoder shards the layers' weights, not the batch:
+  the pass gathers them and every pipeline group runs all layers on the same batch shard.
   Dedicated devices run the copies side by side; a shared host runs every one of them.
   """
   if m.hw.shared_host:
@@ -375,7 +375,7 @@ def _replicated_roofline(m: Machine, flops_total: float, bytes_total: float, dev
 
 def _sizes(plan_mesh) -> tuple[int, int, int, int]:
   m = plan_mesh if isinstance(plan_mesh, dict) else plan_mesh.as_dict()
-  return m["data"], m["fsdp"], m["tensor"], m["pipe"]
+  return m["data"], m["fsdp"], m["tensor"], m["pipeline"]
 
 
 def _spans_hosts(devices: int, machine: Machine) -> bool:
@@ -385,11 +385,11 @@ def _spans_hosts(devices: int, machine: Machine) -> bool:
 def _axis_hosts(mesh: dict, machine: Machine) -> dict[str, bool]:
   """Whether a collective over each mesh axis crosses hosts.
 
-  Devices fill the mesh row-major over (data, fsdp, pipe, tensor) (`parallel.mesh`), so
+  Devices fill the mesh row-major over (data, fsdp, pipeline, tensor) (`parallel.mesh`), so
   an axis's groups span its size times the sizes of the axes inside it.
   """
   out, inner = {}, 1
-  for axis in ("tensor", "pipe", "fsdp", "data"):
+  for axis in ("tensor", "pipeline", "fsdp", "data"):
     inner *= mesh[axis]
     out[axis] = _spans_hosts(inner, machine) and mesh[axis] > 1
   return out
@@ -433,7 +433,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   host their summed work at the host's rate for that many devices (`compute_rate`,
   bounded by its measured concurrency). Idle ticks (bubbles, finished micro-batches)
   still pay the tick overhead and the ring's ppermute. With continuous batching
-  (`plan.num_slots`, no pipe) the ticks are the engine's own schedule over the batch's
+  (`plan.num_slots`, no pipeline axis) the ticks are the engine's own schedule over the batch's
   response lengths (`slot_schedule.simulate` on `Workload.batch_lengths`): its decode steps of
   S slots and its admissions, each a prefill of that many prompts. A pipelined decoder
   with S < B slots runs `schedule.refill_schedule` over the same lengths, micro-batches
@@ -455,7 +455,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   # Every step attends over the whole cache (unused slots masked, not skipped).
   columns = work.prompt_len + work.gen_len
   kv_read = flops.decode_step_bytes(cfg, rows, columns) - w_read  # KV of `rows`, all layers
-  shards = d * f  # copies of the pipeline working side by side
+  shards = d * f  # copies of the pipelined decoder working side by side
   stage_devices = n // p  # devices of one pipeline stage; the p stages work in parallel
   # Work of one pipeline stage for one tick (L/p layers of one micro-batch), over all
   # `shards` copies: (FLOPs, bytes).
@@ -501,7 +501,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
                         count=weight_collectives(cfg, layers, m))
   # A refilling pipeline's ring carries prompt-length messages on every tick.
   ring_len = work.prompt_len if pipe_slots else 1
-  ring_tick = (m.ppermute(rows * ring_len * cfg.embed_dim * act, hosts["pipe"]) if p > 1
+  ring_tick = (m.ppermute(rows * ring_len * cfg.embed_dim * act, hosts["pipeline"]) if p > 1
                else 0.0)
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
@@ -510,7 +510,7 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
     out = gather + 2 * layers * m.all_reduce(
         prompts * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
     if p > 1:
-      out += m.ppermute(prompts * work.prompt_len * cfg.embed_dim * act, hosts["pipe"])
+      out += m.ppermute(prompts * work.prompt_len * cfg.embed_dim * act, hosts["pipeline"])
     return out
 
   compute = comm = elementwise = 0.0
@@ -604,9 +604,9 @@ def _forward_terms(cfg: TransformerConfig, mesh: dict, work: Workload, m: Machin
                       count=weight_collectives(cfg, cfg.num_layers, m))
   comm += 2 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act, t,
                                             hosts["tensor"])
-  # Layers sharded over pipe: the forward's layer scan gathers each stacked weight
+  # Layers sharded over pipeline: the forward's layer scan gathers each stacked weight
   # (XLA's partitioner does; no activation ring in a single forward pass).
-  comm += m.all_gather(param_bytes(cfg) / t, p, hosts["pipe"],
+  comm += m.all_gather(param_bytes(cfg) / t, p, hosts["pipeline"],
                        count=cfg.num_param_arrays()[0])
   return compute, comm
 
@@ -664,8 +664,8 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     # Layers sharded over pipe (sequential mode's one mesh): gathered before the layer
     # scan as in inference, their gradients reduced back.
     stacked = cfg.num_param_arrays()[0]
-    comm_step += (m.all_gather(w / t, p, hosts["pipe"], count=stacked)
-                  + m.reduce_scatter(w / t, p, hosts["pipe"], count=stacked))
+    comm_step += (m.all_gather(w / t, p, hosts["pipeline"], count=stacked)
+                  + m.reduce_scatter(w / t, p, hosts["pipeline"], count=stacked))
     comm += steps * comm_step
   units = steps * len(_models(work, "train"))
   if work.ptx_rows:

@@ -1,7 +1,7 @@
 """The memory model: bytes per device of each stage under a plan, and the fit check.
 
 Per device and stage (b = rows per device, L = prompt + completion tokens):
-  generate: the actor's parameters; the KV cache [layers/pipe, b, L slots,
+  generate: the actor's parameters; the KV cache [layers/pipeline, b, L slots,
     kv_heads/tensor, head_dim] x2 (k, v); the prefill's forward activations of one layer
     (`forward_activation_bytes`, over b x prompt tokens attending to L slots) and its f32
     logits on every prompt position; with fsdp, two layers' gathered weights.
@@ -16,7 +16,7 @@ Per device and stage (b = rows per device, L = prompt + completion tokens):
     implementation, counted from `jax.checkpoint`'s saved residuals) for BOTH models at
     once (XLA runs the actor's and the critic's forward before either backward), plus
     the layer being recomputed under remat; the head's logits.
-Parameters are split over fsdp x tensor x pipe (data replicates). In `sequential` and
+Parameters are split over fsdp x tensor x pipeline (data replicates). In `sequential` and
 `per_stage` modes the three stages share the devices, so the persistent state of all three
 lives there at once, plus the largest transient. Shares of the host (cpu profile): all
 virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
@@ -75,9 +75,9 @@ class StageMemory:
 
 
 def _splits(plan: StagePlan, mesh_sizes: dict[str, int]) -> tuple[int, int]:
-  """(batch ways data*fsdp, parameter ways fsdp*tensor*pipe)."""
+  """(batch ways data*fsdp, parameter ways fsdp*tensor*pipeline)."""
   m = mesh_sizes
-  return m["data"] * m["fsdp"], m["fsdp"] * m["tensor"] * m["pipe"]
+  return m["data"] * m["fsdp"], m["fsdp"] * m["tensor"] * m["pipeline"]
 
 
 def _attention_impl(cfg: TransformerConfig, plan: StagePlan, keys: int) -> str:
@@ -154,7 +154,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   cfg = work.actor
   act = _BYTES[cfg.dtype]
   batch_ways, param_ways = _splits(plan, mesh_sizes)
-  t, p = mesh_sizes["tensor"], mesh_sizes["pipe"]
+  t, p = mesh_sizes["tensor"], mesh_sizes["pipeline"]
   L = work.length
   vocab_dev = cfg.vocab_size / t
   fsdp = mesh_sizes["fsdp"] > 1
@@ -183,7 +183,7 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     gathered = (2 * _layer_params(cfg) / t + flops.head_params(cfg) * _BYTES[cfg.param_dtype]
                 / t) if fsdp else 0.0
     # The plain decoder without fsdp copies each layer's weights out of the stacked arrays
-    # once per call (`Layers.per_layer`); the pipelined decoder (pipe > 1) and fsdp read
+    # once per call (`Layers.per_layer`); the pipelined decoder (pipeline > 1) and fsdp read
     # them in place. The copies live in the decode program, after the prefill's
     # activations and logits are gone: only what they add beyond those raises the peak.
     copies = cfg.num_layers * _layer_params(cfg) / param_ways if p == 1 and not fsdp else 0.0

@@ -6,8 +6,8 @@ Levels (each plain, hashable data):
   2. placement: device counts of (generate, infer, train) — contiguous blocks in device
      order; on multi-host hardware each block is a whole number of hosts (or lies inside
      one host);
-  3. per stage: `MeshSpec(data, fsdp, tensor, pipe)` on its devices, generation
-     micro-batches M (only with pipe > 1: M in {1, P, 2P, 4P} dividing the batch), and the
+  3. per stage: `MeshSpec(data, fsdp, tensor, pipeline)` on its devices, generation
+     micro-batches M (only with pipeline > 1: M in {1, P, 2P, 4P} dividing the batch), and the
      training stage's remat policy.
 A plan is the system's own `Plan`. Validity is decided by the system's checks,
 called here on abstract meshes (no devices needed): `system.stage_mesh_shapes`,
@@ -132,10 +132,10 @@ class Workload:
   def length(self) -> int:
     return self.prompt_len + self.gen_len
 
-  def prefill_rows(self, rows: float, pipe: int) -> float:
-    """Rows a prefill of `rows` rollouts runs: the plain sampler (pipe 1) runs each
+  def prefill_rows(self, rows: float, pipeline: int) -> float:
+    """Rows a prefill of `rows` rollouts runs: the plain sampler (pipeline 1) runs each
     prompt once, the pipelined decoder every row."""
-    return rows / self.group_size if pipe == 1 else rows
+    return rows / self.group_size if pipeline == 1 else rows
 
   def with_devices(self, num_devices: int, devices_per_host: int | None = None) -> "Workload":
     return dataclasses.replace(self, num_devices=num_devices, devices_per_host=(
@@ -213,9 +213,9 @@ def check_plan(plan: Plan, work: Workload) -> None:
   system.check_fits(layouts, abstract_params(work.actor),
                     abstract_params(work.critic) if work.critic_model else None)
   system.check_batch_fits(layouts, work.batch_size, plan)
-  pipe = layouts["generate"].mesh.shape["pipe"]
-  if pipe > 1:
-    sched.validate_pipeline_config(work.actor.num_layers, pipe, plan.num_microbatches,
+  pipeline = layouts["generate"].mesh.shape["pipeline"]
+  if pipeline > 1:
+    sched.validate_pipeline_config(work.actor.num_layers, pipeline, plan.num_microbatches,
                                    work.batch_size, field_prefix="stages.generate")
 
 
@@ -232,14 +232,14 @@ def plan_error(plan: Plan, work: Workload) -> str | None:
 
 
 def mesh_shapes(num_devices: int, pipe_allowed: bool = True) -> list[MeshSpec]:
-  """Every (data, fsdp, tensor, pipe) with product `num_devices`."""
+  """Every (data, fsdp, tensor, pipeline) with product `num_devices`."""
   divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
   out = []
   for data, fsdp, tensor in itertools.product(divisors, repeat=3):
     rest, rem = divmod(num_devices, data * fsdp * tensor)
     if rem or (rest > 1 and not pipe_allowed):
       continue
-    out.append(MeshSpec(data=data, fsdp=fsdp, tensor=tensor, pipe=rest))
+    out.append(MeshSpec(data=data, fsdp=fsdp, tensor=tensor, pipeline=rest))
   return out
 
 
@@ -279,19 +279,19 @@ def stage_plans(stage: str, num_devices: int, work: Workload,
                 ) -> list[StagePlan]:
   """The valid strategies of one stage on `num_devices` devices (level 3).
 
-  Generation: M = 1 without pipe, each slot count of `Workload.slot_counts` (static
-  batches, or continuous batching when lengths vary); with pipe P > 1, M in {1, P, 2P,
+  Generation: M = 1 without pipeline, each slot count of `Workload.slot_counts` (static
+  batches, or continuous batching when lengths vary); with pipeline P > 1, M in {1, P, 2P,
   4P} (those the system accepts), each with the slot counts M divides (refilled
-  micro-batches). Training: each remat policy of `options`, pipe = 1.
+  micro-batches). Training: each remat policy of `options`, pipeline = 1.
   """
   out = []
   for mesh in mesh_shapes(num_devices, pipe_allowed=(stage != "train" or sequential)):
     if stage == "generate":
-      ms = sorted({1 if f == 0 else f * mesh.pipe for f in options.microbatch_factors}
-                  ) if mesh.pipe > 1 else [1]
+      ms = sorted({1 if f == 0 else f * mesh.pipeline for f in options.microbatch_factors}
+                  ) if mesh.pipeline > 1 else [1]
       variants = ([dict(num_microbatches=m, num_slots=s) for m in ms
                    for s in work.slot_counts(1) if s % m == 0
-                   and work.batch_size % (s // m or 1) == 0] if mesh.pipe > 1 else
+                   and work.batch_size % (s // m or 1) == 0] if mesh.pipeline > 1 else
                   [dict(num_slots=s) for s in work.slot_counts(mesh.data * mesh.fsdp)])
     elif stage == "train":
       variants = [dict(remat=r) for r in options.train_remat]
@@ -367,7 +367,7 @@ def schedules(options: SpaceOptions = SpaceOptions()) -> list[Schedule]:
 def sequential_slot_counts(mesh: MeshSpec, work: Workload) -> tuple[int, ...]:
   """Slot counts for `sequential` mode's one mesh (static only when it has pipe, or
   unresolved (-1) axes whose batch ways are not known here)."""
-  if mesh.pipe != 1 or mesh.data < 1 or mesh.fsdp < 1:
+  if mesh.pipeline != 1 or mesh.data < 1 or mesh.fsdp < 1:
     return (0,)
   return work.slot_counts(mesh.data * mesh.fsdp)
 

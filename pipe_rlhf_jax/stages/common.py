@@ -40,7 +40,7 @@ def _is_variable(x) -> bool:
 
 class MeshMismatch(ValueError):
   """A model's parameters do not divide over a stage's mesh (heads over tensor, layers
-  over pipe, ...); the message names the config field and the sizes that would."""
+  over pipeline, ...); the message names the config field and the sizes that would."""
 
 
 @dataclasses.dataclass

@@ -51,7 +51,7 @@ class GenerateStage:
     layout: the generation stage's mesh and rules.
     graphdef: the actor's structure.
     sampling: static sampling settings (length, temperature, top-k/p, EOS, pad).
-    num_microbatches: micro-batches of the pipelined decoder (used when pipe > 1).
+    num_microbatches: micro-batches of the pipelined decoder (used when pipeline > 1).
     group_size: completions sampled per prompt.
     num_slots: 0 for one static batch; S > 0 for continuous batching over S slots.
   """
@@ -65,12 +65,12 @@ class GenerateStage:
     self.sampling = sampling
     self.num_microbatches = num_microbatches
     self.num_slots = num_slots
-    self.pipe = layout.mesh.shape.get("pipe", 1)
-    if num_slots and self.pipe > 1 and num_slots % num_microbatches:
+    self.pipeline = layout.mesh.shape.get("pipeline", 1)
+    if num_slots and self.pipeline > 1 and num_slots % num_microbatches:
       raise ValueError(f"stages.generate.num_slots={num_slots} is not a multiple of "
                        f"stages.generate.num_microbatches={num_microbatches}: the pipelined "
                        "decoder refills micro-batches of num_slots / num_microbatches rows.")
-    if self.pipe == 1 and not num_slots:
+    if self.pipeline == 1 and not num_slots:
       self._prefill, self._decode = sampler.make_generate_fns(graphdef, sampling,
                                                               group_size=group_size)
     self._engines: dict[int, tuple[EngineSpec, object]] = {}
@@ -106,7 +106,7 @@ class GenerateStage:
     metrics = {}
     executed = spec = None
     self._last_engine_call = None
-    if self.pipe > 1:
+    if self.pipeline > 1:
       from pipe_rlhf_jax.generation import pipelined
       slots = self._pipe_slots(len(tokens))
       out, executed = pipelined.pipelined_generate(

@@ -1,6 +1,6 @@
 """The library entry point: run PPO steps of a `PPOSystem` on any prompt source.
 
-The experiment pipeline (`pipe_rlhf_jax.train`) adds SFT, the reward model, data
+The main job (`pipe_rlhf_jax.train`) adds SFT, the reward model, data
 building, checkpoints and reports around this; a researcher who has their own models,
 reward and prompts needs only:
 

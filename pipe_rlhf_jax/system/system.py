@@ -116,12 +116,13 @@ def check_fits(layouts: dict[str, StageLayout], actor, critic=None) -> None:
   if critic is not None:
     layouts["infer"].check_params(critic, "stages.infer.mesh")
     layouts["train"].check_params(critic, "stages.train.mesh")
-  pipe = layouts["generate"].mesh.shape.get("pipe", 1)
-  if pipe > 1:
+  pipeline = layouts["generate"].mesh.shape.get("pipeline", 1)
+  if pipeline > 1:
     others = {k: v for k, v in layouts["generate"].mesh.shape.items()
-              if k not in ("pipe", "tensor") and v > 1}
+              if k not in ("pipeline", "tensor") and v > 1}
     if others:
-      raise ValueError(f"stages.generate.mesh: with pipe={pipe} only 'pipe' and 'tensor' "
+      raise ValueError(f"stages.generate.mesh: with pipeline={pipeline} only 'pipeline' and "
+                       "'tensor' "
                        f"may exceed 1, got {others}; give the other devices to another "
                        "stage (plan.placement).")
 
@@ -150,8 +151,8 @@ def _shapes(state: nnx.State) -> Any:
 def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
                      plan: Plan) -> None:
   """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
-  # Micro-batches split generation only when it is pipelined (pipe > 1).
-  pipelined = layouts["generate"].mesh.shape.get("pipe", 1) > 1
+  # Micro-batches split generation only when it is pipelined (pipeline > 1).
+  pipelined = layouts["generate"].mesh.shape.get("pipeline", 1) > 1
   for stage in STAGES:
     ways = layouts[stage].batch_ways()
     per_call = (batch_size // plan.num_microbatches if stage == "generate" and pipelined
@@ -303,7 +304,7 @@ def check_ptx_demos(demos: dict[str, np.ndarray] | None, ppo: PPOSettings
     return None
   if demos is None:
     raise ValueError(f"ppo.ptx_coef={ppo.ptx_coef} needs demonstrations for its SFT term: "
-                     "pass PPOSystem(ptx_demos=...) (the experiment pipeline uses the SFT "
+                     "pass PPOSystem(ptx_demos=...) (the main job uses the SFT "
                      "data), or set ppo.ptx_coef=0.")
   missing = sorted(set(PTX_FIELDS) - set(demos))
   if missing:

@@ -234,3 +234,8 @@ def test_keys_of_an_earlier_release_are_refused_naming_their_new_name():
   config.plan.plan = "auto"
   with pytest.raises(ValueError, match=r"Config key plan.plan was renamed plan.choose"):
     ExperimentSettings.from_config(config)
+  config = quickstart.get_config()
+  config.stages.generate.mesh = {"data": 1, "pipe": 2}
+  with pytest.raises(ValueError, match=r"Config key stages.generate.mesh.pipe was renamed "
+                     r"stages.generate.mesh.pipeline"):
+    ExperimentSettings.from_config(config)

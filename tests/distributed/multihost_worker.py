@@ -42,7 +42,7 @@ def parse():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--staleness", type=int, default=0)
   p.add_argument("--placement", default="4,2,2", help="pipe: devices of gen,infer,train")
-  p.add_argument("--meshes", default="data=1,pipe=2,tensor=2/data=2,fsdp=-1/data=1,fsdp=-1",
+  p.add_argument("--meshes", default="data=1,pipeline=2,tensor=2/data=2,fsdp=-1/data=1,fsdp=-1",
                  help="pipe: the generate/infer/train meshes (axis=size, comma-separated)")
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
@@ -55,7 +55,7 @@ def parse():
 
 
 def mesh_specs(text: str):
-  """'data=1,pipe=2,tensor=2/...' -> the three stages' MeshSpecs."""
+  """'data=1,pipeline=2,tensor=2/...' -> the three stages' MeshSpecs."""
   from pipe_rlhf_jax.config import MeshSpec
   return [MeshSpec(**{axis: int(size) for axis, size in
                       (item.split("=") for item in part.split(","))})
@@ -90,7 +90,7 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   # pipe: by default generation on devices 0-3 (process 0 of a 2 x 4 job), inference on
   # 4-5 and training on 6-7 (process 1).
   pipe = mode == "pipe"
-  gen, inf, trn = meshes or (MeshSpec(data=1, pipe=2, tensor=2 if pipe else 4),
+  gen, inf, trn = meshes or (MeshSpec(data=1, pipeline=2, tensor=2 if pipe else 4),
                              MeshSpec(data=2, fsdp=-1), MeshSpec(data=1, fsdp=-1))
   plan = Plan(mode=mode, mesh=MeshSpec(data=-1), max_staleness=staleness,
                           placement=tuple(placement) if pipe else None,
@@ -193,7 +193,7 @@ def transfer(args) -> None:
 
   Both build every layout from the same description and global device list, as two stage
   groups of a pipe-mode job would: train = fsdp 4 on process 0's devices, generate =
-  pipe 2 x tensor 2 on process 1's. Five batches with staleness bound 1 and a rollout
+  pipeline 2 x tensor 2 on process 1's. Five batches with staleness bound 1 and a rollout
   queue of capacity 1; then a subscriber whose target layout differs from what is
   published must refuse before pulling.
   """
@@ -213,7 +213,7 @@ def transfer(args) -> None:
   groups = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
   train = StageLayout("train", make_mesh(MeshShape(fsdp=4), groups[0]),
                       logical.STAGE_RULES["train"])
-  gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2), groups[1]),
+  gen = StageLayout("generate", make_mesh(MeshShape(pipeline=2, tensor=2), groups[1]),
                     logical.STAGE_RULES["generate"])
   # A layout that must be refused: generation's mesh as tensor=4 (other specs and sizes).
   wrong = StageLayout("generate", make_mesh(MeshShape(tensor=4), groups[1]),
@@ -278,8 +278,8 @@ def groups(args) -> None:
   """Process 0 is a one-process group, processes 1-2 one group spanning both (SPMD).
 
   Every layout is built from the same description and global device list on every
-  process. Weights 0 -> {1, 2} (generation's pipe=2 x tensor=2 over the group: each
-  process pulls its own pipe row, and both must get the same version); rollouts
+  process. Weights 0 -> {1, 2} (generation's pipeline=2 x tensor=2 over the group: each
+  process pulls its own pipeline row, and both must get the same version); rollouts
   {1, 2} -> 0 (gathered within the group, sent by its leader); experience 0 -> {1, 2}
   into data=2 x fsdp=2 (each process pulls its own rows); weights {1, 2} -> 0 (published
   by the group). Five steps, staleness bound 1, queues of capacity 1. Then a publisher
@@ -303,9 +303,9 @@ def groups(args) -> None:
   group = [1, 2]
   train = StageLayout("train", make_mesh(MeshShape(fsdp=2), devs[0]),
                       logical.STAGE_RULES["train"])
-  gen = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2), devs[1] + devs[2]),
+  gen = StageLayout("generate", make_mesh(MeshShape(pipeline=2, tensor=2), devs[1] + devs[2]),
                     logical.STAGE_RULES["generate"])
-  swapped = StageLayout("generate", make_mesh(MeshShape(pipe=2, tensor=2),
+  swapped = StageLayout("generate", make_mesh(MeshShape(pipeline=2, tensor=2),
                                               devs[2] + devs[1]),
                         logical.STAGE_RULES["generate"])
   rows = StageLayout("infer", make_mesh(MeshShape(data=2, fsdp=2), devs[1] + devs[2]),

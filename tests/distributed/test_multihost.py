@@ -75,7 +75,7 @@ def test_two_processes_match_one_process_on_the_same_global_mesh(tmp_path, mode)
   assert not os.path.exists(tmp_path / "two" / "p1.json")  # only process 0 wrote
 
 
-# Pipe mode over 2 processes: generation on process 0 (devices 0-3, pipe=2 x tensor=2),
+# Pipe mode over 2 processes: generation on process 0 (devices 0-3, pipeline=2 x tensor=2),
 # inference and training on process 1 (devices 4-5 and 6-7); rollouts and weights cross
 # processes through distributed.transfer.
 
@@ -141,7 +141,7 @@ def test_distributed_config_errors_name_the_field():
 
 
 def test_weights_and_rollouts_cross_process_groups_bit_for_bit(tmp_path):
-  # Process 0 = train group (fsdp=4), process 1 = generate group (pipe=2 x tensor=2):
+  # Process 0 = train group (fsdp=4), process 1 = generate group (pipeline=2 x tensor=2):
   # weights go 0 -> 1 through distributed.transfer, rollouts 1 -> 0 through a queue of
   # capacity 1, with staleness bound 1 (see multihost_worker.transfer).
   job = run_job(tmp_path, "transfer", ["transfer"], num_processes=2, cpu_devices=4,
@@ -272,7 +272,7 @@ def test_main_job_in_pipe_mode_across_processes(tmp_path):
                log_dir=str(tmp_path / "logs"), timeout_s=500, command=MAIN, echo=False,
                env={**child_env(), "PYTHONPATH": ROOT})
   assert job.ok, job.report()
-  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [0..3]" in job.log_text(0)
+  assert "stage train: data=1 fsdp=4 pipeline=1 tensor=1 on devices [0..3]" in job.log_text(0)
   rows = phase_rows(workdir, "ppo")
   assert [r["step"] for r in rows] == [0, 1, 2]
   # The same job in one process on 8 devices: the warm start trains on the same devices,
@@ -310,7 +310,7 @@ def test_main_job_in_pipe_mode_on_more_devices_than_its_placement(tmp_path):
                env={**child_env(), "PYTHONPATH": ROOT})
   assert job.ok, job.report()
   assert "plan (hand-written, checked by the planner): pipe[2+2+4 devices" in job.log_text(0)
-  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [4..7]" in job.log_text(0)
+  assert "stage train: data=1 fsdp=4 pipeline=1 tensor=1 on devices [4..7]" in job.log_text(0)
   assert [r["step"] for r in phase_rows(workdir, "ppo")] == [0, 1]
 
 
@@ -333,7 +333,7 @@ def test_launcher_kills_what_does_not_stop(tmp_path):
 
 def test_weights_and_queues_cross_a_stage_spanning_two_processes_bit_for_bit(tmp_path):
   # 3 processes x 2 devices: process 0 alone, processes 1-2 one group (SPMD) holding
-  # generation's pipe=2 x tensor=2 and a data=2 x fsdp=2 batch layout; weights and queue
+  # generation's pipeline=2 x tensor=2 and a data=2 x fsdp=2 batch layout; weights and queue
   # items both ways (see multihost_worker.groups).
   job = run_job(tmp_path, "groups", ["groups"], num_processes=3, cpu_devices=2,
                 timeout_s=180)
@@ -369,9 +369,9 @@ def test_weights_and_queues_cross_a_stage_spanning_two_processes_bit_for_bit(tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement, meshes, spanning", [
-    # Generation on processes 0-1 (pipe=2 x tensor=2: a pipe row each), inference and
+    # Generation on processes 0-1 (pipeline=2 x tensor=2: a pipeline row each), inference and
     # training on process 2.
-    ("4,1,1", "data=1,pipe=2,tensor=2/data=1/data=1", "generate"),
+    ("4,1,1", "data=1,pipeline=2,tensor=2/data=1/data=1", "generate"),
     # Generation and inference on process 0, training on processes 1-2 (fsdp=4).
     pytest.param("1,1,4", "data=1/data=1/data=1,fsdp=4", "train",
                  marks=pytest.mark.extended),
@@ -419,7 +419,7 @@ def test_main_job_with_the_training_stage_over_two_processes_checkpoints_and_res
   job = launch(args, num_processes=4, cpu_devices=2, log_dir=str(tmp_path / "logs1"),
                timeout_s=500, command=MAIN, echo=False, env=env)
   assert job.ok, job.report()
-  assert "stage train: data=1 fsdp=4 pipe=1 tensor=1 on devices [6144,6145,0,1]" in \
+  assert "stage train: data=1 fsdp=4 pipeline=1 tensor=1 on devices [6144,6145,0,1]" in \
       job.log_text(0)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["0", "1"]
   with open(workdir / "trace.json", encoding="utf-8") as f:

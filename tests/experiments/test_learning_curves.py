@@ -263,4 +263,4 @@ def test_partial_cells_run_the_slot_engine_across_updates(tmp_path):
   assert config.plan.partial_rollouts and config.ppo.loss == "decoupled_ppo_clip"
   assert config.stages.generate.num_slots == config.ppo.batch_size
   plan = Plan.from_config(config)
-  assert plan.generate.mesh.pipe == 1 and plan.max_staleness == 1
+  assert plan.generate.mesh.pipeline == 1 and plan.max_staleness == 1

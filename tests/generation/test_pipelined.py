@@ -20,7 +20,7 @@ RNG_SEED = 5
 
 
 def mesh_for(pipe, tensor=1):
-  shape = MeshShape(pipe=pipe, tensor=tensor)
+  shape = MeshShape(pipeline=pipe, tensor=tensor)
   return make_mesh(shape, jax.devices()[:shape.size])
 
 
@@ -57,7 +57,7 @@ CASES = [
     (2, 1, 1, "sampled"), (2, 4, 1, "sampled"),
     (4, 1, 1, "sampled"), (4, 4, 1, "sampled"), (4, 8, 1, "sampled"),
     (2, 4, 1, "greedy"), (4, 4, 2, "greedy"),
-    # Tensor-parallel stages (pipe=1 with tensor is the tensor2 case of
+    # Tensor-parallel stages (pipeline=1 with tensor is the tensor2 case of
     # tests/generation/test_generate_parallel.py).
     (2, 2, 2, "sampled"), (4, 8, 2, "sampled"),
 ]
@@ -228,15 +228,15 @@ def no_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(mesh_shape=MeshShape(pipe=3)), r"generate\.mesh\.pipe = 3 does not divide"),
+    (dict(mesh_shape=MeshShape(pipeline=3)), r"generate\.mesh\.pipeline = 3 does not divide"),
     (dict(num_microbatches=0), r"generate\.num_microbatches must be an int >= 1"),
     (dict(num_microbatches=3), r"generate\.batch_size = 8 is not divisible"),
-    (dict(mesh_shape=MeshShape(pipe=2, data=2)), r"must be 1 for pipelined"),
-    (dict(mesh_shape=MeshShape(pipe=2, tensor=4)), r"kv_heads=2 is not divisible"),
+    (dict(mesh_shape=MeshShape(pipeline=2, data=2)), r"must be 1 for pipelined"),
+    (dict(mesh_shape=MeshShape(pipeline=2, tensor=4)), r"kv_heads=2 is not divisible"),
 ])
 def test_bad_configs_raise_before_compiling(setup, no_compile, kwargs, match):
   model, prompt, mask, _, _ = setup
-  shape = kwargs.pop("mesh_shape", MeshShape(pipe=2))
+  shape = kwargs.pop("mesh_shape", MeshShape(pipeline=2))
   kwargs.setdefault("num_microbatches", 2)
   mesh = make_mesh(shape, jax.devices()[:shape.size])
   with pytest.raises(ValueError, match=match):
@@ -255,7 +255,7 @@ def test_sampling_params_and_keywords_do_not_mix(setup, no_compile):
 def test_mesh_without_pipe_axis_is_refused(setup, no_compile):
   model, prompt, mask, _, _ = setup
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-  with pytest.raises(ValueError, match="'pipe' axis"):
+  with pytest.raises(ValueError, match="'pipeline' axis"):
     pipelined_generate(model, prompt, mask, STEPS, mesh=mesh, num_microbatches=2,
                        rng=jax.random.key(0), eos_id=None)
 

@@ -155,7 +155,7 @@ def test_draw_schedule_writes_png(tmp_path):
 
 def test_validate_pipeline_config():
   sched.validate_pipeline_config(8, 4, 2, 16, "stages.generate")
-  with pytest.raises(ValueError, match=r"stages\.generate\.mesh\.pipe = 3 does not divide"):
+  with pytest.raises(ValueError, match=r"stages\.generate\.mesh\.pipeline = 3 does not divide"):
     sched.validate_pipeline_config(8, 3, 2, 16, "stages.generate")
   with pytest.raises(ValueError, match=r"stages\.generate\.num_microbatches"):
     sched.validate_pipeline_config(8, 4, 0, 16, "stages.generate")

@@ -162,7 +162,7 @@ def test_tensor_sharded_decoding_equals_one_device(model, decoded):
 
 def test_pipelined_decoding_equals_the_plain_sampler(model, decoded):
   prompt, mask, ids, want = decoded
-  mesh = make_mesh(MeshShape(pipe=2), jax.devices()[:2])
+  mesh = make_mesh(MeshShape(pipeline=2), jax.devices()[:2])
   got, _ = pipelined_generate(model, prompt, mask, 5, mesh=mesh, num_microbatches=2,
                               rng=jax.random.key(3), eos_id=None, sample_ids=ids,
                               **SAMPLED)

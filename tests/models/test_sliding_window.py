@@ -222,7 +222,7 @@ def test_pipelined_decoder_equals_the_plain_sampler(prompts, architecture, layer
         else dict(temperature=0.8, top_k=20, top_p=0.95))
   rng = jax.random.key(5)
   want = generate(model, prompt, mask, STEPS, rng=rng, eos_id=None, **kw)
-  shape = MeshShape(pipe=pipe)
+  shape = MeshShape(pipeline=pipe)
   got, _ = pipelined_generate(model, prompt, mask, STEPS,
                               mesh=make_mesh(shape, jax.devices()[:shape.size]),
                               num_microbatches=num_mb, rng=rng, eos_id=None, **kw)

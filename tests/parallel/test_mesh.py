@@ -22,11 +22,11 @@ def test_eight_devices():
 
 def test_mesh_shape_from_dict_and_configdict():
   shape = mesh_lib.MeshShape.from_config({"data": 2, "tensor": 4}, num_devices=8)
-  assert shape == mesh_lib.MeshShape(data=2, fsdp=1, tensor=4, pipe=1)
+  assert shape == mesh_lib.MeshShape(data=2, fsdp=1, tensor=4, pipeline=1)
   assert shape.size == 8
-  cfg = ml_collections.ConfigDict({"fsdp": -1, "pipe": 2})
+  cfg = ml_collections.ConfigDict({"fsdp": -1, "pipeline": 2})
   shape = mesh_lib.MeshShape.from_config(cfg, num_devices=8)
-  assert (shape.data, shape.fsdp, shape.tensor, shape.pipe) == (1, 4, 1, 2)
+  assert (shape.data, shape.fsdp, shape.tensor, shape.pipeline) == (1, 4, 1, 2)
   # Default device count comes from jax.
   assert mesh_lib.MeshShape.from_config({"data": -1}).data == 8
   assert mesh_lib.MeshShape.from_config({}, num_devices=1).size == 1
@@ -50,13 +50,13 @@ def test_make_mesh_axis_order_and_devices():
   devices = jax.devices()
   mesh = mesh_lib.make_mesh(mesh_lib.MeshShape(data=2, tensor=2), devices[4:8])
   assert mesh.axis_names == mesh_lib.MESH_AXES
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "pipe": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "pipeline": 1, "tensor": 2}
   ids = np.vectorize(lambda d: d.id)(mesh.devices)
   # Tensor is innermost: consecutive devices form a tensor group.
   np.testing.assert_array_equal(ids.reshape(2, 2), [[4, 5], [6, 7]])
-  assert mesh_lib.describe(mesh) == "data=2 fsdp=1 pipe=1 tensor=2 on devices [4..7]"
+  assert mesh_lib.describe(mesh) == "data=2 fsdp=1 pipeline=1 tensor=2 on devices [4..7]"
   full = mesh_lib.make_mesh({"fsdp": -1})
-  assert mesh_lib.describe(full) == "data=1 fsdp=8 pipe=1 tensor=1 on devices [0..7]"
+  assert mesh_lib.describe(full) == "data=1 fsdp=8 pipeline=1 tensor=1 on devices [0..7]"
   odd = mesh_lib.make_mesh({"data": 2}, [devices[0], devices[3]])
   assert mesh_lib.describe(odd).endswith("on devices [0,3]")
   with pytest.raises(ValueError, match="needs 4 devices but 2"):
@@ -86,7 +86,7 @@ def test_logical_to_spec_without_mesh():
   assert logical.logical_to_spec(("embed", "heads", "head_dim"), DEFAULT_RULES) == P(
       "fsdp", "tensor", None)
   assert logical.logical_to_spec(("layers", "embed", "mlp"), DEFAULT_RULES) == P(
-      "pipe", "fsdp", "tensor")
+      "pipeline", "fsdp", "tensor")
   assert logical.logical_to_spec(("layers", "embed", "mlp"), STAGE_RULES["train"]) == P(
       None, "fsdp", "tensor")
   assert logical.logical_to_spec((None, "vocab"), DEFAULT_RULES) == P(None, "tensor")

@@ -112,7 +112,7 @@ def test_pipe_plans_across_processes_place_stages_on_whole_processes():
   assert runnable(pipe((4, 2, 2)), processes=2, devices_per_process=4)
   # 4 processes x 2 devices: a 4-device stage spans two whole processes of its own.
   assert runnable(pipe((2, 2, 4)), processes=4, devices_per_process=2)
-  assert runnable(pipe((4, 2, 2), generate=StagePlan(MeshSpec(data=1, pipe=2, tensor=2))),
+  assert runnable(pipe((4, 2, 2), generate=StagePlan(MeshSpec(data=1, pipeline=2, tensor=2))),
                   processes=4, devices_per_process=2)
   # A block that starts inside a process would share it with another stage.
   assert not runnable(pipe((2, 1, 5)), processes=2, devices_per_process=4)

@@ -100,9 +100,9 @@ def test_reshard_moves_are_fitted_and_price_the_weight_sync_and_batches():
                         prompt_len=8, gen_len=4, num_devices=8)
   m = cost.Machine(hardware.get("cpu"), cost.Efficiency(reshard_array_s=2e-4,
                                                         reshard_bw=1e9))
-  shapes = {"generate": dict(data=1, fsdp=1, tensor=2, pipe=4),
-            "infer": dict(data=4, fsdp=1, tensor=1, pipe=2),
-            "train": dict(data=4, fsdp=1, tensor=2, pipe=1)}
+  shapes = {"generate": dict(data=1, fsdp=1, tensor=2, pipeline=4),
+            "infer": dict(data=4, fsdp=1, tensor=1, pipeline=2),
+            "train": dict(data=4, fsdp=1, tensor=2, pipeline=1)}
   plan = lambda mode: Plan(mode=mode, **{s: StagePlan(mesh=MeshSpec(**v))
                                                   for s, v in shapes.items()})
   assert composition.batch_moves(plan("sequential"), shapes, work, m) == {
@@ -130,7 +130,7 @@ def test_device_overhead_is_fitted_and_charged_on_shared_hosts_only():
   from pipe_rlhf_jax.planner import space
   work = space.Workload(actor=tiny_config(), batch_size=16, minibatch_size=8, epochs=1,
                         prompt_len=8, gen_len=4, num_devices=8)
-  mesh = dict(data=8, fsdp=1, tensor=1, pipe=1)
+  mesh = dict(data=8, fsdp=1, tensor=1, pipeline=1)
   plan = StagePlan(mesh=MeshSpec(data=8))
   eff = cost.Efficiency(train_device_overhead_s=0.1, call_overhead_s=0.0)
   cpu = cost.train_cost(plan, mesh, work, cost.Machine(hardware.get("cpu"), eff))
@@ -154,8 +154,8 @@ def test_tick_device_overhead_is_charged_per_generation_tick():
                         prompt_len=8, gen_len=4, num_devices=4)
   eff = cost.Efficiency(tick_device_overhead_s=5e-5, tick_overhead_s=0.0,
                         call_overhead_s=0.0)
-  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=4)
-  mesh = dict(data=1, fsdp=1, tensor=1, pipe=4)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipeline=4), num_microbatches=4)
+  mesh = dict(data=1, fsdp=1, tensor=1, pipeline=4)
   c = cost.generate_cost(plan, mesh, work, cost.Machine(hardware.get("cpu"), eff))
   # Every tick of the 4-device pipeline runs 3 extra device programs.
   assert c.overhead == pytest.approx(schedule.num_ticks(4, 4, 4) * 3 * 5e-5)

@@ -14,15 +14,15 @@ from pipe_rlhf_jax.planner import composition, cost, hardware, lengths, presets,
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=8)
-MESH1 = dict(data=1, fsdp=1, tensor=1, pipe=1)
+MESH1 = dict(data=1, fsdp=1, tensor=1, pipeline=1)
 
 
 def test_generation_is_priced_with_the_schedule_tick_count():
   eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
   m = cost.Machine(hardware.get("h100"), eff)
   for p, mb in ((1, 1), (2, 2), (4, 1), (4, 8)):
-    mesh = dict(data=1, fsdp=1, tensor=1, pipe=p)
-    c = cost.generate_cost(StagePlan(mesh=MeshSpec(data=1, pipe=p), num_microbatches=mb),
+    mesh = dict(data=1, fsdp=1, tensor=1, pipeline=p)
+    c = cost.generate_cost(StagePlan(mesh=MeshSpec(data=1, pipeline=p), num_microbatches=mb),
                            mesh, WORK, m)
     assert c.overhead == pytest.approx(schedule.num_ticks(p, mb, WORK.gen_len))
 
@@ -47,8 +47,8 @@ def test_early_eos_shortens_pipelined_generation_by_the_schedule():
   eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
   m = cost.Machine(hardware.get("h100"), eff)
   work = dataclasses.replace(WORK, gen_len=64, batch_size=64)
-  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=8)
-  mesh = dict(data=1, fsdp=1, tensor=1, pipe=4)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipeline=4), num_microbatches=8)
+  mesh = dict(data=1, fsdp=1, tensor=1, pipeline=4)
   full = cost.generate_cost(plan, mesh, work, m)
   short = cost.generate_cost(plan, mesh, dataclasses.replace(work, response_fraction=0.2),
                              m)
@@ -73,8 +73,8 @@ def test_shared_host_ticks_share_the_host_between_busy_stages():
                         device_peak_flops=1e9, hbm_bw=1e15)
   m = cost.Machine(hardware.get("cpu"), eff)
   work = dataclasses.replace(WORK, gen_len=4, batch_size=8)
-  plan = StagePlan(mesh=MeshSpec(data=1, pipe=4), num_microbatches=4)
-  c = cost.generate_cost(plan, dict(data=1, fsdp=1, tensor=1, pipe=4), work, m)
+  plan = StagePlan(mesh=MeshSpec(data=1, pipeline=4), num_microbatches=4)
+  c = cost.generate_cost(plan, dict(data=1, fsdp=1, tensor=1, pipeline=4), work, m)
   cfg, slots = work.actor, work.prompt_len + work.gen_len
   dec = flops.forward_flops(cfg, 2, 1, context=slots) / 4 / (1e9 * eff.matmul)
   pre = flops.forward_flops(cfg, 2, work.prompt_len, context=slots,
@@ -118,8 +118,8 @@ def test_alpha_beta_collectives():
   assert m.ppermute(1e6, spans_hosts=True) == pytest.approx(
       m.hw.inter_latency + 1e6 / m.hw.inter_bw)
   # Tensor groups are innermost: inside a host of 8 unless tensor > 8.
-  hosts = cost._axis_hosts(dict(data=8, fsdp=1, pipe=1, tensor=8), m)
-  assert hosts == {"tensor": False, "pipe": False, "fsdp": False, "data": True}
+  hosts = cost._axis_hosts(dict(data=8, fsdp=1, pipeline=1, tensor=8), m)
+  assert hosts == {"tensor": False, "pipeline": False, "fsdp": False, "data": True}
 
 
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}, {"tie_embeddings": True},
@@ -168,12 +168,12 @@ def test_exchanges_count_the_update_s_collectives_and_are_priced_by_the_fit():
 
 
 def test_a_pipe_axis_outside_generation_repeats_the_work_on_each_pipe_group():
-  # Inference and training shard the layers' weights over pipe, not the batch: each
-  # pipe group runs every layer on its batch shard. Dedicated devices do that side by
+  # Inference and training shard the layers' weights over pipeline, not the batch: each
+  # pipeline group runs every layer on its batch shard. Dedicated devices do that side by
   # side; the shared host does all of it.
   work = dataclasses.replace(WORK, num_devices=8)
-  split, layered = dict(data=4, fsdp=1, tensor=1, pipe=1), dict(data=4, fsdp=1, tensor=1,
-                                                                 pipe=2)
+  split, layered = dict(data=4, fsdp=1, tensor=1, pipeline=1), dict(data=4, fsdp=1, tensor=1,
+                                                                 pipeline=2)
   cpu = cost.Machine(hardware.get("cpu"), cost.Efficiency(host_concurrency=1.0))
   h100 = cost.Machine(hardware.get("h100"))
   for stage in ("infer", "train"):
@@ -283,9 +283,9 @@ def test_shared_host_demand_counts_overheads_as_one_device_of_work():
   m = cost.Machine(hardware.get("cpu"), cost.Efficiency(host_concurrency=2.0,
                                                         device_peak_flops=1e9))
   rt = Plan(mode="pipe", placement=(4, 2, 2))
-  shapes = {"generate": dict(data=4, fsdp=1, tensor=1, pipe=1),
-            "infer": dict(data=2, fsdp=1, tensor=1, pipe=1),
-            "train": dict(data=2, fsdp=1, tensor=1, pipe=1)}
+  shapes = {"generate": dict(data=4, fsdp=1, tensor=1, pipeline=1),
+            "infer": dict(data=2, fsdp=1, tensor=1, pipeline=1),
+            "train": dict(data=2, fsdp=1, tensor=1, pipeline=1)}
   costs = {"generate": cost.StageCost(1.0, 0.0, 0.0), "infer": cost.StageCost(0.0, 0.0, 1.0),
            "train": cost.StageCost(0.5, 0.0, 0.5)}
   d = composition.stage_demands(rt, shapes, m, "float32", costs)
@@ -303,9 +303,9 @@ def test_multi_device_pipe_stages_are_exclusive_on_the_cpu_backend():
   rt = Plan(mode="pipe", max_staleness=2, placement=(1, 3, 4),
                      generate=StagePlan(MeshSpec(data=1)), infer=StagePlan(MeshSpec(data=3)),
                      train=StagePlan(MeshSpec(fsdp=4)))
-  shapes = {"generate": {"data": 1, "fsdp": 1, "tensor": 1, "pipe": 1},
-            "infer": {"data": 3, "fsdp": 1, "tensor": 1, "pipe": 1},
-            "train": {"data": 1, "fsdp": 4, "tensor": 1, "pipe": 1}}
+  shapes = {"generate": {"data": 1, "fsdp": 1, "tensor": 1, "pipeline": 1},
+            "infer": {"data": 3, "fsdp": 1, "tensor": 1, "pipeline": 1},
+            "train": {"data": 1, "fsdp": 4, "tensor": 1, "pipeline": 1}}
   cpu = cost.Machine(hardware.get("cpu"))
   assert composition.exclusive_stages(rt, shapes, cpu) == {"infer", "train"}
   assert composition.exclusive_stages(rt, shapes, cost.Machine(hardware.get("h100"))) == set()

@@ -11,7 +11,7 @@ from pipe_rlhf_jax.planner import calibrate, cost, hardware, space
 
 WORK = space.Workload(actor=tiny_config(), batch_size=8, minibatch_size=8, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=1, reward_model=False)
-MESH1 = dict(data=1, fsdp=1, tensor=1, pipe=1)
+MESH1 = dict(data=1, fsdp=1, tensor=1, pipeline=1)
 
 
 def machine(**eff) -> cost.Machine:

@@ -178,14 +178,14 @@ WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epo
 
 
 def test_sharding_divides_the_parameter_terms():
-  one = memory.stage_memory("train", StagePlan(), dict(data=1, fsdp=1, tensor=1, pipe=1),
+  one = memory.stage_memory("train", StagePlan(), dict(data=1, fsdp=1, tensor=1, pipeline=1),
                             dataclasses.replace(WORK, num_devices=1))
   eight = memory.stage_memory("train", StagePlan(mesh=MeshSpec(data=1, fsdp=8)),
-                              dict(data=1, fsdp=8, tensor=1, pipe=1), WORK)
+                              dict(data=1, fsdp=8, tensor=1, pipeline=1), WORK)
   assert dict(eight.persistent)["adam moments"] == pytest.approx(
       dict(one.persistent)["adam moments"] / 8)
   remat = memory.stage_memory("train", StagePlan(remat="full"),
-                              dict(data=1, fsdp=1, tensor=1, pipe=1), WORK)
+                              dict(data=1, fsdp=1, tensor=1, pipeline=1), WORK)
   assert dict(remat.transient)["saved activations"] < dict(one.transient)[
       "saved activations"]
 
@@ -220,7 +220,7 @@ def test_rejection_names_the_group_and_the_terms():
 
 
 def test_critic_free_update_keeps_one_models_state_and_residuals():
-  mesh = dict(data=1, fsdp=1, tensor=1, pipe=1)
+  mesh = dict(data=1, fsdp=1, tensor=1, pipeline=1)
   one = dataclasses.replace(WORK, num_devices=1)
   grpo = dataclasses.replace(one, critic_model=False)
   both = dict(memory.stage_memory("train", StagePlan(), mesh, one).transient)

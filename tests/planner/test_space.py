@@ -14,7 +14,7 @@ from pipe_rlhf_jax.models.transformer import init_model
 from pipe_rlhf_jax.planner import space
 from pipe_rlhf_jax.system import system
 
-# 2 layers, 2 heads, 1 kv head: tensor > 1 never fits, pipe only 1 or 2.
+# 2 layers, 2 heads, 1 kv head: tensor > 1 never fits, pipeline only 1 or 2.
 SMALL = space.Workload(actor=tiny_config(embed_dim=32, num_layers=2, num_heads=2,
                                          num_kv_heads=1, head_dim=16, mlp_dim=64),
                        batch_size=8, minibatch_size=4, epochs=1, prompt_len=8, gen_len=4,
@@ -38,7 +38,7 @@ def _all_candidates(work, options):
       for s, c in zip(STAGES, counts):
         plans = []
         for mesh in space.mesh_shapes(c):
-          if s == "train" and mesh.pipe > 1:
+          if s == "train" and mesh.pipeline > 1:
             continue  # Plan itself refuses it
           for m in ((1, 2, 4, 8) if s == "generate" else (1,)):
             plans.append(StagePlan(mesh=mesh, num_microbatches=m))
@@ -51,7 +51,7 @@ def _all_candidates(work, options):
 def _key(rt):
   # M only matters with a pipelined generator (the system ignores it otherwise).
   gen = rt.generate
-  if rt.mode == "sequential" or gen.mesh.pipe == 1:
+  if rt.mode == "sequential" or gen.mesh.pipeline == 1:
     gen = dataclasses.replace(gen, num_microbatches=1)
   return dataclasses.replace(rt, generate=gen)
 
@@ -68,7 +68,7 @@ def test_enumeration_is_exactly_the_valid_plans():
   assert modes == {"sequential", "per_stage", "pipe"}
   # The model's divisibility rules hold: no tensor split of 1 kv head, pipe <= 2 layers.
   assert all(rt.stage(s).mesh.tensor == 1 for rt in enumerated for s in STAGES)
-  assert max(rt.generate.mesh.pipe for rt in enumerated) == 2
+  assert max(rt.generate.mesh.pipeline for rt in enumerated) == 2
 
 
 def test_validity_agrees_with_the_plan_on_real_devices():
@@ -80,18 +80,18 @@ def test_validity_agrees_with_the_plan_on_real_devices():
   critic = nnx.state(nnx.eval_shape(lambda: init_model(work.critic)))
   plans = [
       Plan(mode="pipe", placement=(2, 2, 4),
-                    generate=StagePlan(mesh=MeshSpec(data=1, pipe=2), num_microbatches=2),
+                    generate=StagePlan(mesh=MeshSpec(data=1, pipeline=2), num_microbatches=2),
                     infer=StagePlan(mesh=MeshSpec(data=2)),
                     train=StagePlan(mesh=MeshSpec(data=1, fsdp=4))),
       Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=8)),
-                    infer=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
+                    infer=StagePlan(mesh=MeshSpec(data=4, pipeline=2)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
       # invalid: tensor=2 over 1 kv head
       Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, tensor=2)),
                     infer=StagePlan(mesh=MeshSpec(data=8)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
-      # invalid: a pipelined generator may only add tensor to pipe, not data
-      Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, pipe=2)),
+      # invalid: a pipelined generator may only add tensor to pipeline, not data
+      Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(data=4, pipeline=2)),
                     infer=StagePlan(mesh=MeshSpec(data=8)),
                     train=StagePlan(mesh=MeshSpec(fsdp=8))),
   ]
@@ -117,7 +117,7 @@ def test_validity_agrees_with_the_plan_on_real_devices():
 def test_stage_error_names_the_field_and_the_fix():
   err = space.stage_error("generate", StagePlan(mesh=MeshSpec(data=1, tensor=2)), 2, SMALL)
   assert err.startswith("stages.generate.mesh") and "kv_heads=1" in err
-  err = space.stage_error("generate", StagePlan(mesh=MeshSpec(data=1, pipe=2),
+  err = space.stage_error("generate", StagePlan(mesh=MeshSpec(data=1, pipeline=2),
                                                 num_microbatches=3), 2, SMALL)
   assert "num_microbatches" in err
 

@@ -600,7 +600,7 @@ def test_continuous_batching_stage_gives_the_static_stages_rollout(models, decod
   if decoder == "engine":
     stage = GenerateStage(layout, actor_gd, sampling, group_size=2, num_slots=3)
   else:
-    layout = StageLayout("generate", make_mesh({"pipe": 2}, jax.devices()[:2]),
+    layout = StageLayout("generate", make_mesh({"pipeline": 2}, jax.devices()[:2]),
                          logical.STAGE_RULES["generate"])
     stage = GenerateStage(layout, actor_gd, sampling, group_size=2, num_microbatches=2,
                           num_slots=4)

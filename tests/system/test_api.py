@@ -169,11 +169,11 @@ def test_settings_name_the_bad_field():
 
 def test_settings_are_hashable_and_print_as_one_line():
   plan = Plan(mode="pipe", placement=(4, 2, 2), max_staleness=1,
-                       generate=StagePlan(MeshSpec(data=1, pipe=4), num_microbatches=8))
+                       generate=StagePlan(MeshSpec(data=1, pipeline=4), num_microbatches=8))
   assert hash(plan) == hash(Plan(mode="pipe", placement=(4, 2, 2), max_staleness=1,
-                                          generate=StagePlan(MeshSpec(data=1, pipe=4),
+                                          generate=StagePlan(MeshSpec(data=1, pipeline=4),
                                                              num_microbatches=8)))
-  assert str(plan) == ("pipe[4+2+2 devices; generate: pipe=4, infer: data=-1, "
+  assert str(plan) == ("pipe[4+2+2 devices; generate: pipeline=4, infer: data=-1, "
                        "train: fsdp=-1, M=8, staleness<=1, queue=2]")
 
 
@@ -184,7 +184,7 @@ def test_experiment_config_converts_to_the_same_settings():
   assert ppo.clip_eps == config.ppo.clip_eps and ppo.steps == config.ppo.steps
   plan = Plan.from_config(config)
   assert plan.placement == (4, 2, 2) and plan.generate.num_microbatches == 8
-  assert plan.generate.mesh == MeshSpec(data=1, fsdp=1, tensor=-1, pipe=4)
+  assert plan.generate.mesh == MeshSpec(data=1, fsdp=1, tensor=-1, pipeline=4)
 
 
 def test_models_from_policy_checks_heads_and_reference(tmp_path):
@@ -241,7 +241,7 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
       Models.from_policy(models.from_pretrained(path)), ppo=ppo,
       sampling=SamplingSettings(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
       plan=Plan(mode="pipe", max_staleness=2, queue_size=2, placement=(2, 2, 4),
-                            generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)),
+                            generate=StagePlan(MeshSpec(data=1, pipeline=2), num_microbatches=2)),
       reward_fn=lambda p, c: [len(x) for x in c], decode=tok.decode)
   metrics = run(system, prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8),
                 steps=5).metrics
@@ -277,15 +277,15 @@ def test_num_slots_is_a_generation_setting():
   with pytest.raises(ValueError, match="stages.train.num_slots=4: only generation"):
     Plan(train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1), num_slots=4))
   # The pipelined decoder refills micro-batches of num_slots / num_microbatches rows.
-  Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_microbatches=2,
+  Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipeline=2), num_microbatches=2,
                                             num_slots=4))
   with pytest.raises(ValueError, match="num_slots=3 is not a multiple of "
                                        "stages.generate.num_microbatches=2"):
-    Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipe=2), num_microbatches=2,
+    Plan(mode="per_stage", generate=StagePlan(mesh=MeshSpec(pipeline=2), num_microbatches=2,
                                               num_slots=3))
   with pytest.raises(ValueError, match="the engine kept across updates is the plain"):
     Plan(mode="pipe", placement=(2, 1, 1), partial_rollouts=True,
-         generate=StagePlan(mesh=MeshSpec(pipe=2), num_slots=4))
+         generate=StagePlan(mesh=MeshSpec(pipeline=2), num_slots=4))
 
 
 def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):

@@ -235,9 +235,9 @@ def test_per_stage_strategies_match_sequential_and_count_weight_sync(tmp_path):
 
 def test_mesh_that_does_not_fit_fails_before_training(tmp_path):
   config = tiny("per_stage")
-  config.stages.generate.mesh = dict(pipe=8)  # 2 layers cannot split into 8 stages
+  config.stages.generate.mesh = dict(pipeline=8)  # 2 layers cannot split into 8 stages
   start = time.perf_counter()
-  with pytest.raises(ValueError, match=r"stages.generate.mesh.*pipe=8"):
+  with pytest.raises(ValueError, match=r"stages.generate.mesh.*pipeline=8"):
     train(config, str(tmp_path), progress=False)
   assert not os.path.exists(os.path.join(str(tmp_path), "warmstart"))
   assert time.perf_counter() - start < 60

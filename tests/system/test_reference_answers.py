@@ -77,7 +77,7 @@ def _system(plan: Plan, rule):
 def test_each_row_reaches_the_rule_with_its_own_answer(mode):
   plan = (Plan(mode="sequential") if mode == "sequential" else
              Plan(mode="pipe", max_staleness=1, placement=(2, 2, 4),
-                           generate=StagePlan(MeshSpec(data=1, pipe=2), num_microbatches=2)))
+                           generate=StagePlan(MeshSpec(data=1, pipeline=2), num_microbatches=2)))
   seen = []
   system = _system(plan, _pairing_rule(seen))
   records = [{"prompt": f"q{i}=", "answer": f"a{i}"} for i in range(24)]

@@ -37,11 +37,11 @@ def assemble(sharding, x, owner, processes):
 
 
 @pytest.mark.parametrize("shape, axes, spec, owner", [
-    ((8, 6), MeshShape(pipe=4, tensor=2), P("pipe", "tensor"), PAIRS),  # layer blocks
+    ((8, 6), MeshShape(pipeline=4, tensor=2), P("pipeline", "tensor"), PAIRS),  # layer blocks
     ((16, 3), MeshShape(data=2, fsdp=4), P(("data", "fsdp")), QUADS),  # batch rows
     ((8, 4), MeshShape(data=4, tensor=2), P("data", "tensor"), lambda d: d.id % 2),
-    ((8, 6), MeshShape(pipe=4, tensor=2), P(None, "tensor"), PAIRS),  # replicated rows
-    ((), MeshShape(pipe=4, tensor=2), P(), PAIRS),  # a scalar
+    ((8, 6), MeshShape(pipeline=4, tensor=2), P(None, "tensor"), PAIRS),  # replicated rows
+    ((), MeshShape(pipeline=4, tensor=2), P(), PAIRS),  # a scalar
 ])
 def test_each_process_block_reassembles_the_global_array(shape, axes, spec, owner):
   sharding = NamedSharding(make_mesh(axes), spec)
@@ -55,31 +55,31 @@ def test_each_process_block_reassembles_the_global_array(shape, axes, spec, owne
 
 
 def test_the_block_of_a_process_has_its_shape_and_its_place_in_the_array():
-  mesh = make_mesh(MeshShape(pipe=4, tensor=2))
-  block = tr.block_of(NamedSharding(mesh, P("pipe", "tensor")), (8, 6), 2, PAIRS)
+  mesh = make_mesh(MeshShape(pipeline=4, tensor=2))
+  block = tr.block_of(NamedSharding(mesh, P("pipeline", "tensor")), (8, 6), 2, PAIRS)
   assert (block.start, block.shape) == ((4, 0), (2, 6))
-  assert dict(block.sharding.mesh.shape) == {"data": 1, "fsdp": 1, "pipe": 1, "tensor": 2}
+  assert dict(block.sharding.mesh.shape) == {"data": 1, "fsdp": 1, "pipeline": 1, "tensor": 2}
   assert [d.id for d in block.sharding.mesh.devices.flat] == [4, 5]
-  assert block.sharding.spec == P("pipe", "tensor")
+  assert block.sharding.spec == P("pipeline", "tensor")
   # Rows replicated along the processes' axis: every process holds the whole array.
   whole = tr.block_of(NamedSharding(mesh, P(None, "tensor")), (8, 6), 3, PAIRS)
   assert (whole.start, whole.shape) == ((0, 0), (8, 6))
   # A mesh within one process: the whole array on the mesh itself.
-  sharding = NamedSharding(mesh, P("pipe"))
+  sharding = NamedSharding(mesh, P("pipeline"))
   assert tr.block_of(sharding, (8, 6), 0, lambda d: 0).sharding == sharding
 
 
 def test_a_process_whose_devices_are_not_a_block_is_refused():
-  mesh = make_mesh(MeshShape(pipe=4, tensor=2))  # rows [0 1] [2 3] [4 5] [6 7]
+  mesh = make_mesh(MeshShape(pipeline=4, tensor=2))  # rows [0 1] [2 3] [4 5] [6 7]
   # Process 0 on devices 0 and 3: a diagonal of the mesh, no rectangle.
   diagonal = {0: 0, 3: 0, 1: 1, 2: 1, 4: 2, 5: 2, 6: 3, 7: 3}
   with pytest.raises(ValueError, match=r"plan.placement: process 0's devices in the "
                      r"mesh .* are not a rectangular block"):
-    tr.block_of(NamedSharding(mesh, P("pipe")), (8, 6), 0, lambda d: diagonal[d.id])
+    tr.block_of(NamedSharding(mesh, P("pipeline")), (8, 6), 0, lambda d: diagonal[d.id])
   # Devices 0 and 4 (rows 0 and 2 of the mesh) are a rectangle, but their rows of a
-  # pipe-sharded array are not one block.
+  # pipeline-sharded array are not one block.
   with pytest.raises(ValueError, match=r"is not one block per process"):
-    tr.block_of(NamedSharding(mesh, P("pipe")), (8, 6), 0, lambda d: d.id % 4)
+    tr.block_of(NamedSharding(mesh, P("pipeline")), (8, 6), 0, lambda d: d.id % 4)
 
 
 def pipe_plan(placement, generate=MeshSpec(data=-1)):
@@ -88,9 +88,9 @@ def pipe_plan(placement, generate=MeshSpec(data=-1)):
 
 
 def test_stage_groups_of_whole_processes():
-  # 4 processes x 2 devices: generation spans processes 0-1 (its pipe rows), inference
+  # 4 processes x 2 devices: generation spans processes 0-1 (its pipeline rows), inference
   # and training one process each.
-  layouts = build_layouts(pipe_plan((4, 2, 2), MeshSpec(data=1, pipe=2, tensor=2)))
+  layouts = build_layouts(pipe_plan((4, 2, 2), MeshSpec(data=1, pipeline=2, tensor=2)))
   assert stage_processes(layouts, PAIRS) == {"generate": (0, 1), "infer": (2,),
                                              "train": (3,)}
   # Single-process stages as before: two of them may share a process.
@@ -121,7 +121,7 @@ def test_a_multi_process_stage_whose_processes_are_not_blocks_is_refused():
 
 
 def test_a_block_sent_for_another_place_in_the_array_is_refused():
-  sharding = NamedSharding(make_mesh(MeshShape(pipe=4, tensor=2)), P("pipe", "tensor"))
+  sharding = NamedSharding(make_mesh(MeshShape(pipeline=4, tensor=2)), P("pipeline", "tensor"))
   mine = tr.block_of(sharding, (8, 6), 1, PAIRS)
   theirs = tr.block_of(sharding, (8, 6), 2, PAIRS)  # same shape and sub-mesh, rows 4-5
   layout = lambda b: [dataclasses.replace(x, start=b.start) for x in tr.layout_of(
