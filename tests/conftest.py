@@ -57,11 +57,16 @@ def _sigint_has_pythons_handler(request):
 
 
 def pytest_collection_modifyitems(config, items):
-  """Runs the multi-process tests first, keeping the collected order within each group.
+  """Runs the multi-process tests and those marked `long` first, keeping the collected
+  order within each group.
 
-  They are the longest (tens of seconds to minutes each, every one starting several JAX
-  processes); `pytest -n 2` hands out tests in collection order, so started last they
-  leave one worker running the tail while the other idles. Longest first balances the
-  workers (the classic longest-processing-time-first schedule).
+  They are the longest (tens of seconds to minutes each); `pytest -n 2` hands out tests in
+  collection order, so started last they leave one worker running the tail while the
+  other idles. Longest first balances the workers (the classic
+  longest-processing-time-first schedule).
   """
-  items.sort(key=lambda item: item.get_closest_marker("multihost") is None)
+  def group(item):
+    if item.get_closest_marker("long"):
+      return 0  # the single longest cases: a real model, a whole experiment
+    return 1 if item.get_closest_marker("multihost") else 2
+  items.sort(key=group)

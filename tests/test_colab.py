@@ -41,6 +41,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert (run / name).read_bytes()[:4] == b"\x89PNG", name
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_real_model_notebook_executes(tmp_path, monkeypatch):
   # Loads the packaged SmolLM2-135M-Instruct (installed by .ci/run) and RL-trains it for

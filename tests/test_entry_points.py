@@ -26,6 +26,7 @@ def child_env():
   return xla_env.child_env(PYTHONPATH=ROOT)
 
 
+@pytest.mark.long
 def test_the_main_job_starts_quietly_and_ends_with_its_summary(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "pipe_rlhf_jax.main", "--config=configs/quickstart.py:tiny",

@@ -369,6 +369,7 @@ def test_the_bad_step_guard_continues_across_a_checkpoint():
 
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_fault_matrix_experiment_writes_its_row(tmp_path):
   # One case of experiments/fault_matrix.py (the critic-free job: no warm start to

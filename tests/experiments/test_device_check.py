@@ -18,6 +18,7 @@ from tests.helpers.xla_env import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_device_check_smoke_writes_finite_rows_per_mode_and_its_page(tmp_path):
   env = child_env()

@@ -184,6 +184,7 @@ def test_a_locked_run_is_passed_over(tmp_path):
     assert again  # released
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_experiment_end_to_end(tmp_path):
   # The experiment on the tiny quickstart: the seed's warm start into the store beside

@@ -476,6 +476,7 @@ def _packaged_or_skip(name):
     pytest.skip(str(e))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_packaged_model_matches_transformers(name):

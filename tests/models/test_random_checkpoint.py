@@ -177,6 +177,7 @@ def test_command_line(tmp_path, capsys):
   assert from_pretrained(tmp_path / "cli").config.vocab_size == 49152
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_real_qwen3_shape_forward_matches_transformers(tmp_path):
   """Qwen3-0.6B's exact shape (random bf16 weights): one forward of a few tokens.

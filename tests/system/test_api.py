@@ -116,6 +116,7 @@ def test_prompt_ids_past_the_policys_vocabulary_are_refused_naming_row_id_and_si
   assert system.version == 0  # nothing ran
 
 
+@pytest.mark.long
 def test_sampler_and_trainer_log_probs_agree_on_policy_and_differ_once_stale(tmp_path):
   # One model definition serves the sampler (token by token, KV cache) and the trainer
   # (whole sequences): at the same weights their log-probs of the sampled tokens agree
