@@ -60,10 +60,10 @@ def pytest_collection_modifyitems(config, items):
   """Runs the multi-process tests and those marked `long` first, keeping the collected
   order within each group.
 
-  They are the longest (tens of seconds to minutes each); `pytest -n 2` hands out tests in
-  collection order, so started last they leave one worker running the tail while the
-  other idles. Longest first balances the workers (the classic
-  longest-processing-time-first schedule).
+  They are the longest (tens of seconds to minutes each); `pytest -n 2` (with
+  `--dist=worksteal`, pyproject.toml) hands out tests in collection order, so started
+  last they would leave one worker running the tail while the other idles. Longest first
+  balances the workers (the classic longest-processing-time-first schedule).
   """
   def group(item):
     if item.get_closest_marker("long"):

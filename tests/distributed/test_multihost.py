@@ -277,10 +277,12 @@ def test_main_job_in_pipe_mode_across_processes(tmp_path):
   assert [r["step"] for r in rows] == [0, 1, 2]
   # The same job in one process on 8 devices: the warm start trains on the same devices,
   # so the reward model's scale and the held-out scores before PPO (both drawn from the
-  # warm-start policy, every process taking part) are the same to the last digit.
+  # warm-start policy, every process taking part) are the same to the last digit. Both
+  # come before PPO's first step, so this run takes one.
   one = tmp_path / "one"
   subprocess.run(["timeout", "-s", "KILL", "500", *MAIN,
-                  *[a.replace(str(workdir), str(one)) for a in args], *MEASURED_ARGS],
+                  *[a.replace(str(workdir), str(one)) for a in args], *MEASURED_ARGS,
+                  "--config.ppo.steps=1"],
                  check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                  env=child_env(8, PYTHONPATH=ROOT))
   assert standardised_by(workdir) == standardised_by(one) != []
@@ -471,8 +473,8 @@ def ppo_steps(workdir):
 
 # Extended: the default tier's cross-process stop is the exception case above, its signal
 # stop tests/test_faults.py's SIGINT inside the update; the slow tier stops and resumes
-# across processes by a kill and by the launcher's SIGTERM (below), and holds a resumed run
-# to the uninterrupted one in one process (tests/test_faults.py's signal matrix).
+# across processes by a kill (below), and holds a resumed run to the uninterrupted one in
+# one process (tests/test_faults.py's signal matrix).
 @pytest.mark.slow
 @pytest.mark.extended
 def test_a_signal_to_one_process_stops_both_at_one_step_and_resume_equals_the_whole_run(
@@ -499,7 +501,11 @@ def test_a_signal_to_one_process_stops_both_at_one_step_and_resume_equals_the_wh
   assert ppo_steps(tmp_path / "ctrl_c") == [0, 1]
 
 
+# Extended: the slow tier stops a two-process job and resumes it by a kill
+# (test_killed_process_stops_the_job_and_resume_finishes_it), and the default tier holds a
+# signal's save-and-resume to the uninterrupted run in one process (tests/test_faults.py).
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigterm_to_the_launcher_in_pipe_mode_saves_and_resume_finishes(tmp_path):
   # Pipe mode across 2 processes (generation and inference on process 1, training on
   # process 0); the launcher passes a SIGTERM on to both, which stop at one step.
