@@ -22,7 +22,7 @@ from pipe_rlhf_jax.config.experiment import (
   PlanChoice,
   PolicySamplingSettings,
 )
-from pipe_rlhf_jax.config.plan import STAGES, MeshSpec, Plan, StagePlan
+from pipe_rlhf_jax.config.plan import STAGES, MeshSpec, Plan
 
 # Fields whose default is decided elsewhere: the seed is the config's top-level `seed`.
 _NOT_IN_SECTION = {PPOSettings: ("seed",)}
@@ -72,6 +72,5 @@ def defaults() -> ml_collections.ConfigDict:
   sections["plan"] = {**section_defaults(Plan, skip=("mesh",) + STAGES),
                       **section_defaults(PlanChoice)}
   sections["mesh"] = plan.mesh.as_dict()
-  sections["stages"] = {s: _value(plan.stage(s)) for s in STAGES}
-  assert set(section_defaults(StagePlan)) == set(sections["stages"]["train"])
+  sections["stages"] = {s: _value(plan.stage(s)) for s in STAGES}  # every StagePlan field
   return ml_collections.ConfigDict(sections)

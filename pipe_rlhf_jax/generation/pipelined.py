@@ -1,7 +1,7 @@
 """Delayed inter-batch pipelined generation: P layer stages, M micro-batches, one ring.
 
 This module owns the pipelined decoder. The batch is cut into M micro-batches; the
-stacked `layers` axis is sharded over the mesh's `pipe` axis, so stage s owns a
+stacked `layers` axis is sharded over the mesh's `pipeline` axis, so stage s owns a
 contiguous slice of layers; and one `jax.shard_map` (manual over 'pipeline' only, so
 'tensor' stays automatic and tensor parallelism works inside a stage) runs every
 stage in lock-step ticks. The work of stage s at tick t is the closed form of

@@ -1,6 +1,6 @@
 """The generation stage: sampling rollouts with behaviour log-probs on its own mesh.
 
-When the stage's mesh has a `pipe` axis larger than one, decoding runs the delayed
+When the stage's mesh has a `pipeline` axis larger than one, decoding runs the delayed
 inter-batch pipeline (`generation/pipelined.py`) with `num_microbatches`; otherwise the
 plain KV-cache sampler, with data / fsdp / tensor parallelism from the mesh and rules,
 either as one static batch or, with `num_slots` > 0, as a queue over that many slots
