@@ -15,6 +15,7 @@ path (`ppo.clip_eps`) and what is allowed.
   reward, warm_start, checkpoint, log, PPO's sampling, how the plan is chosen).
 - `defaults`: the config a config file starts from, every field at the default its class
   states, so that a file states only what differs.
+- `retired`: config keys of an earlier release, refused with their new names.
 
 The package sits directly above the algorithms (`ppo`, `generation`, `data`): the names
 of estimators, losses and rewards are checked against the algorithms' registries, so the

@@ -40,6 +40,7 @@ from pipe_rlhf_jax.checks import (
 )
 from pipe_rlhf_jax.config.algorithm import PPOSettings
 from pipe_rlhf_jax.config.plan import Plan
+from pipe_rlhf_jax.config.retired import check_renamed_keys
 
 # Registers the built-in rule rewards: the names are checked against REWARD_FUNCTIONS,
 # which is empty in a process that has not imported them yet. (Importing the registry
@@ -488,26 +489,6 @@ class PlanChoice:
     check_fraction(values.get("response_fraction", 1.0), f"{path}.response_fraction")
     check_choice(values.get("choose", cls.choose), f"{path}.choose", ("auto", "manual"))
     return cls(**values)
-
-
-# Keys a config of an earlier release used, and what replaced them: refused with the new
-# name (never read as an alias, so one config means one thing).
-RENAMED_KEYS = {"runtime": "plan", "runtime.plan": "plan.choose", "plan.plan": "plan.choose",
-                "mesh.pipe": "mesh.pipeline", "warm_start.mesh.pipe": "warm_start.mesh.pipeline",
-                **{f"stages.{s}.mesh.pipe": f"stages.{s}.mesh.pipeline"
-                   for s in ("generate", "infer", "train")}}
-
-
-def check_renamed_keys(config) -> None:
-  """Raises ValueError naming the new key for each renamed one `config` still uses."""
-  for old, new in RENAMED_KEYS.items():
-    node, parts = config, old.split(".")
-    for part in parts[:-1]:
-      node = node.get(part) if hasattr(node, "get") else None
-    if hasattr(node, "keys") and parts[-1] in node:
-      hint = (" (and runtime.plan is now plan.choose)" if old == "runtime" else "")
-      raise ValueError(f"Config key {old} was renamed {new}{hint}: rename it in the config "
-                       f"file or on the command line (--config.{new}=...).")
 
 
 # The sections of one settings class each (the others: ppo, plan, mesh, stages).
