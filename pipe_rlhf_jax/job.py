@@ -197,7 +197,7 @@ def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any],
 def sampling_params(setup: RunSetup, system: PPOSystem):
   """The actor to show samples from: in the generation layout, or, in pipe mode across
   processes, where the trainer holds it (generation is another process's)."""
-  return system.state.actor if setup.role.across else system.actor_for_generation()[0]
+  return system.trained_actor() if setup.role.across else system.actor_for_generation()[0]
 
 
 def open_metrics(setup: RunSetup) -> metrics_lib.MetricsWriter:
@@ -291,6 +291,8 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
                   actor=warm["actor"],
                   reference=warm["actor"] if ppo.needs_reference else None, critic=critic,
                   reward=warm["reward"] if use_rm else None)
+  # LoRA: the warm start trained whole models; PPO trains adapters added to them here.
+  models = models.with_adapters(settings.lora, settings.seed + 3)
   sampling = ppo_sampling(settings, tokenizer)
   decode = lambda ids: tokenizer.decode(ids)
   reward = settings.reward
@@ -303,7 +305,7 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
                      sampling=sampling, plan=plan,
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
                      ptx_demos=ptx_demos)
-  return BuiltSystem(system, sampling, actor_gd, reward_stats)
+  return BuiltSystem(system, sampling, models.actor_graphdef, reward_stats)
 
 
 def run(experiment: Experiment, workdir: str | None = None, *, resume: bool = False,

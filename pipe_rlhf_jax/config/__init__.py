@@ -12,7 +12,7 @@ path (`ppo.clip_eps`) and what is allowed.
   planner's prediction).
 - `experiment`: `ExperimentSettings`, every section of one experiment config, and the
   sections that are not the algorithm's or the plan's (model, data, sft, reward_model,
-  reward, warm_start, checkpoint, log, PPO's sampling, how the plan is chosen).
+  reward, warm_start, lora, checkpoint, log, PPO's sampling, how the plan is chosen).
 - `defaults`: the config a config file starts from, every field at the default its class
   states, so that a file states only what differs.
 - `retired`: config keys of an earlier release, refused with their new names.
@@ -27,13 +27,13 @@ Everything above (stages, system, phases, job, planner) imports settings from he
 """
 
 from pipe_rlhf_jax.config.algorithm import KL_PLACEMENTS, PPOSettings
-from pipe_rlhf_jax.config.experiment import ExperimentSettings
+from pipe_rlhf_jax.config.experiment import ExperimentSettings, LoRASettings
 from pipe_rlhf_jax.config.plan import MODES, STAGES, MeshSpec, Plan, PlannedRun, StagePlan
 from pipe_rlhf_jax.data.arith import ArithSettings
 from pipe_rlhf_jax.data.word_problems import WordProblemSettings
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 
-__all__ = ["AdvantageSettings", "ArithSettings", "ExperimentSettings", "KL_PLACEMENTS", "MODES",
-           "MeshSpec", "PPOSettings", "Plan", "PlannedRun", "STAGES", "SamplingSettings",
-           "StagePlan", "WordProblemSettings"]
+__all__ = ["AdvantageSettings", "ArithSettings", "ExperimentSettings", "KL_PLACEMENTS",
+           "LoRASettings", "MODES", "MeshSpec", "PPOSettings", "Plan", "PlannedRun", "STAGES",
+           "SamplingSettings", "StagePlan", "WordProblemSettings"]

@@ -50,14 +50,14 @@ from pipe_rlhf_jax.data.arith import ArithSettings
 from pipe_rlhf_jax.data.digests import JSONL_ROLES
 from pipe_rlhf_jax.data.word_problems import WordProblemSettings
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
-from pipe_rlhf_jax.models import hf, load
+from pipe_rlhf_jax.models import hf, load, lora
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "plan",
                      "mesh", "stages", "checkpoint", "log")
-TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start")
+TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start", "lora")
 
 
 def _missing(path: str) -> ValueError:
@@ -381,6 +381,44 @@ class WarmStartSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRASettings:
+  """`lora`: train LoRA adapters in PPO instead of every parameter (`models/lora.py`).
+
+  The actor and the critic get adapters on `targets` as PPO starts (after the warm
+  start, which trains whole models); the reference policy is then the actor's base with
+  the adapters off (no copy of its own), the optimizer states hold the adapters only (and
+  the critic's value head), weight sync moves the adapters only, and a PPO checkpoint
+  holds those (the base is the warm start's, whose fingerprint the run's covers). The
+  run's export writes the merged model and the adapters alone in peft's layout.
+
+  Attributes:
+    rank: 0 (no adapters: every parameter trains) or the adapters' rank.
+    alpha: the adapters' outputs are scaled by alpha / rank (peft's `lora_alpha`).
+    targets: comma-separated projections (q_proj, k_proj, v_proj, o_proj, gate_proj,
+      up_proj, down_proj) or groups ("attention", "mlp", "all").
+  """
+
+  rank: int = 0
+  alpha: float = 16.0
+  targets: str = "all"
+
+  @classmethod
+  def from_config(cls, section, path: str = "lora") -> "LoRASettings":
+    values = _fields(cls, section or {}, path)
+    check_int(values.get("rank", 0), f"{path}.rank", low=0)
+    settings = cls(**values)
+    settings.apply(tiny_config())  # checks alpha and the targets, naming the field
+    return settings
+
+  def apply(self, config: TransformerConfig) -> TransformerConfig:
+    """`config` with these adapters (unchanged at rank 0)."""
+    if not self.rank:
+      return config
+    return config.replace(lora_rank=self.rank, lora_alpha=float(self.alpha),
+                          lora_targets=lora.parse_targets(self.targets))
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
   """`checkpoint`: a PPO checkpoint every `every` steps (and at the end), `keep` kept."""
 
@@ -494,8 +532,8 @@ class PlanChoice:
 # The sections of one settings class each (the others: ppo, plan, mesh, stages).
 SECTION_TYPES = {"model": ModelSettings, "data": DataSettings, "sft": SFTSettings,
                  "reward_model": RewardModelSettings, "reward": RewardSettings,
-                 "warm_start": WarmStartSettings, "checkpoint": CheckpointSettings,
-                 "log": LogSettings}
+                 "warm_start": WarmStartSettings, "lora": LoRASettings,
+                 "checkpoint": CheckpointSettings, "log": LogSettings}
 # The plan section's keys `Plan.from_config` reads.
 _PLAN_FIELDS = ("mode", "max_staleness", "partial_rollouts", "past_staleness", "queue_size",
                 "shutdown_timeout_s", "progress_timeout_s", "placement")
@@ -511,7 +549,8 @@ class ExperimentSettings:
 
   Attributes:
     name / seed / workdir: the run's name, seed and directory (empty: runs/<name>-<time>).
-    model, data, sft, reward_model, reward, warm_start, checkpoint, log: the sections.
+    model, data, sft, reward_model, reward, warm_start, lora, checkpoint, log: the
+      sections.
     ppo: the algorithm, seeded by `seed` (`PPOSettings`).
     sampling: how PPO samples (`ppo.temperature`, `top_k`, `top_p`).
     critic_init: where the critic's backbone starts, "reward_model" or "sft"
@@ -529,6 +568,7 @@ class ExperimentSettings:
   reward_model: RewardModelSettings
   reward: RewardSettings
   warm_start: WarmStartSettings
+  lora: LoRASettings
   checkpoint: CheckpointSettings
   log: LogSettings
   ppo: PPOSettings
@@ -565,6 +605,7 @@ class ExperimentSettings:
         reward_model=RewardModelSettings.from_config(config.reward_model),
         reward=RewardSettings.from_config(config.reward),
         warm_start=WarmStartSettings.from_config(config.get("warm_start")),
+        lora=LoRASettings.from_config(config.get("lora")),
         checkpoint=CheckpointSettings.from_config(config.checkpoint),
         log=LogSettings.from_config(config.log), ppo=ppo,
         sampling=PolicySamplingSettings.from_config(config.ppo),
@@ -669,11 +710,16 @@ class ExperimentSettings:
 
   def to_dict(self) -> dict[str, Any]:
     """The settings as plain, JSON-able data: the config's sections with every default
-    filled in (the plan as `plan`); what the fingerprints hash."""
+    filled in (the plan as `plan`; `lora` only with adapters); what the fingerprints
+    hash."""
     out = {"name": self.name, "seed": self.seed, "workdir": self.workdir}
-    for name in ("model", "data", "sft", "reward_model", "reward", "warm_start",
+    for name in ("model", "data", "sft", "reward_model", "reward", "warm_start", "lora",
                  "checkpoint", "log", "ppo"):
       out[name] = self.section_dict(name)
+    if not self.lora.rank:
+      # No adapters: the section changes nothing, and left out it keeps the fingerprint
+      # of checkpoints written before the section existed.
+      del out["lora"]
     # The ppo section: the algorithm, its sampling and where the critic starts.
     out["ppo"].pop("seed", None)  # the top-level seed
     out["ppo"].update(self.section_dict("sampling"), critic_init=self.critic_init)

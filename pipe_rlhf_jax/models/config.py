@@ -105,6 +105,11 @@ class TransformerConfig:
       of the stacked arrays: faster steps, longer compiles (the layer is compiled once
       per layer). An integer >= 1 asks for a loop of that many layers per iteration
       (1: a loop over the stacked layers, the shortest compile).
+    lora_rank: 0 (no adapters) or the rank of the LoRA adapters on `lora_targets`
+      (`models/lora.py`): a pair of weights beside each adapted projection, trained while
+      the base stays frozen.
+    lora_alpha: the adapters' scale is `lora_alpha / lora_rank` (peft's convention).
+    lora_targets: the adapted projections, a subset of `models.lora.TARGETS`.
   """
 
   vocab_size: int
@@ -138,6 +143,9 @@ class TransformerConfig:
   remat: str = "none"
   logits_chunk_size: int = 0
   scan_unroll: int = 0
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, FrozenDict):
@@ -145,6 +153,8 @@ class TransformerConfig:
       object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
     if self.layer_types is not None and not isinstance(self.layer_types, tuple):
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if not isinstance(self.lora_targets, tuple):
+      object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
     self.validate()
 
   def validate(self) -> None:
@@ -210,6 +220,21 @@ class TransformerConfig:
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"model.{name}={value!r} must be None or > 0.")
+    if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or (
+        self.lora_rank < 0):
+      raise ValueError(f"lora.rank={self.lora_rank!r} must be an integer >= 0 (0: no "
+                       "adapters).")
+    if self.lora_rank:
+      from pipe_rlhf_jax.models.lora import TARGETS
+      bad = sorted(set(self.lora_targets) - set(TARGETS))
+      if bad or not self.lora_targets:
+        raise ValueError(f"lora.targets={list(self.lora_targets)}: name at least one of "
+                         f"{TARGETS}.")
+      if not self.lora_alpha > 0:
+        raise ValueError(f"lora.alpha={self.lora_alpha!r} must be > 0.")
+    elif self.lora_targets:
+      raise ValueError(f"lora.targets={list(self.lora_targets)} without lora.rank: set a "
+                       "rank > 0, or no targets.")
 
   @property
   def is_gemma(self) -> bool:
@@ -234,6 +259,27 @@ class TransformerConfig:
     """The factor on q.k scores."""
     scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
     return float(scalar) ** -0.5
+
+  @property
+  def lora_scale(self) -> float:
+    """The factor on each adapter's output, alpha / rank."""
+    return float(self.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
+
+  @property
+  def base(self) -> "TransformerConfig":
+    """The same model without adapters (the reference policy, the merged export)."""
+    return self.replace(lora_rank=0, lora_targets=())
+
+  def num_adapter_params(self) -> int:
+    """Adapter weights (0 without adapters): rank x (fan_in + fan_out) per projection."""
+    if not self.lora_rank:
+      return 0
+    e, f, h, k, d = (self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads,
+                     self.head_dim)
+    fans = {"q_proj": (e, h * d), "k_proj": (e, k * d), "v_proj": (e, k * d),
+            "o_proj": (h * d, e), "gate_proj": (e, f), "up_proj": (e, f),
+            "down_proj": (f, e)}
+    return self.num_layers * self.lora_rank * sum(sum(fans[t]) for t in self.lora_targets)
 
   @property
   def compute_dtype(self):

@@ -3,7 +3,8 @@
 What benchmarks divide measured times by (achieved FLOP/s, decode bytes/s) and what a cost
 model prices. Counts are of matrix multiplications (2 FLOPs per multiply-add); norms,
 RoPE and softmax are left out (a few % at these widths). A backward pass is counted as
-twice the forward; full per-layer remat adds one more forward of the layers. What the
+twice the forward (once with LoRA adapters: no base weight gradients); full per-layer
+remat adds one more forward of the layers. What the
 matmul counts leave out is counted as activation elements (`forward_elements`), which the
 planner prices as traffic over the memory bandwidth.
 """
@@ -14,9 +15,11 @@ from pipe_rlhf_jax.models.config import TransformerConfig
 
 
 def layer_matmul_params(cfg: TransformerConfig) -> int:
-  """Weights one token multiplies through in one layer (q, k, v, o, gate, up, down)."""
+  """Weights one token multiplies through in one layer (q, k, v, o, gate, up, down, and
+  their LoRA adapters' A and B)."""
   e, h, k, d, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-  return e * (h + 2 * k) * d + h * d * e + 3 * e * f
+  adapters = cfg.num_adapter_params() // cfg.num_layers
+  return e * (h + 2 * k) * d + h * d * e + 3 * e * f + adapters
 
 
 def head_params(cfg: TransformerConfig) -> int:
@@ -65,9 +68,15 @@ def forward_elements(cfg: TransformerConfig, batch: int, length: int,
 
 def train_flops(cfg: TransformerConfig, batch: int, length: int, remat: str = "none",
                 head_positions: int | None = None) -> float:
-  """Forward + backward of one pass (backward = 2 forwards; full remat re-runs the layers)."""
+  """Forward + backward of one pass (backward = 2 forwards; full remat re-runs the layers).
+
+  With LoRA adapters the backward computes the activations' gradients (one forward) and
+  the adapters' weight gradients only: no base weight's gradient (the other forward).
+  """
   fwd = forward_flops(cfg, batch, length, head_positions=head_positions)
   extra = forward_flops(cfg, batch, length, head_positions=0) if remat == "full" else 0.0
+  if cfg.lora_rank:
+    return 2 * fwd + 2 * batch * length * cfg.num_adapter_params() + extra
   return 3 * fwd + extra
 
 

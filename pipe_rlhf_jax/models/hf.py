@@ -3,7 +3,7 @@
 This module owns the translation between Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral /
 Gemma 3 (text) checkpoints and our stacked-layer `Transformer`: the config mapping
 (`config_from_hf`, `config_to_hf`), the tensor layout mapping, and `from_pretrained` /
-`save_pretrained`.
+`save_pretrained`, and the export of LoRA adapters in peft's layout (`save_adapters`).
 
 Supported architectures: {Llama, Qwen2, Qwen3, Mistral}ForCausalLM (head "lm") and
 {Llama, Qwen2, Qwen3, Mistral}ForSequenceClassification with `num_labels == 1` (head
@@ -74,6 +74,12 @@ Files: `config.json` and `model.safetensors`, or shards listed in
 `model.safetensors.index.json` (the single file wins when both exist). The bytes are
 `models/safetensors_io.py`'s: damaged files and indices whose shards leave the directory
 are refused there, naming the file and the tensor.
+
+A model with LoRA adapters exports as its merged model (`save_pretrained`: every adapter
+folded into its projection, a plain checkpoint of the base architecture), and its adapters
+alone as peft writes them (`save_adapters`: `adapter_config.json` and
+`adapter_model.safetensors`, keys `base_model.model.<module>.lora_A.weight` [rank, in] and
+`lora_B.weight` [out, rank]), which `peft.PeftModel.from_pretrained` loads onto the base.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipe_rlhf_jax.models import lora
 from pipe_rlhf_jax.models.checkpoint_files import is_gguf
 from pipe_rlhf_jax.models.config import DTYPES, ROPE_TYPES, TransformerConfig, dtype_name
 from pipe_rlhf_jax.models.safetensors_io import (
@@ -99,7 +106,7 @@ from pipe_rlhf_jax.models.safetensors_io import (
   read_safetensors,
   write_safetensors,
 )
-from pipe_rlhf_jax.models.transformer import Transformer
+from pipe_rlhf_jax.models.transformer import Transformer, init_model
 
 logger = logging.getLogger(__name__)
 
@@ -828,6 +835,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
                     dtype: Any = None) -> Path:
   """Writes config.json and model.safetensors that transformers (4.x and 5.x) loads.
 
+  A model with LoRA adapters is written merged (`models.lora.merged`): the base
+  architecture's checkpoint, which computes what the adapted model computes.
+
   Args:
     model: the Transformer.
     path: output directory (created if missing).
@@ -836,6 +846,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
   Returns:
     The output directory.
   """
+  if model.config.lora_rank:
+    base = model.config.base
+    graphdef = nnx.split(nnx.eval_shape(lambda: init_model(base)))[0]
+    model = nnx.merge(graphdef, lora.merged(nnx.state(model), model.config))
   c = model.config
   dtype = c.param_dtype if dtype is None else dtype_name(dtype)
   np_dtype = np.dtype(DTYPES[dtype])
@@ -859,4 +873,43 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     tensors["score.weight"] = host(model.scalar_head).T
   write_safetensors(path / "model.safetensors", tensors)
   (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  return path
+
+
+def save_adapters(model: Transformer, path: str | os.PathLike, *,
+                  base_model_name_or_path: str = "") -> Path:
+  """Writes the model's LoRA adapters alone as peft does: `adapter_config.json` and
+  `adapter_model.safetensors` (float32), for `peft.PeftModel.from_pretrained(base, path)`
+  on the Hugging Face export of the base model.
+
+  Our A [*in, rank] is peft's `lora_A.weight` [rank, in] transposed (the input dimensions
+  flattened), our B [rank, *out] its `lora_B.weight` [out, rank]; `lora_alpha` and `r` keep
+  the scale alpha / rank.
+  """
+  c = model.config
+  if not c.lora_rank:
+    raise ValueError("save_adapters: the model has no LoRA adapters (lora_rank=0).")
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  hf_module = {t.ours: t.hf[:-len(".weight")] for t in layer_tensors(c)}
+  tensors = {}
+  for target in c.lora_targets:
+    a_name, b_name = lora.names(target)
+    a = np.asarray(jax.device_get(getattr(model.layers, a_name).get_value()), np.float32)
+    b = np.asarray(jax.device_get(getattr(model.layers, b_name).get_value()), np.float32)
+    for i in range(c.num_layers):
+      prefix = f"base_model.model.model.layers.{i}.{hf_module[target]}"
+      tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(
+          a[i].reshape(-1, c.lora_rank).T)
+      tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(
+          b[i].reshape(c.lora_rank, -1).T)
+  write_safetensors(path / "adapter_model.safetensors", tensors)
+  adapter_config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.lora_rank,
+      "lora_alpha": float(c.lora_alpha), "target_modules": sorted(c.lora_targets),
+      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+      "inference_mode": True, "base_model_name_or_path": base_model_name_or_path or None,
+  }
+  (path / "adapter_config.json").write_text(
+      json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
   return path

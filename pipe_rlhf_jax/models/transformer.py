@@ -31,6 +31,10 @@ Design points a reader should know:
   holding a slice of the layers gets its own slice of the pattern). Sliding windows are
   measured in cache slots, as transformers measures them in cache positions (left
   padding included). The cache keeps every slot for local layers too.
+- LoRA adapters (`config.lora_rank` > 0, `models/lora.py`) are two more stacked arrays
+  per adapted projection, `<proj>_lora_a` / `<proj>_lora_b`, added to its output inside
+  the block; every decoder, the pipeline's layer slices and the shardings carry them as
+  they carry the projection.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from pipe_rlhf_jax.models import attention as attention_lib
+from pipe_rlhf_jax.models import lora
 from pipe_rlhf_jax.models.config import EXECUTION_FIELDS, TransformerConfig
 from pipe_rlhf_jax.parallel.logical import constrain
 
@@ -250,9 +255,16 @@ class Layers(nnx.Module):
     for name, shape in shapes.items():
       init = norm_init if name.endswith("norm") else "zeros" if "bias" in name else "normal"
       setattr(self, name, _param(rngs, shape, LAYER_PARAM_AXES[name], dt, init))
+    for target in c.lora_targets:
+      a, b = lora.init_adapter(rngs.params(), target, shapes[target], c.lora_rank, dt)
+      a_axes, b_axes = lora.adapter_axes(target, LAYER_PARAM_AXES[target])
+      a_name, b_name = lora.names(target)
+      setattr(self, a_name, lora.Adapter(a, axes=a_axes))
+      setattr(self, b_name, lora.Adapter(b, axes=b_axes))
 
   def param_names(self) -> list[str]:
-    return [name for name in LAYER_PARAM_AXES if hasattr(self, name)]
+    names = [name for name in LAYER_PARAM_AXES if hasattr(self, name)]
+    return names + [n for t in self.config.lora_targets for n in lora.names(t)]
 
   def per_layer(self) -> tuple[dict[str, jax.Array], ...]:
     """Each local layer's parameters as arrays of their own, `({name: [...]}, ...)`.
@@ -380,10 +392,20 @@ class Layers(nnx.Module):
     groups = c.num_heads // c.num_kv_heads
 
     gemma = c.is_gemma
+
+    def project(x, name, num_in=1):
+      y = dense(x, w[name], num_in)
+      if name in c.lora_targets:
+        a_name, b_name = lora.names(name)
+        # [..., rank]: the adapter's narrow path, x @ A then @ B, never A @ B itself.
+        low = dense(x, w[a_name], num_in)
+        y = y + dense(low, w[b_name]) * jnp.asarray(c.lora_scale, y.dtype)
+      return y
+
     x = rms_norm(h, w["attn_norm"], c.norm_eps, gemma)
-    q = dense(x, w["q_proj"])  # [batch, length, heads, head_dim]
-    k = dense(x, w["k_proj"])  # [batch, length, kv_heads, head_dim]
-    v = dense(x, w["v_proj"])
+    q = project(x, "q_proj")  # [batch, length, heads, head_dim]
+    k = project(x, "k_proj")  # [batch, length, kv_heads, head_dim]
+    v = project(x, "v_proj")
     if c.qkv_bias:
       q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if c.qk_norm:
@@ -418,7 +440,7 @@ class Layers(nnx.Module):
                                    impl=c.attention, block_size=c.attention_block_size,
                                    scale=scale)
     attn = attn.reshape(batch, length, c.num_heads, c.head_dim)
-    out = dense(attn, w["o_proj"], num_in=2)
+    out = project(attn, "o_proj", num_in=2)
     if c.out_bias:
       out = out + w["o_bias"]
     if gemma:  # Gemma normalises each branch's output before adding it back
@@ -426,12 +448,12 @@ class Layers(nnx.Module):
     h = constrain(h + out, ("batch", "length", "embed"))
 
     x = rms_norm(h, w["mlp_norm"], c.norm_eps, gemma)
-    gate = dense(x, w["gate_proj"])
-    up = dense(x, w["up_proj"])
+    gate = project(x, "gate_proj")
+    up = project(x, "up_proj")
     # GELU with the tanh approximation: transformers' gelu_pytorch_tanh.
     act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
     hidden = constrain(act * up, ("batch", "length", "mlp"))
-    out = dense(hidden, w["down_proj"])
+    out = project(hidden, "down_proj")
     if gemma:
       out = rms_norm(out, w["post_mlp_norm"], c.norm_eps, True)
     h = h + out

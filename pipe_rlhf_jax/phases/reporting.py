@@ -64,7 +64,8 @@ def reward_summary(warm: dict[str, Any], stats=None) -> dict[str, str]:
 
 def export_policy(model, export_dir: str) -> None:
   """Writes `model` in Hugging Face format to `export_dir`, replacing a previous export
-  only once the new one is complete.
+  only once the new one is complete. A model with LoRA adapters is written merged, and
+  its adapters alone in peft's layout under `<export_dir>/adapter`.
 
   The files are written to `<export_dir>.partial` beside it; then the previous export is
   renamed to `<export_dir>.previous`, the new one renamed into place, and the previous
@@ -79,6 +80,8 @@ def export_policy(model, export_dir: str) -> None:
     shutil.rmtree(stale, ignore_errors=True)
   try:
     hf.save_pretrained(model, partial)
+    if model.config.lora_rank:  # the adapters alone too, for peft on the base model
+      hf.save_adapters(model, os.path.join(partial, "adapter"))
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise
@@ -106,7 +109,7 @@ def report(setup: RunSetup, built: BuiltSystem, warm: dict[str, Any], tracer: Tr
     comparisons.update(heldout.summary_lines(before[decoding], after[decoding]))
   # Both run programs on every process holding the trainer state (all of them, except in
   # pipe mode across processes); then only the writing process writes.
-  actor = distributed.fetch(system.state.actor) if setup.role.trains else None
+  actor = distributed.fetch(system.trained_actor()) if setup.role.trains else None
   if not setup.role.writes:
     return JobResult(workdir=workdir, wall_s=time.perf_counter() - start_time,
                      summary=f"process {distributed.process_index()}: the run's files "

@@ -73,7 +73,8 @@ def workload(settings: ExperimentSettings, actor: TransformerConfig, num_devices
   """What one PPO step of the experiment computes, on `num_devices` devices."""
   ppo = settings.ppo
   return space.Workload(
-      actor=actor, batch_size=ppo.batch_size, minibatch_size=ppo.minibatch_size,
+      actor=settings.lora.apply(actor), batch_size=ppo.batch_size,
+      minibatch_size=ppo.minibatch_size,
       epochs=ppo.epochs, prompt_len=settings.data.prompt_len,
       gen_len=settings.data.completion_len, num_devices=num_devices,
       devices_per_host=min(devices_per_host, num_devices),

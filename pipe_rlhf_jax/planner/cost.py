@@ -60,7 +60,7 @@ from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.planner import lengths
 from pipe_rlhf_jax.planner.hardware import Hardware
-from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes
+from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes, trained_bytes
 from pipe_rlhf_jax.planner.space import Workload
 
 
@@ -643,7 +643,8 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     fl = flops.train_flops(cfg, work.minibatch_size, work.length, remat=plan.remat,
                            head_positions=work.gen_len)
     w = param_bytes(cfg)
-    adam_bytes = 7 * w * d  # every replica updates its copy
+    # What trains (with LoRA, the adapters): every replica updates its copy.
+    adam_bytes = 7 * trained_bytes(cfg) * d
     compute += steps * _replicated_roofline(m, fl, 0.0, n // p, p, cfg.dtype, m.eff.train)
     # The forward's activation elements of each step (a third more of the layers' with
     # full remat: one more forward of three); the passes carry the backward's.
@@ -656,9 +657,10 @@ def train_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> Stag
     # Gradients are reduced per layer, a layer's arrays in one collective (seen in XLA:CPU's
     # compiled update too).
     reductions = cfg.num_layers + 1
+    grad_shard = trained_bytes(cfg) / (t * p)  # gradients exist for what trains only
     comm_step = (2 * m.all_gather(shard, f, hosts["fsdp"], count=gathers)
-                 + m.reduce_scatter(shard, f, hosts["fsdp"], count=reductions))
-    comm_step += m.all_reduce(shard / f, d, hosts["data"], count=reductions)
+                 + m.reduce_scatter(grad_shard, f, hosts["fsdp"], count=reductions))
+    comm_step += m.all_reduce(grad_shard / f, d, hosts["data"], count=reductions)
     comm_step += 4 * cfg.num_layers * m.all_reduce(rows * work.length * cfg.embed_dim * act,
                                                    t, hosts["tensor"])
     # Layers sharded over pipe (sequential mode's one mesh): gathered before the layer

@@ -18,7 +18,13 @@ Per device and stage (b = rows per device, L = prompt + completion tokens):
     the layer being recomputed under remat; the head's logits.
 Parameters are split over fsdp x tensor x pipeline (data replicates). In `sequential` and
 `per_stage` modes the three stages share the devices, so the persistent state of all three
-lives there at once, plus the largest transient. Shares of the host (cpu profile): all
+lives there at once, plus the largest transient.
+With LoRA adapters (`actor.lora_rank` > 0) the models carry their adapters beside the
+base; the reference is the actor's base; the trainer's moments, gradients and updates
+cover the trained parameters only (adapters, and the critic's value head); and in
+`sequential` mode (one mesh) the stages share one copy of each frozen base
+(`PPOSystem` places each from the stage before it), so the terms marked "shared" count
+once. Shares of the host (cpu profile): all
 virtual devices share the host's RAM, so each device gets capacity / devices_per_host.
 Checked against XLA's `compiled.memory_analysis()` of the real train, infer and generate
 programs (tests/planner/test_memory.py: within 25%, the measured ratios listed there),
@@ -47,7 +53,21 @@ USABLE_FRACTION = 0.9
 
 
 def param_bytes(cfg: TransformerConfig) -> float:
-  return cfg.num_params() * _BYTES[cfg.param_dtype]
+  """Every parameter of `cfg`'s model, its adapters included."""
+  return (cfg.num_params() + cfg.num_adapter_params()) * _BYTES[cfg.param_dtype]
+
+
+def trained_bytes(cfg: TransformerConfig) -> float:
+  """The parameters an update trains: all of them, or with adapters those and a value
+  head (`models.lora.trainable_filter`)."""
+  if not cfg.lora_rank:
+    return param_bytes(cfg)
+  head = cfg.embed_dim if cfg.head == "value" else 0
+  return (cfg.num_adapter_params() + head) * _BYTES[cfg.param_dtype]
+
+
+# Terms of a frozen base another stage also holds: in `sequential` mode the same arrays.
+SHARED = "shared "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +219,14 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
   if stage == "infer":
     models = work.models("infer")
     b = work.batch_size / batch_ways
+    if cfg.lora_rank:  # the reference is the actor's base: the generation stage's
+      shared = sum(param_bytes(c) for c in models if c.head == "lm") / param_ways
+      persistent = ((SHARED + "reference (the actor's base)", shared),
+                    ("critic/reward params",
+                     sum(param_bytes(c) for c in models if c.head != "lm") / param_ways))
+    else:
+      persistent = (("ref/critic/reward params",
+                     sum(param_bytes(c) for c in models) / param_ways),)
     # Forward only: one layer's intermediates at a time, one model at a time in a loop;
     # unrolled, XLA's default CPU order interleaves the models' layers (at the tests'
     # activation-dominated size 34.9 MiB against 19.7 MiB looped; 17.1 MiB under the
@@ -209,16 +237,17 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     logits = b * positions * vocab_dev * 4 * 2  # logits and log-softmax, f32
     gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
     return StageMemory(
-        (("ref/critic/reward params", sum(param_bytes(c) for c in models) / param_ways),),
+        persistent,
         (("layer activations", layer), ("logits", logits),
          ("fsdp-gathered weights", gathered)))
   if stage == "train":
     b = work.minibatch_size / batch_ways
     trained = work.models("train")  # the actor, and the critic when there is one
     params = sum(param_bytes(c) for c in trained) / param_ways
-    opt = 2 * params  # Adam m and v of actor and critic, parameter dtype
-    grads = params
-    updates = params  # the optimizer's updates, alive with the gradients until applied
+    learned = sum(trained_bytes(c) for c in trained) / param_ways
+    opt = 2 * learned  # Adam m and v of what trains, parameter dtype
+    grads = learned
+    updates = learned  # the optimizer's updates, alive with the gradients until applied
     # The SFT term's demonstrations (ppo.ptx_coef) are more rows of the actor's forward.
     ptx = work.ptx_rows / batch_ways
     tokens = b * L
@@ -232,7 +261,10 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     logits = (b + ptx) * positions * vocab_dev * 4 * 3  # logits, log-softmax, their gradient
     # fsdp: the scan gathers a layer's weights at a time (and prefetches the next).
     gathered = 2 * _layer_params(cfg) / t if fsdp else 0.0
-    return StageMemory((("actor+critic params", params), ("adam moments", opt)),
+    held = ((("actor+critic params", params),) if not cfg.lora_rank else
+            ((SHARED + "actor and critic bases", params - learned),
+             ("trained params", learned)))
+    return StageMemory(held + (("adam moments", opt),),
                        (("gradients", grads), ("optimizer updates", updates),
                         ("saved activations", saved),
                         ("logits", logits), ("fsdp-gathered weights", gathered)))
@@ -264,7 +296,10 @@ def combine(plan: Plan, mems: dict[str, StageMemory]) -> dict[str, float]:
   """Peak bytes per device of each device group from the stages' memories."""
   if plan.mode == "pipe":
     return {s: m.total for s, m in mems.items()}
-  return {"all": sum(m.persistent_bytes for m in mems.values())
+  # One mesh: a frozen base another stage holds is that stage's arrays.
+  shared = sum(v for m in mems.values() for k, v in m.persistent if k.startswith(SHARED)
+               ) if plan.mode == "sequential" else 0.0
+  return {"all": sum(m.persistent_bytes for m in mems.values()) - shared
           + max(m.transient_bytes for m in mems.values())}
 
 

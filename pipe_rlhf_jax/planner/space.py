@@ -45,7 +45,9 @@ class Workload:
 
   Attributes:
     actor: the policy's config (the critic, reference and reward model are taken to have
-      its backbone; the critic/reward get a scalar head).
+      its backbone; the critic/reward get a scalar head). With LoRA adapters
+      (`lora_rank` > 0) the critic carries them too; the reference and the reward model
+      are the base.
     batch_size: rollouts per PPO step (B).
     minibatch_size: rollouts per gradient step.
     epochs: passes over each batch.
@@ -121,9 +123,10 @@ class Workload:
     """The models `stage` runs: inference the reference, critic and reward model (those
     that exist), training the actor and the critic; generation the actor."""
     if stage == "infer":
-      return ([self.actor] if self.reference_model else []) + (
+      # The reference is the actor's base, the reward model never carries adapters.
+      return ([self.actor.base] if self.reference_model else []) + (
           [self.critic] if self.critic_model else []) + (
-          [self.actor.replace(head="score")] if self.reward_model else [])
+          [self.actor.base.replace(head="score")] if self.reward_model else [])
     if stage == "train":
       return [self.actor] + ([self.critic] if self.critic_model else [])
     return [self.actor]

@@ -67,6 +67,7 @@ import numpy as np
 import optax
 
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
+from pipe_rlhf_jax.models import lora
 from pipe_rlhf_jax.optim import apply_if_finite, optimizer_shardings
 from pipe_rlhf_jax.ppo import objective
 from pipe_rlhf_jax.ppo.kl import kl_penalty
@@ -86,8 +87,12 @@ from pipe_rlhf_jax.stages.infer import InferSettings, derive_targets
 
 @struct.dataclass
 class ActorCriticState:
-  """Everything the trainer owns, as one pytree (checkpointed as is).
+  """Everything the trainer updates, as one pytree (checkpointed as is).
 
+  `actor` and `critic` are the models' trainable parameters (`models.lora.split_trainable`):
+  every parameter, or with LoRA adapters only the adapters (and the critic's value head),
+  whose frozen base the stage keeps apart (`TrainStage.frozen`), never donated, moved
+  or checkpointed with them; the optimizer states cover what is trained only.
   `critic` and `critic_opt` are None (no leaves) when the advantage estimator needs no
   critic, so nothing of a critic is placed, trained or checkpointed.
   """
@@ -212,6 +217,20 @@ def logprob_gap(logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Ar
   return {"logprob_gap/max": jnp.max(gap), "logprob_gap/mean": jnp.sum(gap) / count}
 
 
+@struct.dataclass
+class Frozen:
+  """The models' parameters the update reads but never changes (LoRA's base weights;
+  empty states without adapters). `critic` is None without a critic."""
+
+  actor: Any
+  critic: Any
+
+  def full(self, state: ActorCriticState) -> tuple[Any, Any]:
+    """(actor, critic) whole: `state`'s trainable parts with these frozen ones."""
+    critic = None if state.critic is None else lora.merge(state.critic, self.critic)
+    return lora.merge(state.actor, self.actor), critic
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateSpec:
   """What one PPO update's pure functions close over: the settings, the models'
@@ -269,19 +288,25 @@ def critic_loss(spec: UpdateSpec, mb: dict, critic: nnx.State) -> tuple[jax.Arra
   return objective.critic_objective(values, mb["values"], mb["returns"], mask, spec.settings)
 
 
-def gradient_step(spec: UpdateSpec, state: ActorCriticState, mb: dict
+def gradient_step(spec: UpdateSpec, frozen: Frozen, state: ActorCriticState, mb: dict
                   ) -> tuple[ActorCriticState, dict]:
   """One optimizer step of the actor (and critic) on a minibatch, skipped (and counted
-  in `bad_update`) where the loss or gradients are not finite."""
+  in `bad_update`) where the loss or gradients are not finite.
+
+  Gradients are taken with respect to the trainable parameters only (`state`); the
+  frozen ones (`frozen`) enter the loss as constants.
+  """
   (a_loss, a_aux), a_grads = jax.value_and_grad(
-      functools.partial(actor_loss, spec, mb), has_aux=True)(state.actor)
+      lambda actor: actor_loss(spec, mb, lora.merge(actor, frozen.actor)),
+      has_aux=True)(state.actor)
   actor, actor_opt, ok, a_norm = apply_if_finite(
       spec.actor_tx, state.actor, state.actor_opt, a_grads, a_loss)
   metrics = {**a_aux, "actor_grad_norm": a_norm}
   new = state.replace(actor=actor, actor_opt=actor_opt)
   if spec.has_critic:
     (c_loss, c_aux), c_grads = jax.value_and_grad(
-        functools.partial(critic_loss, spec, mb), has_aux=True)(state.critic)
+        lambda critic: critic_loss(spec, mb, lora.merge(critic, frozen.critic)),
+        has_aux=True)(state.critic)
     critic, critic_opt, c_ok, c_norm = apply_if_finite(
         spec.critic_tx, state.critic, state.critic_opt, c_grads, c_loss)
     metrics.update(c_aux, critic_grad_norm=c_norm)
@@ -291,7 +316,7 @@ def gradient_step(spec: UpdateSpec, state: ActorCriticState, mb: dict
   return new, metrics
 
 
-def minibatch_step(spec: UpdateSpec, carry, mb: dict):
+def minibatch_step(spec: UpdateSpec, frozen: Frozen, carry, mb: dict):
   """One gradient step, or none once the update has stopped early (`target_kl`).
 
   The carry is (state, stopped); a stopped update skips the remaining steps' work
@@ -302,11 +327,11 @@ def minibatch_step(spec: UpdateSpec, carry, mb: dict):
   state, stopped = carry
   target_kl = spec.settings.target_kl
   if not target_kl:
-    new, metrics = gradient_step(spec, state, mb)
+    new, metrics = gradient_step(spec, frozen, state, mb)
     return (new, stopped), {**metrics, "ran": jnp.ones((), jnp.float32)}
 
   def run(state):
-    new, metrics = gradient_step(spec, state, mb)
+    new, metrics = gradient_step(spec, frozen, state, mb)
     over = objective.early_stop(metrics["kl_from_start"], target_kl)
     new = jax.tree.map(lambda old, upd: jnp.where(over, old, upd), state, new)
     return new, metrics, over
@@ -322,8 +347,9 @@ def minibatch_step(spec: UpdateSpec, carry, mb: dict):
   return (new, stopped | over), {**metrics, "ran": ran}
 
 
-def proximal_pass(spec: UpdateSpec, state: ActorCriticState, exp: Experience,
-                  packed: dict | None) -> tuple[Experience, jax.Array, jax.Array, dict]:
+def proximal_pass(spec: UpdateSpec, frozen: Frozen, state: ActorCriticState,
+                  exp: Experience, packed: dict | None
+                  ) -> tuple[Experience, jax.Array, jax.Array, dict]:
   """The update's starting actor over the whole batch (the proximal policy), when the
   settings need it (`settings.proximal_pass`).
 
@@ -337,12 +363,13 @@ def proximal_pass(spec: UpdateSpec, state: ActorCriticState, exp: Experience,
     return exp, exp.old_logprobs, None, {}
   # The proximal policy is the trainer's actor as the update starts, which may be several
   # versions ahead of the behaviour policy that sampled the rollout.
+  actor = lora.merge(state.actor, frozen.actor)
   if packed is None:
-    prox = completion_logprobs(spec.actor_graphdef, state.actor, r.prompt_tokens,
+    prox = completion_logprobs(spec.actor_graphdef, actor, r.prompt_tokens,
                                r.prompt_mask, r.completion_tokens, r.completion_mask,
                                temperature=h.temperature)
   else:
-    prox = packed_completion_logprobs(spec.actor_graphdef, state.actor, packed["whole"],
+    prox = packed_completion_logprobs(spec.actor_graphdef, actor, packed["whole"],
                                       r.prompt_tokens, r.completion_tokens,
                                       r.completion_mask, temperature=h.temperature)
   old_logprobs = prox if h.loss == "decoupled_ppo_clip" else exp.old_logprobs
@@ -362,8 +389,8 @@ def proximal_pass(spec: UpdateSpec, state: ActorCriticState, exp: Experience,
   return exp, old_logprobs, prox, extra
 
 
-def update_fn(spec: UpdateSpec, state: ActorCriticState, exp: Experience, rng: jax.Array,
-              ptx: PtxBatch | None = None, packed: dict | None = None):
+def update_fn(spec: UpdateSpec, state: ActorCriticState, frozen: Frozen, exp: Experience,
+              rng: jax.Array, ptx: PtxBatch | None = None, packed: dict | None = None):
   """One PPO update: epochs x minibatches of `minibatch_step` as nested scans. Pure.
 
   `packed` (packed training only): "index" int [epochs, minibatches, minibatch], the rows
@@ -374,7 +401,7 @@ def update_fn(spec: UpdateSpec, state: ActorCriticState, exp: Experience, rng: j
   Returns the new state and the update's metrics (means over the gradient steps run).
   """
   h, r = spec.settings, exp.rollout
-  exp, old_logprobs, prox_logprobs, extra = proximal_pass(spec, state, exp, packed)
+  exp, old_logprobs, prox_logprobs, extra = proximal_pass(spec, frozen, state, exp, packed)
   # Every leaf is [batch, ...] so minibatches can be gathered uniformly. (A batch of
   # partial rollouts carries a version per token already.)
   per_sample = r.replace(policy_version=jnp.broadcast_to(r.policy_version,
@@ -401,7 +428,7 @@ def update_fn(spec: UpdateSpec, state: ActorCriticState, exp: Experience, rng: j
       mbs["ptx"] = epoch_ptx  # leaves [M, R, ...]: one row block per step
     if epoch_plans is not None:
       mbs["plan"] = epoch_plans  # leaves [M, rows, L] / [M, minibatch, ...]
-    return jax.lax.scan(functools.partial(minibatch_step, spec), carry, mbs)
+    return jax.lax.scan(functools.partial(minibatch_step, spec, frozen), carry, mbs)
 
   (state, stopped), metrics = jax.lax.scan(
       epoch, (state, jnp.zeros((), bool)),
@@ -464,6 +491,8 @@ class TrainStage:
     self._update = None
     self._index = None
     self._state_shardings = None
+    # The models' frozen parameters on this stage's mesh (`init_state`).
+    self.frozen: Frozen | None = None
 
   @property
   def has_critic(self) -> bool:
@@ -476,7 +505,8 @@ class TrainStage:
 
   def state_shardings(self, actor: nnx.State, critic: nnx.State | None = None
                       ) -> ActorCriticState:
-    """Shardings of the whole trainer state: optimizer moments follow their params."""
+    """Shardings of the trainer state of these trainable parameters (`ActorCriticState`):
+    optimizer moments follow their params."""
     self._check_critic(critic)
     actor_sh = self.layout.param_shardings(actor)
     replicated = self.layout.replicated
@@ -491,7 +521,19 @@ class TrainStage:
 
   def init_state(self, actor: nnx.State, critic: nnx.State | None = None
                  ) -> ActorCriticState:
-    """Places actor (and critic) on the training mesh and builds optimizer states there."""
+    """Places actor (and critic) on the training mesh and builds optimizer states there.
+
+    `actor` and `critic` are whole models; their trainable parts
+    (`models.lora.split_trainable`) become the state, the frozen parts `self.frozen`.
+    """
+    self._check_critic(critic)
+    actor, frozen_actor = lora.split_trainable(actor)
+    frozen_critic = None
+    if critic is not None:
+      critic, frozen_critic = lora.split_trainable(critic)
+    self.frozen = Frozen(
+        actor=self.layout.put_params(frozen_actor)[0],
+        critic=None if critic is None else self.layout.put_params(frozen_critic)[0])
     shardings = self.state_shardings(actor, critic)
     self._state_shardings = shardings
 
@@ -514,9 +556,9 @@ class TrainStage:
                       critic_tx=self.critic_tx)
     layout = self.layout
 
-    def update(state, exp, rng, ptx=None, packed=None):
+    def update(state, frozen, exp, rng, ptx=None, packed=None):
       with layout.rules_context():
-        return update_fn(spec, state, exp, rng, ptx, packed)
+        return update_fn(spec, state, frozen, exp, rng, ptx, packed)
 
     shardings = self._state_shardings or jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(update, donate_argnums=(0,),
@@ -554,7 +596,7 @@ class TrainStage:
     if self._update is None:
       self._update = self._build_update(state)
     packed = self.pack(exp, rng) if self.pack_tokens else None
-    return self._update(state, exp, rng, ptx, packed)
+    return self._update(state, self.frozen, exp, rng, ptx, packed)
 
   def pack(self, exp: Experience, rng: jax.Array) -> dict:
     """The packed update's minibatch rows and plans for `exp` and `rng`, on this stage.

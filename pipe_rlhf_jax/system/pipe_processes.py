@@ -177,9 +177,11 @@ class _Weights:
   in_process = False
 
   def __init__(self, name: str, source: tuple[int, ...], consumer: tuple[int, ...], layout,
-               abstract: Any):
+               abstract: Any, complete: Callable[[Any], Any]):
     self.me = distributed.process_index()
     self.name = name
+    # The trainable parameters arrive; `complete` adds the consumer's frozen ones.
+    self.complete = complete
     self.publisher = None
     if self.me in source:
       self.publisher = tr.WeightPublisher(name, consumer, layout.param_shardings(abstract),
@@ -194,7 +196,9 @@ class _Weights:
 
   def wait_for(self, min_version: int, stop_event: threading.Event | None = None,
                timeout: float | None = None) -> tuple[Any, int]:
-    return self.subscriber.acquire(min_version, stop=stop_event, timeout_s=timeout)
+    params, version = self.subscriber.acquire(min_version, stop=stop_event,
+                                              timeout_s=timeout)
+    return self.complete(params), version
 
   def close(self) -> None:
     """Stops serving versions (once no peer may still pull one)."""
@@ -270,7 +274,8 @@ def run_pipe_across_processes(system, feed, start: int, end: int,
     if where["train"] == where[consumer]:
       return VersionedWeights()
     return _Weights(f"{name}@{run}", where["train"], where[consumer],
-                    system.layouts[consumer], abstract[name])
+                    system.layouts[consumer], abstract[name],
+                    complete=lambda params: system.with_frozen(name, params))
 
   channels = PipeChannels(
       rollouts=stream("rollouts", Rollout, "generate", "infer"),

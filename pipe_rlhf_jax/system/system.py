@@ -21,6 +21,7 @@ PPO step alone, so every mode, and a resumed run, trains on the same rows.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -29,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipe_rlhf_jax.config import STAGES, Plan, PPOSettings
+from pipe_rlhf_jax.checkpoint import CheckpointError
+from pipe_rlhf_jax.config import STAGES, LoRASettings, Plan, PPOSettings
 from pipe_rlhf_jax.distributed.arrays import fetch, put_global
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
+from pipe_rlhf_jax.models import lora
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model, with_execution
 from pipe_rlhf_jax.optim import make_optimizer
@@ -148,6 +151,18 @@ def _shapes(state: nnx.State) -> Any:
   return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), state)
 
 
+def weights_fingerprint(state: nnx.State) -> str:
+  """sha256 of a model's parameters (names, shapes, dtypes and bytes), one array on the
+  host at a time: what a LoRA checkpoint records of the base its adapters were trained on.
+  """
+  digest = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    value = fetch(leaf)
+    digest.update(f"{jax.tree_util.keystr(path)}:{value.shape}:{value.dtype}".encode())
+    digest.update(np.ascontiguousarray(value).tobytes())
+  return digest.hexdigest()
+
+
 def check_batch_fits(layouts: dict[str, StageLayout], batch_size: int,
                      plan: Plan) -> None:
   """Raises naming the fields when a PPO batch cannot be split over a stage's batch axes."""
@@ -192,6 +207,10 @@ class Models:
   `critic_graphdef` when the advantage estimator needs no critic (grpo, rloo,
   reinforce_pp); `reference` when `ppo.kl_coef == 0`. Use `Models.from_policy` to derive
   the reference and critic from a policy.
+
+  With LoRA adapters on the actor (its config's `lora_rank` > 0) the reference is the
+  actor's base: its parameters without the adapters (`models.lora.base_of`), computed by
+  the base model (`reference_graphdef`), the adapters switched off.
   """
 
   actor_graphdef: nnx.GraphDef
@@ -202,10 +221,21 @@ class Models:
   critic: nnx.State | None
   reward: nnx.State | None
 
+  @property
+  def actor_config(self) -> TransformerConfig:
+    return nnx.merge(self.actor_graphdef, self.actor).config
+
+  @property
+  def reference_graphdef(self) -> nnx.GraphDef:
+    """The graph of the model that computes the reference: the actor's, or its base
+    model's when the actor carries adapters."""
+    config = self.actor_config
+    return graphdef_of(config.base) if config.lora_rank else self.actor_graphdef
+
   @classmethod
   def from_policy(cls, policy: nnx.Module, *, reward_model: nnx.Module | None = None,
                   critic_from: str | None = "policy", reference: bool = True,
-                  seed: int = 0) -> "Models":
+                  seed: int = 0, lora_settings: LoRASettings | None = None) -> "Models":
     """Actor = reference = `policy`; critic = its backbone with a fresh value head.
 
     Args:
@@ -215,7 +245,10 @@ class Models:
         None builds no critic (for a critic-free `ppo.advantage_estimator`).
       reference: keep a copy of `policy` as the frozen reference (False when
         `ppo.kl_coef == 0`, which uses none).
-      seed: seed of the critic's fresh value head.
+      seed: seed of the critic's fresh value head (and of the fresh adapters).
+      lora_settings: LoRA adapters on the actor and the critic (`LoRASettings`, rank > 0):
+        they start as the policy (B = 0) and are what PPO trains; the reference is then
+        the policy itself, without adapters, and shares its arrays.
     """
     if policy.config.head != "lm":
       raise ValueError(f"policy has a {policy.config.head!r} head; the actor needs 'lm'.")
@@ -237,10 +270,31 @@ class Models:
                             else (reward_model.config, reward))
       critic_cfg = source_cfg.replace(head="value")
       critic_gd, critic = graphdef_of(critic_cfg), with_backbone(critic_cfg, source, seed)
-    return cls(actor_graphdef=actor_gd, critic_graphdef=critic_gd,
-               reward_graphdef=reward_gd, actor=actor,
-               reference=jax.tree.map(jnp.copy, actor) if reference else None,
-               critic=critic, reward=reward)
+    models = cls(actor_graphdef=actor_gd, critic_graphdef=critic_gd,
+                 reward_graphdef=reward_gd, actor=actor,
+                 reference=jax.tree.map(jnp.copy, actor) if reference else None,
+                 critic=critic, reward=reward)
+    return models.with_adapters(lora_settings, seed) if lora_settings else models
+
+  def with_adapters(self, settings: LoRASettings, seed: int) -> "Models":
+    """These models with fresh LoRA adapters on the actor and the critic (`settings`;
+    unchanged at rank 0): they compute what they computed, and PPO trains the adapters
+    (and the critic's value head). The reference becomes the actor's base, the same
+    arrays (`models.lora.base_of`)."""
+    if not settings.rank:
+      return self
+    if lora.has_adapters(self.actor):
+      raise ValueError("Models.with_adapters: the actor already carries adapters.")
+    actor_cfg = settings.apply(self.actor_config)
+    actor = lora.with_adapters(self.actor, actor_cfg, seed)
+    critic_gd, critic = self.critic_graphdef, self.critic
+    if critic is not None:
+      critic_cfg = settings.apply(nnx.merge(critic_gd, critic).config)
+      critic_gd = graphdef_of(critic_cfg)
+      critic = lora.with_adapters(critic, critic_cfg, seed + 1)
+    return dataclasses.replace(
+        self, actor_graphdef=graphdef_of(actor_cfg), actor=actor, critic_graphdef=critic_gd,
+        critic=critic, reference=lora.base_of(actor) if self.reference is not None else None)
 
   def check(self, sampling: SamplingSettings, ppo: PPOSettings | None = None) -> None:
     """Raises when the models disagree with each other, with the sampling settings, or
@@ -261,9 +315,11 @@ class Models:
       got = nnx.merge(graphdef, getattr(self, name)).config.head
       if got != head:
         raise ValueError(f"Models.{name} has a {got!r} head; it needs {head!r}.")
-    if self.reference is not None and _shapes(self.reference) != _shapes(self.actor):
+    if self.reference is not None and (_shapes(self.reference)
+                                       != _shapes(lora.base_of(self.actor))):
       raise ValueError("Models.reference does not have the actor's parameter shapes and "
-                       "dtypes; the reference must be a copy of the initial actor.")
+                       "dtypes (without its adapters); the reference must be a copy of the "
+                       "initial actor's base.")
     vocab = nnx.merge(self.actor_graphdef, self.actor).config.vocab_size
     for name in ("eos_id", "pad_id"):
       token = getattr(sampling, name)
@@ -364,8 +420,11 @@ class PPOSystem:
     me = jax.process_index()
     self.local_stages = tuple(s for s in STAGES if any(
         d.process_index == me for d in self.layouts[s].mesh.devices.flat))
+    # What the trainer updates and publishes (`models.lora.split_trainable`): the whole
+    # models, or their adapters when they carry some.
     self._abstract = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                         getattr(models, name))
+                                         lora.split_trainable(getattr(models, name))[0]
+                                         if getattr(models, name) is not None else None)
                       for name in ("actor", "critic")}
     gen, inf, trn = (self.layouts[s] for s in STAGES)
     check_fits(self.layouts, models.actor, models.critic)
@@ -388,7 +447,8 @@ class PPOSystem:
         gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
         plan.num_microbatches, group_size=ppo.group_size,
         num_slots=plan.generate.num_slots)
-    self.infer_stage = InferStage(inf, for_stage("infer", models.actor_graphdef, models.actor),
+    reference = models.reference if models.reference is not None else models.actor
+    self.infer_stage = InferStage(inf, for_stage("infer", models.reference_graphdef, reference),
                                   critic_graphdef["infer"], reward_graphdef,
                                   InferSettings.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode,
@@ -405,14 +465,35 @@ class PPOSystem:
                                   optimizer(ppo.actor_lr),
                                   optimizer(ppo.critic_lr) if self.has_critic else None,
                                   pack_tokens=plan.train.pack_tokens)
+    # With adapters, checkpoints hold them alone: they name the base they belong to.
+    self.base_fingerprint = (weights_fingerprint(lora.base_of(models.actor))
+                             if lora.has_adapters(models.actor) else None)
     self.reference = self.reward = self.state = None
+    # The frozen parts of the models where each stage reads them: the actor's on the
+    # generation layout, the critic's on the inference layout (empty without adapters).
+    # Weight sync then moves the trainable parts only and completes them here. Each stage
+    # places them from the copy the stage before it placed: where two stages lay them out
+    # alike (`sequential`: one mesh), the arrays pass through unmoved and the stages
+    # share one copy; the LoRA reference is the generation stage's base itself.
+    self._frozen: dict[str, nnx.State] = {}
+    actor_parts = lora.split_trainable(models.actor)
+    critic_parts = lora.split_trainable(models.critic) if self.has_critic else None
+    if "generate" in self.local_stages:
+      self._frozen["actor"] = gen.put_params(actor_parts[1])[0]
+      actor_parts = (actor_parts[0], self._frozen["actor"])
     if "infer" in self.local_stages:
-      self.reference = (inf.put_params(models.reference)[0] if models.reference is not None
-                        else None)
+      if self.has_critic:
+        self._frozen["critic"] = inf.put_params(critic_parts[1])[0]
+        critic_parts = (critic_parts[0], self._frozen["critic"])
+      reference = models.reference
+      if reference is not None and lora.has_adapters(models.actor):
+        reference = actor_parts[1]  # the base: everything of the actor but its adapters
+      self.reference = inf.put_params(reference)[0] if reference is not None else None
       self.reward = inf.put_params(models.reward)[0] if models.reward is not None else None
     if "train" in self.local_stages:
-      self.state: ActorCriticState = self.train_stage.init_state(models.actor,
-                                                                 models.critic)
+      self.state: ActorCriticState = self.train_stage.init_state(
+          lora.merge(*actor_parts),
+          lora.merge(*critic_parts) if critic_parts is not None else None)
     root = jax.random.key(ppo.seed)
     self.gen_key = jax.random.fold_in(root, 1)
     # Prompts a restored checkpoint held in flight (partial rollouts): the next
@@ -429,8 +510,18 @@ class PPOSystem:
     self.guard = BadStepGuard(ppo.max_bad_steps)
 
   def abstract_params(self) -> dict[str, nnx.State]:
-    """Shapes and dtypes (with logical-axis metadata) of the actor and the critic."""
+    """Shapes and dtypes (with logical-axis metadata) of what weight sync moves of the
+    actor and the critic: their trainable parameters."""
     return self._abstract
+
+  def with_frozen(self, name: str, trainable: nnx.State) -> nnx.State:
+    """The whole `name` ("actor" or "critic") from its trainable parameters, already on
+    the stage that reads it (generation, inference), and that stage's frozen ones."""
+    return lora.merge(trainable, self._frozen[name])
+
+  def trained_actor(self) -> nnx.State:
+    """The trainer's current actor, whole, on the training layout."""
+    return lora.merge(self.state.actor, self.train_stage.frozen.actor)
 
   @property
   def kl_coef(self) -> float:
@@ -439,15 +530,18 @@ class PPOSystem:
 
   # ---- weight sync -------------------------------------------------------------------
   def actor_for_generation(self) -> tuple[nnx.State, TransferStats]:
-    """The current actor moved to the generation layout (train -> generate)."""
-    return self.layouts["generate"].put_params(self.state.actor)
+    """The current actor on the generation layout (train -> generate): its trainable
+    parameters moved (the adapters only, with LoRA), the frozen ones already there."""
+    moved, stats = self.layouts["generate"].put_params(self.state.actor)
+    return self.with_frozen("actor", moved), stats
 
   def critic_for_inference(self) -> tuple[nnx.State | None, TransferStats]:
     """The current critic moved to the inference layout (train -> infer); (None, nothing
     moved) without a critic."""
     if not self.has_critic:
       return None, TransferStats()
-    return self.layouts["infer"].put_params(self.state.critic)
+    moved, stats = self.layouts["infer"].put_params(self.state.critic)
+    return self.with_frozen("critic", moved), stats
 
   # ---- the three stage steps ---------------------------------------------------------
   def generate(self, actor: nnx.State, batch: dict, step: int, version: int
@@ -551,8 +645,11 @@ class PPOSystem:
     return {"trainer": self.state}
 
   def checkpoint_metadata(self) -> dict[str, Any]:
-    return {"version": self.version, "kl_coef": self.kl_coef,
+    meta = {"version": self.version, "kl_coef": self.kl_coef,
             "bad_steps": self.guard.state()}
+    if self.base_fingerprint is not None:
+      meta["base_fingerprint"] = self.base_fingerprint
+    return meta
 
   def abstract_checkpoint_state(self) -> dict[str, Any]:
     return {"trainer": jax.tree.map(
@@ -560,7 +657,18 @@ class PPOSystem:
 
   def restore(self, state: dict[str, Any], metadata: dict[str, Any]) -> None:
     """Continues from a checkpoint; rollouts in flight are re-generated from its policy,
-    so only the current version's KL coefficient is needed."""
+    so only the current version's KL coefficient is needed.
+
+    With adapters, the checkpoint's base must be this system's (`base_fingerprint`): its
+    adapters mean nothing on other weights.
+    """
+    if metadata.get("base_fingerprint") != self.base_fingerprint:
+      raise CheckpointError(
+          "the checkpoint's base_fingerprint is "
+          f"{str(metadata.get('base_fingerprint'))[:12]}, this run's base weights "
+          f"{str(self.base_fingerprint)[:12]}: the adapters were trained on another base "
+          "(with lora.rank > 0 a PPO checkpoint holds the adapters only). Resume with the "
+          "model file and warm start they were trained on, or use a new workdir.")
     self.state = state["trainer"]
     self.version = int(metadata["version"])
     self.kl_coefs = {self.version: float(metadata["kl_coef"])}

@@ -47,6 +47,7 @@ def parse():
   p.add_argument("--fail_at", type=int, default=-1)
   p.add_argument("--fail_process", type=int, default=1)
   p.add_argument("--answers", action="store_true")
+  p.add_argument("--lora_rank", type=int, default=0)
   p.add_argument("--coordinator_address", default="")
   p.add_argument("--num_processes", type=int, default=1)
   p.add_argument("--process_id", type=int, default=0)
@@ -63,12 +64,13 @@ def mesh_specs(text: str):
 
 
 def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
-                answers: bool = False):
+                answers: bool = False, lora_rank: int = 0):
   """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch (with
-  `answers`, prompts with reference answers and a rule that checks their pairing)."""
+  `answers`, prompts with reference answers and a rule that checks their pairing; with
+  `lora_rank`, LoRA adapters of that rank on every projection)."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
-  from pipe_rlhf_jax.config import MeshSpec, Plan, PPOSettings, StagePlan
+  from pipe_rlhf_jax.config import LoRASettings, MeshSpec, Plan, PPOSettings, StagePlan
   from pipe_rlhf_jax.generation import SamplingSettings
   from pipe_rlhf_jax.models.config import tiny_config
   from pipe_rlhf_jax.models.tokenizer import load_tokenizer
@@ -97,7 +99,7 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
                           generate=StagePlan(gen, num_microbatches=2),
                           infer=StagePlan(inf), train=StagePlan(trn))
   system = PPOSystem(
-      Models.from_policy(policy),
+      Models.from_policy(policy, lora_settings=LoRASettings(rank=lora_rank)),
       ppo=PPOSettings(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
       sampling=SamplingSettings(max_new_tokens=6, eos_id=tokenizer.eos_id,
                               pad_id=tokenizer.pad_id),
@@ -118,7 +120,8 @@ def ppo(args) -> None:
   pipe = args.mode == "pipe"
   system, prompts = tiny_system(args.mode, args.staleness,
                                 [int(n) for n in args.placement.split(",")],
-                                mesh_specs(args.meshes) if pipe else None, args.answers)
+                                mesh_specs(args.meshes) if pipe else None, args.answers,
+                                args.lora_rank)
   me = distributed.process_index()
   fail = args.fail_at >= 0 and me == args.fail_process
   across = pipe and distributed.process_count() > 1

@@ -114,6 +114,19 @@ def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path):
   assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.extended
+def test_adapters_only_cross_processes_and_pipe_equals_one_process(tmp_path):
+  # LoRA: the weights links carry the adapters alone (`PPOSystem.abstract_params`, held in
+  # tests/system/test_lora.py), each consuming process adds its own frozen base, and the
+  # result is one process's.
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", "--lora_rank=4"]
+  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
+  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
+  assert job.ok, job.report()
+  two = read_metrics(tmp_path / "two")
+  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+
+
 def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
   # Process 1 raises as step 0's inference begins, while process 0 is inside that step:
   # its collective then fails too ("connection closed by peer"), yet it must name process
