@@ -28,7 +28,6 @@ with --page, docs/results/lora.md. Timings on a shared machine are noisy: run it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import tempfile
@@ -212,9 +211,7 @@ def main(argv=None) -> None:
   for shape in args.shapes.split(","):
     row = bench(shape, args)
     rows.append(row)
-    with open(os.path.join(args.out_dir, f"{shape}.jsonl"), "a", encoding="utf-8") as f:
-      f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    results.record_row(args.out_dir, shape, row)
   if args.page:
     path = results.write_page(args.page, "PPO with LoRA adapters at a published shape",
                               page_body(rows), limits, directory=args.page_dir)

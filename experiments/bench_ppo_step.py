@@ -175,9 +175,7 @@ def run_shapes(args, limits) -> None:
            else bench_shape(shape, args, limits))
     row["limits"] = limits
     rows.append(row)
-    with open(os.path.join(args.out_dir, f"{shape}.jsonl"), "a", encoding="utf-8") as f:
-      f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    results.record_row(args.out_dir, shape, row)
   if args.page:
     path = results.write_page(args.page, "PPO steps at real model shapes",
                               shapes_page_body(rows), limits, directory=args.page_dir)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -291,9 +290,7 @@ def main(argv=None) -> int:
   budget = Budget(args.budget_s, start)
   for shape in args.shapes.split(","):
     for row in check_shape(shape, modes, args, limits, budget, skipped):
-      with open(os.path.join(args.out_dir, f"{shape}.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-      print(json.dumps(row), flush=True)
+      results.record_row(args.out_dir, shape, row)
       rows.append(row)
   total = time.perf_counter() - start
   print(f"total {total:.1f} s", flush=True)

@@ -165,11 +165,9 @@ def main(argv=None) -> None:
     for size in [int(s) for s in args.sizes.split(",")]:
       new = measure_size(size, args.steps, limits)
       samples += new
-      with open(os.path.join(args.out_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
-        for s in new:
-          s["limits"] = limits
-          f.write(json.dumps(s) + "\n")
-          print(json.dumps(s), flush=True)
+      for s in new:
+        s["limits"] = limits
+        results.record_row(args.out_dir, "samples", s)
   row = RECORDED
   if args.heldout_row:
     with open(args.heldout_row) as f:

@@ -5,8 +5,9 @@ memory bandwidth of this machine, measured in the calling process, so a page's r
 read against the machine that produced them), `provenance` (the block every results page
 starts with: the exact command, the git commit, the date, the versions, the CPU model and
 cores, the devices and those two limits), `write_page` (a page under docs/results/,
-replaced whole by a newer run; the git log keeps the older ones) and `add_page_flag` (the
-one `--page` flag every script that writes a page takes).
+replaced whole by a newer run; the git log keeps the older ones), `add_page_flag` (the
+one `--page` flag every script that writes a page takes) and `record_row` (a measured row
+appended to the script's raw outputs as it is measured, so a stopped run keeps its rows).
 
 Usage, from an experiment script:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
 import platform
 import shlex
@@ -170,6 +172,13 @@ def add_page_flag(parser, default_name: str, shown: str | None = None) -> None:
   parser.add_argument("--page", nargs="?", const=default_name, default=None, metavar="NAME",
                       help=f"write docs/results/NAME.md (alone: {shown or default_name}); "
                            "without it, no page")
+
+
+def record_row(directory: str, name: str, row: dict[str, Any]) -> None:
+  """Appends `row` as one JSON line to `<directory>/<name>.jsonl` and prints it."""
+  with open(os.path.join(directory, f"{name}.jsonl"), "a", encoding="utf-8") as f:
+    f.write(json.dumps(row) + "\n")
+  print(json.dumps(row), flush=True)
 
 
 def write_page(name: str, title: str, body: str, limits: dict[str, Any] | None,

@@ -203,9 +203,7 @@ def main(argv=None) -> None:
       with tempfile.TemporaryDirectory() as tmp:
         row = run(tmp)
       rounds.append(row)
-      print(json.dumps(row), flush=True)
-      with open(os.path.join(args.out_dir, "rounds.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+      results.record_row(args.out_dir, "rounds", row)
   if args.page:
     # Measured after the rounds, so the benchmarks ran on an idle machine.
     limits = results.machine_limits()
