@@ -225,11 +225,6 @@ class Frozen:
   actor: Any
   critic: Any
 
-  def full(self, state: ActorCriticState) -> tuple[Any, Any]:
-    """(actor, critic) whole: `state`'s trainable parts with these frozen ones."""
-    critic = None if state.critic is None else lora.merge(state.critic, self.critic)
-    return lora.merge(state.actor, self.actor), critic
-
 
 @dataclasses.dataclass(frozen=True)
 class UpdateSpec:

@@ -270,9 +270,12 @@ class Models:
                             else (reward_model.config, reward))
       critic_cfg = source_cfg.replace(head="value")
       critic_gd, critic = graphdef_of(critic_cfg), with_backbone(critic_cfg, source, seed)
+    adapted = lora_settings is not None and lora_settings.rank > 0
+    # With adapters the reference becomes the adapted actor's base (`with_adapters`), the
+    # same arrays: no copy of the whole model to make.
+    ref = (actor if adapted else jax.tree.map(jnp.copy, actor)) if reference else None
     models = cls(actor_graphdef=actor_gd, critic_graphdef=critic_gd,
-                 reward_graphdef=reward_gd, actor=actor,
-                 reference=jax.tree.map(jnp.copy, actor) if reference else None,
+                 reward_graphdef=reward_gd, actor=actor, reference=ref,
                  critic=critic, reward=reward)
     return models.with_adapters(lora_settings, seed) if lora_settings else models
 
@@ -320,7 +323,7 @@ class Models:
       raise ValueError("Models.reference does not have the actor's parameter shapes and "
                        "dtypes (without its adapters); the reference must be a copy of the "
                        "initial actor's base.")
-    vocab = nnx.merge(self.actor_graphdef, self.actor).config.vocab_size
+    vocab = self.actor_config.vocab_size
     for name in ("eos_id", "pad_id"):
       token = getattr(sampling, name)
       if token is not None and not 0 <= token < vocab:

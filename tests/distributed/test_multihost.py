@@ -104,22 +104,14 @@ def test_reference_answers_cross_process_groups_with_their_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path):
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="whole"),
+    # LoRA: the weights links carry the adapters alone (`PPOSystem.abstract_params`, held
+    # in tests/system/test_lora.py), each consuming process adds its own frozen base.
+    pytest.param(["--lora_rank=4"], id="lora", marks=pytest.mark.extended)])
+def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path, extra):
   # On-policy it computes what one process computes with the same placement.
-  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0"]
-  one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
-  job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
-  assert job.ok, job.report()
-  two = read_metrics(tmp_path / "two")
-  assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.extended
-def test_adapters_only_cross_processes_and_pipe_equals_one_process(tmp_path):
-  # LoRA: the weights links carry the adapters alone (`PPOSystem.abstract_params`, held in
-  # tests/system/test_lora.py), each consuming process adds its own frozen base, and the
-  # result is one process's.
-  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", "--lora_rank=4"]
+  args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", *extra]
   one = read_metrics(run_plain(tmp_path, "one", args, cpu_devices=8))
   job = run_job(tmp_path, "two", args, num_processes=2, cpu_devices=4)
   assert job.ok, job.report()
