@@ -62,7 +62,7 @@ from flax import nnx
 import jax
 
 from pipe_rlhf_jax import checkpoint as ckpt_lib
-from pipe_rlhf_jax import distributed
+from pipe_rlhf_jax import distributed, envs
 from pipe_rlhf_jax import metrics as metrics_lib
 from pipe_rlhf_jax.concurrency.interrupts import SignalHandler
 from pipe_rlhf_jax.concurrency.progress import ProgressDeadline
@@ -82,6 +82,7 @@ from pipe_rlhf_jax.phases.run_state import (
   RunSetup,
 )
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS
+from pipe_rlhf_jax.stages.episodes import EpisodeRunner
 from pipe_rlhf_jax.system.steps import np_batch
 from pipe_rlhf_jax.system.system import (
   Models,
@@ -173,7 +174,20 @@ def _set_up(experiment: Experiment, workdir: str, resume: bool, devices, lock) -
   deadline = ProgressDeadline(plan.progress_timeout_s, experiment.planned.predicted_step_s)
   return RunSetup(experiment, workdir, devices, tokenizer, layouts, checkpointer,
                   fingerprint, start, warm_layout, warm_source, role=role, lock=lock,
-                  deadline=deadline, data_files=data_files)
+                  deadline=deadline, data_files=data_files,
+                  episodes=episode_runner(settings, tokenizer))
+
+
+def episode_runner(settings: ExperimentSettings, tokenizer) -> EpisodeRunner | None:
+  """The runner of the experiment's multi-turn episodes (`env`), or None without an
+  environment. Built at set-up: a chat template that does not render conversations turn
+  by turn as it renders them whole is refused here, before anything trains."""
+  if not settings.env.enabled:
+    return None
+  sampling = ppo_sampling(settings, tokenizer)
+  return EpisodeRunner(envs.make_environment(settings.env.name), settings.env,
+                       envs.renderer_for(tokenizer), tokenizer, settings.data.completion_len,
+                       sampling.eos_id, sampling.pad_id)
 
 
 def check_fits_before_compiling(experiment: Experiment, layouts: dict[str, Any], devices):
@@ -262,7 +276,7 @@ def reward_statistics(settings: ExperimentSettings, setup: "RunSetup", warm: dic
 
 def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, devices,
                  reward_stats: reward_norm.ScoreStatistics | None = None,
-                 demos=None) -> BuiltSystem:
+                 demos=None, episodes: EpisodeRunner | None = None) -> BuiltSystem:
   """Models, sampling settings, reward functions and the `PPOSystem` on `devices`.
 
   The one place that constructs the system from the experiment and its plan (the
@@ -270,7 +284,8 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   `ppo.critic_init`). Only the models the algorithm uses are built: no critic for a
   critic-free estimator, no reference when `ppo.kl_coef == 0`. `demos` (the SFT
   `DemoLoader`) gives the pool of PPO's SFT term when `ppo.ptx_coef > 0`: the SFT data,
-  every record once.
+  every record once. `episodes` runs multi-turn episodes (`episode_runner`), whose
+  environment gives the reward.
   """
   settings, plan, cfgs, ppo = (experiment.settings, experiment.plan,
                                   experiment.models, experiment.ppo)
@@ -296,7 +311,8 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   sampling = ppo_sampling(settings, tokenizer)
   decode = lambda ids: tokenizer.decode(ids)
   reward = settings.reward
-  reward_fn = None if use_rm else REWARD_FUNCTIONS.get(reward.fn, field="reward.fn")
+  reward_fn = (None if use_rm or episodes is not None
+               else REWARD_FUNCTIONS.get(reward.fn, field="reward.fn"))
   eval_fn = (REWARD_FUNCTIONS.get(reward.eval_fn, field="reward.eval_fn")
              if reward.eval_fn else None)
   # Without demos, PPOSystem's check names what the SFT term lacks.
@@ -304,7 +320,7 @@ def build_system(experiment: Experiment, warm: dict[str, Any], tokenizer, device
   system = PPOSystem(models, ppo=ppo,
                      sampling=sampling, plan=plan,
                      reward_fn=reward_fn, decode=decode, eval_fn=eval_fn, devices=devices,
-                     ptx_demos=ptx_demos)
+                     ptx_demos=ptx_demos, episodes=episodes)
   return BuiltSystem(system, sampling, models.actor_graphdef, reward_stats)
 
 
@@ -342,7 +358,8 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
       warm = {k: distributed.fetch(v) if k in ("actor", "reward") else v
               for k, v in warm.items()}
     built = build_system(experiment, warm, setup.tokenizer, setup.devices,
-                         reward_statistics(settings, setup, warm, data), data["demos"])
+                         reward_statistics(settings, setup, warm, data), data["demos"],
+                         setup.episodes)
     for layout in built.system.layouts.values():
       say(f"stage {layout}")
     ppo_loop.restore_ppo(setup, built.system, data["prompts"])
@@ -354,7 +371,8 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
     eval_batch = np_batch(next(iter(data["prompts_eval"])))
     rules = heldout.rule_rewards_to_report(settings)
 
-    samples_per_prompt = settings.log.eval_samples_per_prompt if rules else 0
+    samples_per_prompt = (settings.log.eval_samples_per_prompt
+                          if rules or setup.episodes is not None else 0)
 
     def evaluate(step: int) -> dict[str, heldout.HeldoutEval]:
       """The held-out answers at `step`: "greedy" (also the samples shown), and
@@ -364,11 +382,11 @@ def _run(experiment: Experiment, workdir, resume, stop_after, progress, signals)
       params = sampling_params(setup, built.system)
       evals = {"greedy": heldout.heldout_eval(built.actor_graphdef, params, eval_batch,
                                               setup.tokenizer, built.sampling, rules,
-                                              settings.log.samples)}
+                                              settings.log.samples, episodes=setup.episodes)}
       if samples_per_prompt:
         evals["sampled"] = heldout.heldout_eval(
             built.actor_graphdef, params, eval_batch, setup.tokenizer, built.sampling, rules,
-            0, samples_per_prompt=samples_per_prompt)
+            0, samples_per_prompt=samples_per_prompt, episodes=setup.episodes)
       row = {f"heldout{'' if name == 'greedy' else '_' + name}/{rule}": value
              for name, result in evals.items() for rule, value in result.scores.items()}
       if row:

@@ -49,6 +49,7 @@ from pipe_rlhf_jax.data import rewards as _builtin_rewards  # noqa: F401
 from pipe_rlhf_jax.data.arith import ArithSettings
 from pipe_rlhf_jax.data.digests import JSONL_ROLES
 from pipe_rlhf_jax.data.word_problems import WordProblemSettings
+from pipe_rlhf_jax.envs import EnvSettings
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.models import hf, load, lora
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
@@ -57,7 +58,9 @@ from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
 
 REQUIRED_SECTIONS = ("model", "data", "sft", "reward_model", "reward", "ppo", "plan",
                      "mesh", "stages", "checkpoint", "log")
-TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start", "lora")
+TOP_LEVEL = REQUIRED_SECTIONS + ("seed", "name", "workdir", "warm_start", "lora", "env")
+# `reward.fn` of an experiment whose episodes' environment gives the reward (`env`).
+ENVIRONMENT_REWARD = "environment"
 
 
 def _missing(path: str) -> ValueError:
@@ -322,7 +325,8 @@ class RewardSettings:
   """`reward`: what PPO optimises and what is reported beside it.
 
   Attributes:
-    fn: "model" (the trained reward model) or a registered rule (`ppo.registry`).
+    fn: "model" (the trained reward model), a registered rule (`ppo.registry`), or
+      "environment" (multi-turn episodes: the environment of `env.name` gives it).
     eval_fn: a registered rule logged alongside, never optimised (empty: none).
     normalize_samples_per_prompt: > 0 standardises the reward model's score by its mean
       and std over this many answers per prompt of the warm-start policy (0: raw).
@@ -337,7 +341,8 @@ class RewardSettings:
     values = _fields(cls, section, path)
     check_int(values.get("normalize_samples_per_prompt", 0),
               f"{path}.normalize_samples_per_prompt", low=0)
-    check_choice(values["fn"], f"{path}.fn", ["model"] + REWARD_FUNCTIONS.names())
+    check_choice(values["fn"], f"{path}.fn",
+                 ["model", ENVIRONMENT_REWARD] + REWARD_FUNCTIONS.names())
     if values["eval_fn"]:
       check_choice(values["eval_fn"], f"{path}.eval_fn", REWARD_FUNCTIONS.names())
     return cls(**values)
@@ -350,6 +355,11 @@ class RewardSettings:
     model in the PPO system.
     """
     return self.fn == "model"
+
+  @property
+  def uses_environment(self) -> bool:
+    """Whether the episodes' environment gives the reward (`fn == "environment"`)."""
+    return self.fn == ENVIRONMENT_REWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,7 +542,7 @@ class PlanChoice:
 # The sections of one settings class each (the others: ppo, plan, mesh, stages).
 SECTION_TYPES = {"model": ModelSettings, "data": DataSettings, "sft": SFTSettings,
                  "reward_model": RewardModelSettings, "reward": RewardSettings,
-                 "warm_start": WarmStartSettings, "lora": LoRASettings,
+                 "warm_start": WarmStartSettings, "lora": LoRASettings, "env": EnvSettings,
                  "checkpoint": CheckpointSettings, "log": LogSettings}
 # The plan section's keys `Plan.from_config` reads.
 _PLAN_FIELDS = ("mode", "max_staleness", "partial_rollouts", "past_staleness", "queue_size",
@@ -549,7 +559,7 @@ class ExperimentSettings:
 
   Attributes:
     name / seed / workdir: the run's name, seed and directory (empty: runs/<name>-<time>).
-    model, data, sft, reward_model, reward, warm_start, lora, checkpoint, log: the
+    model, data, sft, reward_model, reward, warm_start, lora, env, checkpoint, log: the
       sections.
     ppo: the algorithm, seeded by `seed` (`PPOSettings`).
     sampling: how PPO samples (`ppo.temperature`, `top_k`, `top_p`).
@@ -569,6 +579,7 @@ class ExperimentSettings:
   reward: RewardSettings
   warm_start: WarmStartSettings
   lora: LoRASettings
+  env: EnvSettings
   checkpoint: CheckpointSettings
   log: LogSettings
   ppo: PPOSettings
@@ -606,6 +617,7 @@ class ExperimentSettings:
         reward=RewardSettings.from_config(config.reward),
         warm_start=WarmStartSettings.from_config(config.get("warm_start")),
         lora=LoRASettings.from_config(config.get("lora")),
+        env=EnvSettings.from_config(config.get("env")),
         checkpoint=CheckpointSettings.from_config(config.checkpoint),
         log=LogSettings.from_config(config.log), ppo=ppo,
         sampling=PolicySamplingSettings.from_config(config.ppo),
@@ -613,6 +625,7 @@ class ExperimentSettings:
                             ("reward_model", "sft")),
         plan=plan, choice=PlanChoice.from_config(config.plan))
     settings._check_task()
+    settings._check_env()
     num_mb = plan.generate.num_microbatches
     if ppo.batch_size % num_mb:
       raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
@@ -681,6 +694,29 @@ class ExperimentSettings:
                        "is a rule: no reward model is trained to start the critic from; "
                        "set --config.ppo.critic_init=sft.")
 
+  def _check_env(self) -> None:
+    """Episodes (`env`) against the reward and the plan."""
+    env, reward = self.env, self.reward
+    if env.enabled != reward.uses_environment:
+      raise ValueError(
+          f"env.name={env.name!r} with reward.fn={reward.fn!r}: the reward of episodes is "
+          f"their environment's. Set both (env.name to a registered environment and "
+          f"reward.fn={ENVIRONMENT_REWARD!r}) or neither.")
+    if not env.enabled:
+      return
+    if reward.eval_fn:
+      raise ValueError(f"reward.eval_fn={reward.eval_fn!r} with env.name={env.name!r}: a "
+                       "rule scores one completion, an episode is several turns and "
+                       "messages; set --config.reward.eval_fn='' (the environment's reward "
+                       "is reported as reward/mean and on the held-out prompts).")
+    if self.plan.partial_rollouts:
+      raise ValueError("plan.partial_rollouts=True with env.name set: an episode's turns "
+                       "are sampled one engine call each, so unfinished rows are not kept "
+                       "across updates; set plan.partial_rollouts=False.")
+    if self.reward_model.policy_pairs:
+      raise ValueError("reward_model.policy_pairs needs a reward model; with env.name set "
+                       "the environment gives the reward: set policy_pairs=0.")
+
   def _check_policy_pairs(self) -> None:
     """reward_model.policy_pairs / policy_samples / label_fn (phases.policy_pairs)."""
     if not self.reward_model.policy_pairs or not self.reward.uses_model:
@@ -710,16 +746,18 @@ class ExperimentSettings:
 
   def to_dict(self) -> dict[str, Any]:
     """The settings as plain, JSON-able data: the config's sections with every default
-    filled in (the plan as `plan`; `lora` only with adapters); what the fingerprints
-    hash."""
+    filled in (the plan as `plan`; `lora` only with adapters, `env` only with an
+    environment); what the fingerprints hash."""
     out = {"name": self.name, "seed": self.seed, "workdir": self.workdir}
     for name in ("model", "data", "sft", "reward_model", "reward", "warm_start", "lora",
-                 "checkpoint", "log", "ppo"):
+                 "env", "checkpoint", "log", "ppo"):
       out[name] = self.section_dict(name)
+    # No adapters, no environment: the sections change nothing, and left out they keep
+    # the fingerprint of checkpoints written before the sections existed.
     if not self.lora.rank:
-      # No adapters: the section changes nothing, and left out it keeps the fingerprint
-      # of checkpoints written before the section existed.
       del out["lora"]
+    if not self.env.enabled:
+      del out["env"]
     # The ppo section: the algorithm, its sampling and where the critic starts.
     out["ppo"].pop("seed", None)  # the top-level seed
     out["ppo"].update(self.section_dict("sampling"), critic_init=self.critic_init)

@@ -15,6 +15,9 @@ the difficulty is chosen by the operand range and the operations (`WordProblemSe
   operands) triple is shared, so a policy cannot pass the held-out split by memorising.
 * Demonstrations (used only when SFT is on) are the short worked answer "12 + 7 = 19.
   The answer is 19.": exact, since a pretrained model needs the format, not the noise.
+  With `demo_style="calculator"` they are instead the first turn of a calculator episode
+  (`envs/calculator.py`), the call "<calc>12+7</calc>": SFT then teaches the tool's
+  format and RL when and how to use its result.
 * Everything is a pure function of the seed; the record kinds draw from independent
   streams, so changing `num_demos` does not change the prompts.
 
@@ -77,12 +80,15 @@ class WordProblemSettings:
       goes below zero: the larger operand comes first).
     max_factor: operands of "*" are drawn from 2..max_factor.
     system_prompt: an optional system message before the problem ("" for none).
+    demo_style: "worked" (demonstrations answer "12 + 7 = 19. The answer is 19.") or
+      "calculator" (they call the calculator tool: "<calc>12+7</calc>").
   """
 
   operations: str = "+-"
   max_operand: int = 49
   max_factor: int = 9
   system_prompt: str = ""
+  demo_style: str = "worked"
 
   def __post_init__(self):
     self.check()
@@ -99,6 +105,9 @@ class WordProblemSettings:
     if not isinstance(self.system_prompt, str):
       raise ValueError(f"{field}.system_prompt must be a string (\"\" for none), got "
                        f"{self.system_prompt!r}.")
+    if self.demo_style not in DEMO_STYLES:
+      raise ValueError(f"{field}.demo_style={self.demo_style!r}; choose one of "
+                       f"{DEMO_STYLES}.")
 
   @classmethod
   def from_config(cls, section: Mapping[str, Any],
@@ -148,6 +157,15 @@ def worked_answer(problem: Problem) -> str:
   op, _, a, b = problem
   symbol = {"+": "+", "-": "-", "*": "x"}[op]
   return f"{a} {symbol} {b} = {solve(problem)}. The answer is {solve(problem)}."
+
+
+def calculator_call(problem: Problem) -> str:
+  """A demonstration's completion in the calculator style: the tool call."""
+  op, _, a, b = problem
+  return f"<calc>{a}{op}{b}</calc>"
+
+
+DEMO_STYLES = ("worked", "calculator")
 
 
 def _messages(text: str, spec: WordProblemSettings) -> list[dict[str, str]]:
@@ -204,7 +222,8 @@ def make_word_problem_records(num_prompts: int, num_demos: int, seed: int,
   for _ in range(num_demos):
     problem = train_problem(demo_rng)
     demos.append({"messages": _messages(render(problem, demo_rng), spec),
-                  "completion": worked_answer(problem)})
+                  "completion": (calculator_call(problem) if spec.demo_style == "calculator"
+                                 else worked_answer(problem))})
   return {"prompts": prompts, "demos": demos,
           "prompts_eval": [prompt_record(p, eval_rng) for p in held_out]}
 

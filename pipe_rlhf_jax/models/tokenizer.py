@@ -272,6 +272,11 @@ class HFTokenizer:
     """The Jinja source of the directory's chat template, or None without one."""
     return None if self._chat_found is None else self._chat_found[0]
 
+  @property
+  def chat_template_origin(self) -> str | None:
+    """The file the chat template came from (what messages about it name), or None."""
+    return None if self._chat_found is None else self._chat_found[1]
+
   def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                           tokenize: bool = True):
     """Renders a conversation with the directory's chat template, as transformers does.

@@ -28,11 +28,12 @@ from pipe_rlhf_jax.ppo.types import decode_answers
 def rule_rewards_to_report(settings) -> dict[str, Any]:
   """The rules scored on the held-out prompts (name -> function) of the experiment's
   settings (`config.ExperimentSettings`): none when `log.eval_prompts` is 0; else
-  `reward.fn` when it is a rule, and `reward.eval_fn` when set."""
+  `reward.fn` when it is a rule, and `reward.eval_fn` when set. (With an environment
+  the held-out episodes report its reward instead: `heldout_eval`'s `episodes`.)"""
   if not settings.log.eval_prompts:
     return {}
   reward = settings.reward
-  names = [] if reward.uses_model else [reward.fn]
+  names = [] if reward.uses_model or reward.uses_environment else [reward.fn]
   if reward.eval_fn and reward.eval_fn not in names:
     names.append(reward.eval_fn)
   return {name: REWARD_FUNCTIONS.get(name) for name in names}
@@ -67,8 +68,8 @@ class HeldoutEval:
 
 
 def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingSettings,
-                 rules: dict[str, Any], num_samples: int, samples_per_prompt: int = 0
-                 ) -> HeldoutEval:
+                 rules: dict[str, Any], num_samples: int, samples_per_prompt: int = 0,
+                 episodes=None) -> HeldoutEval:
   """Completions of a batch of held-out prompts, and their scores.
 
   `samples_per_prompt` = 0: one greedy (temperature 0) answer per prompt, what the
@@ -77,11 +78,19 @@ def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingSettings,
   position in the batch (`sample_ids`), so the draws do not depend on the layout the
   model runs on and the before and after of a run share their random numbers (a paired
   comparison then sees the policy's change, not two draws' difference).
+
+  With `episodes` (a `stages.episodes.EpisodeRunner`) each answer is a whole episode
+  with the environment, scored by the environment's reward (named after it) and by
+  whether the episode called a tool (`<env>_tool_calls`: the fraction of its episodes
+  with a tool message); `rules` are not used.
   """
   model = nnx.merge(graphdef, params)
   k = max(samples_per_prompt, 1)
   # Greedy: temperature 0 (top-k / top-p then select nothing the argmax would not).
   decoding = sampling if samples_per_prompt else dataclasses.replace(sampling, temperature=0.0)
+  if episodes is not None:
+    return _episode_eval(model, batch, tokenizer, decoding, episodes, num_samples,
+                         samples_per_prompt)
   prompt_tokens, prompt_mask, out = generate_repeated(
       model, batch["prompt_tokens"], batch["prompt_mask"], k, decoding, rng=jax.random.key(0))
   tokens, mask = distributed.fetch((out.tokens, out.mask))
@@ -96,6 +105,26 @@ def heldout_eval(graphdef, params, batch, tokenizer, sampling: SamplingSettings,
                 .reshape(-1, k).mean(1) for name, fn in rules.items()}
   return HeldoutEval(lines, {name: float(v.mean()) for name, v in per_prompt.items()},
                      len(prompts) // k, {name: v.tolist() for name, v in per_prompt.items()},
+                     samples_per_prompt)
+
+
+def _episode_eval(model, batch, tokenizer, decoding: SamplingSettings, runner,
+                  num_samples: int, samples_per_prompt: int) -> HeldoutEval:
+  """`heldout_eval` of multi-turn episodes (`runner`), k of each prompt."""
+  from pipe_rlhf_jax.stages.episodes import model_turns
+  k = max(samples_per_prompt, 1)
+  first, following = model_turns(model, decoding, runner.turn_tokens, jax.random.key(0), k)
+  out = runner.run(batch, k, first, following)
+  prompts = [tokenizer.decode(p[m]) for p, m in zip(out.prompt_tokens, out.prompt_mask)]
+  transcripts = [tokenizer.decode(c[m]) for c, m in zip(out.completion_tokens,
+                                                        out.completion_mask)]
+  lines = [f"{p!r} -> {c!r}" for p, c in zip(prompts[::k][:num_samples], transcripts[::k])]
+  name = runner.settings.name
+  called = np.asarray([any(r.role == "tool" for r in rs) for rs in out.replies], np.float64)
+  per_prompt = {name: out.scores.astype(np.float64).reshape(-1, k).mean(1),
+                f"{name}_tool_calls": called.reshape(-1, k).mean(1)}
+  return HeldoutEval(lines, {n: float(v.mean()) for n, v in per_prompt.items()},
+                     len(prompts) // k, {n: v.tolist() for n, v in per_prompt.items()},
                      samples_per_prompt)
 
 

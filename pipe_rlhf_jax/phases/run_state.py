@@ -156,6 +156,8 @@ class RunSetup:
   deadline: ProgressDeadline = ProgressDeadline()
   # The data.jsonl files' digests (`data.digests.file_digests`), kept in each checkpoint.
   data_files: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Multi-turn episodes (`env`): their runner, its template checked at set-up; else None.
+  episodes: Any = None
 
   @property
   def planned(self) -> PlannedRun:

@@ -1,9 +1,11 @@
 """Masked statistics, whitening, GAE, and the calling convention of advantage estimators.
 
 Owns the per-token credit assignment of PPO over completion tokens. Every array is
-`[batch, length]` with a 0/1 (or boolean) `mask` whose valid tokens form a prefix of each
-row; rows may be entirely padding. Padded positions never contribute to a statistic and
-always come out as 0. All functions are pure, jit-able and compute in float32.
+`[batch, length]` with a 0/1 (or boolean) `mask` of the valid tokens: a prefix of
+each row for one turn, the policy's turns of a multi-turn episode (the environment's
+tokens between them are invalid: GAE steps over them); rows may be entirely padding.
+Invalid positions never contribute to a statistic and always come out as 0. All
+functions are pure, jit-able and compute in float32.
 
 Every entry of `ADVANTAGE_ESTIMATORS` is called as
   fn(rewards, values, mask, settings: AdvantageSettings) -> (advantages, returns)
@@ -132,11 +134,6 @@ def whiten(
   return jnp.where(m > 0, out, 0.0)
 
 
-def _shift_left(x: jax.Array) -> jax.Array:
-  """x[:, t+1] at position t, with 0 beyond the last column."""  # [batch, length]
-  return jnp.pad(x[:, 1:], ((0, 0), (0, 1)))
-
-
 def gae(
     rewards: jax.Array,
     values: jax.Array,
@@ -146,22 +143,25 @@ def gae(
 ) -> tuple[jax.Array, jax.Array]:
   """Generalised advantage estimation (Schulman et al. 2016) over completion tokens.
 
-  The episode ends after each row's last valid token, so the value bootstrapped beyond
-  it is 0; padded positions neither contribute to nor receive advantage:
-    delta_t = r_t + gamma * V_{t+1} * valid_{t+1} - V_t
-    A_t     = delta_t + gamma * lam * valid_{t+1} * A_{t+1}
+  The trajectory is a row's valid tokens in order; invalid positions between them (an
+  episode's environment tokens) are skipped, not steps: the next state of a valid token
+  is the next valid token, wherever it sits. With t+ the next valid position after t
+  (none past the row's last valid token, where the value bootstrapped is 0):
+    delta_t = r_t + gamma * V_{t+} - V_t
+    A_t     = delta_t + gamma * lam * A_{t+}
     R_t     = A_t + V_t
-  Output is not whitened; call `whiten` separately.
+  For a mask that is a prefix of each row (one turn) t+ = t + 1. Invalid positions
+  neither contribute nor receive advantage. Output is not whitened; call `whiten`.
 
   Args:
     rewards: f32 [batch, length] per-token rewards.
     values: f32 [batch, length] critic values V(s_t).
-    mask: bool/0-1 [batch, length], True on valid completion tokens.
+    mask: bool/0-1 [batch, length], True on valid (policy) tokens.
     gamma: discount (Python float or traced scalar).
     lam: GAE lambda (Python float or traced scalar).
 
   Returns:
-    (advantages, returns), each f32 [batch, length], 0 on padding.
+    (advantages, returns), each f32 [batch, length], 0 on invalid positions.
   """
   rewards = check_2d("rewards", rewards)
   values = check_2d("values", values)
@@ -177,20 +177,20 @@ def gae(
   # Zero out padding first so garbage there (e.g. values of pad tokens) cannot leak.
   rewards = jnp.where(m > 0, rewards, 0.0)
   values = jnp.where(m > 0, values, 0.0)
-  next_valid = _shift_left(m)  # [batch, length]
-  next_values = _shift_left(values) * next_valid  # [batch, length]
-  deltas = (rewards + gamma * next_values - values) * m  # [batch, length]
-  decay = gamma * lam * next_valid  # [batch, length]
 
-  def step(next_adv, inputs):
-    delta_t, decay_t = inputs  # [batch] each
-    adv_t = delta_t + decay_t * next_adv
-    return adv_t, adv_t
+  def step(carry, inputs):
+    # carry: (V, A) of the next valid position, (0, 0) past the last; an invalid
+    # position passes it through unchanged.
+    next_value, next_adv = carry  # [batch] each
+    r_t, v_t, valid = inputs  # [batch] each
+    adv_t = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+    carry = (jnp.where(valid, v_t, next_value), jnp.where(valid, adv_t, next_adv))
+    return carry, jnp.where(valid, adv_t, 0.0)
 
-  init = jnp.zeros(rewards.shape[:1], jnp.float32)  # [batch]
+  init = (jnp.zeros(rewards.shape[:1], jnp.float32),) * 2  # [batch] each
   # Scan runs over time, so feed [length, batch] and walk it backwards.
-  _, adv_tb = jax.lax.scan(step, init, (deltas.T, decay.T), reverse=True)
-  advantages = adv_tb.T * m  # [batch, length]
+  _, adv_tb = jax.lax.scan(step, init, (rewards.T, values.T, (m > 0).T), reverse=True)
+  advantages = adv_tb.T  # [batch, length]
   returns = (advantages + values) * m
   return advantages, returns
 

@@ -9,6 +9,11 @@ A prompt's reference answer (for verifiable rule rewards) rides along as text in
 width: its UTF-8 bytes, NUL-padded to A bytes (`encode_answers` / `decode_answers`), so
 it moves with the rollout through every queue, reshard and cross-process transfer as an
 array like the others, and needs no side channel.
+
+A multi-turn episode (`stages/episodes.py`) is one row too: its completion is every
+token after the prompt, the policy's turns and the environment's replies between them,
+all attended (`completion_mask`); `policy_mask` marks the tokens the policy sampled,
+the only ones the loss, the KL and the advantages read (`Rollout.loss_mask`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ class Rollout:
     answer_bytes: uint8 [batch, answer_len], each row's reference answer (NUL-padded
       UTF-8, see `decode_answers`), or None when the prompts carry none. Read by the
       rule reward only; the inference stage drops it from the experience.
+    policy_mask: bool [batch, completion_len], True on the tokens the policy sampled,
+      for multi-turn episodes (their environment tokens are False); None when every
+      completion token is the policy's (one turn).
+    env_scores: f32 [batch], each episode's reward as its environment gave it, or None
+      when the reward is scored by the inference stage (a rule or a reward model).
   """
 
   prompt_tokens: jax.Array
@@ -47,6 +57,16 @@ class Rollout:
   behaviour_logprobs: jax.Array
   policy_version: jax.Array
   answer_bytes: jax.Array | None = None
+  policy_mask: jax.Array | None = None
+  env_scores: jax.Array | None = None
+
+  @property
+  def loss_mask(self) -> jax.Array:
+    """bool [batch, completion_len]: the tokens the loss, the KL and the advantages read,
+    the policy's own (`completion_mask` without the environment's tokens)."""
+    if self.policy_mask is None:
+      return self.completion_mask
+    return self.completion_mask & self.policy_mask
 
 
 @struct.dataclass

@@ -114,6 +114,15 @@ class StageLayout:
     return logical.axis_rules(self.mesh, self.rules)
 
 
+def policy_only(rollout, x: jax.Array | None) -> jax.Array | None:
+  """`x` [batch, completion_len] with 0 wherever the policy sampled nothing (an
+  episode's environment tokens; padding is 0 already): those positions take no part in
+  any target, and a 0 there keeps every ratio and difference of them finite."""
+  if x is None or rollout.policy_mask is None:
+    return x
+  return jnp.where(rollout.loss_mask, x, 0.0)
+
+
 def completion_hidden(model, prompt_tokens: jax.Array, prompt_mask: jax.Array,
                       completion_tokens: jax.Array, completion_mask: jax.Array) -> jax.Array:
   """The residual stream [batch, completion_len, embed] at the positions that predict /

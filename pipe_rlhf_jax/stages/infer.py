@@ -43,6 +43,7 @@ from pipe_rlhf_jax.stages.common import (
   packed_completion_logprobs,
   packed_completion_values,
   packed_sequence_scores,
+  policy_only,
   sequence_scores,
 )
 
@@ -114,7 +115,7 @@ def derive_targets(h: InferSettings, rollout: Rollout, policy_logprobs: jax.Arra
     The experience; its `old_logprobs` are the behaviour log-probs.
   """
   r = rollout
-  mask = r.completion_mask
+  mask = r.loss_mask  # the policy's tokens: an episode's environment tokens take no part
   kl = (kl_lib.kl_penalty(policy_logprobs, ref_logprobs, mask, h.kl_estimator)
         if ref_logprobs is not None else None)
   # The score as the rewards see it (`reward_shift` / `reward_scale`: the reward model's
@@ -153,15 +154,18 @@ class InferStage:
     decode: token ids -> text, for rule rewards.
     pack_tokens: 0 runs the forward passes over the padded layout; L > 0 over packed
       rows of L tokens (`stages.infer.pack_tokens`; the same outputs).
+    env_rewards: the rollouts are episodes whose environment gave their rewards
+      (`Rollout.env_scores`): no reward model and no rule.
   """
 
   def __init__(self, layout: StageLayout, policy_graphdef: nnx.GraphDef,
                critic_graphdef: nnx.GraphDef | None, reward_graphdef: nnx.GraphDef | None,
                settings: InferSettings, reward_fn: Callable | None = None,
                eval_fn: Callable | None = None, decode: Callable | None = None,
-               pack_tokens: int = 0):
-    if reward_graphdef is None and reward_fn is None:
-      raise ValueError("reward.fn: give a reward model or a registered rule reward.")
+               pack_tokens: int = 0, env_rewards: bool = False):
+    if reward_graphdef is None and reward_fn is None and not env_rewards:
+      raise ValueError("reward.fn: give a reward model, a registered rule reward or an "
+                       "environment.")
     if (critic_graphdef is None) == settings.needs_critic:
       need = "needs" if settings.needs_critic else "takes no"
       raise ValueError(f"ppo.advantage_estimator={settings.advantage_estimator!r} {need} "
@@ -175,6 +179,7 @@ class InferStage:
     if pack_tokens < 0:
       raise ValueError(f"stages.infer.pack_tokens={pack_tokens} must be >= 0.")
     self.pack_tokens = pack_tokens
+    self.env_rewards = env_rewards
     h = settings
     ADVANTAGE_ESTIMATORS.get(h.advantage_estimator, field="ppo.advantage_estimator")
 
@@ -195,7 +200,7 @@ class InferStage:
                   if critic is not None else None)
         model_scores = (sequence_scores(reward_graphdef, reward_model, *args)
                         if reward_model is not None else None)
-        return ref_logprobs, values, model_scores
+        return policy_only(r, ref_logprobs), policy_only(r, values), model_scores
 
     def forward_packed(ref, critic, reward_model, rollout: Rollout, plan: packing.PackPlan):
       # The same passes over packed rows; their outputs are the padded layout's.
@@ -210,7 +215,7 @@ class InferStage:
                   if critic is not None else None)
         model_scores = (packed_sequence_scores(reward_graphdef, reward_model, *args)
                         if reward_model is not None else None)
-        return ref_logprobs, values, model_scores
+        return policy_only(r, ref_logprobs), policy_only(r, values), model_scores
 
     def make_experience(rollout: Rollout, ref_logprobs, values, scores, kl_coef):
       with layout.rules_context():
@@ -267,7 +272,12 @@ class InferStage:
     # Asynchronous dispatch: the device runs the model passes while the host decodes
     # and scores the completions below.
     ref_logprobs, values, model_scores = self.forward(ref, critic, reward_model, rollout)
-    if reward_model is None:
+    if rollout.env_scores is not None:  # episodes: their environment gave the reward
+      scores = rollout.env_scores
+    elif self.env_rewards:
+      raise ValueError("The inference stage was built for episodes (env_rewards=True) but "
+                       "got a rollout without env_scores.")
+    elif reward_model is None:
       # Each process holds the whole host batch; put_global keeps its own shards.
       scores = put_global(self.score_on_host(scored, self.reward_fn),
                           self.layout.batch_sharding(1))
@@ -283,9 +293,10 @@ class InferStage:
 def experience_metrics(exp: Experience) -> dict:
   """Scalar summaries of a batch of experience (computed on device).
 
-  KL metrics exist only with a reference, value metrics only with a critic.
+  KL metrics exist only with a reference, value metrics only with a critic. Token
+  means are over the policy's tokens; `response_length/mean` counts them.
   """
-  mask = exp.rollout.completion_mask
+  mask = exp.rollout.loss_mask
   mean = lambda x: adv_lib.masked_mean(x, mask)
   lengths = jnp.sum(mask.astype(jnp.float32), axis=1)
   metrics = {

@@ -81,6 +81,7 @@ from pipe_rlhf_jax.stages.common import (
   completion_values,
   packed_completion_logprobs,
   packed_completion_values,
+  policy_only,
 )
 from pipe_rlhf_jax.stages.infer import InferSettings, derive_targets
 
@@ -249,15 +250,18 @@ def actor_loss(spec: UpdateSpec, mb: dict, actor: nnx.State) -> tuple[jax.Array,
   training packed (the same [minibatch, T] log-probs, computed over the packed rows).
   """
   h, gd, r = spec.settings, spec.actor_graphdef, mb["rollout"]
-  mask, plan = r.completion_mask, mb.get("plan")
+  mask, plan = r.loss_mask, mb.get("plan")
+  # Every completion token is attended (an episode's environment tokens too); the loss
+  # reads the policy's tokens only.
   if plan is None:
     logprobs, entropy = completion_logprobs(
-        gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens, mask,
+        gd, actor, r.prompt_tokens, r.prompt_mask, r.completion_tokens, r.completion_mask,
         temperature=h.temperature, return_entropy=True)
   else:
     logprobs, entropy = packed_completion_logprobs(
-        gd, actor, plan, r.prompt_tokens, r.completion_tokens, mask,
+        gd, actor, plan, r.prompt_tokens, r.completion_tokens, r.completion_mask,
         temperature=h.temperature, return_entropy=True)
+  logprobs, entropy = policy_only(r, logprobs), policy_only(r, entropy)
   ptx_nll = None
   if h.ptx_coef:
     d = mb["ptx"]
@@ -273,14 +277,14 @@ def actor_loss(spec: UpdateSpec, mb: dict, actor: nnx.State) -> tuple[jax.Array,
 def critic_loss(spec: UpdateSpec, mb: dict, critic: nnx.State) -> tuple[jax.Array, dict]:
   """The critic's value loss on one minibatch (`objective.critic_objective`)."""
   gd, r, plan = spec.critic_graphdef, mb["rollout"], mb.get("plan")
-  mask = r.completion_mask
   if plan is None:
     values = completion_values(gd, critic, r.prompt_tokens, r.prompt_mask,
-                               r.completion_tokens, mask)
+                               r.completion_tokens, r.completion_mask)
   else:
     values = packed_completion_values(gd, critic, plan, r.prompt_tokens,
-                                      r.completion_tokens, mask)
-  return objective.critic_objective(values, mb["values"], mb["returns"], mask, spec.settings)
+                                      r.completion_tokens, r.completion_mask)
+  return objective.critic_objective(policy_only(r, values), mb["values"], mb["returns"],
+                                    r.loss_mask, spec.settings)
 
 
 def gradient_step(spec: UpdateSpec, frozen: Frozen, state: ActorCriticState, mb: dict
@@ -367,6 +371,7 @@ def proximal_pass(spec: UpdateSpec, frozen: Frozen, state: ActorCriticState,
     prox = packed_completion_logprobs(spec.actor_graphdef, actor, packed["whole"],
                                       r.prompt_tokens, r.completion_tokens,
                                       r.completion_mask, temperature=h.temperature)
+  prox = policy_only(r, prox)
   old_logprobs = prox if h.loss == "decoupled_ppo_clip" else exp.old_logprobs
   extra = {}
   if h.kl_policy == "proximal":
@@ -379,7 +384,7 @@ def proximal_pass(spec: UpdateSpec, frozen: Frozen, state: ActorCriticState,
     # The rewards' KL term at the proximal policy, beside the behaviour policy's
     # `kl/mean`: on behaviour-sampled tokens, with k1, their difference estimates
     # KL(behaviour || proximal), how far the trainer has moved since sampling.
-    kl = kl_penalty(prox, exp.ref_logprobs, r.completion_mask, h.kl_estimator)
+    kl = kl_penalty(prox, exp.ref_logprobs, r.loss_mask, h.kl_estimator)
     extra["kl_proximal/mean"] = jnp.mean(jnp.sum(kl, axis=1))
   return exp, old_logprobs, prox, extra
 
@@ -433,7 +438,7 @@ def update_fn(spec: UpdateSpec, state: ActorCriticState, frozen: Frozen, exp: Ex
   # the batch is stale), measured on one minibatch for free.
   gap = {k: metrics.pop(k)[0, 0] for k in LOGPROB_GAP_KEYS}
   if prox_logprobs is not None:  # the whole batch at the same weights, already computed
-    gap = logprob_gap(prox_logprobs, r.behaviour_logprobs, r.completion_mask)
+    gap = logprob_gap(prox_logprobs, r.behaviour_logprobs, r.loss_mask)
   # Means over the gradient steps that ran (all of them without target_kl).
   ran = metrics.pop("ran")
   metrics = jax.tree.map(lambda x: jnp.sum(x * ran) / jnp.sum(ran), metrics)

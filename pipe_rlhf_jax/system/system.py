@@ -44,6 +44,7 @@ from pipe_rlhf_jax.parallel.reshard import TransferStats, reshard
 from pipe_rlhf_jax.ppo.kl import adaptive_kl_coef
 from pipe_rlhf_jax.ppo.types import Experience, Rollout
 from pipe_rlhf_jax.stages.common import StageLayout
+from pipe_rlhf_jax.stages.episodes import EpisodeRunner, EpisodeStage
 from pipe_rlhf_jax.stages.generate import GenerateStage
 from pipe_rlhf_jax.stages.infer import InferSettings, InferStage
 from pipe_rlhf_jax.stages.rollout_stream import RolloutStream, split_data_state
@@ -404,10 +405,15 @@ class PPOSystem:
   def __init__(self, models: Models, *, ppo: PPOSettings, sampling: SamplingSettings,
                plan: Plan = Plan(), reward_fn: Callable | None = None,
                decode: Callable | None = None, eval_fn: Callable | None = None,
-               devices=None, ptx_demos: dict[str, np.ndarray] | None = None):
-    if (reward_fn is None) == (models.reward is None):
-      raise ValueError("Give exactly one reward: a reward model in Models.reward, or a "
-                       "rule reward_fn.")
+               devices=None, ptx_demos: dict[str, np.ndarray] | None = None,
+               episodes: EpisodeRunner | None = None):
+    if (reward_fn is not None) + (models.reward is not None) + (episodes is not None) != 1:
+      raise ValueError("Give exactly one reward: a reward model in Models.reward, a rule "
+                       "reward_fn, or an environment's (episodes=EpisodeRunner(...)).")
+    if episodes is not None and plan.partial_rollouts:
+      raise ValueError("plan.partial_rollouts=True with env.name set: an episode's turns "
+                       "are sampled one engine call each, so unfinished rows are not kept "
+                       "across updates; set plan.partial_rollouts=False.")
     if (reward_fn is not None or eval_fn is not None) and decode is None:
       raise ValueError("A rule reward (reward_fn / eval_fn) scores decoded text: pass "
                        "decode=tokenizer.decode.")
@@ -446,16 +452,20 @@ class PPOSystem:
                        if models.reward is not None else None)
     critic_graphdef = {stage: (for_stage(stage, models.critic_graphdef, models.critic)
                                if self.has_critic else None) for stage in ("infer", "train")}
-    self.generate_stage = GenerateStage(
-        gen, for_stage("generate", models.actor_graphdef, models.actor), sampling,
-        plan.num_microbatches, group_size=ppo.group_size,
-        num_slots=plan.generate.num_slots)
+    generate_args = (gen, for_stage("generate", models.actor_graphdef, models.actor),
+                     sampling, plan.num_microbatches)
+    self.episodes = episodes
+    self.generate_stage = (
+        GenerateStage(*generate_args, group_size=ppo.group_size,
+                      num_slots=plan.generate.num_slots) if episodes is None else
+        EpisodeStage(*generate_args, ppo.group_size, plan.generate.num_slots, episodes))
     reference = models.reference if models.reference is not None else models.actor
     self.infer_stage = InferStage(inf, for_stage("infer", models.reference_graphdef, reference),
                                   critic_graphdef["infer"], reward_graphdef,
                                   InferSettings.from_settings(ppo, sampling.temperature),
                                   reward_fn=reward_fn, eval_fn=eval_fn, decode=decode,
-                                  pack_tokens=plan.infer.pack_tokens)
+                                  pack_tokens=plan.infer.pack_tokens,
+                                  env_rewards=episodes is not None)
     optimizer = lambda lr: make_optimizer(lr, total_steps=ppo.steps,
                                           warmup_steps=ppo.warmup_steps,
                                           schedule=ppo.lr_schedule,
