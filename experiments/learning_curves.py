@@ -129,9 +129,10 @@ def run_config(args, seed: int, cell: str | None, warm_dir: str | None):
     config.ppo.steps = args.steps
   config.checkpoint.every = config.ppo.steps  # one PPO checkpoint, at the end
   config.log.every = 1
-  if not config.reward.eval_fn:
-    raise ValueError(f"--config {args.config}: reward.eval_fn is empty; the learning curves "
-                     "measure the rule's score, so the config needs one.")
+  if not scored_by(config):
+    raise ValueError(f"--config {args.config}: reward.eval_fn is empty and no environment "
+                     "gives the reward; the learning curves measure a rule's score (or an "
+                     "environment's reward), so the config needs one.")
   if not config.log.get("eval_prompts", 0):
     raise ValueError(f"--config {args.config}: log.eval_prompts is 0; the learning curves "
                      "compare greedy held-out answers before and after PPO, so set it "
@@ -241,15 +242,37 @@ def host_description() -> str:
   return f"{model} ({' '.join(isa) or 'no AVX2'}), jax {jax.__version__}"
 
 
+def scored_by(config) -> str:
+  """What the curves measure: the rule `reward.eval_fn`, or with multi-turn episodes the
+  environment `env.name` (whose reward PPO optimises); "" for neither."""
+  if config.reward.eval_fn:
+    return config.reward.eval_fn
+  return config.get("env", {}).get("name", "") if config.reward.fn == "environment" else ""
+
+
+def tool_fields(result, rows: list[dict], env: str) -> dict:
+  """With an environment: the share of held-out greedy episodes that called a tool,
+  before and after PPO (and per prompt), and the share per PPO batch."""
+  key = f"{env}_tool_calls"
+  if key not in result.heldout_before:
+    return {}
+  return {"tool_before": result.heldout_before[key], "tool_after": result.heldout_after[key],
+          "tool_before_per_prompt": result.heldout_per_prompt["before"][key],
+          "tool_after_per_prompt": result.heldout_per_prompt["after"][key],
+          "tool_curve": [r.get("env/tool_call_rate", float("nan")) for r in rows],
+          "turns_curve": [r.get("env/turns", float("nan")) for r in rows]}
+
+
 def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> dict:
   """The numbers of one finished run that the table and the plot need."""
   rows = sorted(result.ppo_metrics, key=lambda r: r["step"])
   steps = len(rows)
   last = max(1, int(round(FINAL_FRACTION * steps)))
-  curve = [r["rule_reward/mean"] for r in rows]
+  # The rule's score of the sampled answers; an environment's reward is PPO's own.
+  curve = [r["rule_reward/mean" if config.reward.eval_fn else "reward/mean"] for r in rows]
   kl = [r.get("kl/mean", float("nan")) for r in rows]  # absent when there is no reference
-  # The held-out greedy scores of `reward.eval_fn` before and after PPO.
-  fn = config.reward.eval_fn
+  # The held-out greedy scores of `reward.eval_fn` (or the environment's) before and after.
+  fn = scored_by(config)
   return {
       "seed": seed, "cell": cell, "mode": config.plan.mode,
       "max_staleness": config.plan.max_staleness if config.plan.mode == "pipe" else 0,
@@ -280,6 +303,7 @@ def summarise_run(result: dict, config, seed: int, cell: str, wall_s: float) -> 
       "wall_s": wall_s, "load_average": os.getloadavg()[0], "host": host_description(),
       "curve": curve, "reward_curve": [r["reward/mean"] for r in rows], "kl_curve": kl,
       "samples_after": result.samples_after, "samples_before": result.samples_before,
+      **(tool_fields(result, rows, fn) if not config.reward.eval_fn else {}),
   }
 
 
@@ -406,18 +430,22 @@ def _change(run: dict, name: str) -> str:
 
 
 def format_runs(runs: list[dict]) -> str:
-  """One row per run: its held-out changes with their intervals, KL, time and rates."""
+  """One row per run: its held-out changes with their intervals, KL, time and rates (and
+  with an environment, its greedy episodes' tool-call rate)."""
+  tools = any("tool_before" in r for r in runs)
   lines = ["| seed | cell | greedy before → after (change, 95% interval) | "
-           "held-out sampled before → after (change, 95% interval) | KL end | "
-           "wall s | tokens/s generate / infer / train |",
-           "|---|---|---|---|---|---|---|"]
+           "held-out sampled before → after (change, 95% interval) | "
+           + ("greedy tool-call rate before → after (change, 95% interval) | " if tools else "")
+           + "KL end | wall s | tokens/s generate / infer / train |",
+           "|---|---|---|---|" + ("---|" if tools else "") + "---|---|---|"]
   for run in sorted(runs, key=lambda r: (r["cell"], r["seed"])):
     rates = run.get("tokens_per_s") or {}
     rate = " / ".join(f"{rates[k]:.0f}" if k in rates else "-"
                       for k in ("generate", "infer", "train"))
     lines.append(f"| {run['seed']} | {run['cell']} | {_change(run, 'greedy')} | "
-                 f"{_change(run, 'sampled')} | {run['kl_end']:.3f} | "
-                 f"{run['wall_s']:.0f} | {rate} |")
+                 f"{_change(run, 'sampled')} | "
+                 + (f"{_change(run, 'tool')} | " if tools else "")
+                 + f"{run['kl_end']:.3f} | {run['wall_s']:.0f} | {rate} |")
   return "\n".join(lines)
 
 
@@ -601,17 +629,20 @@ def write_report(out: str, runs: list[dict], cells: list[str], settings: dict,
     json.dump({"settings": settings, "runs": runs}, f, indent=1)
   table = aggregate(runs, cells)
   seeds = sorted({r["seed"] for r in runs})
+  scorer = (f"the environment `{settings['eval_fn']}`'s reward (its episodes')"
+            if settings.get("reward", {}).get("fn") == "environment"
+            else f"the rule `{settings['eval_fn']}`")
   text = "\n".join([
       f"Command: `{settings['command']}`", "",
       f"Config {os.path.relpath(settings['config'], _ROOT)} with "
       f"{settings['overrides'] or 'no overrides'}; "
       f"{runs[0]['steps']} PPO steps; seeds {seeds}; every cell of a seed starts from that "
-      f"seed's warm start. Accuracy: the rule `{settings['eval_fn']}` over the sampled "
+      f"seed's warm start. Accuracy: {scorer} over the sampled "
       f"answers of each PPO batch (start: step 0; final: mean of the last "
-      f"{int(FINAL_FRACTION * 100)}% of steps); greedy: the rule over "
+      f"{int(FINAL_FRACTION * 100)}% of steps); greedy: the same score over "
       f"{runs[0]['greedy_prompts']} held-out prompts answered greedily before and after "
       "PPO (greedy worse: runs whose score fell; beyond 95%: of them, those whose fall "
-      "lies beyond the 95% bootstrap interval over prompts); held-out sampled: the rule "
+      "lies beyond the 95% bootstrap interval over prompts); held-out sampled: the score "
       f"over {runs[0].get('sampled_k', '-')} answers per held-out prompt sampled as PPO "
       "samples, before and after PPO (its gain: the paired change); mean ± sample std "
       "over seeds.", "",
@@ -723,7 +754,7 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   probe = run_config(args, args.seeds[0], None, None)
   settings = {"command": command, "config": args.config, "overrides": args.overrides,
-              "steps": probe.ppo.steps, "eval_fn": probe.reward.eval_fn,
+              "steps": probe.ppo.steps, "eval_fn": scored_by(probe),
               "ppo": probe.ppo.to_dict(), "reward": probe.reward.to_dict()}
   check_settings(args.out, settings)
   store = os.path.join(os.path.dirname(args.out), "warm_starts")

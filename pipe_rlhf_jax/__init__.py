@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 LAYERS = (
     ("foundation", ("checks", "host_devices", "metrics", "optim", "checkpoint", "workdir",
                     "parallel", "models", "concurrency", "distributed")),
-    ("algorithms", ("ppo", "generation", "data")),
+    ("algorithms", ("ppo", "generation", "data", "envs")),
     ("config", ("config",)),
     ("stages", ("stages",)),
     ("system", ("system",)),

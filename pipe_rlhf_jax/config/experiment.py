@@ -624,8 +624,8 @@ class ExperimentSettings:
         critic_init=check_choice(_get(config, "ppo.critic_init"), "ppo.critic_init",
                             ("reward_model", "sft")),
         plan=plan, choice=PlanChoice.from_config(config.plan))
-    settings._check_task()
     settings._check_env()
+    settings._check_task()
     num_mb = plan.generate.num_microbatches
     if ppo.batch_size % num_mb:
       raise ValueError(f"ppo.batch_size={ppo.batch_size} is not divisible by "
@@ -691,8 +691,8 @@ class ExperimentSettings:
             "data.task='jsonl' with prompt records that have an 'answer' field.")
     if not use_rm and self.ppo.needs_critic and self.critic_init == "reward_model":
       raise ValueError(f"ppo.critic_init='reward_model' but reward.fn={self.reward.fn!r} "
-                       "is a rule: no reward model is trained to start the critic from; "
-                       "set --config.ppo.critic_init=sft.")
+                       "is not 'model': no reward model is trained to start the critic "
+                       "from; set --config.ppo.critic_init=sft.")
 
   def _check_env(self) -> None:
     """Episodes (`env`) against the reward and the plan."""

@@ -53,7 +53,7 @@ def reward_summary(warm: dict[str, Any], stats=None) -> dict[str, str]:
   """The summary lines about the reward: the reward model's held-out accuracy, if any, and
   the statistics its scores were standardised by (`phases.reward_norm`), if they were."""
   if warm["rm_eval"] is None:
-    return {"reward model": "none (rule reward)"}
+    return {"reward model": "none (a rule or the environment gives the reward)"}
   lines = {"reward model held-out accuracy": f"{warm['rm_eval']['eval_accuracy']:.3f}"}
   if stats is not None:
     lines["reward standardised by"] = (f"score mean {stats.mean:.4g}, std {stats.std:.4g} "

@@ -203,7 +203,9 @@ def fit_or_restore(settings: ExperimentSettings, workdir, source: str | None, da
     say(f"reward model: held-out pairwise accuracy {rm_eval['eval_accuracy']:.3f} "
         f"on {rm_eval['eval_pairs']} pairs")
   else:
-    say(f"reward: the rule {settings.reward.fn!r}; no reward model is trained")
+    source = (f"the environment {settings.env.name!r}" if settings.reward.uses_environment
+              else f"the rule {settings.reward.fn!r}")
+    say(f"reward: {source}; no reward model is trained")
   ckpt.save(0, state, metadata={
       "fingerprint": fingerprint, "rm_eval": rm_eval,
       "data_files": digests.file_digests(settings.data_files(digests.WARM_START_ROLES))})

@@ -61,7 +61,7 @@ def test_rule_reward_job_trains_no_reward_model_and_scores_held_out(short_run):
   prompt, _ = result.samples_after[0].split(" -> ")
   assert rewards.arith_target(eval(prompt))  # noqa: S307 (the repr of a str)
   assert "held-out greedy arith_exact_match" in result.summary
-  assert "reward model: none (rule reward)" in result.summary
+  assert "reward model: none (a rule or the environment gives the reward)" in result.summary
 
 
 @pytest.mark.slow

@@ -1,0 +1,77 @@
+"""Multi-turn RL with a tool on a CPU: SmolLM2-135M-Instruct learns to use a calculator.
+
+The policy is the packaged SmolLM2-135M-Instruct (as in configs/smollm2_rlvr.py). The
+task is multiplication word problems with factors up to 30 ("Each of the 23 boxes holds
+17 cards. How many cards are there altogether?"), which the model cannot do in its head,
+and an environment with a calculator (`envs/calculator.py`): an assistant turn that
+writes `<calc>23*17</calc>` gets a tool message with the value (391) rendered by the
+model's own chat template, and the episode goes on; a turn without a call is the final
+answer, scored 1 when its last number is the reference answer, else 0 (`math_verify`).
+Only the model's own tokens are trained; the tool's tokens are context.
+
+  python -m pipe_rlhf_jax.models.packaged smollm2-135m-instruct   # installs, prints the path
+  python -m pipe_rlhf_jax.main --config=configs/calculator_tool.py
+
+The starting model never writes the tag on its own, whatever its system message says
+(0 calls in 64 answers tried). A short SFT on first turns that call the tool
+(`data.word_problems.demo_style="calculator"`: "<calc>23*17</calc>") teaches the call's
+format; RL (GRPO, 8 episodes per prompt, the k3 KL to the SFT policy in the loss) then
+learns when to call and to answer with the result. The summary scores the held-out
+problems before and after RL (greedy and sampled episodes, with paired 95% intervals):
+the environment's reward (`calculator`) and the share of episodes that called the tool
+(`calculator_tool_calls`). `python -m experiments.learning_curves --config
+configs/calculator_tool.py --page tool_use` runs it over seeds in both modes.
+
+Episodes: up to 3 assistant turns of up to 24 tokens, 80 tokens in all after the prompt
+(turns and tool messages); a tool call may take 5 s. The `:pipe` variant runs the three
+stages concurrently on three devices, rollouts one version stale; `:tiny` is the CI
+smoke run of the same phases.
+"""
+
+import ml_collections
+
+from configs import smollm2_rlvr
+
+SFT_STEPS = 30
+SYSTEM_PROMPT = ("You have a calculator. To use it, write <calc>expression</calc> and end "
+                 "your message; the result comes back. Then answer with the number only.")
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  """The calculator-tool config; variants "pipe" and "tiny"."""
+  if variant not in ("", "pipe", "tiny"):
+    raise ValueError(f"configs/calculator_tool.py variant {variant!r}; choose '', 'pipe' or "
+                     "'tiny'.")
+  config = smollm2_rlvr.get_config()
+  config.name = "calculator_tool"
+  config.data.word_problems.update(operations="*", max_factor=30, system_prompt=SYSTEM_PROMPT,
+                                   demo_style="calculator")
+  config.data.num_demos = 512
+  config.data.prompt_len = 96  # the system message and the problem: 75-90 tokens
+  config.data.completion_len = 80  # every turn and tool message of an episode
+
+  # SFT on the tool call's format only; a short run, so that RL still has calls to learn.
+  config.sft.update(steps=SFT_STEPS, batch_size=16, learning_rate=1e-5, warmup_steps=4)
+
+  config.env = ml_collections.ConfigDict(dict(
+      name="calculator", max_turns=3, turn_tokens=24, tool_timeout_s=5.0,
+      episode_timeout_s=0.0, failure_reward=0.0))
+  config.reward.fn = "environment"
+  config.reward.eval_fn = ""
+  config.ppo.steps = 20
+
+  if variant == "pipe":
+    config.name = "calculator_tool-pipe"
+    smollm2_rlvr.use_pipe_mode(config)
+  if variant == "tiny":
+    config.name = "calculator_tool-tiny"
+    config.data.update(num_prompts=64, num_demos=32, num_eval=4, completion_len=40)
+    config.env.turn_tokens = 12
+    config.sft.steps = 0  # the SFT phase has its own tests; this runs the episodes
+    config.ppo.update(steps=2, batch_size=4, minibatch_size=4, group_size=4, warmup_steps=1)
+    config.log.update(eval_prompts=4, eval_samples_per_prompt=0, samples=2)
+    config.checkpoint.every = 1
+    for stage in ("generate", "infer", "train"):
+      config.stages[stage].scan_unroll = 1
+  return config
+
