@@ -16,13 +16,13 @@ The starting model never writes the tag on its own, whatever its system message 
 (0 calls in 64 answers tried). A short SFT on first turns that call the tool
 (`data.word_problems.demo_style="calculator"`: "<calc>23*17</calc>") teaches the call's
 format; RL (GRPO, 8 episodes per prompt, the k3 KL to the SFT policy in the loss) then
-learns when to call and to answer with the result. The summary scores the held-out
-problems before and after RL (greedy and sampled episodes, with paired 95% intervals):
+learns when to call and to answer with the result, in 8 steps. The summary scores the
+held-out problems before and after RL (greedy episodes, with paired 95% intervals):
 the environment's reward (`calculator`) and the share of episodes that called the tool
 (`calculator_tool_calls`). `python -m experiments.learning_curves --config
 configs/calculator_tool.py --page tool_use` runs it over seeds in both modes.
 
-Episodes: up to 3 assistant turns of up to 24 tokens, 80 tokens in all after the prompt
+Episodes: up to 3 assistant turns of up to 24 tokens, 64 tokens in all after the prompt
 (turns and tool messages); a tool call may take 5 s. The `:pipe` variant runs the three
 stages concurrently on three devices, rollouts one version stale; `:tiny` is the CI
 smoke run of the same phases.
@@ -31,8 +31,8 @@ smoke run of the same phases.
 import ml_collections
 
 from configs import smollm2_rlvr
+from configs.smollm2_rlvr import use_pipe_mode  # noqa: F401  (learning_curves' pipe cells)
 
-SFT_STEPS = 30
 SYSTEM_PROMPT = ("You have a calculator. To use it, write <calc>expression</calc> and end "
                  "your message; the result comes back. Then answer with the number only.")
 
@@ -48,17 +48,20 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
                                    demo_style="calculator")
   config.data.num_demos = 512
   config.data.prompt_len = 96  # the system message and the problem: 75-90 tokens
-  config.data.completion_len = 80  # every turn and tool message of an episode
+  # Every turn and tool message of an episode: a call (about 12 tokens), the tool's
+  # message (about 12) and the answer fit, with room for a second call.
+  config.data.completion_len = 64
 
-  # SFT on the tool call's format only; a short run, so that RL still has calls to learn.
-  config.sft.update(steps=SFT_STEPS, batch_size=16, learning_rate=1e-5, warmup_steps=4)
+  # SFT on the tool call's format only, briefly: 96 demonstrations seen once.
+  config.sft.update(steps=12, batch_size=8, learning_rate=1e-5, warmup_steps=4)
 
   config.env = ml_collections.ConfigDict(dict(
       name="calculator", max_turns=3, turn_tokens=24, tool_timeout_s=5.0,
       episode_timeout_s=0.0, failure_reward=0.0))
   config.reward.fn = "environment"
   config.reward.eval_fn = ""
-  config.ppo.steps = 20
+  config.ppo.steps = 8
+  config.log.eval_samples_per_prompt = 0  # greedy held-out episodes only
 
   if variant == "pipe":
     config.name = "calculator_tool-pipe"

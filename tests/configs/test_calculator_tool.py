@@ -4,16 +4,9 @@ end with the real model (slow tier)."""
 
 import pytest
 
-from configs import calculator_tool, smollm2_rlvr
+from configs import calculator_tool
 from pipe_rlhf_jax.config import ExperimentSettings
-from pipe_rlhf_jax.models import packaged
-
-
-def _installed():
-  try:
-    return packaged.gguf_path(smollm2_rlvr.MODEL, install=False)
-  except packaged.PackageMissing as e:
-    pytest.skip(str(e))
+from tests.configs.test_smollm2_rlvr import _installed
 
 
 @pytest.mark.parametrize("variant", ["", "pipe", "tiny"])

@@ -48,6 +48,7 @@ def parse():
   p.add_argument("--fail_process", type=int, default=1)
   p.add_argument("--answers", action="store_true")
   p.add_argument("--lora_rank", type=int, default=0)
+  p.add_argument("--episodes", action="store_true")
   p.add_argument("--coordinator_address", default="")
   p.add_argument("--num_processes", type=int, default=1)
   p.add_argument("--process_id", type=int, default=0)
@@ -64,10 +65,12 @@ def mesh_specs(text: str):
 
 
 def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
-                answers: bool = False, lora_rank: int = 0):
+                answers: bool = False, lora_rank: int = 0, episodes: bool = False):
   """A model of the quickstart's tiny size, a rule reward, 16 prompts per batch (with
   `answers`, prompts with reference answers and a rule that checks their pairing; with
-  `lora_rank`, LoRA adapters of that rank on every projection)."""
+  `lora_rank`, LoRA adapters of that rank on every projection; with `episodes`,
+  three-turn episodes with an environment that answers each turn, whose reward is
+  PPO's)."""
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   from pipe_rlhf_jax.config import LoRASettings, MeshSpec, Plan, PPOSettings, StagePlan
@@ -98,12 +101,17 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
                           placement=tuple(placement) if pipe else None,
                           generate=StagePlan(gen, num_microbatches=2),
                           infer=StagePlan(inf), train=StagePlan(trn))
+  runner = None
+  if episodes:
+    runner = episode_runner(tokenizer)
+    policy = ending_turns(policy, tokenizer)
   system = PPOSystem(
       Models.from_policy(policy, lora_settings=LoRASettings(rank=lora_rank)),
       ppo=PPOSettings(steps=4, batch_size=16, minibatch_size=8, actor_lr=1e-3, kl_coef=0.1),
-      sampling=SamplingSettings(max_new_tokens=6, eos_id=tokenizer.eos_id,
-                              pad_id=tokenizer.pad_id),
-      plan=plan, reward_fn=paired if answers else count_a, decode=tokenizer.decode)
+      sampling=SamplingSettings(max_new_tokens=40 if episodes else 6,
+                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id),
+      plan=plan, reward_fn=None if episodes else paired if answers else count_a,
+      decode=tokenizer.decode, episodes=runner)
   words = ["abc", "bad", "cab", "dga", "hgf", "fed", "ace", "bdf", "gab", "cad", "fab",
            "bag", "dab", "egg", "hag", "aced"]
   if answers:
@@ -115,13 +123,44 @@ def tiny_system(mode: str, staleness: int = 0, placement=(4, 2, 2), meshes=None,
   return system, prompts
 
 
+def episode_runner(tokenizer):
+  """Episodes of up to 3 turns of 6 tokens with an environment that replies "ok" to the
+  first two; the reward is the share of "a" in the last turn."""
+  from pipe_rlhf_jax.envs import ENVIRONMENTS, Environment, EnvSettings, Reply, renderer_for
+  from pipe_rlhf_jax.stages.episodes import EpisodeRunner
+
+  @ENVIRONMENTS.register("worker_ok")
+  class Ok(Environment):
+    def step(self, state, turn):
+      return None if turn.index >= 2 else Reply("ok")
+
+    def reward(self, state, turns):
+      return turns[-1].text.count("a") / max(len(turns[-1].text), 1)
+
+  return EpisodeRunner(Ok(), EnvSettings(name="worker_ok", turn_tokens=6),
+                       renderer_for(tokenizer), tokenizer, 40, tokenizer.eos_id,
+                       tokenizer.pad_id)
+
+
+def ending_turns(policy, tokenizer, lift: float = 0.1):
+  """The policy with its head's EOS column moved by `lift` along the mean final hidden
+  state, so that its turns end within a few tokens (as tests/system/test_episodes.py)."""
+  import jax.numpy as jnp
+  ids = tokenizer.encode("rev abc=")
+  h = policy.hidden(jnp.asarray([ids]), jnp.ones((1, len(ids)), bool))[0]
+  u = jnp.mean(h, axis=0)
+  policy.lm_head.value = policy.lm_head.value.at[:, tokenizer.eos_id].add(
+      lift * u / jnp.sum(u * u))
+  return policy
+
+
 def ppo(args) -> None:
   from pipe_rlhf_jax.system import run
   pipe = args.mode == "pipe"
   system, prompts = tiny_system(args.mode, args.staleness,
                                 [int(n) for n in args.placement.split(",")],
                                 mesh_specs(args.meshes) if pipe else None, args.answers,
-                                args.lora_rank)
+                                args.lora_rank, args.episodes)
   me = distributed.process_index()
   fail = args.fail_at >= 0 and me == args.fail_process
   across = pipe and distributed.process_count() > 1

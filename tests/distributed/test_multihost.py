@@ -108,7 +108,10 @@ def test_reference_answers_cross_process_groups_with_their_rollouts(tmp_path):
     pytest.param([], id="whole"),
     # LoRA: the weights links carry the adapters alone (`PPOSystem.abstract_params`, held
     # in tests/system/test_lora.py), each consuming process adds its own frozen base.
-    pytest.param(["--lora_rank=4"], id="lora", marks=pytest.mark.extended)])
+    pytest.param(["--lora_rank=4"], id="lora", marks=pytest.mark.extended),
+    # Multi-turn episodes: the rollouts carry their policy masks and the environment's
+    # rewards across processes.
+    pytest.param(["--episodes"], id="episodes", marks=pytest.mark.extended)])
 def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path, extra):
   # On-policy it computes what one process computes with the same placement.
   args = ["ppo", "--mode=pipe", "--steps=3", "--staleness=0", *extra]

@@ -12,7 +12,8 @@ from tests.envs.test_episodes import Echo  # noqa: F401  (registers "test_echo")
 from tests.helpers.configs import tiny_quickstart
 
 EPISODES = {"env.name": "test_echo", "env.turn_tokens": 4, "reward.fn": "environment",
-            "reward.eval_fn": "", "data.completion_len": 40, "ppo.critic_init": "sft"}
+            "reward.eval_fn": "", "data.completion_len": 40, "ppo.critic_init": "sft",
+            "ppo.steps": 2}
 
 
 def test_the_main_job_trains_on_episodes_and_resumes_equal(tmp_path):

@@ -137,6 +137,26 @@ def test_summarise_run_reads_the_heldout_scores_of_eval_fn():
   assert summary["rm_eval_accuracy"] == 0.9
 
 
+def test_summarise_run_reads_an_environments_reward_and_tool_calls():
+  from tests.envs.test_episodes import Echo  # noqa: F401  (registers "test_echo")
+  config = tiny_quickstart("sequential", {"env.name": "test_echo", "reward.fn": "environment",
+                                          "reward.eval_fn": ""})
+  rows = [{"step": s, "reward/mean": acc, "env/tool_call_rate": 0.5 + s / 10}
+          for s, acc in enumerate([0.2, 0.4, 0.6])]
+  heldout = lambda v, t: {"test_echo": v, "test_echo_tool_calls": t}
+  result = JobResult(workdir="", summary="", wall_s=1.0, ppo_metrics=rows, rm_eval=None,
+                     tracer=Tracer(), heldout_before=heldout(0.0, 0.5),
+                     heldout_after=heldout(1.0, 1.0), heldout_prompts=2,
+                     heldout_per_prompt={"before": heldout([0.0, 0.0], [1.0, 0.0]),
+                                         "after": heldout([1.0, 1.0], [1.0, 1.0])})
+  summary = lc.summarise_run(result, config, seed=0, cell="sequential", wall_s=1.0)
+  assert summary["curve"] == [0.2, 0.4, 0.6]  # the environment's reward: PPO's own
+  assert (summary["greedy_before"], summary["greedy_after"]) == (0.0, 1.0)
+  assert (summary["tool_before"], summary["tool_after"]) == (0.5, 1.0)
+  assert summary["tool_curve"] == [0.5, 0.6, 0.7]
+  assert "greedy tool-call rate" in lc.format_runs([summary])
+
+
 def test_run_config_needs_heldout_prompts():
   # The tiny variant scores no held-out prompts (log.eval_prompts=0): refused by name.
   args = lc.parse_args(["--config", "configs/quickstart.py:tiny"])
