@@ -16,6 +16,7 @@ EPISODES = {"env.name": "test_echo", "env.turn_tokens": 4, "reward.fn": "environ
             "ppo.steps": 2}
 
 
+@pytest.mark.long
 def test_the_main_job_trains_on_episodes_and_resumes_equal(tmp_path):
   config = tiny_quickstart("sequential", EPISODES)
   whole = train(config, str(tmp_path / "whole"), progress=False)

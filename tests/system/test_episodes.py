@@ -70,14 +70,22 @@ def _system(chat_model, plan):
   return system, PromptLoader(records, tok, 4, 32, seed=0)
 
 
-def test_the_trainer_reads_the_sampled_tokens_and_the_rendered_replies(chat_model):
-  _, tok = chat_model
+@pytest.fixture(scope="module")
+def sequential(chat_model):
+  """Two steps in `sequential` mode: their metrics, and each step's episodes with the
+  experience the trainer received."""
   system, prompts = _system(chat_model, Plan(mode="sequential"))
   seen = []
   train = system.train
   system.train = lambda exp, *a, **k: (seen.append((system.generate_stage.last, exp)),
                                        train(exp, *a, **k))[1]
-  result = run(system, prompts, steps=2)
+  return run(system, prompts, steps=2).metrics, seen
+
+
+def test_the_trainer_reads_the_sampled_tokens_and_the_rendered_replies(chat_model,
+                                                                         sequential):
+  _, tok = chat_model
+  metrics, seen = sequential
   renderer = ChatRenderer(tok)
   for episodes, exp in seen:
     r = fetch(exp.rollout)
@@ -96,7 +104,7 @@ def test_the_trainer_reads_the_sampled_tokens_and_the_rendered_replies(chat_mode
     assert any(len(t) == 3 for t in episodes.turns)  # episodes had several turns
     # The environment's rewards are PPO's.
     np.testing.assert_allclose(np.asarray(fetch(exp.scores)), episodes.scores)
-  for m in result.metrics:
+  for m in metrics:
     # The trainer's log-probs of the sampled tokens at the sampling weights are the
     # behaviour ones: the positions and the context are the sampler's.
     assert m["logprob_gap/max"] < 1e-4
@@ -104,13 +112,13 @@ def test_the_trainer_reads_the_sampled_tokens_and_the_rendered_replies(chat_mode
     assert m["reward/std"] > 0
 
 
-def test_pipe_at_staleness_zero_equals_sequential(chat_model):
-  seq = run(*_system(chat_model, Plan(mode="sequential")), steps=2).metrics
+@pytest.mark.long
+def test_pipe_at_staleness_zero_equals_sequential(chat_model, sequential):
   plan = Plan(mode="pipe", max_staleness=0, placement=(2, 2, 4),
               generate=StagePlan(MeshSpec(data=1, pipeline=2), num_microbatches=2))
   pipe = run(*_system(chat_model, plan), steps=2).metrics
-  assert_same_math(seq, pipe)
-  assert seq[0]["env/turns"] > 1
+  assert_same_math(sequential[0], pipe)
+  assert sequential[0][0]["env/turns"] > 1
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
