@@ -31,7 +31,6 @@ smoke run of the same phases.
 import ml_collections
 
 from configs import smollm2_rlvr
-from configs.smollm2_rlvr import use_pipe_mode  # noqa: F401  (learning_curves' pipe cells)
 
 SYSTEM_PROMPT = ("You have a calculator. To use it, write <calc>expression</calc> and end "
                  "your message; the result comes back. Then answer with the number only.")
@@ -65,7 +64,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   if variant == "pipe":
     config.name = "calculator_tool-pipe"
-    smollm2_rlvr.use_pipe_mode(config)
+    use_pipe_mode(config)
   if variant == "tiny":
     config.name = "calculator_tool-tiny"
     config.data.update(num_prompts=64, num_demos=32, num_eval=4, completion_len=40)
@@ -78,3 +77,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
       config.stages[stage].scan_unroll = 1
   return config
 
+
+
+def use_pipe_mode(config: ml_collections.ConfigDict, max_staleness: int = 1) -> None:
+  """The three stages concurrently on devices 0 / 1 / 2 (`smollm2_rlvr.use_pipe_mode`),
+  the trainer recomputing each layer's activations in the backward pass: its own device
+  holds a third of the machine's memory, and the episodes' 160-token rows keep 4.9 GiB of
+  activations otherwise (the planner's memory model). The mathematics is unchanged."""
+  smollm2_rlvr.use_pipe_mode(config, max_staleness)
+  config.stages.train.remat = "full"

@@ -12,17 +12,19 @@ path (`ppo.clip_eps`) and what is allowed.
   planner's prediction).
 - `experiment`: `ExperimentSettings`, every section of one experiment config, and the
   sections that are not the algorithm's or the plan's (model, data, sft, reward_model,
-  reward, warm_start, lora, checkpoint, log, PPO's sampling, how the plan is chosen).
+  reward, warm_start, lora, env, checkpoint, log, PPO's sampling, how the plan is
+  chosen).
 - `defaults`: the config a config file starts from, every field at the default its class
   states, so that a file states only what differs.
 - `retired`: config keys of an earlier release, refused with their new names.
 
-The package sits directly above the algorithms (`ppo`, `generation`, `data`): the names
-of estimators, losses and rewards are checked against the algorithms' registries, so the
-settings come after what they name. Three settings are the algorithms' own static
-arguments and are defined with them, re-exported here so that every setting is imported
-from one place: `SamplingSettings` (`generation.sampler`), `AdvantageSettings`
-(`ppo.advantages`) and the generated tasks' `ArithSettings` / `WordProblemSettings` (`data`).
+The package sits directly above the algorithms (`ppo`, `generation`, `data`, `envs`):
+the names of estimators, losses, rewards and environments are checked against the
+algorithms' registries, so the settings come after what they name. Some settings are the
+algorithms' own static arguments and are defined with them, re-exported here so that
+every setting is imported from one place: `SamplingSettings` (`generation.sampler`),
+`AdvantageSettings` (`ppo.advantages`), the generated tasks' `ArithSettings` /
+`WordProblemSettings` (`data`) and the episodes' `EnvSettings` (`envs`).
 Everything above (stages, system, phases, job, planner) imports settings from here.
 """
 
@@ -31,9 +33,11 @@ from pipe_rlhf_jax.config.experiment import ExperimentSettings, LoRASettings
 from pipe_rlhf_jax.config.plan import MODES, STAGES, MeshSpec, Plan, PlannedRun, StagePlan
 from pipe_rlhf_jax.data.arith import ArithSettings
 from pipe_rlhf_jax.data.word_problems import WordProblemSettings
+from pipe_rlhf_jax.envs import EnvSettings
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
 from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
 
-__all__ = ["AdvantageSettings", "ArithSettings", "ExperimentSettings", "KL_PLACEMENTS",
+__all__ = ["AdvantageSettings", "ArithSettings", "EnvSettings", "ExperimentSettings",
+           "KL_PLACEMENTS",
            "LoRASettings", "MODES", "MeshSpec", "PPOSettings", "Plan", "PlannedRun", "STAGES",
            "SamplingSettings", "StagePlan", "WordProblemSettings"]

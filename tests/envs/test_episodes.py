@@ -1,5 +1,6 @@
 """The episode loop (stages/episodes.py) with scripted turns: rows, masks, limits, tool
-failures, and GAE over an episode's policy tokens against a hand computation."""
+failures; GAE and group baselines over an episode's policy tokens against hand
+computations."""
 
 import threading
 import time
@@ -174,3 +175,20 @@ def test_settings_name_the_field():
     EnvSettings(max_turns=0)
   with pytest.raises(ValueError, match="env.tool_timeout_s"):
     EnvSettings(tool_timeout_s=float("nan"))
+
+
+def test_group_baselines_compare_episodes_on_their_policy_tokens():
+  from pipe_rlhf_jax.ppo.advantages import AdvantageSettings
+  from pipe_rlhf_jax.ppo.critic_free import grpo
+  from pipe_rlhf_jax.ppo.kl import shape_rewards
+  # Two episodes of one prompt; environment tokens at 2-3 (row 0) and 1 (row 1).
+  mask = np.asarray([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0]], bool)
+  rewards = shape_rewards(np.asarray([1.0, 0.0], np.float32), np.zeros((2, 6), np.float32),
+                          mask, 0.0)
+  # The score sits on each episode's last policy token.
+  np.testing.assert_array_equal(np.asarray(rewards), [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0]])
+  advantages, _ = grpo(rewards, None, mask, AdvantageSettings(group_size=2))
+  # By hand: returns 1 and 0, mean 0.5, std (Bessel) sqrt(0.5).
+  a = 0.5 / (np.sqrt(0.5) + 1e-6)
+  np.testing.assert_allclose(np.asarray(advantages), np.where(mask, [[a], [-a]], 0.0),
+                             rtol=1e-6)
