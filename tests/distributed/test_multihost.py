@@ -120,6 +120,8 @@ def test_pipe_mode_across_processes_on_policy_equals_one_process(tmp_path, extra
   assert job.ok, job.report()
   two = read_metrics(tmp_path / "two")
   assert_metrics_close(math_metrics(one), math_metrics(two), rtol=1e-4, atol=1e-5)
+  if "--episodes" in extra:  # not vacuous: the episodes had several turns
+    assert max(r["env/turns"] for r in two) > 1
 
 
 def test_an_exception_in_one_process_stops_every_process_naming_it(tmp_path):
