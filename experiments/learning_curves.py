@@ -435,18 +435,24 @@ def format_runs(runs: list[dict]) -> str:
   tools = any("tool_before" in r for r in runs)
   lines = ["| seed | cell | greedy before → after (change, 95% interval) | "
            "held-out sampled before → after (change, 95% interval) | "
-           + ("greedy tool-call rate before → after (change, 95% interval) | " if tools else "")
+           + ("greedy tool-call rate before → after (change, 95% interval) | "
+              "PPO batches' tool-call rate first → last step | " if tools else "")
            + "KL end | wall s | tokens/s generate / infer / train |",
-           "|---|---|---|---|" + ("---|" if tools else "") + "---|---|---|"]
+           "|---|---|---|---|" + ("---|---|" if tools else "") + "---|---|---|"]
   for run in sorted(runs, key=lambda r: (r["cell"], r["seed"])):
     rates = run.get("tokens_per_s") or {}
     rate = " / ".join(f"{rates[k]:.0f}" if k in rates else "-"
                       for k in ("generate", "infer", "train"))
     lines.append(f"| {run['seed']} | {run['cell']} | {_change(run, 'greedy')} | "
                  f"{_change(run, 'sampled')} | "
-                 + (f"{_change(run, 'tool')} | " if tools else "")
+                 + (f"{_change(run, 'tool')} | {_first_last(run.get('tool_curve'))} | "
+                    if tools else "")
                  + f"{run['kl_end']:.3f} | {run['wall_s']:.0f} | {rate} |")
   return "\n".join(lines)
+
+
+def _first_last(curve) -> str:
+  return "-" if not curve else f"{curve[0]:.3f} → {curve[-1]:.3f}"
 
 
 def format_answers(runs: list[dict], count: int = 4) -> str:

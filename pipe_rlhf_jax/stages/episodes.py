@@ -326,13 +326,16 @@ class EpisodeStage:
     """Runs one batch of episodes; returns their Rollout (on this stage) and metrics."""
     start = time.perf_counter()
     decode_seconds = [0.0]
+    occupancy = []  # each turn's slot occupancy, with the slot engine
 
     def sample(stage: GenerateStage, rows: dict, k: int) -> TurnOutput:
       t0 = time.perf_counter()
-      rollout, _ = stage(actor, rows, jax.random.fold_in(rng, k), version)
+      rollout, metrics = stage(actor, rows, jax.random.fold_in(rng, k), version)
       out = fetch((rollout.completion_tokens, rollout.behaviour_logprobs,
                    rollout.completion_mask))
       decode_seconds[0] += time.perf_counter() - t0
+      if "generate/slot_occupancy" in metrics:
+        occupancy.append(metrics["generate/slot_occupancy"])
       return out
 
     episodes = self.runner.run(batch, self.group_size,
@@ -352,9 +355,11 @@ class EpisodeStage:
     rollout = Rollout(**placed, policy_version=jnp.asarray(version, jnp.int32))
     seconds = time.perf_counter() - start
     policy_tokens = float(e.policy_mask.sum())
-    return rollout, {"time/generate_s": seconds, "time/decode_s": decode_seconds[0],
-                     "generate/tokens_per_s": policy_tokens / max(seconds, 1e-9),
-                     **e.metrics}
+    metrics = {"time/generate_s": seconds, "time/decode_s": decode_seconds[0],
+               "generate/tokens_per_s": policy_tokens / max(seconds, 1e-9), **e.metrics}
+    if occupancy:
+      metrics["generate/slot_occupancy"] = float(np.mean(occupancy))  # over the turns
+    return rollout, metrics
 
 
 def model_turns(model: nnx.Module, sampling: sampler.SamplingSettings, turn_tokens: int,

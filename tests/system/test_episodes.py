@@ -121,6 +121,15 @@ def test_pipe_at_staleness_zero_equals_sequential(chat_model, sequential):
   assert sequential[0][0]["env/turns"] > 1
 
 
+def test_the_slot_engine_runs_the_same_episodes(chat_model, sequential):
+  # Every turn through the continuous-batching engine (4 slots for 8 episodes): the same
+  # tokens as the static batch, so the same mathematics.
+  plan = Plan(mode="sequential", generate=StagePlan(MeshSpec(data=-1), num_slots=4))
+  engine = run(*_system(chat_model, plan), steps=2).metrics
+  assert all(m.pop("generate/slot_occupancy") > 0 for m in engine)  # the engine ran
+  assert_same_math(sequential[0], engine)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
   # Drops the reasoning block of every assistant turn but the last, as some templates do.
   stripping = CHATML_TEMPLATE.replace(
