@@ -67,16 +67,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     use_pipe_mode(config)
   if variant == "tiny":
     config.name = "calculator_tool-tiny"
-    config.data.update(num_prompts=64, num_demos=32, num_eval=4, completion_len=40)
+    config.data.update(num_demos=32, completion_len=40)
     config.env.turn_tokens = 12
     config.sft.steps = 0  # the SFT phase has its own tests; this runs the episodes
-    config.ppo.update(steps=2, batch_size=4, minibatch_size=4, group_size=4, warmup_steps=1)
-    config.log.update(eval_prompts=4, eval_samples_per_prompt=0, samples=2)
-    config.checkpoint.every = 1
-    for stage in ("generate", "infer", "train"):
-      config.stages[stage].scan_unroll = 1
+    smollm2_rlvr.use_tiny_sizes(config)
   return config
-
 
 
 def use_pipe_mode(config: ml_collections.ConfigDict, max_staleness: int = 1) -> None:

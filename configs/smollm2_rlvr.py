@@ -115,15 +115,21 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     use_pipe_mode(config)
   if variant == "tiny":
     config.name = "smollm2_rlvr-tiny"
-    config.data.update(num_prompts=64, num_eval=4, completion_len=8)
-    config.ppo.update(steps=2, batch_size=4, minibatch_size=4, group_size=4, warmup_steps=1)
-    config.log.update(eval_prompts=4, eval_samples_per_prompt=0, samples=2)
-    config.checkpoint.every = 1
-    # Each stage loops over the 30 layers (scan_unroll=1) instead of unrolling them: a
-    # two-step run is mostly compiling, and the loop compiles one layer, not thirty.
-    for stage in ("generate", "infer", "train"):
-      config.stages[stage].scan_unroll = 1
+    config.data.completion_len = 8
+    use_tiny_sizes(config)
   return config
+
+
+def use_tiny_sizes(config: ml_collections.ConfigDict) -> None:
+  """A CI smoke run of the real model: 2 PPO steps of 4 answers, 4 held-out prompts."""
+  config.data.update(num_prompts=64, num_eval=4)
+  config.ppo.update(steps=2, batch_size=4, minibatch_size=4, group_size=4, warmup_steps=1)
+  config.log.update(eval_prompts=4, eval_samples_per_prompt=0, samples=2)
+  config.checkpoint.every = 1
+  # Each stage loops over the 30 layers (scan_unroll=1) instead of unrolling them: a
+  # two-step run is mostly compiling, and the loop compiles one layer, not thirty.
+  for stage in ("generate", "infer", "train"):
+    config.stages[stage].scan_unroll = 1
 
 
 def use_pipe_mode(config: ml_collections.ConfigDict, max_staleness: int = 1) -> None:
