@@ -369,8 +369,11 @@ def test_the_bad_step_guard_continues_across_a_checkpoint():
 
 
 
+# Extended: the faults it injects are each held by a test of their own above; this runs
+# the experiment script that tabulates them.
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_fault_matrix_experiment_writes_its_row(tmp_path):
   # One case of experiments/fault_matrix.py (the critic-free job: no warm start to
   # train), into a scratch directory: the published page's machinery stays working.

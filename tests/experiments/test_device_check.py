@@ -18,8 +18,11 @@ from tests.helpers.xla_env import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Extended: the accelerator script's CPU smoke run (its parts are the benchmarks' own,
+# tested in their files).
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.extended
 def test_device_check_smoke_writes_finite_rows_per_mode_and_its_page(tmp_path):
   env = child_env()
   out = subprocess.run(

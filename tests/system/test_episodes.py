@@ -121,6 +121,10 @@ def test_pipe_at_staleness_zero_equals_sequential(chat_model, sequential):
   assert sequential[0][0]["env/turns"] > 1
 
 
+# Extended: the engine's completions equal the static batch's in the default tier
+# (tests/generation/test_engine.py), and an episode's turns are such completions.
+@pytest.mark.slow
+@pytest.mark.extended
 def test_the_slot_engine_runs_the_same_episodes(chat_model, sequential):
   # Every turn through the continuous-batching engine (4 slots for 8 episodes): the same
   # tokens as the static batch, so the same mathematics.
