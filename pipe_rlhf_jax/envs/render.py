@@ -21,6 +21,7 @@ tasks), whose messages are the text "\\n<role>: <content>\\n" after the EOS.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Sequence
 
 from pipe_rlhf_jax.envs.base import Reply
@@ -48,7 +49,7 @@ class TemplateDriftError(ValueError):
   """A chat template whose turn-by-turn rendering is not its whole rendering."""
 
 
-class TurnRenderer:
+class TurnRenderer(abc.ABC):
   """Renders environment messages as the tokens that follow a sampled assistant turn.
 
   Attributes:
@@ -57,10 +58,10 @@ class TurnRenderer:
 
   name: str = ""
 
+  @abc.abstractmethod
   def reply_tokens(self, reply: Reply) -> list[int]:
     """The ids that follow an assistant turn's EOS for `reply`, through the next
     assistant turn's header."""
-    raise NotImplementedError
 
   def check(self) -> None:
     """Raises TemplateDriftError when turn-by-turn rendering differs from the whole."""
