@@ -18,8 +18,13 @@ All three agree within float tolerance on every query row that can see at least 
 key. A row that sees none (a left-padding position) is never read downstream; `dense`
 and `dot_product` average all values there, `blockwise` returns zeros.
 
-`auto` (the default of `TransformerConfig.attention`) is `dense` when all keys fit in one
-block (the two are then the same computation) and `blockwise` beyond.
+`auto` (the default of `TransformerConfig.attention`) is `dense` when its scores are no
+larger than one block's of a whole-length query (queries x keys <= block_size^2), and
+`blockwise` beyond. For self-attention (queries = keys) that is all keys in one block, where
+the two are the same computation. A decode step (one query over the cache) is always
+dense: its scores are one row per head, and blockwise would pad the whole cache to a
+multiple of the block and scan it, a copy of every layer's cache at every token (at
+P + T = 576 keys that was most of a decode step).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import jax.numpy as jnp
 _MIN = float(jnp.finfo(jnp.float32).min)  # finite: masked rows stay free of NaN
 
 
-def resolve(impl: str, num_keys: int, block_size: int) -> str:
-  """The implementation `impl` stands for at `num_keys` keys."""
+def resolve(impl: str, num_keys: int, block_size: int, num_queries: int | None = None) -> str:
+  """The implementation `impl` stands for at `num_keys` keys and `num_queries` queries
+  per row (default: as many as keys, self-attention)."""
   if impl != "auto":
     return impl
-  return "dense" if num_keys <= block_size else "blockwise"
+  queries = num_keys if num_queries is None else num_queries
+  return "dense" if queries * num_keys <= block_size * block_size else "blockwise"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
@@ -55,7 +62,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
   Returns:
     [batch, length, kv_heads, groups, head_dim] in q's dtype.
   """
-  impl = resolve(impl, k.shape[1], block_size)
+  impl = resolve(impl, k.shape[1], block_size, q.shape[1])
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   if impl == "dense":

@@ -100,11 +100,13 @@ def _splits(plan: StagePlan, mesh_sizes: dict[str, int]) -> tuple[int, int]:
   return m["data"] * m["fsdp"], m["fsdp"] * m["tensor"] * m["pipeline"]
 
 
-def _attention_impl(cfg: TransformerConfig, plan: StagePlan, keys: int) -> str:
-  """The attention implementation a stage runs at `keys` keys (`models.attention`)."""
+def _attention_impl(cfg: TransformerConfig, plan: StagePlan, keys: int,
+                    queries: int | None = None) -> str:
+  """The attention implementation a stage runs for `queries` queries (default: as many
+  as keys) over `keys` keys (`models.attention`)."""
   from pipe_rlhf_jax.models.attention import resolve
   impl = cfg.attention if plan.attention == "auto" else plan.attention
-  return resolve(impl, keys, cfg.attention_block_size)
+  return resolve(impl, keys, cfg.attention_block_size, queries)
 
 
 def layer_activation_bytes(cfg: TransformerConfig, tensor: int, keys: int, impl: str,
@@ -186,7 +188,8 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     pipe_slots = plan.num_slots if p > 1 and 0 < plan.num_slots < work.batch_size else 0
     b = (engine_slots or pipe_slots or work.batch_size) / batch_ways
     slots = L  # prompt + completion: the cache every step attends over
-    impl = _attention_impl(cfg, plan, slots)
+    # The prefill's queries are the prompt's columns, over the whole cache.
+    impl = _attention_impl(cfg, plan, slots, work.prompt_len)
     kv = 2 * cfg.num_layers / p * b * slots * cfg.num_kv_heads / min(t, cfg.num_kv_heads) \
         * cfg.head_dim * act
     # The engine's widest admission builds its newcomers' cache regions (up to every

@@ -40,6 +40,11 @@ def test_auto_is_dense_within_one_block_and_blockwise_beyond():
   assert attention_lib.resolve("auto", 512, 512) == "dense"
   assert attention_lib.resolve("auto", 513, 512) == "blockwise"
   assert attention_lib.resolve("dot_product", 8, 512) == "dot_product"
+  # A decode step (one query) or a short prefill chunk over a long cache stays dense:
+  # its scores are smaller than one block's.
+  assert attention_lib.resolve("auto", 4096, 512, num_queries=1) == "dense"
+  assert attention_lib.resolve("auto", 576, 512, num_queries=64) == "dense"
+  assert attention_lib.resolve("auto", 576, 512, num_queries=576) == "blockwise"
 
 
 def _model_and_batch(**config):

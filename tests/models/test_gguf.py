@@ -10,6 +10,7 @@ dequantise with the same library, so float32 logits agree to 1e-4.
 import json
 import os
 import shutil
+import weakref
 
 from flax import nnx
 import jax
@@ -445,6 +446,10 @@ def test_a_file_held_open_is_parsed_once_and_a_changed_file_again(tmp_path):
   assert changed is not held and changed.metadata["qwen2.block_count"] == 2
   del held, changed
   assert gguf_import.read_gguf(path).metadata["qwen2.block_count"] == 2
+  # A job's successive reads (config, tokenizer, weights) each drop the checkpoint before
+  # the next: the last one opened is kept, so they share one parse.
+  first = weakref.ref(gguf_import.read_gguf(path))
+  assert first() is not None and gguf_import.read_gguf(path) is first()
 
 
 def test_directory_with_two_gguf_files_is_refused(tmp_path):
