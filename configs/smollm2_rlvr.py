@@ -125,7 +125,6 @@ def use_tiny_sizes(config: ml_collections.ConfigDict) -> None:
   config.data.update(num_prompts=64, num_eval=4)
   config.ppo.update(steps=2, batch_size=4, minibatch_size=4, group_size=4, warmup_steps=1)
   config.log.update(eval_prompts=4, eval_samples_per_prompt=0, samples=2)
-  config.checkpoint.every = 1
   # Each stage loops over the 30 layers (scan_unroll=1) instead of unrolling them: a
   # two-step run is mostly compiling, and the loop compiles one layer, not thirty.
   for stage in ("generate", "infer", "train"):

@@ -41,8 +41,11 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert (run / name).read_bytes()[:4] == b"\x89PNG", name
 
 
+# Extended: CI keeps both halves of its kind, a notebook executing (the quickstart's) and
+# the packaged real model RL-trained end to end (the calculator tool config's tiny run).
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.extended
 def test_real_model_notebook_executes(tmp_path, monkeypatch):
   # Loads the packaged SmolLM2-135M-Instruct (installed by .ci/run) and RL-trains it for
   # two steps of short answers.

@@ -112,7 +112,7 @@ class EngineState:
   calls: `step_fn`).
 
   Attributes:
-    cache: KVCache [layers, S, P + T, kv_heads, head_dim], one region per slot.
+    cache: KVCache [layers, S, kv_heads, P + T, head_dim], one region per slot.
     key_mask: bool [S, P + T]: the slot's prompt mask, then every completion column.
     num_real: int32 [S]: real prompt tokens of the slot's prompt.
     row: int32 [S]: output row of the slot's completion, FREE when idle.
@@ -303,7 +303,12 @@ def _admit(model, s: EngineState, width: int, queue: EngineQueue, rng: jax.Array
       dst = dst.at[(slice(None),) * axis + (slots,)].set(src.astype(dst.dtype))
     return dst
 
-  new_cache = KVCache(*(constrain(put(d, c, 1), CACHE_AXES) for d, c in zip(s.cache, cache)))
+  if s.cache.unstacked:  # one array per layer (`_run`): [S, kv_heads, P + T, head_dim]
+    new_cache = KVCache(*(tuple(constrain(put(d, c[i], 0), CACHE_AXES[1:])
+                                for i, d in enumerate(layers))
+                          for layers, c in zip(s.cache, cache)))
+  else:
+    new_cache = KVCache(*(constrain(put(d, c, 1), CACHE_AXES) for d, c in zip(s.cache, cache)))
   first, first_lp = next_tokens(jnp.take(logits, source, axis=0), rng, ids, 0, params)
   # A row may have served an earlier completion (a persistent engine reuses its rows):
   # it starts blank, so nothing of that completion's columns survives past this one's end.
@@ -412,7 +417,12 @@ def _run(model, s: EngineState, queue: EngineQueue, rng: jax.Array, version: jax
 
   zero = jnp.zeros((), jnp.int32)
   s = s.replace(next_prompt=zero, done=zero, stats=EngineStats(zero, zero, zero, zero))
-  return jax.lax.while_loop(cond, body, s)
+  if layer_params is not None:
+    # Each layer's cache as an array of its own inside the loops (`KVCache.unstack`);
+    # the state keeps the stacked form between calls.
+    s = s.replace(cache=s.cache.unstack())
+  s = jax.lax.while_loop(cond, body, s)
+  return s.replace(cache=s.cache.stack())
 
 
 def run_fn(graphdef: nnx.GraphDef, state: nnx.State, queue_tokens: jax.Array,

@@ -36,7 +36,7 @@ Per tick, each stage runs six documented functions over an explicit `LoopState`
      `valid` flag in the message says whether the sender really ran; receivers never
      use invalid payloads, which the NaN-poisoning test checks.
 
-KV cache: `[layers, M, mb, P_len + T, kv_heads, head_dim]` on the logical axes
+KV cache: `[layers, M, mb, kv_heads, P_len + T, head_dim]` on the logical axes
 `CACHE_AXES` (layers -> 'pipeline', kv_heads -> 'tensor' under the generate rules). Inside
 a stage it is viewed as `[local_layers * M, mb, ...]` (a free reshape), so layer l of
 micro-batch m is row `l * M + m`: the model's per-layer block updates that row in
@@ -185,7 +185,7 @@ class LoopState(NamedTuple):
   `layer * M + microbatch`, never a copy of the micro-batch's slice.
   """
 
-  cache: KVCache  # k, v: [local_layers * M, mb, P_len + T, kv_heads, head_dim]
+  cache: KVCache  # k, v: [local_layers * M, mb, kv_heads, P_len + T, head_dim]
   msg: Message  # received at the end of the previous tick
   last_token: jax.Array  # int32 [M, mb]: stage 0's next input token per micro-batch
   done_rows: jax.Array  # bool [M, mb]: rows of the micro-batch's load that are done
@@ -323,7 +323,7 @@ def stage_layers(stage: Stage, x: jax.Array, positions: jax.Array, cache: KVCach
   Args:
     x: [mb, length, embed] residual stream entering the stage.
     positions: int32 [mb, length] RoPE positions of the queries.
-    cache: k, v [local_layers * M, mb, P_len + T, kv_heads, head_dim].
+    cache: k, v [local_layers * M, mb, kv_heads, P_len + T, head_dim].
     slot: which micro-batch's cache rows, and which load's key masks, to use.
     first_slot: cache column of the first query; queries occupy [slot, slot + length).
 
@@ -349,11 +349,11 @@ def clear_completion_columns(stage: Stage, cache: KVCache, microbatch: jax.Array
   plan = stage.plan
   num_local = cache.k.shape[0] // plan.num_microbatches
 
-  def clear(c):  # [local_layers * M, mb, P_len + T, kv_heads, head_dim]
-    zeros = jnp.zeros((1, c.shape[1], plan.params.max_new_tokens, *c.shape[3:]), c.dtype)
+  def clear(c):  # [local_layers * M, mb, kv_heads, P_len + T, head_dim]
+    zeros = jnp.zeros((1, *c.shape[1:3], plan.params.max_new_tokens, c.shape[4]), c.dtype)
     for layer in range(num_local):
       row = layer * plan.num_microbatches + microbatch
-      c = jax.lax.dynamic_update_slice(c, zeros, (row, 0, plan.prompt_len, 0, 0))
+      c = jax.lax.dynamic_update_slice(c, zeros, (row, 0, 0, plan.prompt_len, 0))
     return c
 
   return KVCache(clear(cache.k), clear(cache.v))
@@ -567,7 +567,7 @@ def stage_program(graphdef, plan: PipelineSpec, state, prompt_tokens, prompt_mas
   Args:
     state: the model's parameters (this stage's slice of the layers).
     prompt_tokens, prompt_mask: [B, P_len]; sample_ids, limits: [B]; rng: key.
-    cache_k, cache_v: this stage's cache [local_layers, M, mb, P_len + T, kv, hd]
+    cache_k, cache_v: this stage's cache [local_layers, M, mb, kv, P_len + T, hd]
       (zeros, or NaN when poisoned).
 
   Returns:
@@ -584,7 +584,7 @@ def stage_program(graphdef, plan: PipelineSpec, state, prompt_tokens, prompt_mas
       sample_ids=per_load(sample_ids), limits=per_load(jnp.minimum(limits, steps)),
       rng=rng)
   # Merging (layer, micro-batch) is a free reshape of the contiguous leading dims.
-  flat = lambda c: c.reshape(-1, *c.shape[2:])  # [local_layers * M, mb, P_len + T, kv, hd]
+  flat = lambda c: c.reshape(-1, *c.shape[2:])  # [local_layers * M, mb, kv, P_len + T, hd]
   zero = jnp.zeros((), jnp.int32)
   state = LoopState(
       cache=KVCache(flat(cache_k), flat(cache_v)), msg=stage.idle_message(plen),

@@ -58,8 +58,8 @@ from pipe_rlhf_jax.parallel.logical import (
 # Logical axes of the pipeline's KV cache (k and v alike), resolved by the same rules
 # as the parameters: 'layers' -> 'pipeline' keeps each stage's cache with its layers and
 # 'kv_heads' -> 'tensor' splits it like the k/v projections.
-# [layers, M, mb, slots, kv_heads, head_dim]
-CACHE_AXES = ("layers", "microbatches", "cache_batch", "cache_length", "kv_heads",
+# [layers, M, mb, kv_heads, slots, head_dim]: head-major, as `models.transformer.KVCache`.
+CACHE_AXES = ("layers", "microbatches", "cache_batch", "kv_heads", "cache_length",
               "head_dim")
 
 
@@ -102,8 +102,8 @@ def _build(graphdef, plan: PipelineSpec, mesh, rules):
   """
   layout = _LAYOUTS[(graphdef, mesh, rules)]
   config = layout.config
-  cache_shape = (config.num_layers, plan.num_microbatches, plan.microbatch, plan.cache_len,
-                 config.num_kv_heads, config.head_dim)
+  cache_shape = (config.num_layers, plan.num_microbatches, plan.microbatch,
+                 config.num_kv_heads, plan.cache_len, config.head_dim)
   cache_sharding = logical_sharding(mesh, CACHE_AXES, rules)
   cache_spec = _pipe_only_spec(CACHE_AXES)
 

@@ -275,6 +275,9 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
   active = current_axis_rules()
   fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
   layer_params = model.layers.per_layer() if fsdp == 1 else None
+  if layer_params is not None:
+    # Each layer's cache as an array of its own for the loop (`KVCache.unstack`).
+    decode_state = decode_state.replace(cache=decode_state.cache.unstack())
 
   def cond(s: DecodeState):
     return (s.step < steps) & ~jnp.all(s.done)
@@ -291,7 +294,8 @@ def decode_fn(graphdef: nnx.GraphDef, state: nnx.State, decode_state: DecodeStat
     return DecodeState(cache=cache, tokens=tok_buf, logprobs=lp_buf, mask=mask_buf,
                        done=done, last_token=tokens, step=s.step + 1, limit=s.limit)
 
-  return jax.lax.while_loop(cond, body, decode_state)
+  final = jax.lax.while_loop(cond, body, decode_state)
+  return final.replace(cache=final.cache.stack())
 
 
 def make_generate_fns(graphdef: nnx.GraphDef, params: SamplingSettings, *,

@@ -2,8 +2,9 @@
 
 - `dense`: scores `[batch, kv_heads, groups, length, keys]` materialised in f32, one
   softmax. Fastest at short lengths; memory quadratic in length. Both products run as
-  batched matmuls on head-major operands (`[batch, kv_heads, groups * length, head_dim]`),
-  the layout XLA:CPU multiplies without re-laying out the scores.
+  batched matmuls on head-major operands (queries `[batch, kv_heads, groups * length,
+  head_dim]`, keys and values `[batch, kv_heads, keys, head_dim]`, the KV cache's own
+  layout), which XLA:CPU multiplies without re-laying out keys, values or scores.
 - `blockwise`: the keys in blocks of `block_size`, an online softmax (running max and
   denominator) carried through a `lax.scan`, each block's body rematerialised for the
   backward pass. Memory linear in length (one block of scores at a time, also in the
@@ -53,7 +54,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
 
   Args:
     q: [batch, length, kv_heads, groups, head_dim] queries (RoPE applied, unscaled).
-    k, v: [batch, keys, kv_heads, head_dim].
+    k, v: [batch, kv_heads, keys, head_dim] (head-major, as `models.transformer.KVCache`
+      keeps them).
     allowed: bool [batch, length, keys]: which keys each query may attend to.
     impl: "auto", "dense", "blockwise" or "dot_product".
     block_size: keys per block of `blockwise`.
@@ -62,7 +64,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
   Returns:
     [batch, length, kv_heads, groups, head_dim] in q's dtype.
   """
-  impl = resolve(impl, k.shape[1], block_size, q.shape[1])
+  impl = resolve(impl, k.shape[2], block_size, q.shape[1])
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   if impl == "dense":
@@ -77,21 +79,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
 def _dense(q, k, v, allowed, scale):
   dt = q.dtype
   batch, length, kv_heads, groups, head_dim = q.shape
-  keys = k.shape[1]
+  keys = k.shape[2]
   # Head-major operands, so both products are plain batched matmuls over
   # (batch, kv_heads) with a group's queries stacked along the rows: XLA:CPU then runs
-  # them without re-laying out the scores between the two. The scale is folded into q
+  # them without re-laying out keys, values or scores. The scale is folded into q
   # (length x head_dim values rather than length x keys scores).
   q = (q * scale).astype(dt)
   q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * length, head_dim)
-  k = k.astype(dt).transpose(0, 2, 3, 1)  # [batch, kv_heads, head_dim, keys]
-  v = v.astype(dt).transpose(0, 2, 1, 3)  # [batch, kv_heads, keys, head_dim]
-  # [batch, kv_heads, groups, length, keys]
-  scores = jnp.matmul(q, k).astype(jnp.float32).reshape(
+  # [batch, kv_heads, groups, length, keys]: q . k over head_dim, k as laid out.
+  scores = jnp.einsum("bkqd,bksd->bkqs", q, k.astype(dt)).astype(jnp.float32).reshape(
       batch, kv_heads, groups, length, keys)
   scores = jnp.where(allowed[:, None, None], scores, _MIN)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = jnp.matmul(probs.reshape(batch, kv_heads, groups * length, keys), v)
+  out = jnp.matmul(probs.reshape(batch, kv_heads, groups * length, keys), v.astype(dt))
   # [batch, length, kv_heads, groups, head_dim]
   return out.reshape(batch, kv_heads, groups, length, head_dim).transpose(0, 3, 1, 2, 4)
 
@@ -99,23 +99,24 @@ def _dense(q, k, v, allowed, scale):
 def _blockwise(q, k, v, allowed, block_size, scale):
   dt = q.dtype
   batch, length, kv_heads, groups, head_dim = q.shape
-  keys = k.shape[1]
+  keys = k.shape[2]
   num_blocks = -(-keys // block_size)
   pad = num_blocks * block_size - keys
   if pad:  # padded keys are masked out
-    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
     allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, pad)))
-  # [blocks, batch, block, kv_heads, head_dim] and [blocks, batch, length, block]
-  k_blocks = k.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
-  v_blocks = v.reshape(batch, num_blocks, block_size, kv_heads, head_dim).swapaxes(0, 1)
+  # [blocks, batch, kv_heads, block, head_dim] and [blocks, batch, length, block]
+  blocks = lambda x: x.reshape(batch, kv_heads, num_blocks, block_size, head_dim
+                               ).transpose(2, 0, 1, 3, 4)
+  k_blocks, v_blocks = blocks(k), blocks(v)
   m_blocks = allowed.reshape(batch, length, num_blocks, block_size).transpose(2, 0, 1, 3)
 
   def step(carry, xs):
     # running max, denominator [batch, kv_heads, groups, length]; numerator [..., head_dim]
     running_max, denom, numer = carry
     k_blk, v_blk, mask = xs
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, k_blk.astype(dt)).astype(jnp.float32)
+    scores = jnp.einsum("blkgd,bksd->bkgls", q, k_blk.astype(dt)).astype(jnp.float32)
     mask = mask[:, None, None]  # [batch, 1, 1, length, block]
     scores = jnp.where(mask, scores * scale, _MIN)
     new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
@@ -123,7 +124,7 @@ def _blockwise(q, k, v, allowed, block_size, scale):
     correction = jnp.exp(running_max - new_max)
     denom = denom * correction + jnp.sum(probs, axis=-1)
     numer = numer * correction[..., None] + jnp.einsum(
-        "bkgls,bskd->bkgld", probs.astype(dt), v_blk.astype(dt)).astype(jnp.float32)
+        "bkgls,bksd->bkgld", probs.astype(dt), v_blk.astype(dt)).astype(jnp.float32)
     return (new_max, denom, numer), None
 
   stats_shape = (batch, kv_heads, groups, length)
@@ -139,7 +140,8 @@ def _blockwise(q, k, v, allowed, block_size, scale):
 
 def _dot_product(q, k, v, allowed, scale):
   batch, length, kv_heads, groups, head_dim = q.shape
+  # Its keys and values are [batch, keys, kv_heads, head_dim].
   out = jax.nn.dot_product_attention(
-      q.reshape(batch, length, kv_heads * groups, head_dim), k.astype(q.dtype),
-      v.astype(q.dtype), mask=allowed[:, None], scale=scale)
+      q.reshape(batch, length, kv_heads * groups, head_dim), k.swapaxes(1, 2).astype(q.dtype),
+      v.swapaxes(1, 2).astype(q.dtype), mask=allowed[:, None], scale=scale)
   return out.reshape(batch, length, kv_heads, groups, head_dim)

@@ -20,7 +20,11 @@ Design points a reader should know:
   forward also takes packed rows (`segment_ids`, 0 = padding): several sequences side by
   side in one row, each attending causally within itself, positions restarting at each
   (`stages/packing.py` builds them).
-- The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout). The
+- The KV cache is indexed by *slot* (column in the `[prompt | completion]` layout) and
+  kept head-major, `[layers, batch, kv_heads, slots, head_dim]`: a decode step's
+  attention reads each head's keys and values as contiguous `[slots, head_dim]` matrices,
+  as its matmuls take them, where a slot-major cache made XLA:CPU transpose every layer's
+  whole cache at every token (two thirds of a step's attention time at 576 slots). The
   static decoders write the same slot for every row at each step (one
   `dynamic_update_slice`); the continuous-batching engine gives each row its own slot
   (`slot` an int [batch]: one scatter per step), because its rows are at different
@@ -71,22 +75,47 @@ LAYER_PARAM_AXES = {
     "up_proj": ("layers", "embed", "mlp"),
     "down_proj": ("layers", "mlp", "embed"),
 }
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 class KVCache(NamedTuple):
   """Keys and values of every layer, indexed by sequence slot.
 
-  k, v: [layers, batch, slots, kv_heads, head_dim].
+  k, v: [layers, batch, kv_heads, slots, head_dim] (head-major: see the module docstring),
+  or, unstacked, a tuple of one [batch, kv_heads, slots, head_dim] array per layer.
+
+  The decode loops carry the unstacked form (`unstack` once before the loop, `stack` once
+  after): a layer then writes and reads an array of its own, where a slice of the stacked
+  array is copied out at every token for the attention's matmuls (XLA:CPU: two copies
+  of the layer's whole cache per layer and step, a third of a decode step at 576 slots).
+  The scanned forward (prefill, fsdp) needs the stacked form.
   """
 
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
+
+  @property
+  def unstacked(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  def unstack(self) -> "KVCache":
+    """One array per layer (a copy of the cache)."""
+    if self.unstacked:
+      return self
+    split = lambda c: tuple(constrain(c[i], CACHE_AXES[1:]) for i in range(c.shape[0]))
+    return KVCache(split(self.k), split(self.v))
+
+  def stack(self) -> "KVCache":
+    """The stacked form (a copy of the cache)."""
+    if not self.unstacked:
+      return self
+    join = lambda c: constrain(jnp.stack(c), CACHE_AXES)
+    return KVCache(join(self.k), join(self.v))
 
   @classmethod
   def zeros(cls, config: TransformerConfig, batch: int, slots: int,
             num_layers: int | None = None) -> "KVCache":
-    shape = (num_layers or config.num_layers, batch, slots, config.num_kv_heads,
+    shape = (num_layers or config.num_layers, batch, config.num_kv_heads, slots,
              config.head_dim)
     zeros = jnp.zeros(shape, config.compute_dtype)
     return cls(constrain(zeros, CACHE_AXES), constrain(zeros, CACHE_AXES))
@@ -351,6 +380,8 @@ class Layers(nnx.Module):
       flags = jnp.asarray(kinds)[layer_offset + jnp.arange(num_local)]
 
     def block(carry, xs):
+      # cache_k, cache_v: the stacked cache (layer `index` at row index * stride +
+      # offset), or with `index` None one layer's own arrays.
       h, cache_k, cache_v = carry
       p, index, is_local = xs
       if shared is not None:
@@ -359,8 +390,8 @@ class Layers(nnx.Module):
         # Selected per layer in the scan (the pattern is data, the loop body one
         # program): selects over the mask and tables, tiny next to attention itself.
         mask, cos, sin = (jnp.where(is_local, a, b) for a, b in zip(local, full))
-      h, cache_k, cache_v = self._block(p, h, cos, sin, mask, cache_k, cache_v,
-                                        index * cache_stride + cache_offset, slot)
+      row = None if index is None else index * cache_stride + cache_offset
+      h, cache_k, cache_v = self._block(p, h, cos, sin, mask, cache_k, cache_v, row, slot)
       return (h, cache_k, cache_v), None
 
     if c.remat != "none":
@@ -373,6 +404,15 @@ class Layers(nnx.Module):
 
     cache_k = cache.k if cache is not None else None
     cache_v = cache.v if cache is not None else None
+    if cache is not None and cache.unstacked:
+      if layer_params is None or cache_stride != 1 or len(cache_k) != num_local:
+        raise ValueError("Layers: an unstacked KV cache needs layer_params and one array "
+                         "per local layer (no stride).")
+      ks, vs = list(cache_k), list(cache_v)
+      for index, p in enumerate(layer_params):
+        (h, ks[index], vs[index]), _ = block((h, ks[index], vs[index]),
+                                             (p, None, flags[index]))
+      return h, KVCache(tuple(ks), tuple(vs))
     if layer_params is not None:
       for index, p in enumerate(layer_params):
         (h, cache_k, cache_v), _ = block((h, cache_k, cache_v), (p, index, flags[index]))
@@ -383,8 +423,10 @@ class Layers(nnx.Module):
         unroll=min(c.scan_unroll or num_local, num_local))
     return h, (KVCache(cache_k, cache_v) if cache is not None else None)
 
-  def _block(self, p, h, cos, sin, allowed, cache_k, cache_v, index, slot):
-    """One transformer block on one layer's parameters `p` (the scan slice)."""
+  def _block(self, p, h, cos, sin, allowed, cache_k, cache_v, row, slot):
+    """One transformer block on one layer's parameters `p` (the scan slice); its keys
+    and values go to row `row` of the stacked cache, or with `row` None to the layer's
+    own cache arrays."""
     c = self.config
     dt = c.compute_dtype
     w = {name: value.astype(dt) for name, value in p.items()}
@@ -417,21 +459,27 @@ class Layers(nnx.Module):
     k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    if cache_k is not None and jnp.ndim(slot) == 0:
-      start = (index, 0, slot, 0, 0)
-      cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
-      cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
-      keys, values = cache_k[index], cache_v[index]  # [batch, slots, kv_heads, head_dim]
-    elif cache_k is not None:
-      # Row b's tokens go to its own slots [slot[b], slot[b] + length); slots past the
-      # cache are dropped (a free engine slot may point there; its output is discarded).
-      rows = jnp.arange(batch)[:, None]  # [batch, 1]
-      cols = slot[:, None] + jnp.arange(length)  # [batch, length]
-      cache_k = cache_k.at[index, rows, cols].set(k.astype(cache_k.dtype), mode="drop")
-      cache_v = cache_v.at[index, rows, cols].set(v.astype(cache_v.dtype), mode="drop")
-      keys, values = cache_k[index], cache_v[index]  # [batch, slots, kv_heads, head_dim]
+    if cache_k is not None:
+      lead = () if row is None else (row,)
+
+      def put(c, x):  # x [batch, length, kv_heads, head_dim]
+        if jnp.ndim(slot) == 0:
+          # [(1,) batch, kv_heads, length, head_dim]: the cache's head-major layout.
+          x = x.swapaxes(1, 2).reshape((1,) * len(lead) + x.swapaxes(1, 2).shape)
+          return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (*lead, 0, 0, slot, 0))
+        # Row b's tokens go to its own slots [slot[b], slot[b] + length); slots past the
+        # cache are dropped (a free engine slot may point there; its output is
+        # discarded). The indexed positions [batch, length] lead and the kv_heads slice
+        # follows, so the update is laid out as x is.
+        rows = jnp.arange(batch)[:, None]  # [batch, 1]
+        cols = slot[:, None] + jnp.arange(length)  # [batch, length]
+        return c.at[(*lead, rows, slice(None), cols)].set(x.astype(c.dtype), mode="drop")
+
+      cache_k, cache_v = put(cache_k, k), put(cache_v, v)
+      # [batch, kv_heads, slots, head_dim]
+      keys, values = (cache_k, cache_v) if row is None else (cache_k[row], cache_v[row])
     else:
-      keys, values = k, v
+      keys, values = k.swapaxes(1, 2), v.swapaxes(1, 2)  # [batch, kv_heads, length, head_dim]
 
     q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
     # [batch, length, kv_heads, groups, head_dim]

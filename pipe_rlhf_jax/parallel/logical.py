@@ -36,7 +36,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 #  * layers -> pipeline gives each pipeline stage its contiguous slice of the stacked
 #    layer axis.
 #  * KV caches (the pipelined decoder's [layers, microbatches, cache_batch,
-#    cache_length, kv_heads, head_dim]) follow their layers and kv heads; every stage
+#    kv_heads, cache_length, head_dim]) follow their layers and kv heads; every stage
 #    keeps all of its micro-batches, the cache's rows split like the batch, and the
 #    slots stay whole because every decode step writes one of them.
 DEFAULT_RULES: Rules = (

@@ -285,7 +285,7 @@ def measure_decode(cfg, graphdef, params, points, devices, steps: int = 16,
                 "bytes": flops.decode_step_bytes(cfg, b, slots),
                 "flops": flops.forward_flops(cfg, b, 1, context=slots)})
     if k > 1 and b % k == 0 and (b, slots) == tuple(split_point):
-      cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, slots, kv, hd]
+      cache_split = NamedSharding(mesh, P(None, "d"))  # [layers, batch, kv, slots, hd]
       t_split = timeit(jax.jit(run), jax.device_put(params, NamedSharding(mesh, P())),
                        jax.device_put(cache, cache_split),
                        jax.device_put(mask, NamedSharding(mesh, P("d")))) / steps

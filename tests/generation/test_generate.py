@@ -154,7 +154,7 @@ def test_building_blocks_donate_and_loop_on_device(model):
   ids = jnp.arange(2, dtype=jnp.int32)
   rng = jax.random.key(0)
   first = prefill(state, jnp.asarray(prompt), jnp.asarray(mask), rng, ids)
-  assert first.cache.k.shape[2] == 4 + 5  # P + T slots
+  assert first.cache.k.shape[3] == 4 + 5  # P + T slots
   assert int(first.step) == 1
   # The decode is one while loop, not a Python loop per token.
   jaxpr = jax.make_jaxpr(lambda *a: sampler.decode_fn(graphdef, *a, params))(

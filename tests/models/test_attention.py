@@ -25,8 +25,9 @@ def test_attention_impls_equal_dense_on_every_row_that_sees_a_key(impl, block):
   rng = np.random.default_rng(0)
   batch, length, kv, groups, d = 3, 11, 2, 3, 8
   q = jnp.asarray(rng.normal(size=(batch, length, kv, groups, d)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(batch, length, kv, d)), jnp.float32)
-  v = jnp.asarray(rng.normal(size=(batch, length, kv, d)), jnp.float32)
+  # Head-major keys and values, as the cache keeps them.
+  k = jnp.asarray(rng.normal(size=(batch, kv, length, d)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(batch, kv, length, d)), jnp.float32)
   key_mask = _left_padded_mask(rng, batch, length)
   allowed = jnp.asarray(np.tril(np.ones((length, length), bool))[None] & key_mask[:, None])
   want = attention_lib.attention(q, k, v, allowed, impl="dense")

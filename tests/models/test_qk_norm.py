@@ -74,7 +74,9 @@ def test_norm_is_applied_per_head_before_rope(model):
   k = jnp.einsum("ble,ekd->blkd", x, p["k_proj"])
   cos, sin = rope_tables(c, positions)
   want = apply_rope(rms_norm(k, p["k_norm"], c.norm_eps), cos, sin)
-  np.testing.assert_allclose(np.asarray(cache.k[0]), np.asarray(want), atol=1e-5)
+  # The cache is head-major: [batch, kv_heads, slots, head_dim].
+  np.testing.assert_allclose(np.asarray(cache.k[0]).swapaxes(1, 2), np.asarray(want),
+                             atol=1e-5)
   rotate_first = rms_norm(apply_rope(k, cos, sin), p["k_norm"], c.norm_eps)
   assert float(jnp.max(jnp.abs(rotate_first - want))) > 1e-2  # the order matters here
 

@@ -177,8 +177,12 @@ def test_command_line(tmp_path, capsys):
   assert from_pretrained(tmp_path / "cli").config.vocab_size == 49152
 
 
+# Extended: a real model's size against transformers stays in CI with the packaged
+# SmolLM2-135M-Instruct file (slow tier), Qwen3's mathematics with the tiny Qwen3 parity
+# (default tier).
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.extended
 def test_real_qwen3_shape_forward_matches_transformers(tmp_path):
   """Qwen3-0.6B's exact shape (random bf16 weights): one forward of a few tokens.
 

@@ -36,15 +36,16 @@ def test_kernels_apply_the_window(impl, block, window):
   rng = np.random.default_rng(0)
   batch, length, kv, groups, d = 2, 11, 2, 2, 8
   q = jnp.asarray(rng.normal(size=(batch, length, kv, groups, d)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(batch, length, kv, d)), jnp.float32)
-  v = jnp.asarray(rng.normal(size=(batch, length, kv, d)), jnp.float32)
+  # Head-major keys and values, as the cache keeps them.
+  k = jnp.asarray(rng.normal(size=(batch, kv, length, d)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(batch, kv, length, d)), jnp.float32)
   key_mask = np.arange(length)[None] >= np.array([[0], [4]])  # row 1 left-padded by 4
   causal = np.tril(np.ones((length, length), bool))
   allowed = window_allowed(jnp.asarray(causal[None] & key_mask[:, None]),
                            jnp.arange(length), window)
   got = attention_lib.attention(q, k, v, allowed, impl=impl, block_size=block or 512)
   # Reference: per query, a plain softmax over the keys of its window.
-  scores = np.einsum("blkgd,bskd->bkgls", q, k) / np.sqrt(d)
+  scores = np.einsum("blkgd,bksd->bkgls", q, k) / np.sqrt(d)
   for row in range(batch):
     for i in range(length):
       keys = [j for j in range(length) if key_mask[row, j] and j <= i and i - j < window]
@@ -53,7 +54,7 @@ def test_kernels_apply_the_window(impl, block, window):
       s = scores[row][:, :, i][..., keys]  # [kv, groups, keys]
       p = np.exp(s - s.max(-1, keepdims=True))
       p /= p.sum(-1, keepdims=True)
-      want = np.einsum("kgs,skd->kgd", p, np.asarray(v)[row, keys])
+      want = np.einsum("kgs,ksd->kgd", p, np.asarray(v)[row][:, keys])
       np.testing.assert_allclose(np.asarray(got)[row, i], want, atol=2e-5)
 
 
