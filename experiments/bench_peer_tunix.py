@@ -213,7 +213,7 @@ def bench_size(size, sizes: dict, steps: int, warmup: int, tied: bool = False) -
       cluster_config=cluster_config)
   learner = ppo_learner.PPOLearner(
       rl_cluster=cluster,
-      ppo_config=ppo_learner.PPOSettings(
+      ppo_config=ppo_learner.PPOConfig(
           num_iterations=1, gamma=1.0, gae_lambda=0.95, beta=0.05, kl_method="kl",
           epsilon=0.2, clip_range_value=0.2),
       reward_fns=length_reward)
