@@ -210,12 +210,15 @@ def stage_memory(stage: str, plan: StagePlan, mesh_sizes: dict[str, int],
     # them in place. The copies live in the decode program, after the prefill's
     # activations and logits are gone: only what they add beyond those raises the peak.
     copies = cfg.num_layers * _layer_params(cfg) / param_ways if p == 1 and not fsdp else 0.0
-    per_layer = max(0.0, copies - prefill - logits)
+    # Those decode loops also carry the cache as one array per layer (`KVCache.unstack`)
+    # beside the stacked one they return: a second copy of it.
+    unstacked = kv if p == 1 and not fsdp else 0.0
+    per_layer = max(0.0, copies + unstacked - prefill - logits)
     return StageMemory((("actor params", param_bytes(cfg) / param_ways),),
                        (("kv cache", kv), ("engine admission cache", admission),
                         ("prefill activations", prefill),
                         ("logits", logits), ("fsdp-gathered weights", gathered),
-                        ("decode's per-layer weight copies", per_layer)))
+                        ("decode's per-layer weight and cache copies", per_layer)))
   impl = _attention_impl(cfg, plan, L)
   per_model = model_activation_bytes(cfg, t, L, impl)
   positions = plan.logits_chunk or work.gen_len

@@ -263,29 +263,20 @@ def packed_hidden(model, plan, prompt_tokens: jax.Array,
 def packed_completion_logprobs(graphdef, params, plan, prompt_tokens, completion_tokens,
                                completion_mask, *, temperature=1.0, return_entropy=False):
   """`completion_logprobs` computed over packed rows: the same [batch, T] f32 log-probs
-  (0 on padding), and with `return_entropy` the same entropies. The head runs over the
-  packed columns, each scoring the column after it, so it too touches real tokens (and
-  the few spare columns) only; or, where they are fewer (a statically known choice), over
-  the padded `[batch, T]` completion positions gathered from the rows. Differentiable:
-  the training stage's packed gradient steps take their log-probs here (the gathers'
-  gradients scatter back into the rows)."""
+  (0 on padding), and with `return_entropy` the same entropies. The LM head, the
+  costliest part at a large vocabulary, runs on the K states that predict real completion
+  tokens only (`PackPlan.head_index`): not on the prompts' columns, the rows' spare
+  columns, or the padded layout's completion padding. Differentiable: the training
+  stage's packed gradient steps take their log-probs here (the gathers' gradients
+  scatter back into the rows)."""
   model = nnx.merge(graphdef, params)
-  h, tokens = packed_hidden(model, plan, prompt_tokens, completion_tokens)
-  rows, budget = plan.source.shape
-  if rows * budget <= completion_tokens.size:
-    # [rows, budget]: the token each column predicts (the last column predicts none read).
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    logprobs, entropy = _head_logprobs(model, h, targets, temperature, return_entropy)
-    read = lambda x: jnp.where(completion_mask,
-                               x[plan.completion_rows, plan.completion_cols], 0.0)
-  else:
-    # Fewer positions in the padded completion layout than packed columns (completions
-    # near T, or long prompts): the head, the costliest part at a large vocabulary, runs
-    # on the states gathered there instead ([batch, T, embed], the padded path's head).
-    h = h[plan.completion_rows, plan.completion_cols]
-    logprobs, entropy = _head_logprobs(model, h, completion_tokens, temperature,
-                                       return_entropy)
-    read = lambda x: jnp.where(completion_mask, x, 0.0)  # [batch, T]
+  h, _ = packed_hidden(model, plan, prompt_tokens, completion_tokens)
+  rows, budget, embed = h.shape
+  h = h.reshape(rows * budget, embed)[plan.head_index]  # [K, embed]
+  targets = completion_tokens.reshape(-1)[plan.head_targets]  # [K]
+  logprobs, entropy = _head_logprobs(model, h[None], targets[None], temperature,
+                                     return_entropy)  # [1, K] each
+  read = lambda x: jnp.where(completion_mask, x[0][plan.completion_slot], 0.0)  # [batch, T]
   if not return_entropy:
     return read(logprobs)
   return read(logprobs), read(entropy)

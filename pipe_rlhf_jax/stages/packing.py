@@ -10,7 +10,8 @@ masks, computed once per batch; the tokens themselves stay on the device and are
 gathered there through `PackPlan.source`.
 
 The row count is rounded up to a few sizes per octave (and to the stage's batch ways),
-so a run compiles a handful of packed shapes rather than one per batch.
+so a run compiles a handful of packed shapes rather than one per batch; so is the count
+of real completion tokens, the positions the LM head runs on (`PackPlan.head_index`).
 
 The inference stage packs each batch (`plan_packing`); the training stage packs each
 minibatch of an update, all of them to one row count (`plan_minibatches`): the update
@@ -41,6 +42,14 @@ class PackPlan(NamedTuple):
       (0, 0) where the completion mask is False (read, then masked out).
     last_rows, last_cols: [batch] the packed (row, column) of each sequence's last real
       token (where a reward model reads its score).
+    head_index: [K] flat index (row * budget + column) into the packed rows of the
+      state that predicts each real completion token, in (batch row, token) order; 0 on
+      the spare entries. The LM head runs on these K states only: not on the prompts'
+      columns, the rows' spare columns, or a padded layout's completion padding.
+    head_targets: [K] flat index (b * T + t) into the padded completion tokens of the
+      token each of those states scores (0 on the spare entries).
+    completion_slot: [batch, T] the entry of `head_index` that scores completion token t
+      of row b (0 where the completion mask is False: read, then masked out).
   """
 
   source: np.ndarray
@@ -50,6 +59,9 @@ class PackPlan(NamedTuple):
   completion_cols: np.ndarray
   last_rows: np.ndarray
   last_cols: np.ndarray
+  head_index: np.ndarray
+  head_targets: np.ndarray
+  completion_slot: np.ndarray
 
 
 def round_rows(needed: int, multiple: int = 1) -> int:
@@ -154,8 +166,18 @@ def plan_packing(prompt_mask, completion_mask, budget: int, row_multiple: int = 
     completion_cols[b, t] = start + prompt_counts[b] + t - 1
   last_rows = row_of.astype(np.int32)
   last_cols = (start_of + lengths - 1).astype(np.int32)
+  # The LM head's positions: every real completion token's predicting state, in (b, t)
+  # order (a boolean mask's row-major order), rounded up like the rows.
+  real = np.arange(completion_len)[None, :] < completion_counts[:, None]  # [batch, T]
+  count = int(real.sum())
+  head_index = np.zeros(round_rows(max(count, 1), row_multiple), np.int32)
+  head_targets = np.zeros_like(head_index)
+  head_index[:count] = (completion_rows * budget + completion_cols)[real]
+  head_targets[:count] = np.flatnonzero(real)
+  completion_slot = np.zeros((batch, completion_len), np.int32)
+  completion_slot[real] = np.arange(count)
   return PackPlan(source, positions, segment_ids, completion_rows, completion_cols,
-                  last_rows, last_cols)
+                  last_rows, last_cols, head_index, head_targets, completion_slot)
 
 
 def pad_rows(plan: PackPlan, rows: int) -> PackPlan:
@@ -167,6 +189,16 @@ def pad_rows(plan: PackPlan, rows: int) -> PackPlan:
   pad = lambda x: np.pad(x, ((0, extra), (0, 0)))
   return plan._replace(source=pad(plan.source), positions=pad(plan.positions),
                        segment_ids=pad(plan.segment_ids))
+
+
+def pad_head(plan: PackPlan, entries: int) -> PackPlan:
+  """`plan` with spare LM-head entries appended up to `entries` (index 0, never read)."""
+  extra = entries - plan.head_index.shape[0]
+  if extra < 0:
+    raise ValueError(f"pad_head: the plan has {plan.head_index.shape[0]} head entries, "
+                     f"more than {entries}.")
+  pad = lambda x: np.pad(x, (0, extra))
+  return plan._replace(head_index=pad(plan.head_index), head_targets=pad(plan.head_targets))
 
 
 def plan_minibatches(prompt_mask, completion_mask, index, budget: int,
@@ -186,7 +218,8 @@ def plan_minibatches(prompt_mask, completion_mask, index, budget: int,
     [..., minibatch, T] / [..., minibatch], each minibatch's plan made for its own rows
     in `index` order. `rows` is the largest row count a minibatch needs: each plan's is
     one of `round_rows`' sizes (or the minibatch, rounded to `row_multiple`), so their
-    largest is too, and the packed shape is a few sizes an octave across updates.
+    largest is too, and the packed shape is a few sizes an octave across updates; the
+    LM head's entries likewise.
   """
   prompt_mask = np.asarray(prompt_mask, bool)
   completion_mask = np.asarray(completion_mask, bool)
@@ -195,7 +228,8 @@ def plan_minibatches(prompt_mask, completion_mask, index, budget: int,
   plans = [plan_packing(prompt_mask[rows], completion_mask[rows], budget, row_multiple, field)
            for rows in index.reshape(-1, index.shape[-1])]
   rows = max(p.source.shape[0] for p in plans)
-  plans = [pad_rows(p, rows) for p in plans]
+  entries = max(p.head_index.shape[0] for p in plans)
+  plans = [pad_head(pad_rows(p, rows), entries) for p in plans]
   return PackPlan(*(np.stack(fields).reshape(lead + fields[0].shape)
                     for fields in zip(*plans)))
 

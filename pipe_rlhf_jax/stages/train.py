@@ -49,8 +49,8 @@ minibatch of the update is packed to one row count: the largest any of them need
 is one of `packing.round_rows`' few sizes an octave (rounded to the stage's batch
 shards). One update is one shape, and a run compiles a handful of them, the way packed
 inference does; a fixed worst case (a row per sequence) would be the padded cost again
-whenever lengths vary. The LM head runs on the packed columns or on the padded
-completion positions, whichever are fewer (`stages.common.packed_completion_logprobs`).
+whenever lengths vary. The LM head runs on the states that predict
+real completion tokens only (`stages.common.packed_completion_logprobs`).
 """
 
 from __future__ import annotations

@@ -74,6 +74,17 @@ def test_the_plan_places_every_real_token_once_in_order(budget, row_multiple):
   np.testing.assert_array_equal(np.where(plan.segment_ids != 0, got, 0), plan.positions)
   if budget == 40:
     assert rows < 16 and packing.occupancy(plan) > 0.5
+  # The LM head's entries: one per real completion token, the state just before it,
+  # counted up to one of round_rows' sizes.
+  count = int(completion_mask.sum())
+  assert plan.head_index.shape == plan.head_targets.shape == (
+      packing.round_rows(count, row_multiple),)
+  b, t = np.nonzero(completion_mask)
+  slot = plan.completion_slot[b, t]
+  np.testing.assert_array_equal(np.sort(slot), np.arange(count))
+  np.testing.assert_array_equal(plan.head_index[slot],
+                                plan.completion_rows[b, t] * budget + plan.completion_cols[b, t])
+  np.testing.assert_array_equal(plan.head_targets[slot], b * COMPLETION + t)
 
 
 def test_row_counts_come_in_few_shapes():
@@ -171,16 +182,17 @@ def test_pack_tokens_is_an_inference_and_training_setting():
     Plan(generate=StagePlan(pack_tokens=64))
 
 
-@pytest.mark.parametrize("spare_columns", [0, 30], ids=["head_on_gathered", "head_on_rows"])
-def test_packed_logprobs_and_entropy_whichever_layout_the_head_runs_on(spare_columns):
-  # With T padded far past the completions the packed columns are the fewer positions
-  # and the head runs on them; at T = 10 it runs on the states gathered into [batch, T].
+@pytest.mark.parametrize("spare_columns", [0, 30])
+def test_packed_logprobs_and_entropy_equal_the_padded_ones(spare_columns):
+  # The head runs on the real completion tokens' states only, fewer than the padded
+  # layout's [batch, T] positions (with T padded far past the completions or not) and
+  # than the packed columns; chunked, the last chunk partly spare.
   (policy, policy_p), _, _ = _models(logits_chunk_size=3)
   prompt_tokens, prompt_mask, completion_tokens, completion_mask = padded_batch(seed=3)
   completion_tokens = np.pad(completion_tokens, ((0, 0), (0, spare_columns)))
   completion_mask = np.pad(completion_mask, ((0, 0), (0, spare_columns)))
   plan = packing.plan_packing(prompt_mask, completion_mask, PROMPT + COMPLETION)
-  assert (plan.source.size <= completion_mask.size) == bool(spare_columns)
+  assert plan.head_index.size < min(completion_mask.size, plan.source.size)
   args = tuple(map(jnp.asarray, (prompt_tokens, prompt_mask, completion_tokens,
                                  completion_mask)))
   want = completion_logprobs(policy, policy_p, *args, temperature=0.7, return_entropy=True)

@@ -117,8 +117,7 @@ def test_a_packed_update_with_a_critic_is_the_padded_one(layout, models, loss_ag
 def test_a_packed_critic_free_update_keeps_its_groups(layout, models):
   # GRPO over groups of 4 with its KL in the loss and the decoupled loss (the proximal
   # pass, packed over the whole batch); sequence-mean aggregation; rows of one sequence's
-  # padded width, completions padded to 4 x their longest (so the LM head runs on the
-  # packed rows, the fewer positions, where the tests above run it on the gathered ones).
+  # padded width, completions padded to 4 x their longest.
   ppo = ppo_section(advantage_estimator="grpo", group_size=4, minibatch_size=8,
                     kl_in="loss", kl_estimator="k3", loss="decoupled_ppo_clip",
                     loss_agg="seq_mean_token_mean")
@@ -140,6 +139,11 @@ def test_every_minibatch_is_packed_to_one_row_count():
       np.testing.assert_array_equal(got.completion_cols, alone.completion_cols)
       np.testing.assert_array_equal(got.source[:len(alone.source)], alone.source)
       assert not got.segment_ids[len(alone.source):].any()  # the spare rows are empty
+      # The LM head's entries likewise: the minibatch's own, then spare ones.
+      entries = len(alone.head_index)
+      np.testing.assert_array_equal(got.head_index[:entries], alone.head_index)
+      np.testing.assert_array_equal(got.completion_slot, alone.completion_slot)
+      assert not got.head_index[entries:].any()
 
 
 def test_a_row_shorter_than_a_sequence_is_refused_naming_the_setting(layout, models):

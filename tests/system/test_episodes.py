@@ -112,7 +112,10 @@ def test_the_trainer_reads_the_sampled_tokens_and_the_rendered_replies(chat_mode
     assert m["reward/std"] > 0
 
 
+# Slow: the default tier holds `pipe` at staleness 0 to `sequential` on one-turn rollouts
+# (tests/system/test_modes.py) and runs episodes in `sequential` here.
 @pytest.mark.long
+@pytest.mark.slow
 def test_pipe_at_staleness_zero_equals_sequential(chat_model, sequential):
   plan = Plan(mode="pipe", max_staleness=0, placement=(2, 2, 4),
               generate=StagePlan(MeshSpec(data=1, pipeline=2), num_microbatches=2))
