@@ -551,6 +551,11 @@ def python_identifiers(path: pathlib.Path) -> set[str]:
   return names
 
 
+# Another library's own names, which a retired name of ours happens to share: the peer
+# benchmark builds tunix's `ppo_learner.PPOConfig`.
+FOREIGN_NAMES = {("experiments/bench_peer_tunix.py", "PPOConfig")}
+
+
 def test_retired_names_appear_nowhere():
   rows = retired_names()
   kinds = {kind for _, _, kind in rows}
@@ -559,7 +564,8 @@ def test_retired_names_appear_nowhere():
   for path in python_files():
     names = python_identifiers(path)
     for old, _, kind in rows:
-      if kind == "identifier" and old in names:
+      foreign = (str(path.relative_to(ROOT)), old) in FOREIGN_NAMES
+      if kind == "identifier" and old in names and not foreign:
         found.append(f"{path.relative_to(ROOT)}: identifier {old}")
       if kind == "module" and (old in names or any(n.startswith(old + ".") for n in names)):
         found.append(f"{path.relative_to(ROOT)}: imports {old}")
