@@ -24,7 +24,7 @@ Design points a reader should know:
   kept head-major, `[layers, batch, kv_heads, slots, head_dim]`: a decode step's
   attention reads each head's keys and values as contiguous `[slots, head_dim]` matrices,
   as its matmuls take them, where a slot-major cache made XLA:CPU transpose every layer's
-  whole cache at every token (two thirds of a step's attention time at 576 slots). The
+  whole cache at every token (`docs/pipelined_generation.md` has the measurement). The
   static decoders write the same slot for every row at each step (one
   `dynamic_update_slice`); the continuous-batching engine gives each row its own slot
   (`slot` an int [batch]: one scatter per step), because its rows are at different
@@ -87,7 +87,8 @@ class KVCache(NamedTuple):
   The decode loops carry the unstacked form (`unstack` once before the loop, `stack` once
   after): a layer then writes and reads an array of its own, where a slice of the stacked
   array is copied out at every token for the attention's matmuls (XLA:CPU: two copies
-  of the layer's whole cache per layer and step, a third of a decode step at 576 slots).
+  of the layer's whole cache per layer and step; 39.5 against 42.5 ms a decode step at
+  576 slots, `docs/pipelined_generation.md`).
   The scanned forward (prefill, fsdp) needs the stacked form.
   """
 
