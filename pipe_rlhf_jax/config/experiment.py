@@ -51,7 +51,7 @@ from pipe_rlhf_jax.data.digests import JSONL_ROLES
 from pipe_rlhf_jax.data.word_problems import WordProblemSettings
 from pipe_rlhf_jax.envs import EnvSettings
 from pipe_rlhf_jax.generation.sampler import SamplingSettings
-from pipe_rlhf_jax.models import hf, load, lora
+from pipe_rlhf_jax.models import hf_config, load, lora
 from pipe_rlhf_jax.models.checkpoint_files import is_model_path
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
 from pipe_rlhf_jax.ppo.registry import REWARD_FUNCTIONS, rule_answers
@@ -151,7 +151,7 @@ class ModelSettings:
     plan is priced for the model the run builds.
     """
     if self.path:
-      base = hf.config_from_hf(load.read_hf_config(self.path), dtype=self.dtype,
+      base = hf_config.config_from_hf(load.read_hf_config(self.path), dtype=self.dtype,
                                param_dtype=self.param_dtype).replace(head="lm")
     else:
       base = tiny_config(vocab_size=-(-tokenizer.vocab_size // 8) * 8,

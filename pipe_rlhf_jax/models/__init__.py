@@ -2,7 +2,8 @@
 published shapes, tokenizers, and Hugging Face and GGUF interop."""
 
 from pipe_rlhf_jax.models.config import TransformerConfig, tiny_config
-from pipe_rlhf_jax.models.hf import config_from_hf, config_to_hf, save_pretrained
+from pipe_rlhf_jax.models.hf import save_pretrained
+from pipe_rlhf_jax.models.hf_config import config_from_hf, config_to_hf
 from pipe_rlhf_jax.models.load import from_pretrained, load_tokenizer
 from pipe_rlhf_jax.models.tokenizer import ByteTokenizer, HFTokenizer
 from pipe_rlhf_jax.models.transformer import (

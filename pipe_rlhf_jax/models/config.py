@@ -3,7 +3,7 @@ Mistral and Gemma 3 family.
 
 This module owns the description of a model's shape and numerics, its validation, and the
 embedded default sizes. Conversion from and to Hugging Face `config.json` lives in
-`models/hf.py`.
+`models/hf_config.py`.
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ import numpy as np
 
 from pipe_rlhf_jax.models import hf
 from pipe_rlhf_jax.models.config import DTYPES, dtype_name
+from pipe_rlhf_jax.models.hf_config import SUPPORTED_ARCHITECTURES as HF_CLASSES
+from pipe_rlhf_jax.models.hf_config import config_from_hf
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "from_gguf", "gguf_tensor_name",
            "hf_config_from_gguf", "load_gguf_tokenizer", "read_gguf", "resolve_gguf",
@@ -206,9 +208,9 @@ def _check_architecture(ckpt: GGUFCheckpoint) -> str:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"{ckpt.path}: general.architecture={arch!r} is not supported; "
                      f"supported: {sorted(SUPPORTED_ARCHITECTURES)}.")
-  if arch == "gemma3" and SUPPORTED_ARCHITECTURES[arch] not in hf.SUPPORTED_ARCHITECTURES:
+  if arch == "gemma3" and SUPPORTED_ARCHITECTURES[arch] not in HF_CLASSES:
     raise ValueError(f"{ckpt.path}: general.architecture='gemma3' needs Gemma 3 support in "
-                     f"models/hf.py, which this installation lacks.")
+                     f"models/hf_config.py, which this installation lacks.")
   return arch
 
 
@@ -304,7 +306,7 @@ def _check_tensors(ckpt: GGUFCheckpoint, hf_config: Mapping[str, Any]) -> dict[s
                       f"a {arch} model")
     else:
       names[name] = hf_name
-  expected = hf.hf_tensor_shapes(hf.config_from_hf(hf_config))
+  expected = hf.hf_tensor_shapes(config_from_hf(hf_config))
   by_hf = {v: k for k, v in names.items()}
   for hf_name, shape in expected.items():
     name = by_hf.get(hf_name) or gguf_tensor_name(hf_name, arch) or hf_name

@@ -35,7 +35,7 @@ import zlib
 
 import numpy as np
 
-from pipe_rlhf_jax.models import hf, shapes
+from pipe_rlhf_jax.models import hf, hf_config, shapes
 from pipe_rlhf_jax.models.config import DTYPES, TransformerConfig, dtype_name
 from pipe_rlhf_jax.models.safetensors_io import (
   INDEX_FILE,
@@ -178,13 +178,13 @@ def write_random_checkpoint(shape: str, out: str | os.PathLike, *, seed: int = 0
     raise FileExistsError(f"{out} is not empty; pick a new directory or pass overwrite.")
   out.mkdir(parents=True, exist_ok=True)
   spec = shapes.get(shape)
-  config = hf.config_from_hf(shapes.hf_config(shape, **dict(overrides or {})))
+  config = hf_config.config_from_hf(shapes.hf_config(shape, **dict(overrides or {})))
   for stale in (SINGLE_FILE, INDEX_FILE):  # a previous layout must not shadow this one
     (out / stale).unlink(missing_ok=True)
   write_tokenizer(spec, config.vocab_size, config.max_position_embeddings, out)
   write_weights(config, out, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
-  hf_config = hf.config_to_hf(config, dtype=dtype)
-  (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  fields = hf_config.config_to_hf(config, dtype=dtype)
+  (out / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
   return config
 
 

@@ -30,7 +30,7 @@ The fields are the published values, verified against each repository's config.j
 
 Usage:
   `hf_config("qwen3-0.6b")` is the config.json dict; `config("qwen3-0.6b",
-  dtype="bfloat16")` the TransformerConfig, through `models.hf.config_from_hf`, so the
+  dtype="bfloat16")` the TransformerConfig, through `models.hf_config.config_from_hf`, so the
   table is held to the same loading policy as a downloaded checkpoint.
 """
 
@@ -199,8 +199,8 @@ def config(name: str, *, dtype: Any = "float32", param_dtype: Any = None,
   Args:
     name: a key of SHAPES.
     dtype: compute dtype; param_dtype: storage dtype (default `dtype`).
-    **overrides: config.json fields to change (sizes only; see `hf_config`).
+    **overrides: config.json fields to change (sizes only; see `models/hf_config.py`).
   """
-  from pipe_rlhf_jax.models import hf  # hf imports the model; keep this module light
-  return hf.config_from_hf(hf_config(name, **overrides), dtype=dtype,
-                           param_dtype=param_dtype)
+  # Imported here: the config mapping imports flax; keep this module light.
+  from pipe_rlhf_jax.models.hf_config import config_from_hf
+  return config_from_hf(hf_config(name, **overrides), dtype=dtype, param_dtype=param_dtype)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pipe_rlhf_jax.generation import sampler  # noqa: E402
-from pipe_rlhf_jax.models import hf, shapes  # noqa: E402
+from pipe_rlhf_jax.models import hf, hf_config, shapes  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
 torch.set_num_threads(1)
@@ -177,7 +177,7 @@ def _random_gemma(config, seed=3):
 @pytest.mark.parametrize("head", ["lm", "score"])
 def test_export_loads_in_transformers_with_the_same_outputs(tmp_path, head):
   fields = _hf_config(**CASES["window3_explicit_linear_rope"]).to_dict()
-  config = hf.config_from_hf({**fields, "architectures": ["Gemma3ForCausalLM"]}, head=head)
+  config = hf_config.config_from_hf({**fields, "architectures": ["Gemma3ForCausalLM"]}, head=head)
   ours = _random_gemma(config)
   hf.save_pretrained(ours, tmp_path)
   tokens, mask = _batch()
@@ -213,11 +213,11 @@ def _gemma_json(**overrides):
                                          ("hidden_activation", "gelu")])
 def test_math_changing_fields_are_refused_by_name(field, value):
   with pytest.raises(ValueError, match=field):
-    hf.config_from_hf(_gemma_json(**{field: value}))
+    hf_config.config_from_hf(_gemma_json(**{field: value}))
 
 
 def test_defaults_and_patterns_follow_transformers():
-  config = hf.config_from_hf(_gemma_json())
+  config = hf_config.config_from_hf(_gemma_json())
   want = transformers.Gemma3TextConfig(**{k: v for k, v in _gemma_json().items()
                                           if k not in ("architectures", "model_type")})
   assert config.layer_types == tuple(want.layer_types)  # every sixth layer global
@@ -227,28 +227,28 @@ def test_defaults_and_patterns_follow_transformers():
   assert config.max_position_embeddings == 131072
   assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (0, 1, 2)
   # transformers 5 reads `sliding_window_pattern`, and only records the underscored one.
-  three = hf.config_from_hf(_gemma_json(sliding_window_pattern=3))
+  three = hf_config.config_from_hf(_gemma_json(sliding_window_pattern=3))
   assert three.local_layers == (True, True, False) * 4
-  assert hf.config_from_hf(_gemma_json(_sliding_window_pattern=3)).layer_types == \
+  assert hf_config.config_from_hf(_gemma_json(_sliding_window_pattern=3)).layer_types == \
       config.layer_types
   # A text-only config without `architectures` is a causal LM.
   with pytest.warns(UserWarning, match="architectures"):
-    bare = hf.config_from_hf({k: v for k, v in _gemma_json().items()
+    bare = hf_config.config_from_hf({k: v for k, v in _gemma_json().items()
                               if k != "architectures"})
   assert bare.architecture == "gemma3" and bare.head == "lm"
   with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
-    hf.config_from_hf(_gemma_json(architectures=["Gemma3ForConditionalGeneration"]))
+    hf_config.config_from_hf(_gemma_json(architectures=["Gemma3ForConditionalGeneration"]))
 
 
 def test_nested_rope_parameters_of_transformers_5():
   nested = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-  config = hf.config_from_hf(_gemma_json(rope_parameters=nested))
+  config = hf_config.config_from_hf(_gemma_json(rope_parameters=nested))
   assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
   assert dict(config.rope_scaling) == LINEAR8
   bad = {**nested, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}
   with pytest.raises(ValueError, match="sliding_attention"):
-    hf.config_from_hf(_gemma_json(rope_parameters=bad))
+    hf_config.config_from_hf(_gemma_json(rope_parameters=bad))
 
 
 def test_published_270m_shape():
@@ -271,7 +271,7 @@ def test_published_270m_shape():
 def test_embedding_normaliser_is_rounded_to_the_compute_dtype():
   # transformers multiplies by sqrt(hidden) cast to the weights' dtype: in bf16
   # sqrt(640) = 25.298 becomes 25.25.
-  config = hf.config_from_hf(_gemma_json(hidden_size=640, num_hidden_layers=1),
+  config = hf_config.config_from_hf(_gemma_json(hidden_size=640, num_hidden_layers=1),
                              dtype="bfloat16")
   model = _random_gemma(config)
   tokens = jnp.asarray([[3, 4, 5]])

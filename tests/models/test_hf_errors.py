@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from pipe_rlhf_jax.models import hf
+from pipe_rlhf_jax.models import hf, hf_config
 from pipe_rlhf_jax.models.config import TransformerConfig
 from pipe_rlhf_jax.models.transformer import init_model
 
@@ -41,8 +41,8 @@ def test_valid_checkpoint_loads(ckpt):
 
 def test_unsupported_architecture():
   with pytest.raises(ValueError, match="GemmaForCausalLM") as err:
-    hf.config_from_hf(_config(architectures=["GemmaForCausalLM"]))
-  for name in hf.SUPPORTED_ARCHITECTURES:
+    hf_config.config_from_hf(_config(architectures=["GemmaForCausalLM"]))
+  for name in hf_config.SUPPORTED_ARCHITECTURES:
     assert name in str(err.value)
 
 
@@ -85,12 +85,12 @@ def test_tied_head_that_differs(ckpt):
 @pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
 def test_unsupported_rope_type(rope_field, kind):
   with pytest.raises(ValueError, match=rf"{rope_field}\.rope_type='{kind}'"):
-    hf.config_from_hf(_config(**{rope_field: {"rope_type": kind, "factor": 2.0}}))
+    hf_config.config_from_hf(_config(**{rope_field: {"rope_type": kind, "factor": 2.0}}))
 
 
 def test_llama3_rope_missing_parameter():
   with pytest.raises(ValueError, match="low_freq_factor"):
-    hf.config_from_hf(_config(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+    hf_config.config_from_hf(_config(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                             "high_freq_factor": 4.0}))
 
 
@@ -99,11 +99,11 @@ def test_llama3_rope_missing_parameter():
     ("quantization_config", {"quant_method": "gptq"})])
 def test_math_changing_field(field, value):
   with pytest.raises(ValueError, match=field):
-    hf.config_from_hf(_config(**{field: value}))
+    hf_config.config_from_hf(_config(**{field: value}))
 
 
 def test_neutral_values_of_math_fields_load():
-  config = hf.config_from_hf(_config(mlp_bias=False, hidden_act="silu",
+  config = hf_config.config_from_hf(_config(mlp_bias=False, hidden_act="silu",
                                      pretraining_tp=4, attention_dropout=0.0))
   assert config.mlp_dim == 48
 
@@ -113,16 +113,16 @@ def test_sliding_window():
                  max_position_embeddings=4096, use_sliding_window=True,
                  sliding_window=1024, max_window_layers=1)
   # transformers' rule: layers i >= max_window_layers slide.
-  config = hf.config_from_hf(qwen)
+  config = hf_config.config_from_hf(qwen)
   assert config.sliding_window == 1024 and config.local_layers == (False, True)
   # No layer slides, or the switch is off: full attention.
   for off in ({"max_window_layers": 2}, {"use_sliding_window": False}):
-    assert hf.config_from_hf({**qwen, **off}).sliding_window is None
+    assert hf_config.config_from_hf({**qwen, **off}).sliding_window is None
   # `layer_types`, when present, is what counts.
-  assert hf.config_from_hf({**qwen, "layer_types": ["sliding_attention", "full_attention"]}
+  assert hf_config.config_from_hf({**qwen, "layer_types": ["sliding_attention", "full_attention"]}
                            ).local_layers == (True, False)
   with pytest.raises(ValueError, match="chunked_attention"):
-    hf.config_from_hf({**qwen, "layer_types": ["chunked_attention"] * 2})
+    hf_config.config_from_hf({**qwen, "layer_types": ["chunked_attention"] * 2})
 
 
 MISTRAL = _config(architectures=["MistralForCausalLM"], model_type="mistral",
@@ -133,29 +133,29 @@ def test_mistral_sliding_window():
   # Mistral-7B-v0.1's window: every layer sees only the last 4096 keys, even with a
   # Qwen-style switch saying no: transformers' Mistral does not read it.
   for extra in ({}, {"use_sliding_window": False}):
-    config = hf.config_from_hf({**MISTRAL, "sliding_window": 4096, **extra})
+    config = hf_config.config_from_hf({**MISTRAL, "sliding_window": 4096, **extra})
     assert config.sliding_window == 4096 and all(config.local_layers)
   # Absent means transformers' default window (4096) and context (131072).
-  config = hf.config_from_hf({k: v for k, v in MISTRAL.items()
+  config = hf_config.config_from_hf({k: v for k, v in MISTRAL.items()
                               if k != "max_position_embeddings"})
   assert (config.sliding_window, config.max_position_embeddings) == (4096, 131072)
-  config = hf.config_from_hf({**MISTRAL, "sliding_window": None})
+  config = hf_config.config_from_hf({**MISTRAL, "sliding_window": None})
   assert config.sliding_window is None and not any(config.local_layers)
 
 
 def test_mistral_attention_bias_is_refused():
   with pytest.raises(ValueError, match="attention_bias=True"):
-    hf.config_from_hf({**MISTRAL, "sliding_window": None, "attention_bias": True})
-  assert not hf.config_from_hf({**MISTRAL, "sliding_window": None,
+    hf_config.config_from_hf({**MISTRAL, "sliding_window": None, "attention_bias": True})
+  assert not hf_config.config_from_hf({**MISTRAL, "sliding_window": None,
                                 "attention_bias": False}).out_bias
 
 
 def test_mistral_head_dim_and_defaults():
-  config = hf.config_from_hf({**MISTRAL, "sliding_window": None, "head_dim": None})
+  config = hf_config.config_from_hf({**MISTRAL, "sliding_window": None, "head_dim": None})
   assert (config.head_dim, config.num_kv_heads) == (8, 2)
   assert (config.bos_token_id, config.eos_token_id) == (1, 2)  # transformers' defaults
   bare = {k: v for k, v in MISTRAL.items() if k != "num_key_value_heads"}
-  config = hf.config_from_hf({**bare, "num_attention_heads": 8, "hidden_size": 64,
+  config = hf_config.config_from_hf({**bare, "num_attention_heads": 8, "hidden_size": 64,
                               "head_dim": 16, "sliding_window": None})
   assert (config.head_dim, config.num_kv_heads) == (16, 8)
 
@@ -164,24 +164,25 @@ QWEN3 = _config(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim
 
 
 def test_qwen3_policy():
-  config = hf.config_from_hf(QWEN3)
+  config = hf_config.config_from_hf(QWEN3)
   assert config.qk_norm and config.head_dim == 16 and not config.qkv_bias
   assert config.max_position_embeddings == 32768  # transformers' default
   # Absent head_dim is transformers' Qwen3 default of 128, not hidden / heads.
-  assert hf.config_from_hf({k: v for k, v in QWEN3.items() if k != "head_dim"}).head_dim == 128
-  assert hf.config_from_hf({**QWEN3, "attention_bias": True}).out_bias
+  no_head_dim = {k: v for k, v in QWEN3.items() if k != "head_dim"}
+  assert hf_config.config_from_hf(no_head_dim).head_dim == 128
+  assert hf_config.config_from_hf({**QWEN3, "attention_bias": True}).out_bias
   # Sliding windows follow the Qwen2 rule.
-  config = hf.config_from_hf({**QWEN3, "use_sliding_window": True, "sliding_window": 1024,
+  config = hf_config.config_from_hf({**QWEN3, "use_sliding_window": True, "sliding_window": 1024,
                               "max_window_layers": 1, "max_position_embeddings": 4096})
   assert config.sliding_window == 1024 and config.local_layers == (False, True)
-  assert hf.config_from_hf({**QWEN3, "use_sliding_window": False,
+  assert hf_config.config_from_hf({**QWEN3, "use_sliding_window": False,
                             "sliding_window": 1024}).sliding_window is None
   # Qwen3 always normalises q and k; a config saying otherwise is refused.
-  assert hf.config_from_hf({**QWEN3, "use_qk_norm": True}).qk_norm
+  assert hf_config.config_from_hf({**QWEN3, "use_qk_norm": True}).qk_norm
   with pytest.raises(ValueError, match="use_qk_norm=False"):
-    hf.config_from_hf({**QWEN3, "use_qk_norm": False})
+    hf_config.config_from_hf({**QWEN3, "use_qk_norm": False})
   with pytest.raises(ValueError, match="use_qk_norm=True"):
-    hf.config_from_hf(_config(use_qk_norm=True))
+    hf_config.config_from_hf(_config(use_qk_norm=True))
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -199,18 +200,18 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, changes, matc
 
 def test_score_head_needs_one_label():
   with pytest.raises(ValueError, match="num_labels=2"):
-    hf.config_from_hf(_config(architectures=["LlamaForSequenceClassification"],
+    hf_config.config_from_hf(_config(architectures=["LlamaForSequenceClassification"],
                               num_labels=2))
 
 
 def test_unknown_field_and_dropout_warn():
   with pytest.warns(UserWarning, match="frobnicate"):
-    hf.config_from_hf(_config(frobnicate=3))
+    hf_config.config_from_hf(_config(frobnicate=3))
   with pytest.warns(UserWarning, match="attention_dropout"):
-    hf.config_from_hf(_config(attention_dropout=0.1))
+    hf_config.config_from_hf(_config(attention_dropout=0.1))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    hf.config_from_hf(_config(transformers_version="4.44.0", use_cache=True))
+    hf_config.config_from_hf(_config(transformers_version="4.44.0", use_cache=True))
 
 
 def test_export_refuses_unrepresentable_bias(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pipe_rlhf_jax.models import hf  # noqa: E402
+from pipe_rlhf_jax.models import hf, hf_config  # noqa: E402
 from pipe_rlhf_jax.models.config import TransformerConfig  # noqa: E402
 from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 
@@ -397,16 +397,16 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_config_eos_list_and_defaults():
-  config = hf.config_from_hf({
+  config = hf_config.config_from_hf({
       "architectures": ["LlamaForCausalLM"], "vocab_size": 50, "hidden_size": 32,
       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
       "eos_token_id": [7, 9], "rope_theta": 1000.0})
   assert config.eos_token_id == 7
-  assert hf.hf_eos_token_ids({"eos_token_id": [7, 9]}) == (7, 9)
+  assert hf_config.hf_eos_token_ids({"eos_token_id": [7, 9]}) == (7, 9)
   assert (config.num_kv_heads, config.head_dim) == (4, 8)
   assert config.rope_theta == 1000.0 and config.rope_scaling is None
   assert (config.dtype, config.param_dtype) == ("float32", "float32")
-  lin = hf.config_from_hf({
+  lin = hf_config.config_from_hf({
       "architectures": ["Qwen2ForCausalLM"], "vocab_size": 50, "hidden_size": 32,
       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
       "rope_scaling": {"type": "linear", "factor": 2}}, dtype="bfloat16")
