@@ -84,6 +84,9 @@ def parse_args(argv=None):
   parser.add_argument("--min-admit", type=int, default=0,
                       help="the engine's narrowest admission while slots decode, in prompts "
                            "(0: the engine's default)")
+  parser.add_argument("--prefill-chunk", type=int, default=0,
+                      help="also run the engine with its admissions prefilled in passes of "
+                           "this many prompt columns, decode steps between them (0: not)")
   parser.add_argument("--queue", type=int, default=128,
                       help="completions in the synthetic queues")
   parser.add_argument("--layers", type=int, default=8,
@@ -180,12 +183,13 @@ class Continuous:
   """The engine with S slots over the whole queue."""
 
   def __init__(self, graphdef, state, params, slots, group_size, queue, limits, rng,
-               min_admit=None):
+               min_admit=None, prefill_chunk=0):
     self.state, self.rng = state, rng
     tokens, mask = queue
     self.args = (jnp.asarray(tokens), jnp.asarray(mask), rng,
                  jnp.arange(len(limits), dtype=jnp.int32), jnp.asarray(limits))
-    spec = engine.EngineSpec(num_slots=slots, group_size=group_size, min_admit=min_admit)
+    spec = engine.EngineSpec(num_slots=slots, group_size=group_size, min_admit=min_admit,
+                             prefill_chunk=prefill_chunk)
     self.fn = engine.make_engine_fn(graphdef, params, spec).lower(state, *self.args).compile()
     self.temp_bytes = compiled_bytes(self.fn)
 
@@ -215,48 +219,66 @@ def probe_costs(graphdef, state, params, slots, prompt_len, vocab) -> dict[str, 
   return {"step_s": step, "prefill_prompt_s": prefill / slots}
 
 
-def predicted_seconds(kind: str, lengths, slots: int, n: int, costs, min_admit=None
-                      ) -> tuple[float, int]:
-  """The cost model: decode steps from the pure schedule x step seconds + prefills."""
+def predicted_seconds(kind: str, lengths, slots: int, n: int, costs, prompt_len: int,
+                      min_admit=None, prefill_chunk=0) -> tuple[float, int, int]:
+  """The cost model: decode steps from the pure schedule x step seconds + prefills.
+
+  Returns the seconds, the decode steps and the largest prefill pass in prompt tokens
+  (what a decode step can wait on: the static batch's prefill runs before any decoding).
+  """
   if kind == "static":
     steps = slot_schedule.static_decode_steps(lengths, slots)
     prefill_prompts = len(lengths) // n
+    widest = min(len(lengths), slots) // n * prompt_len
   else:
-    timeline = slot_schedule.simulate(lengths, engine.EngineSpec(num_slots=slots, group_size=n,
-                                                          min_admit=min_admit))
+    spec = engine.EngineSpec(num_slots=slots, group_size=n, min_admit=min_admit,
+                             prefill_chunk=prefill_chunk)
+    timeline = slot_schedule.simulate(lengths, spec, prompt_len)
     steps = timeline.decode_steps
-    prefill_prompts = sum(timeline.prefill_widths)
-  return steps * costs["step_s"] + prefill_prompts * costs["prefill_prompt_s"], steps
+    # Passes of C columns cover P (the last overlapping): that many prompt columns' work.
+    starts = spec.chunk_starts(prompt_len)
+    columns = prompt_len if len(starts) == 1 else len(starts) * prefill_chunk
+    prefill_prompts = sum(timeline.prefill_widths) * columns / prompt_len
+    widest = max(timeline.prefill_widths) * (columns // len(starts))
+  return (steps * costs["step_s"] + prefill_prompts * costs["prefill_prompt_s"], steps,
+          widest)
 
 
 def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, costs,
-            min_admit=None):
-  """Both engines on one queue, alternating rounds; a row per engine."""
+            min_admit=None, prefill_chunk=0):
+  """The engines on one queue, alternating rounds; a row per engine (the engine with
+  chunked prefill too when `prefill_chunk`)."""
   rng = jax.random.key(7)
   runs = {"static": Static(graphdef, state, params, slots, n, queue, limits, rng),
           "continuous": Continuous(graphdef, state, params, slots, n, queue, limits, rng,
                                    min_admit)}
+  chunked = f"continuous, prefill passes of {prefill_chunk}"
+  if prefill_chunk:
+    runs[chunked] = Continuous(graphdef, state, params, slots, n, queue, limits, rng,
+                               min_admit, prefill_chunk)
   got = {k: [] for k in runs}
   for _ in range(rounds):
     for kind, run in runs.items():
       got[kind].append(run())
       print(f"  {name} {kind}: {got[kind][-1]['seconds']:.2f} s", flush=True)
   lengths = got["static"][0]["mask"].sum(1)
-  same = int(np.all(got["static"][0]["tokens"] == got["continuous"][0]["tokens"], axis=1).sum())
   rows = []
   for kind, runs_ in got.items():
+    same = int(np.all(got["static"][0]["tokens"] == runs_[0]["tokens"], axis=1).sum())
     seconds = statistics.median(r["seconds"] for r in runs_)
     r = runs_[0]
     useful = int(r["mask"].sum())
     decoded = useful - len(lengths)  # the first tokens come from the prefills
-    predicted, steps = predicted_seconds(kind, r["mask"].sum(1), slots, n, costs, min_admit)
+    predicted, steps, widest = predicted_seconds(
+        kind, r["mask"].sum(1), slots, n, costs, queue[0].shape[1], min_admit,
+        prefill_chunk if kind == chunked else 0)
     rows.append(dict(
         distribution=name, engine=kind, decode_steps=r["decode_steps"],
         predicted_steps=steps, occupancy=decoded / max(r["decode_steps"] * slots, 1),
         seconds=seconds, tokens_per_s=useful / seconds, predicted_s=predicted,
         kv_mib=kv_bytes(graphdef, state, slots, queue[0].shape[1] + params.max_new_tokens)
         / 2**20, temp_mib=runs[kind].temp_bytes / 2**20, identical=same,
-        completions=len(lengths)))
+        completions=len(lengths), widest_pass=widest))
   return rows, lengths
 
 
@@ -654,7 +676,7 @@ def main(argv=None):
       limits = (long_tail_lengths(args.queue, args.median, args.max_new_tokens, args.seed)
                 if part == "long_tail" else np.full(args.queue, args.median, np.int32))
       got, lengths = measure(part, graphdef, state, params, args.slots, 1, queue, limits,
-                             args.rounds, costs, args.min_admit or None)
+                             args.rounds, costs, args.min_admit or None, args.prefill_chunk)
       rows += got
       notes.append(f"{part}: {length_summary(lengths, args.max_new_tokens)}")
   if "real" in parts:
@@ -666,7 +688,8 @@ def main(argv=None):
                         model.config.vocab_size)
     limits = np.full(len(queue[0]) * args.real_samples, args.real_max_new_tokens, np.int32)
     got, lengths = measure("real", graphdef, state, params, args.slots, args.real_samples,
-                           queue, limits, 1, costs, args.min_admit or None)
+                           queue, limits, 1, costs, args.min_admit or None,
+                           args.prefill_chunk)
     rows += got
     with open(os.path.join(args.out, "lengths_real.json"), "w") as f:
       json.dump([int(x) for x in lengths], f)
@@ -713,9 +736,9 @@ def main(argv=None):
 
 def render(rows) -> str:
   lines = ["| distribution | engine | decode steps (predicted) | slot occupancy | s per queue "
-           "(predicted, error) | useful tokens/s | speed-up | KV cache MiB | compiled temp "
-           "MiB | identical completions |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "(predicted, error) | useful tokens/s | speed-up | largest prefill pass (prompt "
+           "tokens) | KV cache MiB | compiled temp MiB | identical completions |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   base = {r["distribution"]: r for r in rows if r["engine"] == "static"}
   for r in rows:
     err = (r["predicted_s"] - r["seconds"]) / r["seconds"]
@@ -724,7 +747,8 @@ def render(rows) -> str:
         f"({r['predicted_steps']}) | {r['occupancy']:.2f} | {r['seconds']:.2f} "
         f"({r['predicted_s']:.2f}, {100 * err:+.0f}%) | {r['tokens_per_s']:.1f} | "
         f"{r['tokens_per_s'] / base[r['distribution']]['tokens_per_s']:.2f}x | "
-        f"{r['kv_mib']:.1f} | {r['temp_mib']:.1f} | {r['identical']}/{r['completions']} |")
+        f"{r['widest_pass']} | {r['kv_mib']:.1f} | {r['temp_mib']:.1f} | "
+        f"{r['identical']}/{r['completions']} |")
   return "\n".join(lines)
 
 

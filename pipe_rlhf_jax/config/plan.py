@@ -77,6 +77,11 @@ class StagePlan:
       On a stage with a pipeline axis the pipelined decoder runs S / num_microbatches rows
       per micro-batch and refills a micro-batch once all its rows are done (S a
       multiple of num_microbatches). Applies in every mode.
+    prefill_chunk: generation with `num_slots` > 0 on a stage without a pipeline axis:
+      prompt columns per prefill pass of the engine's admissions, the decoding slots
+      taking one decode step between two passes, so that a newcomer's prefill stalls the
+      running decode for C columns at a time, not the whole prompt (0, the default: the
+      whole prompt in one pass). Applies in every mode.
     pack_tokens: inference and training: 0 runs the stage's forward (and backward)
       passes over the padded `[batch, P + T]` layout; L > 0 packs the real tokens into
       rows of L (`stages/packing.py`; training packs each minibatch), the same outputs.
@@ -91,6 +96,7 @@ class StagePlan:
   logits_chunk: int = 0
   scan_unroll: int = 0
   num_slots: int = 0
+  prefill_chunk: int = 0
   pack_tokens: int = 0
 
   def __post_init__(self):
@@ -99,6 +105,7 @@ class StagePlan:
     check_int(self.logits_chunk, "logits_chunk", low=0)
     check_int(self.scan_unroll, "scan_unroll", low=0)
     check_int(self.num_slots, "num_slots", low=0)
+    check_int(self.prefill_chunk, "prefill_chunk", low=0)
     check_int(self.pack_tokens, "pack_tokens", low=0)
 
   def unroll_for(self, fsdp: int | None = None) -> int:
@@ -128,7 +135,8 @@ class StagePlan:
   def from_config(cls, stage: Mapping[str, Any], field: str) -> "StagePlan":
     values = plain(stage)
     check_known(values, ("mesh", "rules", "num_microbatches", "attention", "remat",
-                         "logits_chunk", "scan_unroll", "num_slots", "pack_tokens"), field)
+                         "logits_chunk", "scan_unroll", "num_slots", "prefill_chunk",
+                         "pack_tokens"), field)
     rules = values.get("rules") or {}
     rules = tuple((name, tuple(a) if isinstance(a, list) else a)
                   for name, a in plain(rules).items())
@@ -136,10 +144,10 @@ class StagePlan:
       return cls(mesh=MeshSpec.from_config(values.get("mesh", {}), field + ".mesh"),
                  rules=rules, **{name: values.get(name, getattr(cls, name)) for name in (
                      "num_microbatches", "attention", "remat", "logits_chunk",
-                     "scan_unroll", "num_slots", "pack_tokens")})
+                     "scan_unroll", "num_slots", "prefill_chunk", "pack_tokens")})
     except ValueError as e:
       if str(e).startswith(("attention=", "remat=", "logits_chunk=", "scan_unroll=",
-                            "num_slots=", "pack_tokens=")):
+                            "num_slots=", "prefill_chunk=", "pack_tokens=")):
         raise ValueError(f"{field}.{e}") from None
       raise
 
@@ -224,6 +232,15 @@ class Plan:
                        "generation decodes, it does not pack; set stages.infer.pack_tokens "
                        "or stages.train.pack_tokens instead (0 here).")
     pipelined = self.mode != "sequential" and self.generate.mesh.pipeline > 1
+    for stage in STAGES:
+      chunk = self.stage(stage).prefill_chunk
+      if chunk and (stage != "generate" or pipelined or not self.generate.num_slots):
+        raise ValueError(
+            f"stages.{stage}.prefill_chunk={chunk}: prefill passes are the continuous-"
+            "batching engine's, which runs with stages.generate.num_slots > 0 on a "
+            "generation mesh without a pipeline axis (the static sampler and the pipelined "
+            "decoder prefill whole prompts); set it to 0, or set stages.generate.num_slots "
+            "and stages.generate.mesh.pipeline=1.")
     if self.generate.num_slots and pipelined:
       if self.partial_rollouts:
         raise ValueError(

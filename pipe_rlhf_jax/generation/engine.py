@@ -26,11 +26,14 @@ widths 1, 2, 4, ... `max_admit` that the free slots and the queue allow: one com
 prefill per width, chosen with `lax.switch`. The loop admits while an admission is due
 (at least `min_admit` prompts' slots free, or nothing decoding), then runs decode steps
 until the next one is due: the decode loop's body is the decode step alone, and no
-conditional carries the cache through unchanged (XLA would copy it every step). A whole
-prompt is prefilled in one go, so the running decode waits one prefill of w prompts (at
-P tokens each about the cost of P / S decode steps per prompt) rather than being
-interleaved in chunks. A newcomer's region is overwritten whole (zeros past its
-prompt), so whatever a freed slot held, NaN included, never reaches it.
+conditional carries the cache through unchanged (XLA would copy it every step). By default a
+whole prompt is prefilled in one pass, so the running decode waits one prefill of w
+prompts (at P tokens each about the cost of P / S decode steps per prompt). With
+`prefill_chunk` C the admission runs its prompts in passes of C columns and the running
+slots take one decode step between two passes: a decode step waits at most a pass of
+w x C tokens, not w x P (the tokens' latency, not the throughput: the passes do the same
+work). A newcomer's region is overwritten whole (zeros past its prompt), so whatever a
+freed slot held, NaN included, never reaches it.
 
 The same loop also runs as a persistent engine (`step_fn`, for partial rollouts in
 `stages/rollout_stream.py`): its state is kept between calls, a call stops once a target
@@ -161,12 +164,17 @@ class EngineSpec:
       or fewer prompts are left. Default: a quarter of the widest admission, which on
       the long-tailed queue of `experiments/bench_rollout.py` (16 slots) ran faster than
       admitting every free slot at once.
+    prefill_chunk: prompt columns per prefill pass (0: the whole prompt in one pass).
+      With C < P an admission runs ceil(P / C) passes of C columns, the last ending at
+      the prompt's end (`chunk_starts`), and the decoding slots take one decode step
+      between two passes.
   """
 
   num_slots: int
   group_size: int = 1
   max_admit: int | None = None
   min_admit: int | None = None
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     for name in ("num_slots", "group_size"):
@@ -185,6 +193,23 @@ class EngineSpec:
         or not 1 <= self.min_admit <= self.widths[-1]):
       raise ValueError(f"min_admit must be an int in [1, {self.widths[-1]}] (the widest "
                        f"admission {self.num_slots} slots allow), got {self.min_admit!r}")
+    if isinstance(self.prefill_chunk, bool) or not isinstance(
+        self.prefill_chunk, (int, np.integer)) or self.prefill_chunk < 0:
+      raise ValueError(f"prefill_chunk must be an int >= 0 (prompt columns per prefill "
+                       f"pass; 0: the whole prompt), got {self.prefill_chunk!r}")
+
+  def chunk_starts(self, prompt_len: int) -> tuple[int, ...]:
+    """First prompt column of each prefill pass over a prompt of `prompt_len` columns.
+
+    (0,) without chunking (or C >= P). Otherwise ceil(P / C) passes of C columns each,
+    the last one ending at column P so that its last position draws the first token;
+    where C does not divide P it overlaps the pass before, whose columns it computes
+    again from the same keys (the same keys and values, written twice).
+    """
+    size = self.prefill_chunk
+    if not size or size >= prompt_len:
+      return (0,)
+    return tuple(min(i * size, prompt_len - size) for i in range(-(-prompt_len // size)))
 
   @property
   def floor(self) -> int:
@@ -270,20 +295,41 @@ def _emit(s: EngineState, rows: jax.Array, column: jax.Array, tokens: jax.Array,
 
 
 def _admit(model, s: EngineState, width: int, queue: EngineQueue, rng: jax.Array,
-           version: jax.Array, spec: EngineSpec, params: SamplingSettings) -> EngineState:
+           version: jax.Array, spec: EngineSpec, params: SamplingSettings,
+           between: Callable[[EngineState, jax.Array], EngineState]) -> EngineState:
   """Prefills the next `width` prompts of the queue into free slots.
 
   The caller guarantees `width * n` free slots and `width` prompts left (the queue is
-  padded by the widest admission, so the slices below never clamp).
+  padded by the widest admission, so the slices below never clamp). With chunked
+  prefill, `between(s, allowed)` runs the decoding slots' step between two passes (at
+  most one, none unless `allowed`); the admitted prompts take their slots after the
+  last pass, so those slots stay free (idle) while the passes run.
   """
   n, steps = spec.group_size, params.max_new_tokens
   prompt_len = queue.tokens.shape[1]
   tokens = jax.lax.dynamic_slice_in_dim(queue.tokens, s.next_prompt, width)  # [w, P]
   mask = jax.lax.dynamic_slice_in_dim(queue.mask, s.next_prompt, width)
   key_mask = completion_key_mask(mask, steps)  # [w, P + T]
+  positions = default_positions(mask)  # [w, P]
   cache = KVCache.zeros(model.config, width, prompt_len + steps)
-  logits, cache = model.forward_cached(tokens, default_positions(mask), key_mask, cache, 0,
-                                       last_only=True)
+  starts = spec.chunk_starts(prompt_len)
+  if len(starts) == 1:
+    logits, cache = model.forward_cached(tokens, positions, key_mask, cache, 0,
+                                         last_only=True)
+  else:
+    size = spec.prefill_chunk
+
+    def prefill_pass(i, carry):
+      s, cache, _ = carry
+      start = jnp.asarray(starts, jnp.int32)[i]
+      logits, cache = model.forward_cached(
+          jax.lax.dynamic_slice_in_dim(tokens, start, size, axis=1),  # [w, C]
+          jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1), key_mask, cache,
+          start, last_only=True)
+      return between(s, i < len(starts) - 1), cache, logits
+
+    logits = jnp.zeros((width, 1, model.config.vocab_size), jnp.float32)
+    s, cache, logits = jax.lax.fori_loop(0, len(starts), prefill_pass, (s, cache, logits))
   logits = logits[:, -1]  # [w, vocab]: left padding puts the last prompt token last
 
   # Entry j of the admission is sample j % n of prompt j // n; it takes the j-th free
@@ -374,15 +420,26 @@ def _run(model, s: EngineState, queue: EngineQueue, rng: jax.Array, version: jax
   active = current_axis_rules()
   fsdp = active[0].shape.get("fsdp", 1) if active is not None else 1
   layer_params = model.layers.per_layer() if fsdp == 1 else None
-  admits = [functools.partial(_admit, model, width=w, queue=queue, rng=rng, version=version,
-                              spec=spec, params=params)
-            for w in widths]
-
   if max_steps is None:
     max_steps = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
 
   def going(s: EngineState):
     return (s.done < target) & (s.stats.decode_steps < max_steps)
+
+  def between(s: EngineState, allowed: jax.Array) -> EngineState:
+    # One decode step between two prefill passes, as a loop of at most one iteration:
+    # a conditional would carry the cache through its idle branch as a copy.
+    def once(carry):
+      return decode(carry[0]), jnp.zeros((), bool)
+
+    def due(carry):
+      return carry[1] & jnp.any(carry[0].row != FREE) & going(carry[0])
+
+    return jax.lax.while_loop(due, once, (s, allowed))[0]
+
+  admits = [functools.partial(_admit, model, width=w, queue=queue, rng=rng, version=version,
+                              spec=spec, params=params, between=between)
+            for w in widths]
 
   def room(s: EngineState):
     """Prompts the next admission takes: the widest width the free slots and the queue
@@ -527,7 +584,7 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
                         rng: jax.Array, num_slots: int, group_size: int = 1,
                         sample_ids: jax.Array | None = None,
                         limits: jax.Array | None = None, max_admit: int | None = None,
-                        min_admit: int | None = None,
+                        min_admit: int | None = None, prefill_chunk: int = 0,
                         cache_fill: float = 0.0
                         ) -> tuple[GenerationOutput, EngineStats]:
   """Samples `group_size` completions of every prompt with `num_slots` slots.
@@ -544,6 +601,8 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
     limits: optional int [Q * n] length budgets.
     max_admit: widest admission in prompts (default: as many as the slots hold).
     min_admit: narrowest admission while slots are decoding (`EngineSpec`).
+    prefill_chunk: prompt columns per prefill pass, the decoding slots stepping between
+      two passes (0: the whole prompt in one pass; `EngineSpec`).
     cache_fill: initial content of the free slots' cache (tests poison it with NaN).
 
   Returns:
@@ -552,7 +611,7 @@ def generate_continuous(model: nnx.Module, prompt_tokens: jax.Array,
   if getattr(model, "config", None) is None or model.config.head != "lm":
     raise ValueError("generate_continuous needs a Transformer with head='lm'")
   spec = EngineSpec(num_slots=int(num_slots), group_size=int(group_size),
-                    max_admit=max_admit, min_admit=min_admit)
+                    max_admit=max_admit, min_admit=min_admit, prefill_chunk=prefill_chunk)
   prompt_tokens, prompt_mask, _ = check_prompts(prompt_tokens, prompt_mask)
   num_rows = prompt_tokens.shape[0] * spec.group_size
   if sample_ids is None:

@@ -47,28 +47,46 @@ class SlotTimeline:
     return self.busy_slot_steps / max(self.rows.size, 1)
 
 
-def simulate(lengths, spec: EngineSpec) -> SlotTimeline:
+def simulate(lengths, spec: EngineSpec, prompt_len: int = 0) -> SlotTimeline:
   """The engine's schedule for completions of known lengths (a pure function).
 
   Mirrors `engine._run`'s admission rule (widest allowed width, free slots in index order,
   a completion of length 1 ends at its prefill) so that the tests can check the engine
   against it and the planner can price a length distribution without running a model.
+  With `spec.prefill_chunk`, an admission's passes (`EngineSpec.chunk_starts`) each but
+  the last are followed by one decode step of the decoding slots, and its prompts take
+  their slots (the free ones then, in index order) after the last pass.
 
   Args:
     lengths: int [Q * n] completion lengths (>= 1), completion k being sample k % n of
       prompt k // n.
-    spec: slot count, group size and admission widths.
+    spec: slot count, group size, admission widths and prefill chunk.
+    prompt_len: P, the prompt columns (needed with `spec.prefill_chunk`).
   """
   lengths = np.asarray(lengths, np.int64)
   n, slots = spec.group_size, spec.num_slots
   if lengths.ndim != 1 or lengths.size % n or (lengths < 1).any():
     raise ValueError(f"lengths must be {n} per prompt, each >= 1; got shape "
                      f"{lengths.shape}, min {lengths.min() if lengths.size else None}")
+  if spec.prefill_chunk and prompt_len < 1:
+    raise ValueError("simulate needs prompt_len (the prompt columns) when the spec "
+                     f"prefills in chunks (prefill_chunk={spec.prefill_chunk})")
+  passes = len(spec.chunk_starts(prompt_len)) if spec.prefill_chunk else 1
   num_prompts = lengths.size // n
   row = np.full(slots, FREE, np.int64)
   emitted = np.zeros(slots, np.int64)
   next_prompt, timeline, admissions, widths = 0, [], [], []
   pending = 0
+
+  def decode_step():
+    nonlocal pending
+    timeline.append(row.copy())
+    admissions.append(pending)
+    pending = 0
+    busy = row != FREE
+    emitted[busy] += 1
+    row[busy & (emitted >= lengths[np.maximum(row, 0)])] = FREE
+
   while (row != FREE).any() or next_prompt < num_prompts:
     while True:  # admissions, while one is due
       free = np.flatnonzero(row == FREE)
@@ -78,19 +96,17 @@ def simulate(lengths, spec: EngineSpec) -> SlotTimeline:
       if room < floor or room == 0:
         break
       width = max(w for w in spec.widths if w <= room)
+      for _ in range(passes - 1):  # the decoding slots step between two passes
+        if (row != FREE).any():
+          decode_step()
       pending += width
       widths.append(width)
-      for j, slot in enumerate(free[:width * n]):
+      for j, slot in enumerate(np.flatnonzero(row == FREE)[:width * n]):
         k = (next_prompt + j // n) * n + j % n
         row[slot], emitted[slot] = (k if lengths[k] > 1 else FREE), 1
       next_prompt += width
     if (row != FREE).any():
-      timeline.append(row.copy())
-      admissions.append(pending)
-      pending = 0
-      busy = row != FREE
-      emitted[busy] += 1
-      row[busy & (emitted >= lengths[np.maximum(row, 0)])] = FREE
+      decode_step()
   rows = np.stack(timeline) if timeline else np.zeros((0, slots), np.int64)
   return SlotTimeline(rows=rows, admissions=tuple(admissions), prefill_widths=tuple(widths))
 

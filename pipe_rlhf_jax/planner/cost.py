@@ -12,7 +12,8 @@ collectives. Per stage, on a mesh (data d, fsdp f, tensor t, pipeline p) of n de
             rows at T it is `schedule.num_ticks(p, M, T)`; with p = 1, one prefill and
             decode steps until the batch's longest row is done; with continuous batching,
             the engine's decode steps and admissions from its pure schedule over the
-            batch's response lengths). Pass 0 of a micro-batch
+            batch's response lengths; with `prefill_chunk`, each admission as that many passes
+            of C prompt columns with the decode steps between them). Pass 0 of a micro-batch
             [B/(d f M), Lp] through L/p layers is a prefill, later passes decode steps;
             ticks run in lock step, so a tick costs its busy stages together (dedicated
             devices: the slowest; shared host: their summed work at the host's rate).
@@ -462,9 +463,9 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   dec = (shards * flops.forward_flops(cfg, rows, 1, context=columns) / p,
          shards * (w_read + kv_read) / p)
 
-  def prefill_work(prompts: float):
+  def prefill_work(prompts: float, length: int = work.prompt_len):
     # The head runs at each row's last prompt position only (it draws the first token).
-    return (shards * flops.forward_flops(cfg, prompts, work.prompt_len, context=columns,
+    return (shards * flops.forward_flops(cfg, prompts, length, context=columns,
                                          head_positions=1) / p,
             shards * w_read / p)
 
@@ -472,8 +473,8 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   # Activation elements of one stage's tick over all copies: decode step, prefill.
   dec_elems = shards * flops.forward_elements(cfg, rows, 1, context=columns) / p
 
-  def prefill_elements(prompts: float) -> float:
-    return shards * flops.forward_elements(cfg, prompts, work.prompt_len, context=columns,
+  def prefill_elements(prompts: float, length: int = work.prompt_len) -> float:
+    return shards * flops.forward_elements(cfg, prompts, length, context=columns,
                                            head_positions=1) / p
 
   def tick_elementwise(prefilling: int, decoding: int, pre_elems: float) -> float:
@@ -506,25 +507,32 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
   comm_tick = gather + 2 * layers * m.all_reduce(rows * cfg.embed_dim * act, t,
                                                  hosts["tensor"]) + ring_tick
 
-  def prefill_comm(prompts: float) -> float:
+  def prefill_comm(prompts: float, length: int = work.prompt_len) -> float:
     out = gather + 2 * layers * m.all_reduce(
-        prompts * work.prompt_len * cfg.embed_dim * act, t, hosts["tensor"])
+        prompts * length * cfg.embed_dim * act, t, hosts["tensor"])
     if p > 1:
-      out += m.ppermute(prompts * work.prompt_len * cfg.embed_dim * act, hosts["pipeline"])
+      out += m.ppermute(prompts * length * cfg.embed_dim * act, hosts["pipeline"])
     return out
 
   compute = comm = elementwise = 0.0
   ticks = 0
   if slots:
-    timeline = engine_timeline(work.batch_lengths(), slots, work.group_size)
+    timeline = engine_timeline(work.batch_lengths(), slots, work.group_size,
+                               plan.prefill_chunk, work.prompt_len)
     steps = timeline.decode_steps
-    ticks = steps + len(timeline.prefill_widths)
-    compute = steps * tick_compute(0, 1) + sum(
-        tick_compute(1, 0, prefill_work(w / (d * f))) for w in timeline.prefill_widths)
-    comm = steps * comm_tick + sum(prefill_comm(w / (d * f))
-                                   for w in timeline.prefill_widths)
-    elementwise = steps * tick_elementwise(0, 1, 0.0) + sum(
-        tick_elementwise(1, 0, prefill_elements(w / (d * f)))
+    # An admission is `passes` prefill passes of `length` columns each (one of P
+    # without chunking); the decode steps between them are among the timeline's.
+    passes = len(engine.EngineSpec(num_slots=slots, prefill_chunk=plan.prefill_chunk)
+                 .chunk_starts(work.prompt_len))
+    length = work.prompt_len if passes == 1 else plan.prefill_chunk
+    ticks = steps + passes * len(timeline.prefill_widths)
+    compute = steps * tick_compute(0, 1) + passes * sum(
+        tick_compute(1, 0, prefill_work(w / (d * f), length))
+        for w in timeline.prefill_widths)
+    comm = steps * comm_tick + passes * sum(prefill_comm(w / (d * f), length)
+                                            for w in timeline.prefill_widths)
+    elementwise = steps * tick_elementwise(0, 1, 0.0) + passes * sum(
+        tick_elementwise(1, 0, prefill_elements(w / (d * f), length))
         for w in timeline.prefill_widths)
   else:
     comm_pre = prefill_comm(work.prefill_rows(rows, p))
@@ -556,11 +564,13 @@ def refill_counts(num_stages: int, num_microbatches: int, batch_lengths: tuple[i
 
 
 @functools.lru_cache(maxsize=256)
-def engine_timeline(batch_lengths: tuple[int, ...], slots: int, group_size: int):
+def engine_timeline(batch_lengths: tuple[int, ...], slots: int, group_size: int,
+                    prefill_chunk: int = 0, prompt_len: int = 0):
   """The continuous-batching engine's schedule over one batch (memoised: the search
   prices the same generation plan many times)."""
-  return slot_schedule.simulate(batch_lengths, engine.EngineSpec(num_slots=slots,
-                                                          group_size=group_size))
+  spec = engine.EngineSpec(num_slots=slots, group_size=group_size,
+                           prefill_chunk=prefill_chunk)
+  return slot_schedule.simulate(batch_lengths, spec, prompt_len)
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:

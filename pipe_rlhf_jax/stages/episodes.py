@@ -299,21 +299,22 @@ class EpisodeStage:
   with the turn's token budget. Called like a `GenerateStage`.
 
   Args:
-    layout, graphdef, sampling, num_microbatches, group_size, num_slots: as
-      `GenerateStage`'s (`sampling.max_new_tokens` is the episode's budget T).
+    layout, graphdef, sampling, num_microbatches, group_size, num_slots, prefill_chunk:
+      as `GenerateStage`'s (`sampling.max_new_tokens` is the episode's budget T).
     runner: the episodes' environment and limits.
   """
 
   def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
                sampling: sampler.SamplingSettings, num_microbatches: int, group_size: int,
-               num_slots: int, runner: EpisodeRunner):
+               num_slots: int, runner: EpisodeRunner, prefill_chunk: int = 0):
     self.layout = layout
     self.runner = runner
     self.group_size = group_size
     turn = dataclasses.replace(sampling, max_new_tokens=runner.turn_tokens)
     self.first = GenerateStage(layout, graphdef, turn, num_microbatches, group_size,
-                               num_slots)
-    self.next = GenerateStage(layout, graphdef, turn, num_microbatches, 1, num_slots)
+                               num_slots, prefill_chunk)
+    self.next = GenerateStage(layout, graphdef, turn, num_microbatches, 1, num_slots,
+                              prefill_chunk)
     self.last: Episodes | None = None  # the last batch's episodes (tests, samples)
 
   slot_timeline = None

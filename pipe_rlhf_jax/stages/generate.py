@@ -54,18 +54,25 @@ class GenerateStage:
     num_microbatches: micro-batches of the pipelined decoder (used when pipeline > 1).
     group_size: completions sampled per prompt.
     num_slots: 0 for one static batch; S > 0 for continuous batching over S slots.
+    prefill_chunk: the engine's prompt columns per prefill pass (0: whole prompts;
+      `EngineSpec.prefill_chunk`); needs `num_slots` > 0 and no pipeline axis.
   """
 
   def __init__(self, layout: StageLayout, graphdef: nnx.GraphDef,
                sampling: sampler.SamplingSettings, num_microbatches: int = 1,
-               group_size: int = 1, num_slots: int = 0):
+               group_size: int = 1, num_slots: int = 0, prefill_chunk: int = 0):
     self.layout = layout
     self.group_size = group_size
     self.graphdef = graphdef
     self.sampling = sampling
     self.num_microbatches = num_microbatches
     self.num_slots = num_slots
+    self.prefill_chunk = prefill_chunk
     self.pipeline = layout.mesh.shape.get("pipeline", 1)
+    if prefill_chunk and (self.pipeline > 1 or not num_slots):  # `Plan` refuses it first
+      raise ValueError(f"prefill_chunk={prefill_chunk} needs the plain engine (num_slots > 0, "
+                       f"no pipeline axis); got num_slots={num_slots}, "
+                       f"pipeline={self.pipeline}")
     if num_slots and self.pipeline > 1 and num_slots % num_microbatches:
       raise ValueError(f"stages.generate.num_slots={num_slots} is not a multiple of "
                        f"stages.generate.num_microbatches={num_microbatches}: the pipelined "
@@ -77,7 +84,7 @@ class GenerateStage:
     # The last engine call's (completion lengths, spec, decode steps): what its slot
     # timeline is simulated from when a trace asks (None after a static batch or the
     # pipelined decoder), so that a run without a trace does no host work for it.
-    self._last_engine_call: tuple[np.ndarray, EngineSpec, int] | None = None
+    self._last_engine_call: tuple[np.ndarray, EngineSpec, int, int] | None = None
 
   def __call__(self, actor: nnx.State, batch: dict, rng: jax.Array, version: int
                ) -> tuple[Rollout, dict]:
@@ -132,7 +139,7 @@ class GenerateStage:
     completion_mask = fetch(out.mask)  # [B, T] on the host
     new_tokens = float(completion_mask.sum())
     if spec is not None:
-      self._last_engine_call = completion_mask.sum(-1), spec, steps
+      self._last_engine_call = completion_mask.sum(-1), spec, steps, tokens.shape[1]
     if executed is not None and self.num_slots:
       # Stage 0's passes, each over one micro-batch of rows: the slot-steps decoded.
       passes = int((fetch(executed)[:, 0, 0] >= 0).sum())
@@ -149,8 +156,8 @@ class GenerateStage:
     simulated schedule's step count is not the engine's."""
     if self._last_engine_call is None:
       return None
-    lengths, spec, steps = self._last_engine_call
-    timeline = slot_schedule.simulate(lengths, spec)
+    lengths, spec, steps, prompt_len = self._last_engine_call
+    timeline = slot_schedule.simulate(lengths, spec, prompt_len)
     return timeline if timeline.decode_steps == steps else None
 
   def trace_slots(self, tracer: Tracer, batch: int | None = None) -> None:
@@ -195,7 +202,8 @@ class GenerateStage:
     rows = len(queue["prompt_tokens"]) * self.group_size
     slots = self._slots(rows)
     if slots not in self._engines:
-      spec = engine.EngineSpec(num_slots=slots, group_size=self.group_size)
+      spec = engine.EngineSpec(num_slots=slots, group_size=self.group_size,
+                               prefill_chunk=self.prefill_chunk)
       self._engines[slots] = spec, engine.make_engine_fn(self.graphdef, self.sampling, spec)
     spec, run = self._engines[slots]
     # The queue is read by every slot wherever it sits: replicated, not split over batch.

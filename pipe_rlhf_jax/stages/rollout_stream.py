@@ -111,7 +111,8 @@ class RolloutStream:
     self.max_staleness = max_staleness
     self.past_staleness = past_staleness
     self.steps_per_call = steps_per_call
-    self.spec = engine_lib.EngineSpec(num_slots=max(stage.num_slots, n), group_size=n)
+    self.spec = engine_lib.EngineSpec(num_slots=max(stage.num_slots, n), group_size=n,
+                                      prefill_chunk=stage.prefill_chunk)
     # Rows in flight never exceed the slots; as many again hold the rows a call's queue
     # offers before it knows how many it admits.
     self.num_rows = 2 * self.spec.num_slots

@@ -457,8 +457,10 @@ class PPOSystem:
     self.episodes = episodes
     self.generate_stage = (
         GenerateStage(*generate_args, group_size=ppo.group_size,
-                      num_slots=plan.generate.num_slots) if episodes is None else
-        EpisodeStage(*generate_args, ppo.group_size, plan.generate.num_slots, episodes))
+                      num_slots=plan.generate.num_slots,
+                      prefill_chunk=plan.generate.prefill_chunk) if episodes is None else
+        EpisodeStage(*generate_args, ppo.group_size, plan.generate.num_slots, episodes,
+                     plan.generate.prefill_chunk))
     reference = models.reference if models.reference is not None else models.actor
     self.infer_stage = InferStage(inf, for_stage("infer", models.reference_graphdef, reference),
                                   critic_graphdef["infer"], reward_graphdef,

@@ -175,6 +175,47 @@ def test_the_pure_schedule_is_the_engines(model, min_admit):
   assert static.occupancy < timeline.occupancy
 
 
+@pytest.mark.parametrize("chunk,n,sampling", [
+    pytest.param(4, 2, SAMPLED, id="overlapping-passes-2-sampled"),
+    pytest.param(2, 1, GREEDY, id="dividing-passes-1-greedy", marks=pytest.mark.slow)])
+def test_chunked_prefill_interleaves_decode_steps_and_changes_no_completion(
+    model, chunk, n, sampling):
+  # Prompts of 6 columns in passes of 4 (columns 0-3, then 2-5: the last pass overlaps
+  # the first) or of 2 (three passes); freed slots hold NaN.
+  tokens, mask = queue(9, seed=5)
+  rs = np.random.RandomState(6)
+  limits = rs.choice([1, 2, 3, 12, 5, 9], size=9 * n).astype(np.int32)
+  params = SamplingSettings(max_new_tokens=T, eos_id=None, **sampling)
+  rng = jax.random.key(2)
+  out, stats = engine.generate_continuous(model, tokens, mask, params, rng=rng, num_slots=5,
+                                          group_size=n, limits=limits, prefill_chunk=chunk,
+                                          cache_fill=float("nan"))
+  assert_same(out, static_reference(model, tokens, mask, n, limits, None, rng, **sampling),
+              exact=False)
+  spec = engine.EngineSpec(num_slots=5, group_size=n, prefill_chunk=chunk)
+  timeline = slot_schedule.simulate(limits, spec, prompt_len=6)
+  assert timeline.decode_steps == int(stats.decode_steps)
+  assert timeline.busy_slot_steps == int(stats.busy_slot_steps)
+  assert len(timeline.prefill_widths) == int(stats.prefills)
+  # The passes let decoding slots step while a prompt is being prefilled: the same
+  # queue admitted whole runs fewer decode steps, each of them busier.
+  whole = slot_schedule.simulate(limits, engine.EngineSpec(num_slots=5, group_size=n))
+  assert whole.busy_slot_steps == timeline.busy_slot_steps
+  assert whole.decode_steps < timeline.decode_steps
+
+
+def test_prefill_passes_cover_the_prompt_and_end_at_its_last_column():
+  spec = engine.EngineSpec(num_slots=4, prefill_chunk=16)
+  assert spec.chunk_starts(64) == (0, 16, 32, 48)
+  assert spec.chunk_starts(40) == (0, 16, 24)  # the last pass overlaps the one before
+  assert spec.chunk_starts(16) == (0,) and spec.chunk_starts(8) == (0,)
+  assert engine.EngineSpec(num_slots=4).chunk_starts(64) == (0,)
+  with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
+    engine.EngineSpec(num_slots=4, prefill_chunk=-1)
+  with pytest.raises(ValueError, match="needs prompt_len"):
+    slot_schedule.simulate([3, 4], spec)
+
+
 def test_static_timeline_is_the_static_samplers_steps(model):
   tokens, mask = queue(8, seed=8)
   limits = np.array([1, 4, 12, 2, 3, 3, 1, 5], np.int32)

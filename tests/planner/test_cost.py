@@ -347,6 +347,26 @@ def test_continuous_batching_is_priced_with_the_engines_schedule():
           >= 0.95 * cost.generate_cost(StagePlan(), MESH1, uniform, cpu).compute)
 
 
+def test_chunked_prefill_is_priced_as_its_passes_and_the_steps_between():
+  eff = cost.Efficiency(tick_overhead_s=1.0, call_overhead_s=0.0)
+  m = cost.Machine(hardware.get("h100"), eff)
+  work = dataclasses.replace(WORK, batch_size=64, gen_len=256, num_devices=1,
+                             response_lengths=_long_tail())
+  whole = cost.generate_cost(StagePlan(num_slots=16), MESH1, work, m)
+  passes = -(-work.prompt_len // 8)
+  chunked = cost.generate_cost(StagePlan(num_slots=16, prefill_chunk=8), MESH1, work, m)
+  timeline = cost.engine_timeline(work.batch_lengths(), 16, 1, 8, work.prompt_len)
+  # A tick per decode step (those between passes included) and per prefill pass.
+  assert timeline.decode_steps > cost.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
+  assert chunked.overhead == pytest.approx(timeline.decode_steps
+                                           + passes * len(timeline.prefill_widths))
+  # The passes do the prompt's work once (P a multiple of the chunk here): the roofline
+  # changes only by the extra decode steps, each at most one step's cost.
+  extra = timeline.decode_steps - cost.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
+  one_step = whole.compute / max(whole.overhead, 1)
+  assert whole.compute <= chunked.compute <= whole.compute + (extra + passes * 16) * one_step
+
+
 def test_batch_lengths_follow_the_distribution_given():
   assert set(lengths.batch_lengths(1.0, 32, 16)) == {32}
   modelled = lengths.batch_lengths(0.25, 64, 4096)

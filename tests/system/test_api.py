@@ -260,9 +260,11 @@ def test_adaptive_kl_coefficient_is_a_function_of_the_policy_version(tmp_path):
 
 
 def test_continuous_batching_changes_how_not_what(tmp_path):
-  # The same two PPO steps, generation as one static batch and as a queue over 3 slots.
+  # The same two PPO steps, generation as one static batch and as a queue over 3 slots
+  # whose admissions prefill the 8-column prompts in passes of 4 (the engine without
+  # passes is held to the static sampler in tests/generation/test_engine.py).
   results = []
-  for plan in (StagePlan(), StagePlan(num_slots=3)):
+  for plan in (StagePlan(), StagePlan(num_slots=3, prefill_chunk=4)):
     system, tok = _tiny_system(tmp_path, generate=plan)
     prompts = prompts_from_texts([f"rev {w}=" for w in "abcdefgh"], tok, 8, 8)
     results.append(run(system, prompts, steps=2).metrics)
@@ -287,6 +289,17 @@ def test_num_slots_is_a_generation_setting():
   with pytest.raises(ValueError, match="the engine kept across updates is the plain"):
     Plan(mode="pipe", placement=(2, 1, 1), partial_rollouts=True,
          generate=StagePlan(mesh=MeshSpec(pipeline=2), num_slots=4))
+  # Prefill passes belong to the plain engine.
+  Plan(generate=StagePlan(num_slots=4, prefill_chunk=16))
+  with pytest.raises(ValueError, match="stages.generate.prefill_chunk=-2"):
+    StagePlan.from_config({"prefill_chunk": -2}, "stages.generate")
+  for bad in (StagePlan(prefill_chunk=16),
+              StagePlan(mesh=MeshSpec(pipeline=2), num_slots=4, prefill_chunk=16)):
+    with pytest.raises(ValueError, match="stages.generate.prefill_chunk=16: prefill passes"):
+      Plan(mode="per_stage", generate=bad)
+  with pytest.raises(ValueError, match="stages.train.prefill_chunk=8"):
+    Plan(generate=StagePlan(num_slots=4), train=StagePlan(mesh=MeshSpec(data=1, fsdp=-1),
+                                                          prefill_chunk=8))
 
 
 def test_partial_rollouts_in_pipe_mode_train_on_finished_groups(tmp_path):
