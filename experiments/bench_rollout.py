@@ -40,7 +40,7 @@ measured once on a separate probe (uniform lengths, not the queues measured).
 Both engines draw token t of completion k with the same key, so they produce the same
 completions: the page counts how many are identical.
 
-  python -m experiments.bench_rollout --page  # writes docs/results/rollout_engine.md
+  python -m experiments.bench_rollout --prefill-chunk 16 --page  # docs/results/rollout_engine.md
   python -m experiments.bench_rollout --parts packing --page packing --rounds 1  # after "real"
   python -m experiments.bench_rollout --parts step --page rollout_step     # whole PPO steps
   python -m experiments.bench_rollout --parts pipelined --page rollout_pipelined --layers 4 \
@@ -759,7 +759,12 @@ ENGINE_INTRO = (
     "and KV-cache memory. The speed-up is in useful tokens per second (every "
     "completion token over the seconds the queue took); slot occupancy is the decoded "
     "tokens over the slot-steps run. Predicted: the cost model's decode steps (the pure "
-    "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills.")
+    "schedule of `generation/engine.py`) times a probe's step seconds, plus prefills. "
+    "With `--prefill-chunk C` a third engine runs: the continuous one with its admissions "
+    "prefilled in passes of C prompt columns and a decode step of the running slots "
+    "between two passes (`stages.generate.prefill_chunk`). The largest prefill pass is "
+    "the most prompt tokens one forward pass takes, the longest a decode step can wait "
+    "on a prefill (the static batch's prefill runs before its decode steps).")
 STEP_INTRO = (
     "Whole PPO steps on one stream of prompts whose completions have long-tailed lengths: "
     "static batches (each decoded until its longest completion ends) in `sequential` and "
