@@ -71,7 +71,7 @@ def simulate(lengths, spec: EngineSpec, prompt_len: int = 0) -> SlotTimeline:
   if spec.prefill_chunk and prompt_len < 1:
     raise ValueError("simulate needs prompt_len (the prompt columns) when the spec "
                      f"prefills in chunks (prefill_chunk={spec.prefill_chunk})")
-  passes = len(spec.chunk_starts(prompt_len)) if spec.prefill_chunk else 1
+  passes = len(spec.chunk_starts(prompt_len))
   num_prompts = lengths.size // n
   row = np.full(slots, FREE, np.int64)
   emitted = np.zeros(slots, np.int64)
