@@ -211,6 +211,12 @@ class EngineSpec:
       return (0,)
     return tuple(min(i * size, prompt_len - size) for i in range(-(-prompt_len // size)))
 
+  def prefill_passes(self, prompt_len: int) -> tuple[int, int]:
+    """(passes, columns per pass) of one admission's prefill: (1, P) without chunking,
+    else (ceil(P / C), C), the overlapping last pass counted whole (it computes C columns)."""
+    passes = len(self.chunk_starts(prompt_len))
+    return passes, prompt_len if passes == 1 else self.prefill_chunk
+
   @property
   def floor(self) -> int:
     """The narrowest admission while slots decode (`min_admit`, resolved)."""

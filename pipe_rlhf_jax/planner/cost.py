@@ -48,18 +48,14 @@ Times are seconds; FLOPs are matmul FLOPs; bytes are bytes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 
-import numpy as np
-
 from pipe_rlhf_jax.config import StagePlan
-from pipe_rlhf_jax.generation import engine, slot_schedule
-from pipe_rlhf_jax.generation import schedule as sched
+from pipe_rlhf_jax.generation import engine
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import TransformerConfig
-from pipe_rlhf_jax.planner import lengths
+from pipe_rlhf_jax.planner import ticks
 from pipe_rlhf_jax.planner.hardware import Hardware
 from pipe_rlhf_jax.planner.memory import _BYTES, param_bytes, trained_bytes
 from pipe_rlhf_jax.planner.space import Workload
@@ -396,32 +392,6 @@ def _axis_hosts(mesh: dict, machine: Machine) -> dict[str, bool]:
   return out
 
 
-@functools.lru_cache(maxsize=4096)
-def tick_counts(num_stages: int, num_microbatches: int, gen_len: int, fraction: float,
-                batch: int) -> tuple[tuple[tuple[int, int], int], ...]:
-  """How many ticks generation runs with each (prefilling, decoding) count of stages.
-
-  Pipelined (P > 1): the delayed schedule as the early-exiting decoder runs it
-  (`schedule.early_exit_schedule`), each micro-batch running the passes of its expected
-  longest row (`lengths.passes_per_microbatch`). Plain sampler (P = 1): one prefill, then
-  decode steps until the batch's expected longest row is done.
-  """
-  if num_stages == 1:
-    longest = lengths.passes_per_microbatch(fraction, gen_len, batch, 1)[0]
-    return tuple(((pre, dec), n) for (pre, dec), n in (((1, 0), 1), ((0, 1), longest - 1))
-                 if n)
-  passes = lengths.passes_per_microbatch(fraction, gen_len, batch, num_microbatches)
-  return _activity_counts(sched.early_exit_schedule(num_stages, num_microbatches, gen_len,
-                                                   passes))
-
-
-def _activity_counts(schedule: np.ndarray) -> tuple[tuple[tuple[int, int], int], ...]:
-  """How many ticks of `schedule` have each (prefilling, decoding) count of stages."""
-  activity = sched.tick_activity(schedule)  # [ticks, 2]
-  pairs, counts = np.unique(activity, axis=0, return_counts=True)
-  return tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(pairs, counts))
-
-
 def generate_cost(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> StageCost:
   return _priced_stage("generate", plan, mesh, work, m)
 
@@ -515,17 +485,16 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
     return out
 
   compute = comm = elementwise = 0.0
-  ticks = 0
+  num_ticks = 0
   if slots:
-    timeline = engine_timeline(work.batch_lengths(), slots, work.group_size,
-                               plan.prefill_chunk, work.prompt_len)
+    timeline = ticks.engine_timeline(work.batch_lengths(), slots, work.group_size,
+                                     plan.prefill_chunk, work.prompt_len)
     steps = timeline.decode_steps
     # An admission is `passes` prefill passes of `length` columns each (one of P
     # without chunking); the decode steps between them are among the timeline's.
-    passes = len(engine.EngineSpec(num_slots=slots, prefill_chunk=plan.prefill_chunk)
-                 .chunk_starts(work.prompt_len))
-    length = work.prompt_len if passes == 1 else plan.prefill_chunk
-    ticks = steps + passes * len(timeline.prefill_widths)
+    passes, length = engine.EngineSpec(
+        num_slots=slots, prefill_chunk=plan.prefill_chunk).prefill_passes(work.prompt_len)
+    num_ticks = steps + passes * len(timeline.prefill_widths)
     compute = steps * tick_compute(0, 1) + passes * sum(
         tick_compute(1, 0, prefill_work(w / (d * f), length))
         for w in timeline.prefill_widths)
@@ -540,37 +509,18 @@ def generate_terms(plan: StagePlan, mesh: dict, work: Workload, m: Machine) -> S
     if work.response_lengths and p == 1:
       counts = (((1, 0), 1), ((0, 1), max(work.batch_lengths()) - 1))
     elif pipe_slots:
-      counts = refill_counts(p, mb, work.batch_lengths(), int(pipe_slots // mb))
+      counts = ticks.refill_counts(p, mb, work.batch_lengths(), int(pipe_slots // mb))
     else:
-      counts = tick_counts(p, mb, work.gen_len, work.response_fraction, work.batch_size)
+      counts = ticks.tick_counts(p, mb, work.gen_len, work.response_fraction, work.batch_size)
     for (prefilling, decoding), count in counts:
-      ticks += count
+      num_ticks += count
       compute += count * tick_compute(prefilling, decoding)
       elementwise += count * tick_elementwise(prefilling, decoding, pre_elems)
       comm += count * (comm_pre if prefilling else comm_tick if decoding else ring_tick)
   # Two jitted calls: prefill and decode (or the pipelined decoder's one, or the engine's).
   return StageTerms(roofline=compute, memory=0.0, comm=comm,
-                    fixed=2 * m.eff.call_overhead_s, units=ticks,
-                    device_units=_device_units(m, ticks, n), elementwise=elementwise)
-
-
-@functools.lru_cache(maxsize=256)
-def refill_counts(num_stages: int, num_microbatches: int, batch_lengths: tuple[int, ...],
-                  rows_per_load: int) -> tuple[tuple[tuple[int, int], int], ...]:
-  """`tick_counts` of a refilling pipelined decoder: loads of `rows_per_load` consecutive
-  completions, each running its longest row's passes (`schedule.refill_schedule`)."""
-  loads = np.asarray(batch_lengths).reshape(-1, rows_per_load).max(axis=1)
-  return _activity_counts(sched.refill_schedule(num_stages, num_microbatches, loads))
-
-
-@functools.lru_cache(maxsize=256)
-def engine_timeline(batch_lengths: tuple[int, ...], slots: int, group_size: int,
-                    prefill_chunk: int = 0, prompt_len: int = 0):
-  """The continuous-batching engine's schedule over one batch (memoised: the search
-  prices the same generation plan many times)."""
-  spec = engine.EngineSpec(num_slots=slots, group_size=group_size,
-                           prefill_chunk=prefill_chunk)
-  return slot_schedule.simulate(batch_lengths, spec, prompt_len)
+                    fixed=2 * m.eff.call_overhead_s, units=num_ticks,
+                    device_units=_device_units(m, num_ticks, n), elementwise=elementwise)
 
 
 def _models(work: Workload, stage: str) -> list[TransformerConfig]:

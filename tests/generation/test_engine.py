@@ -210,6 +210,8 @@ def test_prefill_passes_cover_the_prompt_and_end_at_its_last_column():
   assert spec.chunk_starts(40) == (0, 16, 24)  # the last pass overlaps the one before
   assert spec.chunk_starts(16) == (0,) and spec.chunk_starts(8) == (0,)
   assert engine.EngineSpec(num_slots=4).chunk_starts(64) == (0,)
+  assert spec.prefill_passes(40) == (3, 16) and spec.prefill_passes(8) == (1, 8)
+  assert engine.EngineSpec(num_slots=4).prefill_passes(64) == (1, 64)
   with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
     engine.EngineSpec(num_slots=4, prefill_chunk=-1)
   with pytest.raises(ValueError, match="needs prompt_len"):

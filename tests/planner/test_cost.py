@@ -10,7 +10,8 @@ from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
-from pipe_rlhf_jax.planner import composition, cost, hardware, lengths, presets, simulator, space
+from pipe_rlhf_jax.planner import (composition, cost, hardware, lengths, presets, simulator, space,
+                                   ticks)
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=8)
@@ -80,11 +81,11 @@ def test_shared_host_ticks_share_the_host_between_busy_stages():
   pre = flops.forward_flops(cfg, 2, work.prompt_len, context=slots,
                             head_positions=1) / 4 / (1e9 * eff.matmul)
   expected = 0.0
-  for (a, b), n in cost.tick_counts(4, 4, 4, 1.0, 8):
+  for (a, b), n in ticks.tick_counts(4, 4, 4, 1.0, 8):
     expected += n * (a * pre + b * dec) / min(a + b, 2)
   assert c.compute == pytest.approx(expected)
   # Steady state has all 4 stages decoding: 4 ticks' worth of work at twice one's rate.
-  assert dict(cost.tick_counts(4, 4, 4, 1.0, 8))[(0, 4)] > 0
+  assert dict(ticks.tick_counts(4, 4, 4, 1.0, 8))[(0, 4)] > 0
 
 
 def test_shared_host_gets_no_speed_up_from_more_devices():
@@ -330,7 +331,7 @@ def test_continuous_batching_is_priced_with_the_engines_schedule():
   static = cost.generate_cost(StagePlan(), MESH1, work, m)
   engine_plan = StagePlan(num_slots=16)
   continuous = cost.generate_cost(engine_plan, MESH1, work, m)
-  timeline = cost.engine_timeline(work.batch_lengths(), 16, 1)
+  timeline = ticks.engine_timeline(work.batch_lengths(), 16, 1)
   # One tick per decode step and per admission, each priced at the engine's own rows.
   assert continuous.overhead == pytest.approx(timeline.decode_steps
                                               + len(timeline.prefill_widths))
@@ -355,14 +356,14 @@ def test_chunked_prefill_is_priced_as_its_passes_and_the_steps_between():
   whole = cost.generate_cost(StagePlan(num_slots=16), MESH1, work, m)
   passes = -(-work.prompt_len // 8)
   chunked = cost.generate_cost(StagePlan(num_slots=16, prefill_chunk=8), MESH1, work, m)
-  timeline = cost.engine_timeline(work.batch_lengths(), 16, 1, 8, work.prompt_len)
+  timeline = ticks.engine_timeline(work.batch_lengths(), 16, 1, 8, work.prompt_len)
   # A tick per decode step (those between passes included) and per prefill pass.
-  assert timeline.decode_steps > cost.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
+  assert timeline.decode_steps > ticks.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
   assert chunked.overhead == pytest.approx(timeline.decode_steps
                                            + passes * len(timeline.prefill_widths))
   # The passes do the prompt's work once (P a multiple of the chunk here): the roofline
   # changes only by the extra decode steps, each at most one step's cost.
-  extra = timeline.decode_steps - cost.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
+  extra = timeline.decode_steps - ticks.engine_timeline(work.batch_lengths(), 16, 1).decode_steps
   one_step = whole.compute / max(whole.overhead, 1)
   assert whole.compute <= chunked.compute <= whole.compute + (extra + passes * 16) * one_step
 
