@@ -33,8 +33,10 @@ alternating rounds of one process. Three length distributions:
 
 Per engine and distribution: decode steps, slot occupancy (tokens decoded over slot-steps
 run), seconds per queue, useful tokens/s (every completion token, over the seconds), the
-KV cache and the compiled program's temporary memory, and the cost model's prediction:
-decode steps from the pure schedule (`slot_schedule.simulate`, `slot_schedule.static_decode_steps`)
+KV cache (and what a paged cache would hold at the schedule's busiest step:
+`SlotTimeline.peak_paged_columns`) and the compiled program's temporary memory, and the
+cost model's prediction:
+decode steps from the pure schedules (`slot_schedule.simulate`, `static_timeline`)
 times one decode step's seconds, plus the prefills, the step and prefill seconds
 measured once on a separate probe (uniform lengths, not the queues measured).
 Both engines draw token t of completion k with the same key, so they produce the same
@@ -74,6 +76,8 @@ from pipe_rlhf_jax.models.transformer import init_model  # noqa: E402
 PARTS = ("long_tail", "uniform", "real", "pipelined", "packing", "step")
 DEFAULT_PARTS = ("long_tail", "uniform", "real")  # the rollout_engine page
 DATA = os.path.join(_ROOT, "configs", "data")
+# Columns per page of the paged cache the page sizes up (`SlotTimeline.peak_paged_columns`).
+PAGE = 16
 
 
 def parse_args(argv=None):
@@ -226,27 +230,27 @@ def probe_costs(graphdef, state, params, slots, prompt_len, vocab) -> dict[str, 
 
 
 def predicted_seconds(kind: str, lengths, slots: int, n: int, costs, prompt_len: int,
-                      min_admit=None, prefill_chunk=0) -> tuple[float, int, int]:
+                      min_admit=None, prefill_chunk=0):
   """The cost model: decode steps from the pure schedule x step seconds + prefills.
 
-  Returns the seconds, the decode steps and the largest prefill pass in prompt tokens
-  (what a decode step can wait on: the static batch's prefill runs before any decoding).
+  Returns the seconds, the schedule (`slot_schedule.SlotTimeline`) and the largest
+  prefill pass in prompt tokens (what a decode step can wait on: the static batch's
+  prefill runs before any decoding).
   """
   if kind == "static":
-    steps = slot_schedule.static_decode_steps(lengths, slots)
+    timeline = slot_schedule.static_timeline(lengths, slots)
     prefill_prompts = len(lengths) // n
     widest = min(len(lengths), slots) // n * prompt_len
   else:
     spec = engine.EngineSpec(num_slots=slots, group_size=n, min_admit=min_admit,
                              prefill_chunk=prefill_chunk)
     timeline = slot_schedule.simulate(lengths, spec, prompt_len)
-    steps = timeline.decode_steps
     # Passes of C columns cover P (the last overlapping): that many prompt columns' work.
     passes, columns = spec.prefill_passes(prompt_len)
     prefill_prompts = sum(timeline.prefill_widths) * passes * columns / prompt_len
     widest = max(timeline.prefill_widths) * columns
-  return (steps * costs["step_s"] + prefill_prompts * costs["prefill_prompt_s"], steps,
-          widest)
+  return (timeline.decode_steps * costs["step_s"]
+          + prefill_prompts * costs["prefill_prompt_s"], timeline, widest)
 
 
 def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, costs,
@@ -274,16 +278,19 @@ def measure(name, graphdef, state, params, slots, n, queue, limits, rounds, cost
     r = runs_[0]
     useful = int(r["mask"].sum())
     decoded = useful - len(lengths)  # the first tokens come from the prefills
-    predicted, steps, widest = predicted_seconds(
+    predicted, timeline, widest = predicted_seconds(
         kind, r["mask"].sum(1), slots, n, costs, queue[0].shape[1], min_admit,
         prefill_chunk if kind == chunked else 0)
+    columns = queue[0].shape[1] + params.max_new_tokens
+    kv_mib = kv_bytes(graphdef, state, slots, columns) / 2**20
+    paged = timeline.peak_paged_columns(queue[0].shape[1], PAGE) / (slots * columns)
     rows.append(dict(
         distribution=name, engine=kind, decode_steps=r["decode_steps"],
-        predicted_steps=steps, occupancy=decoded / max(r["decode_steps"] * slots, 1),
+        predicted_steps=timeline.decode_steps,
+        occupancy=decoded / max(r["decode_steps"] * slots, 1),
         seconds=seconds, tokens_per_s=useful / seconds, predicted_s=predicted,
-        kv_mib=kv_bytes(graphdef, state, slots, queue[0].shape[1] + params.max_new_tokens)
-        / 2**20, temp_mib=runs[kind].temp_bytes / 2**20, identical=same,
-        completions=len(lengths), widest_pass=widest))
+        kv_mib=kv_mib, paged_mib=kv_mib * paged, temp_mib=runs[kind].temp_bytes / 2**20,
+        identical=same, completions=len(lengths), widest_pass=widest))
   return rows, lengths
 
 
@@ -754,7 +761,8 @@ def main(argv=None):
 def render(rows) -> str:
   lines = ["| distribution | engine | decode steps (predicted) | slot occupancy | s per queue "
            "(predicted, error) | useful tokens/s | speed-up | largest prefill pass (prompt "
-           "tokens) | KV cache MiB | compiled temp MiB | identical completions |",
+           f"tokens) | KV cache MiB (paged: at its peak, pages of {PAGE}) | compiled temp MiB "
+           "| identical completions |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   base = {r["distribution"]: r for r in rows if r["engine"] == "static"}
   for r in rows:
@@ -764,7 +772,8 @@ def render(rows) -> str:
         f"({r['predicted_steps']}) | {r['occupancy']:.2f} | {r['seconds']:.2f} "
         f"({r['predicted_s']:.2f}, {100 * err:+.0f}%) | {r['tokens_per_s']:.1f} | "
         f"{r['tokens_per_s'] / base[r['distribution']]['tokens_per_s']:.2f}x | "
-        f"{r['widest_pass']} | {r['kv_mib']:.1f} | {r['temp_mib']:.1f} | "
+        f"{r['widest_pass']} | {r['kv_mib']:.1f} ({r['paged_mib']:.1f}) | "
+        f"{r['temp_mib']:.1f} | "
         f"{r['identical']}/{r['completions']} |")
   return "\n".join(lines)
 
@@ -781,7 +790,11 @@ ENGINE_INTRO = (
     "prefilled in passes of C prompt columns and a decode step of the running slots "
     "between two passes (`stages.generate.prefill_chunk`). The largest prefill pass is "
     "the most prompt tokens one forward pass takes, the longest a decode step can wait "
-    "on a prefill (the static batch's prefill runs before its decode steps).")
+    "on a prefill (the static batch's prefill runs before its decode steps). The paged "
+    "KV figure is a count from the schedule, not a measured engine (the engine's cache is "
+    "contiguous per slot): the pages a cache of fixed-size pages would hold at the "
+    "busiest decode step, every busy row's prompt and tokens so far, a finished row's "
+    "pages freed at once.")
 STEP_INTRO = (
     "Whole PPO steps on one stream of prompts whose completions have long-tailed lengths: "
     "static batches (each decoded until its longest completion ends) in `sequential` and "

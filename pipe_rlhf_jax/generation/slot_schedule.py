@@ -41,6 +41,22 @@ class SlotTimeline:
   def busy_slot_steps(self) -> int:
     return int((self.rows != FREE).sum())
 
+  def peak_paged_columns(self, prompt_len: int, page: int) -> int:
+    """The most KV-cache columns a paged cache would hold at one decode step: every busy
+    slot's prompt and tokens so far, in whole pages of `page` columns, a finished row's
+    pages freed at once (a contiguous cache holds S x (P + T) columns throughout)."""
+    if not self.busy_slot_steps:
+      return 0
+    busy = self.rows != FREE
+    step = np.broadcast_to(np.arange(self.decode_steps)[:, None], self.rows.shape)
+    first = np.full(int(self.rows.max()) + 1, self.decode_steps, np.int64)
+    np.minimum.at(first, self.rows[busy], step[busy])
+    # At its j-th decode step a completion holds its P prompt columns, its first token's
+    # (from the prefill) and the j tokens written since.
+    held = prompt_len + 1 + step - first[np.maximum(self.rows, 0)]  # [steps, S]
+    pages = np.where(busy, -(-held // page), 0)
+    return int(pages.sum(axis=1).max()) * page
+
   @property
   def occupancy(self) -> float:
     """Busy slot-steps over all slot-steps of the decode."""
@@ -131,11 +147,6 @@ def static_timeline(lengths, batch_rows: int) -> SlotTimeline:
     admissions += [len(chunk)] + [0] * (steps - 1)
   rows = np.concatenate(blocks) if blocks else np.zeros((0, batch_rows), np.int64)
   return SlotTimeline(rows=rows, admissions=tuple(admissions), prefill_widths=tuple(widths))
-
-
-def static_decode_steps(lengths, batch_rows: int) -> int:
-  """Decode steps of the static sampler over the queue in batches of `batch_rows` rows."""
-  return static_timeline(lengths, batch_rows).decode_steps
 
 
 def draw_timelines(timelines: dict[str, SlotTimeline], path: str | os.PathLike,

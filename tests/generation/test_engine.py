@@ -224,7 +224,21 @@ def test_static_timeline_is_the_static_samplers_steps(model):
   params = dict(rng=jax.random.key(0), eos_id=None, **SAMPLED)
   steps = [int(generate(model, tokens[i:i + 4], mask[i:i + 4], T, limits=limits[i:i + 4],
                         **params).num_steps) - 1 for i in (0, 4)]
-  assert slot_schedule.static_decode_steps(limits, 4) == sum(steps)
+  assert slot_schedule.static_timeline(limits, 4).decode_steps == sum(steps)
+
+
+def test_a_paged_cache_holds_the_busy_slots_pages_at_the_peak_step():
+  # Slot 1's first row ends after one decode step and the third takes the slot: at each
+  # step every busy row holds P + 1 + (steps since its admission) columns, in pages.
+  F = slot_schedule.FREE
+  timeline = slot_schedule.simulate([3, 2, 4], engine.EngineSpec(num_slots=2))
+  np.testing.assert_array_equal(timeline.rows, [[0, 1], [0, 2], [F, 2], [F, 2]])
+  # Pages of 2 over P = 4: 3 + 3 at steps 0 and 1, then 3, then 4 (7 columns).
+  assert timeline.peak_paged_columns(4, 2) == 12
+  assert timeline.peak_paged_columns(4, 8) == 16
+  static = slot_schedule.static_timeline(np.array([3, 1]), 2)  # row 1 ends at its prefill
+  assert static.peak_paged_columns(4, 4) == 8
+  assert slot_schedule.simulate([1], engine.EngineSpec(num_slots=2)).peak_paged_columns(4, 2) == 0
 
 
 def test_admissions_wait_for_a_quarter_of_the_widest_by_default():

@@ -10,8 +10,16 @@ from pipe_rlhf_jax.config import MeshSpec, Plan, StagePlan
 from pipe_rlhf_jax.generation import schedule
 from pipe_rlhf_jax.models import flops
 from pipe_rlhf_jax.models.config import tiny_config
-from pipe_rlhf_jax.planner import (composition, cost, hardware, lengths, presets, simulator, space,
-                                   ticks)
+from pipe_rlhf_jax.planner import (
+  composition,
+  cost,
+  hardware,
+  lengths,
+  presets,
+  simulator,
+  space,
+  ticks,
+)
 
 WORK = space.Workload(actor=tiny_config(), batch_size=64, minibatch_size=32, epochs=1,
                       prompt_len=16, gen_len=8, num_devices=8)
