@@ -127,12 +127,11 @@ class Efficiency:
       it. `FITTED_ELEMENTWISE`: fitted by
       `experiments/fit_elementwise.py` on the real stages at three toy sizes (d = 256,
       512, 768) against rates probed in the same process on a 2-core AMD EPYC (XLA:CPU,
-      f32), SmolLM2-135M held out: generate 47, infer 0 (the probed forward rate covered
-      those sizes' inference in most runs), train 24; 0 switches the term off. Many passes
-      per element (a fused op needs one or two) say that the work is launch- and
-      latency-bound small ops as much as memory traffic; the term scales as that work
-      does, with tokens x layers x width. Fitted on a busy shared host: the docs'
-      planner page gives the spread.
+      f32), nothing else running, SmolLM2-135M held out: generate 33, infer 8, train 36;
+      0 switches the term off. Many passes per element (a fused op needs one or two) say
+      that the work is launch- and latency-bound small ops as much as memory traffic; the
+      term scales as that work does, with tokens x layers x width. The docs' planner page
+      gives the fit and its spread on a busy host.
     train_exchange_s: seconds per collective exchange inside the update beyond
       `link_latency` (measured on collectives alone, back to back): between two layers'
       compute the devices of a shared host also wait for each other at every exchange.
@@ -326,8 +325,8 @@ ELEMENTWISE = {"generate": "generate_elementwise", "infer": "infer_elementwise",
                "train": "train_elementwise"}
 # The passes fitted by experiments/fit_elementwise.py (`Efficiency`'s docstring), for
 # pricing at measured rates (a calibration, a probe).
-FITTED_ELEMENTWISE = {"generate_elementwise": 47.0, "infer_elementwise": 0.0,
-                      "train_elementwise": 23.8}
+FITTED_ELEMENTWISE = {"generate_elementwise": 33.3, "infer_elementwise": 7.9,
+                      "train_elementwise": 35.5}
 
 
 def priced(stage: str, terms: StageTerms, eff: Efficiency) -> StageCost:
