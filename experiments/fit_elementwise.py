@@ -13,7 +13,7 @@ term off and the term's seconds at one pass (`cost.StageTerms.elementwise`), and
 stage). The held-out check prices SmolLM2-135M (never in the fit,
 `calibrate.heldout_split`) with and without the fitted term against its measured step:
 the row `bench_ppo_step --shapes` recorded (`--heldout-row`, a line of its JSONL), or by
-default the measurement on docs/results/real_shapes.md (commit c11a6394dbd0; its stage
+default the measurement on docs/results/real_shapes.md (commit 7e4398cbf8d1; its stage
 seconds, matmul peak, bandwidth and probed efficiencies as printed there).
 
 Usage:
@@ -47,14 +47,14 @@ from pipe_rlhf_jax.planner import calibrate, cost, hardware
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = common.STAGES
 HELD_OUT = "smollm2-135m"
-# SmolLM2-135M as docs/results/real_shapes.md recorded it (commit c11a6394dbd0, AMD EPYC
+# SmolLM2-135M as docs/results/real_shapes.md recorded it (commit 7e4398cbf8d1, AMD EPYC
 # 2 cores, batch 8, prompt 64, new tokens 64): measured stage seconds, the machine's
 # limits and the efficiencies probed in that run.
 RECORDED = {"shape": HELD_OUT, "batch": 8, "prompt_len": 64, "new_tokens": 64,
-            "generate_s": 4.810, "infer_s": 3.273, "train_s": 10.115, "step_s": 18.201,
-            "limits": {"matmul_gflops": 205.0, "mem_gbps": 31.1},
-            "planner_probed_efficiency": {"matmul": 0.97, "train": 0.98, "decode_bw": 0.51,
-                                          "optimizer_bw": 0.98}}
+            "generate_s": 4.672, "infer_s": 2.987, "train_s": 9.894, "step_s": 17.555,
+            "limits": {"matmul_gflops": 202.2, "mem_gbps": 52.3},
+            "planner_probed_efficiency": {"matmul": 1.00, "train": 1.00, "decode_bw": 0.31,
+                                          "optimizer_bw": 0.59}}
 OUT_DIR = os.path.join(_ROOT, "experiments", "out", "fit_elementwise")
 
 
