@@ -42,7 +42,7 @@ measured once on a separate probe (uniform lengths, not the queues measured).
 Both engines draw token t of completion k with the same key, so they produce the same
 completions: the page counts how many are identical.
 
-  python -m experiments.bench_rollout --prefill-chunk 16 --page  # docs/results/rollout_engine.md
+  python -m experiments.bench_rollout --prefill-chunk 16 --real-samples 4 --page  # engine page
   python -m experiments.bench_rollout --parts packing --page packing --rounds 1  # after "real"
   python -m experiments.bench_rollout --parts step --page rollout_step     # whole PPO steps
   python -m experiments.bench_rollout --parts pipelined --page rollout_pipelined --layers 4 \
