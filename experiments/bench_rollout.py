@@ -44,7 +44,7 @@ completions: the page counts how many are identical.
 
   python -m experiments.bench_rollout --prefill-chunk 16 --real-samples 4 --page  # engine page
   python -m experiments.bench_rollout --parts packing --page packing --rounds 1  # after "real"
-  python -m experiments.bench_rollout --parts step --page rollout_step     # whole PPO steps
+  python -m experiments.bench_rollout --parts step --step-steps 32 --page rollout_step  # PPO steps
   python -m experiments.bench_rollout --parts pipelined --page rollout_pipelined --layers 4 \
       --queue 64                             # refilled pipeline micro-batches
   python -m experiments.bench_rollout --parts packing --packing-stages train --layers 1 \
