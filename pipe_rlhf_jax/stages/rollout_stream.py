@@ -175,10 +175,11 @@ class RolloutStream:
       assigned.append(group_rows)
       rows[i * n:(i + 1) * n] = group_rows
       ids[i * n:(i + 1) * n] = int(r["index"]) * n + np.arange(n)
-    limits = np.full_like(ids, self.stage.sampling.max_new_tokens)
-    for i, r in enumerate(records):  # a prompt's own budget (`GenerateStage`)
+    cap = self.stage.sampling.max_new_tokens
+    limits = np.full_like(ids, cap)
+    for i, r in enumerate(records):  # a prompt's own budget (`GenerateStage`), at most T
       if "max_new_tokens" in r:
-        limits[i * n:(i + 1) * n] = min(int(r["max_new_tokens"]), limits[0])
+        limits[i * n:(i + 1) * n] = min(int(r["max_new_tokens"]), cap)
     queue = engine_lib.EngineQueue(tokens=tokens, mask=mask,
                                    length=np.asarray(take, np.int32),
                                    rows=rows, ids=ids, limits=limits)

@@ -201,9 +201,18 @@ def test_a_prompts_own_length_budget_holds_in_every_engine(actor, engine):
                                   np.repeat(batch["max_new_tokens"], 2))
     return
   stream = make_stream(actor)
-  rollout, _ = stream.next_batch(0, DataFeed(Budgeted()), lambda v: (actor[1], 0))
-  lengths = np.asarray(rollout.completion_mask).sum(1)
-  assert set(lengths) <= set(1 + np.arange(8) * 3 % T)
+  source = Budgeted()
+  budget = {}  # each prompt's own budget, by its tokens (the rollout carries no index)
+  for _ in range(8):
+    b = next(source)
+    budget.update((t.tobytes(), int(m)) for t, m in zip(b["prompt_tokens"],
+                                                        b["max_new_tokens"]))
+  feed = DataFeed(Budgeted())
+  for step in range(2):  # the second batch's prompts queue behind others' budgets
+    rollout, _ = stream.next_batch(step, feed, lambda v: (actor[1], 0))
+    lengths = np.asarray(rollout.completion_mask).sum(1)
+    expected = [budget[t.tobytes()] for t in np.asarray(rollout.prompt_tokens)]
+    np.testing.assert_array_equal(lengths, expected)
   with pytest.raises(ValueError, match="max_new_tokens must be one integer >= 1"):
     bad = dict(batch, max_new_tokens=np.zeros(2, np.int32))
     GenerateStage(layout, actor[0], sampling)(actor[1], bad, jax.random.key(0), 0)
